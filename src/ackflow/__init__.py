@@ -1,0 +1,36 @@
+"""ackflow: acknowledged streaming pipelines on Apache Spark.
+
+A message taken from a source is acked only when every row derived from it was
+durably written; otherwise it is nacked, dead-lettered, or left to redelivery.
+"""
+
+from ackflow.core.errors import AckflowError, AlreadySettled, ConfigError, FlowError
+from ackflow.core.policy import RetryPolicy
+from ackflow.engine import RunReport, run
+from ackflow.flow import Flow
+
+
+
+def session(master: str | None = None, conf: dict[str, object] | None = None) -> object:
+    """The SparkSession ackflow runs on (created with ackflow's defaults if needed).
+
+    Create it before building Column expressions with ``pyspark.sql.functions``.
+    """
+    from ackflow.spark.session import session as _session
+
+    return _session(master, conf)
+
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AckflowError",
+    "AlreadySettled",
+    "ConfigError",
+    "Flow",
+    "FlowError",
+    "RetryPolicy",
+    "RunReport",
+    "run",
+    "session",
+]

@@ -1,0 +1,54 @@
+"""The settlement state machine of one delivery (law 2: settle once).
+
+A :class:`Delivery` starts ``PENDING`` and moves exactly once to ``ACKED``,
+``NACKED``, ``DEAD_LETTERED`` or ``RELEASED``. A second move raises
+:class:`~ackflow.core.errors.AlreadySettled` naming both outcomes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ackflow.core.errors import AlreadySettled
+
+
+class Settlement(enum.Enum):
+    PENDING = "pending"
+    ACKED = "acked"
+    NACKED = "nacked"  # failed; the source's retry policy redelivers it later
+    DEAD_LETTERED = "dead_lettered"  # failed for good, durably kept with provenance
+    RELEASED = "released"  # not processed (shutdown); given back without counting a failure
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One message as pulled from a source, and how it was settled.
+
+    ``key`` is the source's stable identity of the message (used in errors and
+    reports); ``lineage_id`` is the number the engine gives it for this run and
+    which every derived row carries through Spark.
+    """
+
+    lineage_id: int
+    key: str
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    delivery_count: int = 1
+    handle: object = None  # the source's own receipt handle (lease, delivery tag, offset)
+    state: Settlement = Settlement.PENDING
+
+    @property
+    def settled(self) -> bool:
+        return self.state is not Settlement.PENDING
+
+    def settle(self, outcome: Settlement) -> None:
+        """Move to ``outcome``; raise :class:`AlreadySettled` if already settled."""
+        if outcome is Settlement.PENDING:
+            raise ValueError("cannot settle a delivery as pending")
+        if self.state is not Settlement.PENDING:
+            raise AlreadySettled(
+                f"message {self.key!r} was already {self.state.value}; refusing to mark it "
+                f"{outcome.value}"
+            )
+        self.state = outcome

@@ -1,0 +1,413 @@
+"""The embedded queue: a durable message queue in one SQLite file (WAL), no server.
+
+It is ackflow's default source and also a sink, so pipelines can be chained. It
+keeps, per named queue:
+
+* messages with a lease (visibility timeout): a leased message is invisible until
+  it is acked, failed, released, or its lease expires (the consumer died);
+* a delivery count, incremented at every lease;
+* delayed retry: a failed message becomes visible again after a backoff;
+* a dead-letter table that keeps body, headers, the failing step, the error, the
+  delivery count and the timestamps.
+
+Any number of processes may publish concurrently; one consumer per queue is
+enforced with a lock file (:meth:`EmbeddedQueue.claim_consumer`). Acks and
+failures name the delivery they settle (row id *and* delivery count), so a
+settlement from a stale lease never touches a message that was leased again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS messages (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue        TEXT    NOT NULL,
+    msg_id       TEXT,
+    body         BLOB    NOT NULL,
+    headers      TEXT,
+    deliveries   INTEGER NOT NULL DEFAULT 0,
+    visible_at   REAL    NOT NULL,
+    leased       INTEGER NOT NULL DEFAULT 0,
+    published_at REAL    NOT NULL,
+    last_error   TEXT
+);
+CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue, visible_at, id);
+CREATE UNIQUE INDEX IF NOT EXISTS messages_msg_id ON messages (queue, msg_id)
+    WHERE msg_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS dead_letters (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue        TEXT    NOT NULL,
+    msg_id       TEXT,
+    body         BLOB    NOT NULL,
+    headers      TEXT,
+    step         TEXT    NOT NULL,
+    error        TEXT    NOT NULL,
+    deliveries   INTEGER NOT NULL,
+    published_at REAL    NOT NULL,
+    dead_at      REAL    NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dead_letters_queue ON dead_letters (queue, id);
+CREATE TABLE IF NOT EXISTS counters (
+    queue           TEXT PRIMARY KEY,
+    published_total INTEGER NOT NULL DEFAULT 0,
+    delivered_total INTEGER NOT NULL DEFAULT 0,
+    acked_total     INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+
+@dataclass(frozen=True)
+class Leased:
+    """One leased message. ``(row_id, deliveries)`` names this delivery exactly."""
+
+    row_id: int
+    msg_id: str | None
+    body: bytes
+    headers: dict[str, str]
+    deliveries: int
+    published_at: float
+
+    @property
+    def key(self) -> str:
+        return self.msg_id if self.msg_id is not None else f"#{self.row_id}"
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    row_id: int
+    msg_id: str | None
+    body: bytes
+    headers: dict[str, str]
+    step: str
+    error: str
+    deliveries: int
+    published_at: float
+    dead_at: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.row_id,
+            "msg_id": self.msg_id,
+            "body": self.body.decode("utf-8", "replace"),
+            "headers": self.headers,
+            "step": self.step,
+            "error": self.error,
+            "deliveries": self.deliveries,
+            "published_at": self.published_at,
+            "dead_at": self.dead_at,
+        }
+
+
+class EmbeddedQueue:
+    """A handle on one queue file. Not thread-safe: use one handle per thread.
+
+    >>> import tempfile, os
+    >>> q = EmbeddedQueue(os.path.join(tempfile.mkdtemp(), "q.db"))
+    >>> q.publish("orders", [b'{"n": 1}', b'{"n": 2}'])
+    2
+    >>> [m.body for m in q.lease("orders", 10, visibility_timeout=30)]
+    [b'{"n": 1}', b'{"n": 2}']
+    >>> q.stats("orders")["leased"]
+    2
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, synchronous: str = "FULL") -> None:
+        self.path = os.fspath(path)
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"embedded queue: directory {parent!r} does not exist")
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ConfigError("embedded queue: synchronous must be FULL or NORMAL")
+        self._db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._db.executescript(_SCHEMA)
+        self._lock_fd: int | None = None
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _tx(self) -> _Tx:
+        return _Tx(self._db)
+
+    def _bump(self, queue: str, column: str, n: int) -> None:
+        self._db.execute("INSERT OR IGNORE INTO counters (queue) VALUES (?)", (queue,))
+        self._db.execute(
+            f"UPDATE counters SET {column} = {column} + ? WHERE queue = ?", (n, queue)
+        )
+
+    # -- producers -------------------------------------------------------------------------
+
+    def publish(
+        self,
+        queue: str,
+        bodies: Iterable[bytes],
+        *,
+        msg_ids: Iterable[str | None] | None = None,
+        headers: Iterable[dict[str, str] | None] | None = None,
+    ) -> int:
+        """Append messages in one transaction; return how many were new.
+
+        A message whose ``msg_id`` is already queued is skipped (so a re-published
+        message after a crash is not queued twice while the first is pending).
+        """
+        now = time.time()
+        bodies = list(bodies)
+        ids = list(msg_ids) if msg_ids is not None else [None] * len(bodies)
+        hdrs = list(headers) if headers is not None else [None] * len(bodies)
+        if not (len(ids) == len(hdrs) == len(bodies)):
+            raise ValueError("bodies, msg_ids and headers must have the same length")
+        rows = [
+            (queue, mid, sqlite3.Binary(b), json.dumps(h) if h else None, now, now)
+            for b, mid, h in zip(bodies, ids, hdrs, strict=True)
+        ]
+        with self._tx():
+            before = self._db.total_changes
+            self._db.executemany(
+                "INSERT OR IGNORE INTO messages (queue, msg_id, body, headers, visible_at,"
+                " published_at) VALUES (?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            added = self._db.total_changes - before
+            self._bump(queue, "published_total", added)
+        return added
+
+    # -- the consumer ----------------------------------------------------------------------
+
+    def claim_consumer(self, queue: str) -> int:
+        """Become the only consumer of ``queue``; give back leases of a dead consumer.
+
+        Returns how many orphaned leases were made visible again (messages that were
+        in flight when a previous consumer died: they will be delivered again).
+        Raises :class:`ConfigError` when another live process consumes the queue.
+        """
+        lock_path = f"{self.path}.{queue}.consumer.lock"
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"embedded queue {queue!r} in {self.path!r} already has a live consumer; "
+                "stop it first (one consumer per queue)"
+            ) from None
+        self._lock_fd = fd
+        now = time.time()
+        with self._tx():
+            cur = self._db.execute(
+                "UPDATE messages SET leased = 0, visible_at = ? WHERE queue = ? AND leased = 1",
+                (now, queue),
+            )
+        return cur.rowcount
+
+    def lease(self, queue: str, n: int, *, visibility_timeout: float) -> list[Leased]:
+        """Lease up to ``n`` visible messages, oldest first, for ``visibility_timeout`` s."""
+        if n <= 0:
+            return []
+        now = time.time()
+        with self._tx():
+            rows = self._db.execute(
+                "UPDATE messages SET deliveries = deliveries + 1, leased = 1, visible_at = ?"
+                " WHERE id IN (SELECT id FROM messages WHERE queue = ? AND visible_at <= ?"
+                " ORDER BY visible_at, id LIMIT ?)"
+                " RETURNING id, msg_id, body, headers, deliveries, published_at",
+                (now + visibility_timeout, queue, now, n),
+            ).fetchall()
+            if rows:
+                self._bump(queue, "delivered_total", len(rows))
+        rows.sort(key=lambda r: r[0])
+        return [
+            Leased(r[0], r[1], bytes(r[2]), json.loads(r[3]) if r[3] else {}, r[4], r[5])
+            for r in rows
+        ]
+
+    def ack(self, queue: str, deliveries: Sequence[tuple[int, int]]) -> int:
+        """Delete the given ``(row_id, deliveries)``; return how many were still held.
+
+        A pair whose lease was lost (expired and leased again) is not acked.
+        """
+        with self._tx():
+            before = self._db.total_changes
+            self._db.executemany(
+                "DELETE FROM messages WHERE id = ? AND deliveries = ? AND leased = 1",
+                deliveries,
+            )
+            done = self._db.total_changes - before
+            self._bump(queue, "acked_total", done)
+        return done
+
+    def retry(
+        self, deliveries: Sequence[tuple[int, int]], *, delay: float, error: str
+    ) -> int:
+        """Make failed deliveries visible again after ``delay`` seconds."""
+        at = time.time() + delay
+        with self._tx():
+            before = self._db.total_changes
+            self._db.executemany(
+                "UPDATE messages SET leased = 0, visible_at = ?, last_error = ?"
+                " WHERE id = ? AND deliveries = ? AND leased = 1",
+                [(at, error, rid, n) for rid, n in deliveries],
+            )
+            return self._db.total_changes - before
+
+    def release(self, deliveries: Sequence[tuple[int, int]]) -> int:
+        """Give back unprocessed deliveries at once, without counting a delivery."""
+        now = time.time()
+        with self._tx():
+            before = self._db.total_changes
+            self._db.executemany(
+                "UPDATE messages SET leased = 0, visible_at = ?, deliveries = deliveries - 1"
+                " WHERE id = ? AND deliveries = ? AND leased = 1",
+                [(now, rid, n) for rid, n in deliveries],
+            )
+            return self._db.total_changes - before
+
+    def extend(self, deliveries: Sequence[tuple[int, int]], *, visibility_timeout: float) -> int:
+        """Push the lease of still-held deliveries ``visibility_timeout`` s into the future."""
+        at = time.time() + visibility_timeout
+        with self._tx():
+            before = self._db.total_changes
+            self._db.executemany(
+                "UPDATE messages SET visible_at = ? WHERE id = ? AND deliveries = ? AND leased = 1",
+                [(at, rid, n) for rid, n in deliveries],
+            )
+            return self._db.total_changes - before
+
+    def dead_letter(
+        self, queue: str, failures: Sequence[tuple[int, int, str, str]]
+    ) -> int:
+        """Move ``(row_id, deliveries, step, error)`` to the dead-letter table, atomically."""
+        now = time.time()
+        moved = 0
+        with self._tx():
+            for rid, n, step, error in failures:
+                row = self._db.execute(
+                    "DELETE FROM messages WHERE id = ? AND deliveries = ? AND leased = 1"
+                    " RETURNING msg_id, body, headers, published_at",
+                    (rid, n),
+                ).fetchone()
+                if row is None:
+                    continue
+                self._db.execute(
+                    "INSERT INTO dead_letters (queue, msg_id, body, headers, step, error,"
+                    " deliveries, published_at, dead_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (queue, row[0], row[1], row[2], step, error, n, row[3], now),
+                )
+                moved += 1
+        return moved
+
+    # -- inspection ------------------------------------------------------------------------
+
+    def stats(self, queue: str) -> dict[str, int]:
+        now = time.time()
+        ready, leased, delayed = self._db.execute(
+            "SELECT COALESCE(SUM(visible_at <= ?), 0),"
+            " COALESCE(SUM(visible_at > ? AND leased = 1), 0),"
+            " COALESCE(SUM(visible_at > ? AND leased = 0), 0)"
+            " FROM messages WHERE queue = ?",
+            (now, now, now, queue),
+        ).fetchone()
+        (dead,) = self._db.execute(
+            "SELECT COUNT(*) FROM dead_letters WHERE queue = ?", (queue,)
+        ).fetchone()
+        counters = self._db.execute(
+            "SELECT published_total, delivered_total, acked_total FROM counters WHERE queue = ?",
+            (queue,),
+        ).fetchone() or (0, 0, 0)
+        return {
+            "ready": int(ready),
+            "leased": int(leased),
+            "delayed": int(delayed),
+            "dead_lettered": int(dead),
+            "published_total": int(counters[0]),
+            "delivered_total": int(counters[1]),
+            "acked_total": int(counters[2]),
+        }
+
+    def queues(self) -> list[str]:
+        rows = self._db.execute(
+            "SELECT queue FROM counters UNION SELECT queue FROM dead_letters ORDER BY 1"
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def peek(self, queue: str, n: int = 10) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT id, msg_id, body, headers, deliveries, visible_at, leased, last_error"
+            " FROM messages WHERE queue = ? ORDER BY id LIMIT ?",
+            (queue, n),
+        ).fetchall()
+        return [
+            {
+                "id": r[0],
+                "msg_id": r[1],
+                "body": bytes(r[2]).decode("utf-8", "replace"),
+                "headers": json.loads(r[3]) if r[3] else {},
+                "deliveries": r[4],
+                "visible_at": r[5],
+                "leased": bool(r[6]),
+                "last_error": r[7],
+            }
+            for r in rows
+        ]
+
+    def dead_letters(self, queue: str, n: int | None = None) -> list[DeadLetter]:
+        rows = self._db.execute(
+            "SELECT id, msg_id, body, headers, step, error, deliveries, published_at, dead_at"
+            " FROM dead_letters WHERE queue = ? ORDER BY id LIMIT ?",
+            (queue, -1 if n is None else n),
+        ).fetchall()
+        return [
+            DeadLetter(r[0], r[1], bytes(r[2]), json.loads(r[3]) if r[3] else {}, *r[4:])
+            for r in rows
+        ]
+
+    def replay(self, queue: str, ids: Sequence[int] | None = None) -> int:
+        """Move dead letters (all, or those with the given ids) back to the queue."""
+        now = time.time()
+        where, args = "queue = ?", [queue]
+        if ids is not None:
+            if not ids:
+                return 0
+            where += f" AND id IN ({','.join('?' * len(ids))})"
+            args += [str(i) for i in ids]
+        with self._tx():
+            rows = self._db.execute(
+                f"DELETE FROM dead_letters WHERE {where} RETURNING msg_id, body, headers,"
+                " published_at",
+                args,
+            ).fetchall()
+            self._db.executemany(
+                "INSERT OR IGNORE INTO messages (queue, msg_id, body, headers, visible_at,"
+                " published_at) VALUES (?, ?, ?, ?, ?, ?)",
+                [(queue, r[0], r[1], r[2], now, r[3]) for r in rows],
+            )
+        return len(rows)
+
+    def close(self) -> None:
+        self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+class _Tx:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")

@@ -1,0 +1,95 @@
+"""One batch: run its Spark job, bisect a job that fails as a whole, commit the sink.
+
+Law 7: errors are data. A row error fails only its message (the tasks record it);
+a job that fails as a whole (an ANSI cast error, a crashed Python worker) is split
+in halves and retried until the poison messages are isolated. The bisection has a
+budget of Spark jobs per batch; when it is spent, the rest of the batch fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from ackflow.core.ledger import Failure, Outcomes, settle_receipts
+from ackflow.core.settlement import Delivery
+from ackflow.spark.compile import CompiledFlow
+from ackflow.spark.job import JobFailed, run_job
+from ackflow.spark.rows import describe
+
+log = logging.getLogger("ackflow.engine")
+
+
+@dataclass
+class BatchResult:
+    batch_id: str
+    size: int
+    outcomes: Outcomes = field(default_factory=Outcomes)
+    released: list[int] = field(default_factory=list)  # cancelled at shutdown: give back
+    jobs: int = 0
+    bisections: int = 0
+    seconds: float = 0.0
+
+
+def execute(
+    compiled: CompiledFlow,
+    deliveries: list[Delivery],
+    batch_id: str,
+    *,
+    max_jobs: int,
+    cancelled: threading.Event,
+) -> BatchResult:
+    """Run ``deliveries`` through the flow; every lineage id gets an outcome or is released."""
+    result = BatchResult(batch_id, len(deliveries))
+    sink = compiled.sink
+
+    def fail_all(ds: list[Delivery], failure: Failure) -> None:
+        for d in ds:
+            result.outcomes.failed[d.lineage_id] = failure
+
+    def attempt(ds: list[Delivery], bid: str) -> None:
+        if cancelled.is_set():
+            result.released.extend(d.lineage_id for d in ds)
+            return
+        result.jobs += 1
+        ids = [d.lineage_id for d in ds]
+        try:
+            job = run_job(compiled, ids, [d.body for d in ds], bid)
+        except JobFailed as e:
+            sink.abort(bid, [])
+            if cancelled.is_set():
+                result.released.extend(ids)
+            elif len(ds) == 1:
+                log.warning("batch %s: message %s fails the Spark job on its own: %s",
+                            batch_id, ds[0].key, e)
+                fail_all(ds, Failure("spark", f"the Spark job failed on this message: {e}"))
+            elif result.jobs + 2 > max_jobs:
+                log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
+                          "failing %d messages: %s", batch_id, max_jobs, len(ds), e)
+                fail_all(ds, Failure("spark", f"the Spark job failed and bisection gave up: {e}"))
+            else:
+                half = len(ds) // 2
+                result.bisections += 1
+                log.warning("batch %s: Spark job over %d messages failed (%s); retrying as %d + %d",
+                            batch_id, len(ds), e, half, len(ds) - half)
+                attempt(ds[:half], f"{bid}a")
+                attempt(ds[half:], f"{bid}b")
+            return
+        try:
+            sink.commit(bid, job.tokens)
+        except Exception as e:  # noqa: BLE001 - a failed commit fails the batch, never acks
+            log.error("batch %s: sink %r commit failed: %s", batch_id, sink.name, e)
+            try:
+                sink.abort(bid, job.tokens)
+            finally:
+                fail_all(ds, Failure(sink.name, f"commit failed: {describe(e)}"))
+            return
+        part = settle_receipts(ids, job.receipts)
+        result.outcomes.acked.extend(part.acked)
+        result.outcomes.failed.update(part.failed)
+        for name, n in part.rows_written.items():
+            result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
+
+    attempt(deliveries, batch_id)
+    return result

@@ -1,0 +1,347 @@
+"""The driver loop (DESIGN.md, "How a batch flows").
+
+One thread owns the source: it pulls while the in-flight window has credits,
+cuts batches by size or time, hands them to up to ``max_concurrent_batches``
+worker threads (one Spark job each), and settles each message when its batch
+comes back. Completions are read even when the window is full (law 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.ledger import Failure
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.core.window import InflightWindow
+from ackflow.engine.batch import BatchResult, execute
+from ackflow.engine.report import RunReport
+from ackflow.flow import Flow
+
+log = logging.getLogger("ackflow.engine")
+
+Progress = Callable[[RunReport, InflightWindow], None]
+
+
+class Engine:
+    def __init__(
+        self,
+        flow: Flow,
+        *,
+        batch_size: int = 2000,
+        max_inflight: int = 10000,
+        max_concurrent_batches: int = 2,
+        batch_timeout_s: float = 1.0,
+        until_idle: float | None = None,
+        drain_timeout_s: float = 60.0,
+        max_bisect_jobs: int = 64,
+        keepalive_s: float = 30.0,
+        spark: Any = None,
+        master: str | None = None,
+        progress: Progress | None = None,
+        handle_signals: bool = True,
+    ) -> None:
+        for name, value in (("batch_size", batch_size), ("max_inflight", max_inflight),
+                            ("max_concurrent_batches", max_concurrent_batches),
+                            ("max_bisect_jobs", max_bisect_jobs)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if batch_size > max_inflight:
+            raise ConfigError(
+                f"batch_size ({batch_size}) cannot exceed max_inflight ({max_inflight}): "
+                "raise max_inflight or lower batch_size"
+            )
+        if until_idle is not None and until_idle < 0:
+            raise ConfigError("until_idle must be >= 0 seconds")
+        if batch_timeout_s <= 0:
+            raise ConfigError("batch_timeout_s must be positive")
+        flow.validate()
+        self.flow = flow
+        self.batch_size = batch_size
+        self.window = InflightWindow(max_inflight)
+        self.max_concurrent = max_concurrent_batches
+        self.batch_timeout_s = batch_timeout_s
+        self.until_idle = until_idle
+        self.drain_timeout_s = drain_timeout_s
+        self.max_bisect_jobs = max_bisect_jobs
+        self.keepalive_s = keepalive_s
+        self.spark = spark
+        self.master = master
+        self.progress = progress
+        self.handle_signals = handle_signals
+
+        self.report = RunReport()
+        self.inflight: dict[int, Delivery] = {}
+        self._next_id = 1
+        self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery]]] = queue.Queue()
+        self._running: dict[str, tuple[Future[BatchResult], list[Delivery]]] = {}
+        self._stop = threading.Event()
+        self._cancel = threading.Event()
+        self._signals = 0
+        self._run_token = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self._seq = 0
+
+    # -- signals ------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Stop pulling; finish (or, after the drain timeout, give back) what is in flight."""
+        self._stop.set()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.error("second signal: exiting now; unsettled messages return to the source")
+            os._exit(130)
+        log.warning("signal %d: stopping; draining in-flight batches (up to %.0f s)",
+                    signum, self.drain_timeout_s)
+        self._stop.set()
+
+    # -- settling -----------------------------------------------------------------------
+
+    def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
+        source = self.flow.source
+        by_id = {d.lineage_id: d for d in deliveries}
+        acked = [by_id[i] for i in result.outcomes.acked]
+        for d in acked:
+            d.settle(Settlement.ACKED)
+        source.ack(acked)
+        self.report.acked += len(acked)
+
+        failures = [(by_id[i], f) for i, f in result.outcomes.failed.items()]
+        if failures:
+            states = source.fail(failures)
+            for (d, f), state in zip(failures, states, strict=True):
+                d.settle(state)
+                self._record_failure(d, f, state)
+        released = [by_id[i] for i in result.released]
+        self._release(released)
+
+        outcome_ids = set(result.outcomes.acked) | set(result.outcomes.failed) | set(result.released)
+        missing = [d for d in deliveries if d.lineage_id not in outcome_ids]
+        if missing:  # cannot happen by construction; never ack what has no outcome
+            log.error("batch %s: %d messages got no outcome; failing them", result.batch_id,
+                      len(missing))
+            lost = Failure("engine", "no outcome for this message; not acked")
+            states = source.fail([(d, lost) for d in missing])
+            for d, state in zip(missing, states, strict=True):
+                d.settle(state)
+                self._record_failure(d, lost, state)
+
+        for d in deliveries:
+            self.inflight.pop(d.lineage_id, None)
+        self.window.give_back(len(deliveries))
+        self.report.batches += 1
+        self.report.jobs += result.jobs
+        self.report.bisections += result.bisections
+        for name, n in result.outcomes.rows_written.items():
+            self.report.rows_written[name] = self.report.rows_written.get(name, 0) + n
+        log.debug("batch %s: %d messages, %d acked, %d failed, %d jobs, %.3f s",
+                  result.batch_id, result.size, len(acked), len(failures), result.jobs,
+                  result.seconds)
+
+    def _record_failure(self, d: Delivery, f: Failure, state: Settlement) -> None:
+        if state is Settlement.DEAD_LETTERED:
+            self.report.dead_lettered += 1
+            self.report.dead_lettered_by_step[f.step] = (
+                self.report.dead_lettered_by_step.get(f.step, 0) + 1
+            )
+            log.info("message %s dead-lettered after %d deliveries: %s", d.key,
+                     d.delivery_count, f)
+        else:
+            self.report.nacked += 1
+            log.debug("message %s nacked (delivery %d): %s", d.key, d.delivery_count, f)
+        if len(self.report.failures) < 20:
+            self.report.failures.append(
+                {"message": d.key, "step": f.step, "error": f.error, "outcome": state.value}
+            )
+
+    def _release(self, deliveries: list[Delivery]) -> None:
+        if not deliveries:
+            return
+        for d in deliveries:
+            d.settle(Settlement.RELEASED)
+        self.flow.source.release(deliveries)
+        self.report.released += len(deliveries)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> RunReport:
+        from ackflow.spark.compile import CompiledFlow
+        from ackflow.spark.session import session
+
+        flow = self.flow
+        assert flow.sink is not None
+        spark = self.spark or session(self.master)
+        compiled = CompiledFlow(flow, spark)
+        flow.sink.open()
+        self.report.recovered = flow.source.open()
+        if self.report.recovered:
+            log.warning("%d messages a previous consumer had in flight were given back and "
+                        "will be processed again (their rows may be written twice)",
+                        self.report.recovered)
+        old_handlers: dict[int, Any] = {}
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old_handlers[sig] = signal.signal(sig, self._on_signal)
+        pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="ackflow-batch")
+        started = time.monotonic()
+        try:
+            self._loop(compiled, pool)
+        finally:
+            self._shutdown(pool)
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
+            self.report.elapsed_s = time.monotonic() - started
+            flow.source.close()
+            flow.sink.close()
+        return self.report
+
+    def _submit(self, compiled: Any, pool: ThreadPoolExecutor, batch: list[Delivery]) -> None:
+        self._seq += 1
+        batch_id = f"{self._run_token}-{self._seq:06d}"
+        sc = compiled.spark.sparkContext
+
+        def work() -> BatchResult:
+            started = time.monotonic()
+            sc.setJobGroup(batch_id, f"ackflow batch {batch_id}", interruptOnCancel=True)
+            result = execute(compiled, batch, batch_id, max_jobs=self.max_bisect_jobs,
+                             cancelled=self._cancel)
+            result.seconds = time.monotonic() - started
+            return result
+
+        fut = pool.submit(work)
+        self._running[batch_id] = (fut, batch)
+        fut.add_done_callback(lambda f: self._inbox.put((f, batch)))
+
+    def _complete(self, block_s: float) -> bool:
+        """Settle finished batches; wait up to ``block_s`` for the first. True if any."""
+        got = False
+        timeout: float | None = block_s
+        while True:
+            try:
+                fut, batch = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+            except queue.Empty:
+                return got
+            timeout = None
+            got = True
+            self._running = {k: v for k, v in self._running.items() if v[0] is not fut}
+            exc = fut.exception()
+            if exc is not None:
+                # A FlowError or a bug: nothing of this batch is proven; give it back.
+                self._release([d for d in batch if not d.settled])
+                for d in batch:
+                    self.inflight.pop(d.lineage_id, None)
+                self.window.give_back(len(batch))
+                raise exc
+            self._settle(fut.result(), batch)
+
+    def _loop(self, compiled: Any, pool: ThreadPoolExecutor) -> None:
+        source = self.flow.source
+        pending: list[Delivery] = []
+        batch_started = 0.0
+        last_message = time.monotonic()
+        last_progress = last_keepalive = time.monotonic()
+        while True:
+            self._complete(0)
+            now = time.monotonic()
+            if self._stop.is_set():
+                self._release(pending)
+                for d in pending:
+                    self.inflight.pop(d.lineage_id, None)
+                self.window.give_back(len(pending))
+                pending = []
+                return
+            pulled = 0
+            want = min(self.window.credits, self.batch_size - len(pending))
+            if want > 0:
+                timeout = 0.02 if (pending or self._running) else 0.2
+                got = source.pull(want, timeout)
+                pulled = len(got)
+                if got:
+                    self.window.take(pulled)
+                    for d in got:
+                        d.lineage_id = self._next_id
+                        self._next_id += 1
+                        self.inflight[d.lineage_id] = d
+                    if not pending:
+                        batch_started = time.monotonic()
+                    pending.extend(got)
+                    self.report.pulled += pulled
+                    last_message = time.monotonic()
+            now = time.monotonic()
+            if pending and len(self._running) < self.max_concurrent and (
+                len(pending) >= self.batch_size
+                or pulled == 0
+                or self.window.credits == 0
+                or now - batch_started >= self.batch_timeout_s
+            ):
+                self._submit(compiled, pool, pending)
+                pending = []
+            if (self.until_idle is not None and not pending and not self._running
+                    and now - last_message >= self.until_idle):
+                return
+            if self.progress is not None and now - last_progress >= 0.5:
+                last_progress = now
+                self.progress(self.report, self.window)
+            if now - last_keepalive >= self.keepalive_s and self.inflight:
+                last_keepalive = now
+                source.keepalive(list(self.inflight.values()))
+            if want <= 0 or (pending and len(self._running) >= self.max_concurrent):
+                self._complete(0.05)  # nothing to pull for now: wait for a completion
+
+    def _shutdown(self, pool: ThreadPoolExecutor) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        try:
+            while self._running:
+                left = deadline - time.monotonic()
+                if left <= 0 and not self._cancel.is_set():
+                    log.warning("drain timeout: cancelling %d running batches; their messages "
+                                "are given back", len(self._running))
+                    self._cancel.set()
+                    self._cancel_jobs()
+                try:
+                    self._complete(max(min(left, 0.5), 0.05))
+                except FlowError:
+                    continue
+        finally:
+            pool.shutdown(wait=True)
+        leftover = [d for d in self.inflight.values() if not d.settled]
+        self._release(leftover)
+        self.inflight.clear()
+        if self.progress is not None:
+            self.progress(self.report, self.window)
+
+    def _cancel_jobs(self) -> None:
+        try:
+            from pyspark import SparkContext
+
+            sc = SparkContext._active_spark_context
+            if sc is not None:
+                for batch_id in list(self._running):
+                    sc.cancelJobGroup(batch_id)
+        except Exception as e:  # noqa: BLE001
+            log.error("could not cancel Spark jobs: %s", e)
+
+
+def run(flow: Flow, **options: Any) -> RunReport:
+    """Run ``flow`` until idle (``until_idle=S``) or until SIGINT/SIGTERM.
+
+    Options: ``batch_size`` (2000), ``max_inflight`` (10000), ``max_concurrent_batches``
+    (2), ``batch_timeout_s`` (1.0), ``until_idle`` (None: run until a signal),
+    ``drain_timeout_s`` (60), ``max_bisect_jobs`` (64), ``spark`` (a SparkSession) or
+    ``master`` (``local[*]`` by default), ``progress`` (a callback).
+
+    Returns a :class:`RunReport`. A message is acked only when every row derived from
+    it was written; every other message is nacked (retried by the source's policy),
+    dead-lettered, or given back.
+    """
+    return Engine(flow, **options).run()

@@ -1,0 +1,204 @@
+"""The Flow DSL: an immutable plan of named steps from one source to one sink.
+
+A flow is built by chaining operators; each returns a new :class:`Flow`, so a
+flow can be shared and extended safely. Nothing runs until :func:`ackflow.run`.
+
+>>> from ackflow.testing import ListSource
+>>> from ackflow.sinks import MemorySink
+>>> flow = (Flow(ListSource([b'{"qty": 2}']))
+...         .map(lambda r: {**r, "qty": r["qty"] * 10}, name="scale")
+...         .filter(lambda r: r["qty"] > 0, name="positive")
+...         .to(MemorySink()))
+>>> [s.name for s in flow.steps]
+['scale', 'positive']
+
+Lineage and outcome rules (the same for every operator, enforced by the compiler
+and the ledger, not by each step):
+
+* ``map`` / ``with_columns``: a row keeps its message's id; an error in the row
+  fails that message;
+* ``filter``: a dropped row emits nothing; a message all of whose rows were
+  dropped is acked;
+* ``flat_map``: each child keeps its parent's id; the message is acked only if
+  every child was written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+from ackflow.core.errors import ConfigError
+from ackflow.sinks.base import Sink
+from ackflow.sources.base import Source
+
+Row = dict[str, Any]
+SchemaLike = Union[str, Any]  # a DDL string ("a INT, b STRING"), a StructType or a pyarrow schema
+
+
+def is_column(obj: object) -> bool:
+    """True for a Spark ``Column`` (checked without importing pyspark)."""
+    return any(
+        c.__name__ == "Column" and c.__module__.startswith("pyspark") for c in type(obj).__mro__
+    )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One named step of a flow."""
+
+    name: str
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True)
+class Map(Step):
+    fn: Callable[[Row], Row]
+    schema: SchemaLike | None = None
+
+
+@dataclass(frozen=True)
+class Filter(Step):
+    fn: Callable[[Row], bool]
+
+
+@dataclass(frozen=True)
+class FlatMap(Step):
+    fn: Callable[[Row], Iterable[Row]]
+    schema: SchemaLike | None = None
+
+
+@dataclass(frozen=True)
+class ColumnFilter(Step):
+    condition: Any  # pyspark Column
+
+
+@dataclass(frozen=True)
+class WithColumns(Step):
+    columns: tuple[tuple[str, Any], ...]  # (name, pyspark Column)
+
+
+PYTHON_STEPS = (Map, Filter, FlatMap)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A plan: a source, named steps, and (once :meth:`to` was called) a sink."""
+
+    source: Source
+    steps: tuple[Step, ...] = ()
+    sink: Sink | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, Source):
+            raise ConfigError(
+                f"Flow(source): expected an ackflow Source, got {type(self.source).__name__}"
+                + (" (a DataFrame is not a source; use a Source)" if _is_dataframe(self.source) else "")
+            )
+
+    # -- building ------------------------------------------------------------------------
+
+    def _add(self, step: Step) -> Flow:
+        if self.sink is not None:
+            raise ConfigError(f"step {step.name!r}: the flow already ends in sink {self.sink.name!r}")
+        if any(s.name == step.name for s in self.steps):
+            raise ConfigError(f"step name {step.name!r} is used twice; step names must be unique")
+        return dataclasses.replace(self, steps=(*self.steps, step))
+
+    def _name(self, name: str | None, kind: str) -> str:
+        if name is None:
+            return f"{kind}_{len(self.steps) + 1}"
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{kind}: name must be a non-empty string")
+        return name
+
+    def map(self, fn: Callable[[Row], Row], *, name: str | None = None,
+            schema: SchemaLike | None = None) -> Flow:
+        """Replace each row by ``fn(row)`` (a dict), in plain Python on the executors.
+
+        The output columns are inferred from the first rows (or given by ``schema``).
+        An exception fails only the message the row came from.
+        """
+        _check_callable(fn, "map", name)
+        return self._add(Map(self._name(name, "map"), fn, schema))
+
+    def filter(self, predicate: Callable[[Row], bool] | Any, *, name: str | None = None) -> Flow:
+        """Keep rows for which ``predicate`` holds: a Python function, a Spark Column,
+        or a Spark SQL expression string (``"qty > 0"``).
+
+        A message whose rows are all dropped is acked (it was handled on purpose).
+        """
+        step_name = self._name(name, "filter")
+        if is_column(predicate) or isinstance(predicate, str):
+            return self._add(ColumnFilter(step_name, predicate))
+        _check_callable(predicate, "filter", name)
+        return self._add(Filter(step_name, predicate))
+
+    def flat_map(self, fn: Callable[[Row], Iterable[Row]], *, name: str | None = None,
+                 schema: SchemaLike | None = None) -> Flow:
+        """Replace each row by the rows ``fn(row)`` yields (zero or more).
+
+        Each child keeps its parent's message id: the message is acked only when
+        every child was written; a message with no children is acked.
+        """
+        _check_callable(fn, "flat_map", name)
+        return self._add(FlatMap(self._name(name, "flat_map"), fn, schema))
+
+    def with_columns(self, columns: Mapping[str, Any] | None = None, /, *,
+                     name: str | None = None, **kw: Any) -> Flow:
+        """Add or replace columns with Spark Column expressions, evaluated in Spark.
+
+        ``flow.with_columns(total=F.col("qty") * F.col("price"))`` (Columns need a
+        SparkSession: create it first with :func:`ackflow.session`), or with SQL
+        strings, which need none: ``flow.with_columns(total="qty * price")``. With ANSI mode on,
+        a row whose expression fails (a bad cast) fails the whole Spark job; the
+        engine then bisects the batch so that only that row's message fails.
+        """
+        merged = {**(columns or {}), **kw}
+        step_name = self._name(name, "with_columns")
+        if not merged:
+            raise ConfigError(f"step {step_name!r}: with_columns needs at least one column")
+        for col, expr in merged.items():
+            if not (is_column(expr) or isinstance(expr, str)):
+                raise ConfigError(
+                    f"step {step_name!r}: column {col!r} must be a Spark Column expression "
+                    f"or a SQL expression string, got {type(expr).__name__}; use map() for Python"
+                )
+            if col.startswith("__af_"):
+                raise ConfigError(f"step {step_name!r}: column names starting with __af_ are reserved")
+        return self._add(WithColumns(step_name, tuple(merged.items())))
+
+    def to(self, sink: Sink) -> Flow:
+        """End the flow in ``sink``. Returns the complete flow, ready for :func:`ackflow.run`."""
+        if not isinstance(sink, Sink):
+            raise ConfigError(
+                f"to(): expected an ackflow Sink, got {type(sink).__name__}"
+                + ("; a Spark writer cannot ack: use ackflow.sinks" if _is_dataframe(sink) else "")
+            )
+        if self.sink is not None:
+            raise ConfigError(f"the flow already ends in sink {self.sink.name!r}")
+        return dataclasses.replace(self, sink=sink)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` if the flow cannot run (no sink, name clashes)."""
+        if self.sink is None:
+            raise ConfigError("the flow has no sink: end it with .to(sink)")
+        names = [s.name for s in self.steps] + [self.sink.name]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"sink name {self.sink.name!r} clashes with a step name")
+
+
+def _check_callable(fn: object, kind: str, name: str | None) -> None:
+    if is_column(fn):
+        raise ConfigError(f"{kind} {name or ''}: expected a Python function, got a Spark Column")
+    if not callable(fn):
+        raise ConfigError(f"{kind} {name or ''}: expected a function, got {type(fn).__name__}")
+
+
+def _is_dataframe(obj: object) -> bool:
+    return any(c.__name__ == "DataFrame" for c in type(obj).__mro__)

@@ -1,0 +1,24 @@
+"""Sinks: where rows go. Their writers run inside Spark tasks."""
+
+from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sinks.embedded import EmbeddedQueueSink
+from ackflow.sinks.memory import ConsoleSink, MemorySink
+from ackflow.sinks.parquet import ParquetSink
+
+Parquet = ParquetSink
+Memory = MemorySink
+Console = ConsoleSink
+EmbeddedQueue = EmbeddedQueueSink
+
+__all__ = [
+    "Console",
+    "ConsoleSink",
+    "EmbeddedQueue",
+    "EmbeddedQueueSink",
+    "Memory",
+    "MemorySink",
+    "Parquet",
+    "ParquetSink",
+    "PartitionResult",
+    "Sink",
+]

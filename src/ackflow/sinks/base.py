@@ -1,0 +1,63 @@
+"""What every sink provides.
+
+A sink is written in two places:
+
+* :meth:`Sink.write_partition` runs **inside a Spark task**, once per partition
+  of a batch, with the partition's rows as an Arrow table. The sink object is
+  pickled to get there, so it must hold only configuration (open connections in
+  ``write_partition``, not in ``__init__``). It returns a :class:`PartitionResult`:
+  which rows failed (if any) and an optional *token* for the driver. Raising fails
+  every row of the partition, never acks them.
+* :meth:`Sink.commit` runs **on the driver** after the job succeeded, with every
+  token; only when it returns are the batch's rows counted as written. If it
+  raises, every message of the batch fails. :meth:`Sink.abort` is called instead
+  when the job failed.
+
+Writes must be safe to repeat: a Spark task may run again (a retry on a cluster),
+and a message may be delivered again after a crash.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+
+
+@dataclass
+class PartitionResult:
+    """What one partition write reports: row index → error, and a token for commit."""
+
+    failed: Mapping[int, str] = field(default_factory=dict)
+    token: bytes | None = None
+
+
+class Sink(ABC):
+    """Base class of sinks. Subclass it to write somewhere new."""
+
+    def __init__(self, name: str) -> None:
+        if not name or not isinstance(name, str):
+            raise ConfigError("a sink needs a non-empty name")
+        self.name = name
+
+    def open(self) -> None:  # noqa: B027
+        """Driver side, at start: check the configuration; fail with a clear message."""
+
+    @abstractmethod
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        """Task side: write ``rows`` (a ``pyarrow.Table``). See the module docstring."""
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:  # noqa: B027
+        """Driver side, after the job succeeded: make the batch's writes visible."""
+
+    def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:  # noqa: B027
+        """Driver side, after the job failed: clean up what the tasks staged."""
+
+    def close(self) -> None:  # noqa: B027
+        """Driver side, at the end of a run."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

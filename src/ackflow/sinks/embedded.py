@@ -1,0 +1,54 @@
+"""The embedded queue as a sink, so that pipelines can be chained."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+from ackflow.sinks.base import PartitionResult, Sink
+
+
+class EmbeddedQueueSink(Sink):
+    """Publish each row as a JSON message to ``queue`` in the embedded queue file.
+
+    Each partition is published in one SQLite transaction from its Spark task: a
+    row is written when that transaction committed. With ``id_column`` the value of
+    that column becomes the message id, and a message id already queued is not
+    queued twice.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], queue: str, *,
+                 id_column: str | None = None, name: str | None = None) -> None:
+        super().__init__(name or f"embedded:{queue}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.queue = queue
+        self.id_column = id_column
+
+    def open(self) -> None:
+        from ackflow.embedded import EmbeddedQueue
+
+        if not os.path.isdir(os.path.dirname(self.path)):
+            raise ConfigError(f"sink {self.name!r}: directory of {self.path!r} does not exist")
+        EmbeddedQueue(self.path).close()  # creates the file and the tables
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        from ackflow.embedded import EmbeddedQueue
+
+        if rows.num_rows == 0:
+            return PartitionResult()
+        records = rows.to_pylist()
+        ids = None
+        if self.id_column is not None:
+            ids = [None if r.get(self.id_column) is None else str(r[self.id_column]) for r in records]
+        q = EmbeddedQueue(self.path)
+        try:
+            q.publish(
+                self.queue,
+                [json.dumps(r, default=str).encode() for r in records],
+                msg_ids=ids,
+            )
+        finally:
+            q.close()
+        return PartitionResult()

@@ -1,0 +1,61 @@
+"""What every source provides to the engine.
+
+A source runs on the driver, in the engine's thread: every method is called from
+the one thread that owns the connection. The engine settles each delivery exactly
+once, through :meth:`Source.ack`, :meth:`Source.fail` or :meth:`Source.release`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from ackflow.core.errors import ConfigError
+from ackflow.core.ledger import Failure
+from ackflow.core.settlement import Delivery, Settlement
+
+FORMATS = ("json", "text", "bytes")
+
+
+class Source(ABC):
+    """Base class of sources. Subclass it to connect ackflow to a new system.
+
+    ``format`` says how a message body becomes the first row a flow sees:
+    ``"json"`` (a JSON object: its fields), ``"text"`` (``{"body": str}``, UTF-8) or
+    ``"bytes"`` (``{"body": bytes}``).
+    """
+
+    name: str = "source"
+
+    def __init__(self, *, format: str = "json", name: str | None = None) -> None:
+        if format not in FORMATS:
+            raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+        self.format = format
+        if name is not None:
+            self.name = name
+
+    def open(self) -> int:
+        """Connect. Return how many deliveries of a dead consumer were given back."""
+        return 0
+
+    @abstractmethod
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        """Return up to ``max_messages`` deliveries, waiting at most ``timeout`` s."""
+
+    @abstractmethod
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge: every row derived from these was durably written."""
+
+    @abstractmethod
+    def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        """Settle failed deliveries by the retry policy: ``NACKED`` or ``DEAD_LETTERED``."""
+
+    @abstractmethod
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        """Give back deliveries that were not processed (shutdown), for redelivery."""
+
+    def keepalive(self, deliveries: Sequence[Delivery]) -> None:  # noqa: B027
+        """Called now and then with the in-flight deliveries, to extend their leases."""
+
+    def close(self) -> None:  # noqa: B027
+        """Disconnect. Unsettled deliveries are left to the broker's redelivery."""

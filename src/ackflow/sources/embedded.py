@@ -1,0 +1,117 @@
+"""The embedded queue as a source (the default source of ackflow)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from ackflow.core.errors import ConfigError
+from ackflow.core.ledger import Failure
+from ackflow.core.policy import RetryPolicy
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.embedded import EmbeddedQueue, Leased
+from ackflow.sources.base import Source
+
+
+class EmbeddedQueueSource(Source):
+    """Consume one queue of an :class:`~ackflow.embedded.EmbeddedQueue` file.
+
+    Failed messages are retried after an exponential backoff and dead-lettered
+    (with step, error and delivery count) once ``policy.max_deliveries`` is reached.
+    Leases last ``visibility_timeout`` seconds and are extended while in flight.
+    On open, the leases of a consumer that died are given back (and counted).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        queue: str = "default",
+        *,
+        format: str = "json",
+        policy: RetryPolicy | None = None,
+        visibility_timeout: float = 300.0,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(format=format, name=name or f"embedded:{queue}")
+        if visibility_timeout <= 0:
+            raise ConfigError("visibility_timeout must be positive")
+        self.path = os.fspath(path)
+        self.queue = queue
+        self.policy = policy or RetryPolicy()
+        self.visibility_timeout = visibility_timeout
+        self._q: EmbeddedQueue | None = None
+
+    @property
+    def q(self) -> EmbeddedQueue:
+        if self._q is None:
+            raise RuntimeError(f"source {self.name} is not open")
+        return self._q
+
+    def open(self) -> int:
+        if not os.path.exists(self.path):
+            raise ConfigError(
+                f"embedded queue file {self.path!r} does not exist; publish to it first "
+                "(ackflow.embedded.EmbeddedQueue(path).publish(...))"
+            )
+        self._q = EmbeddedQueue(self.path)
+        return self._q.claim_consumer(self.queue)
+
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        deadline = time.monotonic() + timeout
+        while True:
+            leased = self.q.lease(self.queue, max_messages, visibility_timeout=self.visibility_timeout)
+            if leased or time.monotonic() >= deadline:
+                return [self._delivery(m) for m in leased]
+            time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
+
+    @staticmethod
+    def _delivery(m: Leased) -> Delivery:
+        return Delivery(
+            lineage_id=0,
+            key=m.key,
+            body=m.body,
+            headers=m.headers,
+            delivery_count=m.deliveries,
+            handle=(m.row_id, m.deliveries),
+        )
+
+    @staticmethod
+    def _handles(deliveries: Sequence[Delivery]) -> list[tuple[int, int]]:
+        return [d.handle for d in deliveries]  # type: ignore[misc]
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        if deliveries:
+            self.q.ack(self.queue, self._handles(deliveries))
+
+    def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        outcomes: list[Settlement] = []
+        dead: list[tuple[int, int, str, str]] = []
+        for d, f in failures:
+            if self.policy.exhausted(d.delivery_count):
+                rid, n = d.handle  # type: ignore[misc]
+                dead.append((rid, n, f.step, f.error))
+                outcomes.append(Settlement.DEAD_LETTERED)
+            else:
+                self.q.retry(
+                    [d.handle],  # type: ignore[list-item]
+                    delay=self.policy.delay_after(d.delivery_count),
+                    error=str(f),
+                )
+                outcomes.append(Settlement.NACKED)
+        if dead:
+            self.q.dead_letter(self.queue, dead)
+        return outcomes
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        if deliveries:
+            self.q.release(self._handles(deliveries))
+
+    def keepalive(self, deliveries: Sequence[Delivery]) -> None:
+        if deliveries:
+            self.q.extend(self._handles(deliveries), visibility_timeout=self.visibility_timeout)
+
+    def close(self) -> None:
+        if self._q is not None:
+            self._q.close()
+            self._q = None

@@ -1,0 +1,192 @@
+"""Plan → DataFrame: compile a flow into one Spark job per batch.
+
+Consecutive Python steps (map, filter, flat_map) run together in one
+``mapInArrow``; Column steps (with_columns, Column filters) are plain Spark
+expressions, evaluated only on live rows. The job ends in the sink's writer, which
+returns receipts, and the job's result is fetched with ``toArrow()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.errors import AnalysisException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+from pyspark.sql.types import StructType, _parse_datatype_string
+
+from ackflow.core.errors import FlowError
+from ackflow.flow import PYTHON_STEPS, ColumnFilter, FlatMap, Flow, Map, Step, WithColumns
+from ackflow.spark.rows import (
+    BODY,
+    ERR,
+    FILTERED,
+    ID,
+    INTERNAL,
+    LIVE,
+    STATUS,
+    STEP,
+    TASK_RECEIPTS,
+    decode,
+    infer_schema,
+    make_segment,
+    make_writer,
+    segment_rows,
+)
+
+SAMPLE_ROWS = 200
+INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (BODY, pa.binary())])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of Python steps (``python=True``) or one Column step."""
+
+    steps: tuple[Step, ...]
+    python: bool
+
+    @property
+    def name(self) -> str:
+        return self.steps[-1].name if self.steps else "decode"
+
+
+def segments(flow: Flow) -> list[Segment]:
+    out: list[Segment] = [Segment((), True)]  # the first segment decodes
+    for step in flow.steps:
+        if isinstance(step, PYTHON_STEPS):
+            if out[-1].python:
+                out[-1] = Segment((*out[-1].steps, step), True)
+            else:
+                out.append(Segment((step,), True))
+        else:
+            out.append(Segment((step,), False))
+    return out
+
+
+class CompiledFlow:
+    """A flow bound to a SparkSession. Output columns of Python segments are
+    inferred once, from the first batch, unless a step gives ``schema=``."""
+
+    def __init__(self, flow: Flow, spark: SparkSession) -> None:
+        flow.validate()
+        assert flow.sink is not None
+        self.flow = flow
+        self.sink = flow.sink
+        self.spark = spark
+        self.segments = segments(flow)
+        self._schemas: dict[int, pa.Schema] = {}
+        self._lock = threading.Lock()
+        self.parallelism = max(1, spark.sparkContext.defaultParallelism)
+
+    # -- schemas -----------------------------------------------------------------------
+
+    def _explicit_schema(self, seg: Segment) -> pa.Schema | None:
+        shaping = [s for s in seg.steps if isinstance(s, (Map, FlatMap))]
+        if not shaping or shaping[-1].schema is None:
+            return None
+        step = shaping[-1]
+        schema: Any = step.schema
+        try:
+            if isinstance(schema, pa.Schema):
+                return schema
+            if isinstance(schema, str):
+                schema = _parse_datatype_string(schema)
+            if not isinstance(schema, StructType):
+                raise TypeError(f"expected a DDL string, StructType or pyarrow schema, got {schema!r}")
+            return to_arrow_schema(schema)
+        except Exception as e:
+            raise FlowError(step.name, f"bad schema=: {e}") from e
+
+    def _schema(self, index: int, seg: Segment, df: DataFrame, inputs: pa.Table,
+                data_cols: list[str]) -> pa.Schema | None:
+        with self._lock:
+            if index in self._schemas:
+                return self._schemas[index]
+            explicit = self._explicit_schema(seg)
+            if explicit is not None:
+                schema = explicit
+            else:
+                if index == 0:  # decode the whole batch: cheap, and no live row is missed
+                    rows: list[dict[str, Any] | None] = []
+                    for body in inputs.column(BODY).to_pylist():
+                        try:
+                            rows.append(decode(body, self.flow.source.format))
+                        except Exception:  # noqa: BLE001 - the task reports it per row
+                            continue
+                else:
+                    live = df.filter(F.col(STATUS) == LIVE).select(*data_cols)
+                    rows = list(live.limit(SAMPLE_ROWS).toArrow().to_pylist())
+                n = len(rows)
+                _, status, *_, out = segment_rows(
+                    list(range(n)), [LIVE] * n, [None] * n, [None] * n, rows, seg.steps
+                )
+                good = [r for s, r in zip(status, out, strict=True) if s == LIVE]
+                if not good:
+                    return None  # no row of this batch gets past this segment
+                schema = infer_schema(good, seg.name)
+            try:
+                # round-trip through Spark's types, so tasks produce exactly what Spark expects
+                schema = to_arrow_schema(from_arrow_schema(schema))
+            except Exception as e:
+                raise FlowError(seg.name, f"the rows' columns cannot be Spark columns: {e}") from e
+            self._schemas[index] = schema
+            return schema
+
+    # -- the job ------------------------------------------------------------------------
+
+    def input_table(self, ids: list[int], bodies: list[bytes]) -> pa.Table:
+        """One Arrow table, chunked so Spark makes ``parallelism`` partitions of it."""
+        table = pa.table({ID: pa.array(ids, pa.int64()), BODY: pa.array(bodies, pa.binary())},
+                         schema=INPUT_SCHEMA)
+        per = max(1, -(-table.num_rows // self.parallelism))
+        return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
+
+    def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
+        """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
+        df = self.spark.createDataFrame(inputs)
+        data_cols: list[str] = []
+        for index, seg in enumerate(self.segments):
+            if seg.python:
+                schema = self._schema(index, seg, df, inputs, data_cols)
+                dead_end = schema is None  # no live row past this segment in this batch
+                if schema is None:
+                    schema = pa.schema([])
+                out_schema = pa.schema([*schema, *INTERNAL])
+                fn = make_segment(seg.steps, self.flow.source.format,
+                                  None if index == 0 else data_cols, schema, out_schema)
+                df = df.mapInArrow(fn, from_arrow_schema(out_schema))
+                data_cols = list(schema.names)
+                if dead_end:
+                    break  # later steps have no columns to work on and no rows to see
+                continue
+            step = seg.steps[0]
+            live = F.col(STATUS) == LIVE
+            try:
+                if isinstance(step, ColumnFilter):
+                    df = df.withColumn(
+                        STATUS,
+                        F.when(~live, F.col(STATUS))
+                        .when(F.coalesce(_column(step.condition), F.lit(False)), F.lit(LIVE))
+                        .otherwise(F.lit(FILTERED)),
+                    )
+                elif isinstance(step, WithColumns):
+                    df = df.withColumns({c: F.when(live, _column(e)) for c, e in step.columns})
+                    data_cols += [c for c, _ in step.columns if c not in data_cols]
+            except AnalysisException as e:
+                raise FlowError(step.name, _first_line(e)) from e
+        df = df.select(*data_cols, ID, STATUS, STEP, ERR)
+        return df.mapInArrow(make_writer(self.sink, batch_id, data_cols),
+                             from_arrow_schema(TASK_RECEIPTS))
+
+
+def _column(expr: Any) -> Any:
+    return F.expr(expr) if isinstance(expr, str) else expr
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

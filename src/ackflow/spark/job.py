@@ -1,0 +1,51 @@
+"""Run one batch as one Spark job and bring its receipts back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ackflow.core.errors import FlowError
+from ackflow.spark.compile import CompiledFlow
+
+
+class JobFailed(Exception):
+    """The Spark job of a batch failed as a whole (not one row): bisect it."""
+
+
+@dataclass
+class JobResult:
+    receipts: pa.Table
+    tokens: list[bytes]
+
+
+def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_id: str) -> JobResult:
+    """Run the batch's job; raise :class:`JobFailed` if Spark failed it as a whole.
+
+    :class:`FlowError` (a step that cannot be compiled) passes through unchanged.
+    """
+    try:
+        df = compiled.job(compiled.input_table(ids, bodies), batch_id)
+        table = df.toArrow()
+    except FlowError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Py4J, PythonException, SparkRuntimeException...
+        raise JobFailed(summarize(e)) from e
+    has_token = pc.is_valid(table.column("token"))
+    tokens = [t for t in pc.filter(table.column("token"), has_token).to_pylist() if t]
+    return JobResult(table.filter(pc.invert(has_token)), tokens)
+
+
+def summarize(e: BaseException) -> str:
+    """One readable line from a Spark error (they run to hundreds of lines)."""
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if any(k in ln for k in ("Error", "Exception", "[", "error")):
+            head = ln
+            break
+    else:
+        head = lines[0] if lines else type(e).__name__
+    return f"{type(e).__name__}: {head[:500]}"

@@ -1,0 +1,263 @@
+"""Task-side code: Python steps over Arrow batches, and sink writes with receipts.
+
+Everything here runs inside Spark tasks (``mapInArrow``) and is pickled there with
+the flow's functions and the sink. Each row carries internal columns: its message's
+lineage id (``__af_id``) and its status (live, filtered, or failed with the step and
+the error). A failing row never fails the batch: it becomes a failed row, and the
+receipts carry the failure to the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ackflow.core.ledger import RECEIPT_SCHEMA, compact_receipts
+from ackflow.flow import Filter, FlatMap, Map, Step
+from ackflow.sinks.base import Sink
+
+ID, BODY, STATUS, STEP, ERR = "__af_id", "__af_body", "__af_status", "__af_step", "__af_err"
+LIVE, FILTERED, FAILED = 0, 1, 2
+INTERNAL = pa.schema(
+    [(ID, pa.int64()), (STATUS, pa.int32()), (STEP, pa.string()), (ERR, pa.string())]
+)
+TASK_RECEIPTS = RECEIPT_SCHEMA.append(pa.field("token", pa.binary()))
+
+Out = tuple[int, "dict[str, Any] | None", "str | None", "str | None"]
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def decode(body: bytes, fmt: str) -> dict[str, Any]:
+    """Turn a message body into the first row a flow sees."""
+    if fmt == "json":
+        obj = json.loads(body)
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected a JSON object, got a JSON {type(obj).__name__}")
+        return obj
+    if fmt == "text":
+        return {"body": body.decode("utf-8")}
+    return {"body": body}
+
+
+def run_steps(row: dict[str, Any], steps: Sequence[Step]) -> list[Out]:
+    """Run ``row`` through the Python steps; return the rows out and the failures."""
+    items = [row]
+    outs: list[Out] = []
+    for step in steps:
+        nxt: list[dict[str, Any]] = []
+        for r in items:
+            try:
+                if isinstance(step, Map):
+                    out = step.fn(r)
+                    if not isinstance(out, dict):
+                        raise TypeError(
+                            f"map must return a dict, got {type(out).__name__} (use filter to drop)"
+                        )
+                    nxt.append(out)
+                elif isinstance(step, Filter):
+                    if step.fn(r):
+                        nxt.append(r)
+                elif isinstance(step, FlatMap):
+                    for child in step.fn(r):
+                        if not isinstance(child, dict):
+                            raise TypeError(
+                                f"flat_map must yield dicts, got {type(child).__name__}"
+                            )
+                        nxt.append(child)
+            except Exception as e:  # noqa: BLE001 - any user error fails only this row
+                outs.append((FAILED, None, step.name, describe(e)))
+        items = nxt
+    outs.extend((LIVE, r, None, None) for r in items)
+    if not outs:
+        outs.append((FILTERED, None, None, None))
+    return outs
+
+
+def segment_rows(
+    ids: Sequence[int],
+    status: Sequence[int],
+    steps_: Sequence[str | None],
+    errs: Sequence[str | None],
+    rows: Sequence[dict[str, Any] | None],
+    steps: Sequence[Step],
+) -> tuple[list[int], list[int], list[str | None], list[str | None], list[dict[str, Any]]]:
+    o_id: list[int] = []
+    o_status: list[int] = []
+    o_step: list[str | None] = []
+    o_err: list[str | None] = []
+    o_rows: list[dict[str, Any]] = []
+    for i, mid in enumerate(ids):
+        row = rows[i]
+        if status[i] != LIVE or row is None:
+            outs: list[Out] = [(status[i], None, steps_[i], errs[i])]
+        else:
+            outs = run_steps(row, steps)
+        for st, r, sname, err in outs:
+            o_id.append(mid)
+            o_status.append(st)
+            o_step.append(sname)
+            o_err.append(err)
+            o_rows.append(r if r is not None else {})
+    return o_id, o_status, o_step, o_err, o_rows
+
+
+def conform(
+    rows: list[dict[str, Any]], data_schema: pa.Schema, status: list[int],
+    step: list[str | None], err: list[str | None], step_name: str,
+) -> pa.Table:
+    """Rows → Arrow with ``data_schema``; a row that does not fit fails on its own."""
+    try:
+        return pa.Table.from_pylist(rows, schema=data_schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+        pass
+    for i, r in enumerate(rows):
+        if status[i] != LIVE:
+            rows[i] = {}
+            continue
+        try:
+            pa.Table.from_pylist([r], schema=data_schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+            rows[i] = {}
+            status[i], step[i] = FAILED, step_name
+            err[i] = f"row does not fit the columns {data_schema.names} of the step: {describe(e)}"
+    return pa.Table.from_pylist(rows, schema=data_schema)
+
+
+def make_segment(
+    steps: Sequence[Step], fmt: str, data_in: list[str] | None, data_schema: pa.Schema,
+    out_schema: pa.Schema,
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None)."""
+    last = steps[-1].name if steps else "decode"
+
+    def segment(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for b in batches:
+            ids = b.column(ID).to_pylist()
+            n = len(ids)
+            rows: list[dict[str, Any] | None]
+            if data_in is None:
+                status, sname, errs = [LIVE] * n, [None] * n, [None] * n
+                rows = []
+                for i, body in enumerate(b.column(BODY).to_pylist()):
+                    try:
+                        rows.append(decode(body, fmt))
+                    except Exception as e:  # noqa: BLE001
+                        rows.append(None)
+                        status[i], sname[i] = FAILED, "decode"
+                        errs[i] = f"could not decode the {fmt} payload: {describe(e)}"
+            else:
+                status = b.column(STATUS).to_pylist()
+                sname = b.column(STEP).to_pylist()
+                errs = b.column(ERR).to_pylist()
+                rows = b.select(data_in).to_pylist() if data_in else [{} for _ in range(n)]
+            o_id, o_st, o_step, o_err, o_rows = segment_rows(ids, status, sname, errs, rows, steps)
+            data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
+            internal = [
+                pa.array(o_id, pa.int64()),
+                pa.array(o_st, pa.int32()),
+                pa.array(o_step, pa.string()),
+                pa.array(o_err, pa.string()),
+            ]
+            table = pa.Table.from_arrays([*data.columns, *internal], schema=out_schema)
+            yield from table.to_batches()
+
+    return segment
+
+
+def make_writer(
+    sink: Sink, batch_id: str, data_cols: list[str]
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """A ``mapInArrow`` function that writes a partition's live rows and returns receipts."""
+
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        chunks = list(batches)
+        if not chunks:
+            return
+        table = pa.Table.from_batches(chunks)
+        ctx = TaskContext.get()
+        partition = ctx.partitionId() if ctx is not None else 0
+        status = table.column(STATUS)
+        live_mask = pc.equal(status, LIVE)
+        live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
+        live = table.filter(live_mask).select(data_cols)
+        n = table.num_rows
+        written = np.zeros(n, dtype=np.int64)
+        emitted = np.zeros(n, dtype=np.int64)
+        emitted[live_idx] = 1
+        err_step = table.column(STEP)
+        err = table.column(ERR)
+        token = None
+        try:
+            result = sink.write_partition(batch_id, partition, live)
+            written[live_idx] = 1
+            token = result.token
+            if result.failed:
+                steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
+                for i, e in result.failed.items():
+                    j = int(live_idx[i])
+                    written[j] = 0
+                    steps_l[j], errs_l[j] = sink.name, e
+                err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
+        except Exception as e:  # noqa: BLE001 - a failed write fails its rows, never acks them
+            steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
+            text = f"write failed: {describe(e)}"
+            for j in live_idx:
+                steps_l[j], errs_l[j] = sink.name, text
+            err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
+        receipts = compact_receipts(
+            pa.table(
+                {
+                    "id": table.column(ID),
+                    "sink": pa.array([sink.name] * n, pa.string()),
+                    "emitted": emitted,
+                    "written": written,
+                    "err_step": err_step,
+                    "err": err,
+                },
+                schema=RECEIPT_SCHEMA,
+            )
+        )
+        receipts = receipts.append_column("token", pa.nulls(receipts.num_rows, pa.binary()))
+        yield from receipts.to_batches()
+        if token is not None:
+            yield pa.RecordBatch.from_pylist(
+                [{"id": None, "sink": sink.name, "emitted": 0, "written": 0, "err_step": None,
+                  "err": None, "token": token}],
+                schema=TASK_RECEIPTS,
+            )
+
+    return write
+
+
+def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
+    """Columns and types from sample rows: every key seen, types unified across rows."""
+    from ackflow.core.errors import FlowError
+
+    keys: dict[str, None] = {}
+    for r in rows:
+        keys.update(dict.fromkeys(r))
+    fields = []
+    for k in keys:
+        if k.startswith("__af_"):
+            raise FlowError(step, f"column {k!r}: names starting with __af_ are reserved")
+        try:
+            arr = pa.array([r.get(k) for r in rows])
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
+            raise FlowError(
+                step, f"column {k!r} has values of mixed types in the first rows ({describe(e)}); "
+                "give the step an explicit schema="
+            ) from e
+        t = arr.type
+        fields.append(pa.field(k, pa.string() if pa.types.is_null(t) else t))
+    return pa.schema(fields)

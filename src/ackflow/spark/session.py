@@ -1,0 +1,50 @@
+"""Spark session defaults for ackflow."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+
+def _worker_pythonpath() -> str:
+    """The driver's import path, so that Python workers import what the driver imports."""
+    seen: list[str] = []
+    for p in [*os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]:
+        if p and os.path.isdir(p) and p not in seen:
+            seen.append(os.path.abspath(p))
+    return os.pathsep.join(dict.fromkeys(seen))
+
+
+def session(master: str | None = None, conf: dict[str, Any] | None = None) -> SparkSession:
+    """Get or create the SparkSession ackflow runs on.
+
+    Defaults: ``local[*]``, loopback only, no UI, few shuffle partitions (batches are
+    small), Arrow on, and the Python workers run this very interpreter with the
+    driver's import path. ``conf`` overrides any of them.
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ["PYTHONPATH"] = _worker_pythonpath()
+    if (master or "local").startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = SparkSession.builder.master(master or "local[*]").appName("ackflow")
+    defaults: dict[str, Any] = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
+        "spark.python.worker.reuse": "true",
+        "spark.sql.session.timeZone": "UTC",
+    }
+    defaults.update(conf or {})
+    for k, v in defaults.items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark

@@ -1,0 +1,129 @@
+"""Helpers for testing flows: a scripted in-memory source and a failing sink.
+
+:class:`ListSource` serves fixed message bodies and records how each delivery was
+settled, so a test can assert the ack algebra: acked iff every derived row was
+written, and settled exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ackflow.core.ledger import Failure
+from ackflow.core.policy import RetryPolicy
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sources.base import Source
+
+
+class ListSource(Source):
+    """Serve ``bodies`` (bytes or str) in order; failed ones come back per ``policy``.
+
+    ``settled[key]`` lists every settlement of the message with that key, in order
+    (``"acked"``, ``"nacked"``, ``"dead_lettered"``, ``"released"``);
+    ``failures[key]`` keeps the last failure. Keys are ``"m0"``, ``"m1"``, ...
+    """
+
+    def __init__(self, bodies: Iterable[bytes | str], *, format: str = "json",
+                 policy: RetryPolicy | None = None, name: str = "list") -> None:
+        super().__init__(format=format, name=name)
+        self.policy = policy or RetryPolicy(max_deliveries=1)
+        self._bodies = [b.encode() if isinstance(b, str) else b for b in bodies]
+        self._ready: list[int] = list(range(len(self._bodies)))
+        self._delayed: list[tuple[float, int]] = []
+        self.deliveries: Counter[str] = Counter()
+        self.settled: dict[str, list[str]] = {}
+        self.failures: dict[str, Failure] = {}
+        self.dead_letters: dict[str, Failure] = {}
+        self._lock = threading.Lock()
+
+    def key(self, index: int) -> str:
+        return f"m{index}"
+
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            due = [i for t, i in self._delayed if t <= now]
+            if due:
+                self._delayed = [(t, i) for t, i in self._delayed if t > now]
+                self._ready.extend(due)
+            if self._ready or now >= deadline:
+                break
+            time.sleep(0.005)
+        take, self._ready = self._ready[:max_messages], self._ready[max_messages:]
+        out = []
+        for i in take:
+            k = self.key(i)
+            self.deliveries[k] += 1
+            out.append(Delivery(0, k, self._bodies[i], {}, self.deliveries[k], handle=i))
+        return out
+
+    def _record(self, d: Delivery, what: str) -> None:
+        self.settled.setdefault(d.key, []).append(what)
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            self._record(d, "acked")
+
+    def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        out = []
+        for d, f in failures:
+            self.failures[d.key] = f
+            if self.policy.exhausted(d.delivery_count):
+                self.dead_letters[d.key] = f
+                self._record(d, "dead_lettered")
+                out.append(Settlement.DEAD_LETTERED)
+            else:
+                self._record(d, "nacked")
+                self._delayed.append(
+                    (time.monotonic() + self.policy.delay_after(d.delivery_count), int(d.handle))  # type: ignore[call-overload]
+                )
+                out.append(Settlement.NACKED)
+        return out
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            self._record(d, "released")
+            self._ready.append(int(d.handle))  # type: ignore[call-overload]
+
+    def final(self) -> dict[str, str]:
+        """The last settlement of every message that was delivered."""
+        return {k: v[-1] for k, v in self.settled.items()}
+
+
+class FailingSink(Sink):
+    """A sink that fails rows for which ``fail_if(row)`` is true, or raises for the
+    whole partition when ``raise_if(row)`` holds for any row; others are kept like
+    :class:`~ackflow.sinks.MemorySink`."""
+
+    def __init__(self, *, fail_if: Any = None, raise_if: Any = None, name: str = "failing") -> None:
+        super().__init__(name)
+        self.fail_if = fail_if
+        self.raise_if = raise_if
+        self.rows: list[dict[str, Any]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "rows": []}
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        from ackflow.sinks.memory import _to_ipc
+
+        records = rows.to_pylist()
+        if self.raise_if is not None and any(self.raise_if(r) for r in records):
+            raise RuntimeError("sink exploded mid-write")
+        failed = {}
+        if self.fail_if is not None:
+            failed = {i: "row refused by the sink" for i, r in enumerate(records) if self.fail_if(r)}
+        keep = [i for i in range(len(records)) if i not in failed]
+        return PartitionResult(failed=failed, token=_to_ipc(rows.take(keep)) if keep else None)
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        from ackflow.sinks.memory import _from_ipc
+
+        for t in tokens:
+            self.rows.extend(_from_ipc(t))
