@@ -48,15 +48,22 @@ def execute(
         for d in ds:
             result.outcomes.failed[d.lineage_id] = failure
 
+    last_error: list[str] = []
+
     def attempt(ds: list[Delivery], bid: str) -> None:
         if cancelled.is_set():
             result.released.extend(d.lineage_id for d in ds)
+            return
+        if result.jobs >= max_jobs:  # the budget went to an earlier half
+            fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
+                                 f"after {max_jobs} jobs: {last_error[-1]}"))
             return
         result.jobs += 1
         ids = [d.lineage_id for d in ds]
         try:
             job = run_job(compiled, ids, [d.body for d in ds], bid)
         except JobFailed as e:
+            last_error.append(str(e))
             sink.abort(bid, [])
             if cancelled.is_set():
                 result.released.extend(ids)
@@ -67,7 +74,8 @@ def execute(
             elif result.jobs + 2 > max_jobs:
                 log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
                           "failing %d messages: %s", batch_id, max_jobs, len(ds), e)
-                fail_all(ds, Failure("spark", f"the Spark job failed and bisection gave up: {e}"))
+                fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
+                                     f"after {max_jobs} jobs: {e}"))
             else:
                 half = len(ds) // 2
                 result.bisections += 1

@@ -18,12 +18,15 @@ def _worker_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(seen))
 
 
-def session(master: str | None = None, conf: dict[str, Any] | None = None) -> SparkSession:
+def session(master: str | None = None, conf: dict[str, Any] | None = None,
+            log_level: str = "FATAL") -> SparkSession:
     """Get or create the SparkSession ackflow runs on.
 
     Defaults: ``local[*]``, loopback only, no UI, few shuffle partitions (batches are
     small), Arrow on, and the Python workers run this very interpreter with the
-    driver's import path. ``conf`` overrides any of them.
+    driver's import path. ``conf`` overrides any of them. Spark's own log is quiet
+    (``log_level="FATAL"``): a failed job is expected (it is bisected) and the engine
+    reports it in one line.
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -46,5 +49,21 @@ def session(master: str | None = None, conf: dict[str, Any] | None = None) -> Sp
     for k, v in defaults.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.setLogLevel(log_level)
+    quiet_pyspark_loggers()
     return spark
+
+
+def quiet_pyspark_loggers() -> None:
+    """PySpark logs every failed query's full Java stack trace as JSON at ERROR.
+
+    Failed jobs are expected in ackflow (they are bisected) and reported in one line
+    by the engine, so those loggers are silenced.
+    """
+    import logging
+
+    for name in ("DataFrameQueryContextLogger", "SQLQueryContextLogger"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.CRITICAL)
+        logger.propagate = False
+        logger.disabled = True

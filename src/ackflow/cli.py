@@ -1,0 +1,293 @@
+"""The ``ackflow`` command: demo, run, queue."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from ackflow.core.errors import AckflowError, ConfigError
+
+log = logging.getLogger("ackflow")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> None:
+    p.add_argument("--batch-size", type=_positive_int, default=batch,
+                   help=f"messages per Spark job (default {batch})")
+    p.add_argument("--max-inflight", type=_positive_int, default=inflight,
+                   help=f"unsettled messages at most; pulling stops when full (default {inflight})")
+    p.add_argument("--max-concurrent-batches", type=_positive_int, default=2,
+                   help="Spark jobs in flight at once (default 2)")
+    p.add_argument("--drain-timeout", type=_seconds, default=60.0,
+                   help="on SIGINT/SIGTERM, seconds to let running batches finish (default 60)")
+    p.add_argument("--master", default=None, help="Spark master (default local[*])")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every failure")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="ackflow",
+        description="Acknowledged streaming pipelines on Apache Spark.",
+    )
+    sub = top.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the demo pipeline on an embedded queue")
+    demo.add_argument("--messages", type=_positive_int, default=100_000,
+                      help="order events to publish (default 100000)")
+    demo.add_argument("--poison-rate", type=_rate, default=0.01,
+                      help="share of malformed or invalid events (default 0.01)")
+    demo.add_argument("--workdir", default="ackflow-demo",
+                      help="directory for the queue and the Parquet output (default ./ackflow-demo)")
+    demo.add_argument("--resume", action="store_true",
+                      help="process what is already queued in --workdir; publish nothing")
+    demo.add_argument("--until-idle", type=_seconds, default=3.0,
+                      help="stop after this many seconds without messages (default 3)")
+    demo.add_argument("--seed", type=int, default=7, help="random seed of the events")
+    _engine_options(demo, 5000, 20000)
+
+    run = sub.add_parser("run", help="run a flow defined in a Python file")
+    run.add_argument("target", help="path/to/file.py:name (a Flow, or a function returning one)")
+    run.add_argument("--until-idle", type=_seconds, default=None,
+                     help="stop after this many seconds without messages (default: run until a signal)")
+    _engine_options(run, 2000, 10000)
+
+    queue = sub.add_parser("queue", help="inspect or repair an embedded queue")
+    qsub = queue.add_subparsers(dest="action", required=True)
+    for name, text in (("stats", "counts: ready, leased, delayed, dead-lettered, totals"),
+                       ("peek", "show the first messages"),
+                       ("dead-letters", "show dead letters with their step and error"),
+                       ("replay", "move dead letters back to the queue for another try")):
+        q = qsub.add_parser(name, help=text)
+        q.add_argument("--db", required=True, help="path of the queue file")
+        q.add_argument("--queue", required=True, help="queue name")
+        q.add_argument("--json", action="store_true", help="print JSON")
+        if name in ("peek", "dead-letters"):
+            q.add_argument("--limit", type=_positive_int, default=10)
+        if name == "replay":
+            q.add_argument("--id", type=int, action="append", dest="ids",
+                           help="replay only this dead letter (repeatable); default all")
+    return top
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "batch_size": args.batch_size,
+        "max_inflight": args.max_inflight,
+        "max_concurrent_batches": args.max_concurrent_batches,
+        "drain_timeout_s": args.drain_timeout,
+        "until_idle": args.until_idle,
+    }
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ackflow import demo
+    from ackflow.engine import Engine
+    from ackflow.observe import ProgressBar
+    from ackflow.spark.session import session
+
+    paths = demo.DemoPaths(os.path.abspath(args.workdir))
+    published = 0
+    if args.resume:
+        if not os.path.exists(paths.manifest):
+            raise ConfigError(f"--resume: no demo in {paths.workdir!r}; run 'ackflow demo' first")
+    else:
+        if not args.json:
+            print(f"publishing {args.messages:,} order events to {paths.db} ...", file=sys.stderr)
+        published = demo.publish(paths, args.messages, args.poison_rate, args.seed)["messages"]
+    with open(paths.manifest) as f:
+        total = json.load(f)["messages"]
+    spark = session(args.master)
+    bar = ProgressBar(total=None if args.resume else total)
+    report = Engine(demo.build_flow(paths), spark=spark, progress=bar,
+                    **_engine_kwargs(args)).run()
+    bar.close()
+    check = demo.verify(paths)
+    summary = {
+        "published": published,
+        "acked": report.acked,
+        "nacked": report.nacked,
+        "dead_lettered": report.dead_lettered,
+        "released": report.released,
+        "recovered": report.recovered,
+        "rows_written": sum(report.rows_written.values()),
+        "batches": report.batches,
+        "bisections": report.bisections,
+        "elapsed_s": round(report.elapsed_s, 3),
+        "messages_per_s": round(report.messages_per_s, 1),
+        "dead_lettered_by_step": report.dead_lettered_by_step,
+        "check": check,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(_demo_text(summary, paths))
+    return 0 if check["ok"] else 1
+
+
+def _demo_text(s: dict[str, Any], paths: Any) -> str:
+    c = s["check"]
+    lines = [
+        "",
+        f"ackflow demo — {s['elapsed_s']:.1f} s, {s['messages_per_s']:,.0f} messages/s",
+        f"  published        {s['published']:>10,}",
+        f"  acked            {s['acked']:>10,}   (every row written to Parquet)",
+        f"  dead-lettered    {s['dead_lettered']:>10,}   by step: {s['dead_lettered_by_step']}",
+        f"  nacked (retried) {s['nacked']:>10,}",
+        f"  rows written     {s['rows_written']:>10,}   in {s['batches']} batches",
+    ]
+    if s["recovered"]:
+        lines.append(f"  recovered        {s['recovered']:>10,}   in flight at a crash: "
+                     "processed again (their rows may appear twice)")
+    lines += [
+        "check against what was published:",
+        f"  valid orders in Parquet   {c['valid_orders_in_parquet']:,} of "
+        f"{c['valid_orders_expected']:,}",
+        f"  line items in Parquet     {c['line_items_in_parquet']:,} of "
+        f"{c['line_items_expected']:,} ({c['duplicate_rows']:,} duplicate rows)",
+        f"  poison dead-lettered      {c['poison_dead_lettered']:,} of {c['poison_expected']:,}"
+        f" (wrongly: {c['dead_lettered_wrongly']})",
+        f"  left in the queue         {c['queue']['ready'] + c['queue']['leased'] + c['queue']['delayed']:,}",
+        f"  {'OK' if c['ok'] else 'MISMATCH'}: output in {paths.output}",
+        f"  dead letters: ackflow queue dead-letters --db {paths.db} --queue orders",
+    ]
+    return "\n".join(lines)
+
+
+def load_flow(target: str) -> Any:
+    """Import ``path/to/file.py:name`` and return the Flow it names."""
+    from ackflow.flow import Flow
+
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise ConfigError(f"expected path/to/file.py:name, got {target!r}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"flow file {path!r} does not exist")
+    mod_name = "ackflow_user_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"cannot import {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)  # executors need not import the file
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise ConfigError(f"{path!r} has no attribute {name!r}")
+    if callable(obj) and not isinstance(obj, Flow):
+        obj = obj()
+    if not isinstance(obj, Flow):
+        raise ConfigError(f"{target!r} is a {type(obj).__name__}, not an ackflow Flow")
+    return obj
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ackflow.engine import Engine
+    from ackflow.observe import ProgressBar
+    from ackflow.spark.session import session
+
+    spark = session(args.master)  # before the user's module builds Columns
+    flow = load_flow(args.target)
+    bar = ProgressBar()
+    report = Engine(flow, spark=spark, progress=bar, **_engine_kwargs(args)).run()
+    bar.close()
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(json.dumps(report.as_dict(), indent=2))
+    return 0
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    from ackflow.embedded import EmbeddedQueue
+
+    if not os.path.exists(args.db):
+        raise ConfigError(f"queue file {args.db!r} does not exist")
+    q = EmbeddedQueue(args.db)
+    try:
+        if args.action == "stats":
+            out: Any = q.stats(args.queue)
+            text = "\n".join(f"{k:16} {v:,}" for k, v in out.items())
+        elif args.action == "peek":
+            out = q.peek(args.queue, args.limit)
+            text = "\n".join(
+                f"#{m['id']} {m['msg_id'] or ''} deliveries={m['deliveries']}"
+                f"{' leased' if m['leased'] else ''} {m['body'][:120]}"
+                + (f"\n    last error: {m['last_error']}" if m["last_error"] else "")
+                for m in out
+            ) or "(empty)"
+        elif args.action == "dead-letters":
+            out = [d.as_json() for d in q.dead_letters(args.queue, args.limit)]
+            text = "\n".join(
+                f"#{d['id']} {d['msg_id'] or ''} after {d['deliveries']} deliveries, "
+                f"step {d['step']!r}: {d['error']}\n    body: {d['body'][:120]}"
+                for d in out
+            ) or "(no dead letters)"
+        else:
+            n = q.replay(args.queue, args.ids)
+            out = {"replayed": n}
+            text = f"moved {n} dead letters back to queue {args.queue!r}"
+    finally:
+        q.close()
+    print(json.dumps(out) if args.json else text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _setup_logging(getattr(args, "verbose", False))
+    try:
+        if args.command == "demo":
+            return cmd_demo(args)
+        if args.command == "run":
+            return cmd_run(args)
+        return cmd_queue(args)
+    except AckflowError as e:
+        print(f"ackflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

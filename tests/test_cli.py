@@ -1,0 +1,96 @@
+"""The ackflow command: argument errors, queue inspection, running a user's flow file."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ackflow.cli import main
+from ackflow.embedded import EmbeddedQueue
+
+
+def ackflow_cmd(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ackflow.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["demo", "--messages", "0"], "must be at least 1"),
+    (["demo", "--poison-rate", "2"], "must be between 0 and 1"),
+    (["run", "flow.py:flow", "--batch-size", "ten"], "expected a whole number"),
+    (["queue", "stats", "--db", "x.db"], "--queue"),
+])
+def test_bad_arguments_say_what_to_fix(args, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_missing_files_are_clear_errors(tmp_path, capsys):
+    assert main(["queue", "stats", "--db", str(tmp_path / "none.db"), "--queue", "q"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["demo", "--resume", "--workdir", str(tmp_path)]) == 2
+    assert "run 'ackflow demo' first" in capsys.readouterr().err
+
+
+def test_queue_stats_peek_dead_letters_replay(tmp_path, capsys):
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("orders", [b'{"a": 1}', b'{"a": 2}'], msg_ids=["o1", "o2"])
+    (m, _) = q.lease("orders", 2, visibility_timeout=60)
+    q.dead_letter("orders", [(m.row_id, m.deliveries, "validate", "ValueError: bad")])
+    q.close()
+
+    assert main(["queue", "stats", "--db", db, "--queue", "orders", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert {k: stats[k] for k in ("ready", "leased", "dead_lettered", "delivered_total")} == {
+        "ready": 0, "leased": 1, "dead_lettered": 1, "delivered_total": 2}
+
+    assert main(["queue", "dead-letters", "--db", db, "--queue", "orders"]) == 0
+    text = capsys.readouterr().out
+    assert "o1" in text and "step 'validate': ValueError: bad" in text
+
+    assert main(["queue", "peek", "--db", db, "--queue", "orders", "--json"]) == 0
+    assert [m["msg_id"] for m in json.loads(capsys.readouterr().out)] == ["o2"]
+
+    assert main(["queue", "replay", "--db", db, "--queue", "orders", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"replayed": 1}
+    assert EmbeddedQueue(db).stats("orders")["ready"] == 1
+
+
+@pytest.mark.spark
+def test_run_a_flow_file(tmp_path):
+    db = tmp_path / "q.db"
+    EmbeddedQueue(str(db)).publish("in", [json.dumps({"x": i}).encode() for i in range(50)])
+    (tmp_path / "myflow.py").write_text(textwrap.dedent(f'''
+        import ackflow
+        from ackflow.sources import EmbeddedQueue
+        from ackflow.sinks import Parquet
+        from pyspark.sql import functions as F
+
+        def double(r):  # a function of this file: shipped to the executors by value
+            return {{"x": r["x"], "y": r["x"] * 2}}
+
+        flow = (ackflow.Flow(EmbeddedQueue({str(db)!r}, "in"))
+                .map(double, name="double")
+                .with_columns(z=F.col("y") + 1)
+                .to(Parquet({str(tmp_path / "out")!r})))
+    '''))
+    r = ackflow_cmd("run", "myflow.py:flow", "--until-idle", "1", "--json", "--master", "local[2]",
+                    cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["acked"] == 50 and report["rows_written"] == {"parquet": 50}
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(tmp_path / "out")
+    assert sorted(t.column("z").to_pylist()) == [2 * i + 1 for i in range(50)]
+
+
+def test_run_rejects_a_target_that_is_not_a_flow(tmp_path):
+    (tmp_path / "f.py").write_text("flow = 3\n")
+    r = ackflow_cmd("run", "f.py:flow", "--master", "local[1]", cwd=tmp_path)
+    assert r.returncode == 2 and "is a int, not an ackflow Flow" in r.stderr

@@ -1,0 +1,149 @@
+"""The embedded queue: leases, expiry, stale settlements, backoff, the delivery limit."""
+
+import multiprocessing
+import os
+import time
+
+import pytest
+from helpers import wait_until
+
+from ackflow.core import ConfigError, Delivery, RetryPolicy, Settlement
+from ackflow.core.ledger import Failure
+from ackflow.embedded import EmbeddedQueue
+from ackflow.sources import EmbeddedQueueSource
+
+
+@pytest.fixture
+def db(tmp_path):
+    return str(tmp_path / "q.db")
+
+
+def test_publish_lease_ack(db):
+    q = EmbeddedQueue(db)
+    assert q.publish("a", [b"1", b"2", b"3"], msg_ids=["x", "y", "z"]) == 3
+    assert q.publish("a", [b"1"], msg_ids=["x"]) == 0  # already queued: not twice
+    leased = q.lease("a", 2, visibility_timeout=30)
+    assert [m.key for m in leased] == ["x", "y"] and all(m.deliveries == 1 for m in leased)
+    assert q.stats("a")["leased"] == 2 and q.stats("a")["ready"] == 1
+    assert q.ack("a", [(m.row_id, m.deliveries) for m in leased]) == 2
+    s = q.stats("a")
+    assert (s["ready"], s["leased"], s["acked_total"], s["delivered_total"]) == (1, 0, 2, 2)
+
+
+def test_expired_lease_is_delivered_again_and_the_stale_ack_is_refused(db):
+    q = EmbeddedQueue(db)
+    q.publish("a", [b"m"])
+    (first,) = q.lease("a", 10, visibility_timeout=0.05)
+    assert q.lease("a", 10, visibility_timeout=30) == []  # invisible while leased
+    assert wait_until(lambda: q.stats("a")["ready"] == 1, timeout=5)
+    (second,) = q.lease("a", 10, visibility_timeout=30)
+    assert second.deliveries == 2
+    assert q.ack("a", [(first.row_id, first.deliveries)]) == 0  # stale: not acked
+    assert q.stats("a")["leased"] == 1
+    assert q.ack("a", [(second.row_id, second.deliveries)]) == 1
+
+
+def _deliveries(src, n=10):
+    return src.pull(n, timeout=0.5)
+
+
+def test_source_retries_with_backoff_then_dead_letters_with_provenance(db):
+    EmbeddedQueue(db).publish("a", [b'{"n": 1}'], msg_ids=["order-1"], headers=[{"h": "v"}])
+    src = EmbeddedQueueSource(db, "a", policy=RetryPolicy(max_deliveries=3, backoff_s=0.1))
+    src.open()
+    boom = Failure("validate", "ValueError: no")
+    seen_at = []
+    for attempt in (1, 2):
+        got = []
+        assert wait_until(lambda: bool(got.extend(_deliveries(src)) or got), timeout=5)
+        seen_at.append(time.monotonic())
+        (d,) = got
+        assert d.delivery_count == attempt and d.headers == {"h": "v"}
+        assert src.fail([(d, boom)]) == [Settlement.NACKED]
+        assert src.q.stats("a")["delayed"] == 1
+    got = []
+    assert wait_until(lambda: bool(got.extend(_deliveries(src)) or got), timeout=5)
+    assert time.monotonic() - seen_at[-1] >= 0.19  # second backoff is 0.2 s
+    (d,) = got
+    assert src.fail([(d, boom)]) == [Settlement.DEAD_LETTERED]
+    (dl,) = src.q.dead_letters("a")
+    assert (dl.msg_id, dl.body, dl.headers, dl.step, dl.error, dl.deliveries) == (
+        "order-1", b'{"n": 1}', {"h": "v"}, "validate", "ValueError: no", 3)
+    assert dl.dead_at >= dl.published_at
+    s = src.q.stats("a")
+    assert (s["ready"], s["delayed"], s["dead_lettered"]) == (0, 0, 1)
+    assert src.q.replay("a") == 1 and src.q.stats("a")["ready"] == 1
+    src.close()
+
+
+def test_release_gives_back_without_counting_a_delivery(db):
+    EmbeddedQueue(db).publish("a", [b"{}"])
+    src = EmbeddedQueueSource(db, "a")
+    src.open()
+    (d,) = src.pull(1, 1)
+    src.release([d])
+    (again,) = src.pull(1, 1)
+    assert again.delivery_count == 1
+    src.close()
+
+
+def test_one_consumer_per_queue_and_orphans_are_reclaimed(db):
+    q = EmbeddedQueue(db)
+    q.publish("a", [b"{}", b"{}"])
+    q.lease("a", 2, visibility_timeout=300)  # a consumer that then "died"
+    first = EmbeddedQueueSource(db, "a")
+    assert first.open() == 2  # given back at once, not after 300 s
+    with pytest.raises(ConfigError, match="already has a live consumer"):
+        EmbeddedQueueSource(db, "a").open()
+    assert len(first.pull(10, 0.5)) == 2
+    first.close()
+    assert EmbeddedQueueSource(db, "a").open() == 2
+
+
+def test_missing_queue_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        EmbeddedQueueSource(str(tmp_path / "nope.db")).open()
+
+
+def _produce(db, start, n):
+    q = EmbeddedQueue(db)
+    for i in range(start, start + n, 50):
+        q.publish("a", [b"{}"] * 50, msg_ids=[f"p{j}" for j in range(i, i + 50)])
+    q.close()
+
+
+def test_concurrent_producers_and_one_consumer(db):
+    EmbeddedQueue(db).close()
+    procs = [multiprocessing.get_context("spawn").Process(target=_produce, args=(db, k * 2000, 2000))
+             for k in range(3)]
+    for p in procs:
+        p.start()
+    src = EmbeddedQueueSource(db, "a")
+    src.open()
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(seen) < 6000 and time.monotonic() < deadline:
+        got = src.pull(500, 0.1)
+        keys = [d.key for d in got]
+        assert not seen & set(keys)  # never delivered twice while acked
+        seen.update(keys)
+        src.ack(got)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert len(seen) == 6000
+    s = src.q.stats("a")
+    assert (s["ready"], s["leased"], s["published_total"], s["acked_total"]) == (0, 0, 6000, 6000)
+    src.close()
+
+
+def test_source_settles_delivery_objects_it_made(db):
+    EmbeddedQueue(db).publish("a", [b"{}"])
+    src = EmbeddedQueueSource(db, "a")
+    src.open()
+    (d,) = src.pull(1, 1)
+    assert isinstance(d, Delivery) and d.handle[1] == 1
+    src.ack([d])
+    assert src.q.stats("a")["acked_total"] == 1
+    assert os.path.exists(db)
+    src.close()

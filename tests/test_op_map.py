@@ -1,0 +1,76 @@
+"""map: plain Python per row; a raising row fails only its own message."""
+
+import pytest
+from helpers import FAST, bodies
+
+import ackflow
+from ackflow.sinks import MemorySink
+from ackflow.testing import ListSource
+
+pytestmark = pytest.mark.spark
+
+
+def test_map_writes_every_row_and_acks_every_message(spark):
+    src = ListSource(bodies([{"n": i} for i in range(120)]))
+    sink = MemorySink()
+    report = ackflow.run(ackflow.Flow(src).map(lambda r: {"n": r["n"], "sq": r["n"] ** 2},
+                                               name="square").to(sink), spark=spark, **FAST)
+    assert sorted((r["n"], r["sq"]) for r in sink.rows) == [(i, i * i) for i in range(120)]
+    assert set(src.final().values()) == {"acked"} and len(src.final()) == 120
+    assert report.acked == 120 and report.rows_written == {"memory": 120}
+    assert all(len(v) == 1 for v in src.settled.values())  # settled exactly once
+
+
+def test_a_raising_row_fails_only_its_message_with_step_id_and_cause(spark):
+    def parse(r):
+        if r["n"] % 17 == 0:
+            raise ValueError(f"bad n {r['n']}")
+        return r
+
+    src = ListSource(bodies([{"n": i} for i in range(100)]))
+    sink = MemorySink()
+    report = ackflow.run(ackflow.Flow(src).map(parse, name="parse").to(sink), spark=spark, **FAST)
+    bad = {f"m{i}" for i in range(100) if i % 17 == 0}
+    assert {k for k, v in src.final().items() if v == "dead_lettered"} == bad
+    assert report.acked == 100 - len(bad) and report.dead_lettered == len(bad)
+    f = src.failures["m34"]
+    assert (f.step, f.error) == ("parse", "ValueError: bad n 34")
+    assert sorted(r["n"] for r in sink.rows) == [i for i in range(100) if i % 17]
+    assert report.dead_lettered_by_step == {"parse": len(bad)}
+
+
+def test_failed_messages_are_retried_by_policy_before_dead_lettering(spark):
+    calls = {"n": 0}
+
+    def flaky(r):
+        if r["n"] == 3:
+            raise RuntimeError("always")
+        return r
+
+    src = ListSource(bodies([{"n": i} for i in range(5)]),
+                     policy=ackflow.RetryPolicy(max_deliveries=3, backoff_s=0.05))
+    report = ackflow.run(ackflow.Flow(src).map(flaky, name="flaky").to(MemorySink()),
+                         spark=spark, **FAST)
+    assert src.settled["m3"] == ["nacked", "nacked", "dead_lettered"]
+    assert report.nacked == 2 and report.dead_lettered == 1 and report.acked == 4
+    assert calls["n"] == 0  # the function ran on executors, not here
+
+
+def test_map_must_return_a_dict(spark):
+    src = ListSource(bodies([{"n": 1}, {"n": 2}]))
+    ackflow.run(ackflow.Flow(src).map(lambda r: r if r["n"] == 1 else None, name="m")
+                .to(MemorySink()), spark=spark, **FAST)
+    assert src.final() == {"m0": "acked", "m1": "dead_lettered"}
+    assert "map must return a dict" in src.failures["m1"].error
+
+
+def test_a_row_that_does_not_fit_the_inferred_columns_fails_alone(spark):
+    rows = [{"n": i} for i in range(10)] + [{"n": "eleven"}]
+    src = ListSource(bodies(rows))
+    sink = MemorySink()
+    # the schema is given, so "eleven" cannot be a BIGINT
+    ackflow.run(ackflow.Flow(src).map(lambda r: r, name="ident", schema="n BIGINT").to(sink),
+                spark=spark, **FAST)
+    assert src.final()["m10"] == "dead_lettered"
+    assert src.failures["m10"].step == "ident" and "does not fit" in src.failures["m10"].error
+    assert len(sink.rows) == 10

@@ -1,0 +1,73 @@
+"""Sinks: Parquet appears atomically per batch; a failing write never acks."""
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from helpers import FAST, bodies
+
+import ackflow
+from ackflow.embedded import EmbeddedQueue
+from ackflow.sinks import EmbeddedQueueSink, ParquetSink
+from ackflow.testing import FailingSink, ListSource
+
+pytestmark = pytest.mark.spark
+
+
+def test_parquet_batches_become_visible_whole(spark, tmp_path):
+    out = tmp_path / "out"
+    src = ListSource(bodies([{"n": i, "s": f"v{i}"} for i in range(300)]))
+    report = ackflow.run(ackflow.Flow(src).to(ParquetSink(out)), spark=spark, **FAST)
+    assert report.acked == 300
+    batches = sorted(n for n in os.listdir(out) if n.startswith("batch="))
+    assert len(batches) == report.batches
+    assert os.listdir(out / "_staging") == []  # everything committed, nothing left staged
+    table = pq.read_table(out)
+    assert sorted(table.column("n").to_pylist()) == list(range(300))
+
+
+def test_parquet_staging_of_a_crashed_run_is_invisible_and_cleared(spark, tmp_path):
+    out = tmp_path / "out"
+    staged = out / "_staging" / "deadbeef"
+    staged.mkdir(parents=True)
+    (staged / "part-00000.parquet").write_bytes(b"half a file")
+    src = ListSource(bodies([{"n": 1}]))
+    ackflow.run(ackflow.Flow(src).to(ParquetSink(out)), spark=spark, **FAST)
+    assert not staged.exists()
+    assert pq.read_table(out).column("n").to_pylist() == [1]
+
+
+def test_a_failed_commit_fails_the_batch(spark, tmp_path):
+    class BrokenCommit(ParquetSink):
+        def commit(self, batch_id, tokens):
+            raise OSError("disk full")
+
+    out = tmp_path / "out"
+    src = ListSource(bodies([{"n": i} for i in range(10)]))
+    report = ackflow.run(ackflow.Flow(src).to(BrokenCommit(out, name="pq")), spark=spark, **FAST)
+    assert report.acked == 0 and report.dead_lettered == 10
+    assert src.failures["m0"].step == "pq" and "disk full" in src.failures["m0"].error
+    assert not [n for n in os.listdir(out) if n.startswith("batch=")]
+    assert os.listdir(out / "_staging") == []  # aborted
+
+
+def test_a_sink_raising_mid_write_nacks_every_message_of_the_partition(spark):
+    src = ListSource(bodies([{"n": i} for i in range(20)]))
+    sink = FailingSink(raise_if=lambda r: r["n"] == 13)
+    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
+                         **{**FAST, "batch_size": 20, "until_idle": 0.5})
+    failed = {k for k, v in src.final().items() if v != "acked"}
+    assert "m13" in failed
+    assert report.acked + report.dead_lettered == 20
+    assert all("sink exploded mid-write" in src.failures[k].error for k in failed)
+    assert not any(r["n"] == 13 for r in sink.rows)
+
+
+def test_embedded_queue_sink_chains_pipelines(spark, tmp_path):
+    db = str(tmp_path / "q.db")
+    src = ListSource(bodies([{"n": i} for i in range(25)]))
+    ackflow.run(ackflow.Flow(src).map(lambda r: {"n": r["n"], "id": f"x{r['n']}"}, name="tag")
+                .to(EmbeddedQueueSink(db, "next", id_column="id")), spark=spark, **FAST)
+    q = EmbeddedQueue(db)
+    assert q.stats("next")["ready"] == 25
+    assert {m["msg_id"] for m in q.peek("next", 100)} == {f"x{i}" for i in range(25)}
