@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+
 @pytest.fixture(scope="session")
 def spark():
     from ackflow.spark.session import session

@@ -2,7 +2,14 @@
 
 import pytest
 
-from ackflow.core import AlreadySettled, ConfigError, Delivery, InflightWindow, RetryPolicy, Settlement
+from ackflow.core import (
+    AlreadySettled,
+    ConfigError,
+    Delivery,
+    InflightWindow,
+    RetryPolicy,
+    Settlement,
+)
 
 
 def test_a_delivery_settles_once():
@@ -11,7 +18,7 @@ def test_a_delivery_settles_once():
     d.settle(Settlement.ACKED)
     assert d.state is Settlement.ACKED
     for again in (Settlement.ACKED, Settlement.NACKED, Settlement.DEAD_LETTERED, Settlement.RELEASED):
-        with pytest.raises(AlreadySettled, match="m1.*already acked"):
+        with pytest.raises(AlreadySettled, match=r"m1.*already acked"):
             d.settle(again)
     assert d.state is Settlement.ACKED
 

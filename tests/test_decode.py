@@ -11,7 +11,7 @@ pytestmark = pytest.mark.spark
 
 
 def test_json_gives_fields_and_bad_json_fails_with_the_reason(spark):
-    src = ListSource([b'{"a": 1}', b"{not json", b"[1, 2]", '{"a": 2}'.encode()])
+    src = ListSource([b'{"a": 1}', b"{not json", b"[1, 2]", b'{"a": 2}'])
     sink = MemorySink()
     report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark, **FAST)
     assert sorted(r["a"] for r in sink.rows) == [1, 2]

@@ -5,12 +5,12 @@ import os
 import time
 
 import pytest
-from helpers import wait_until
 
 from ackflow.core import ConfigError, Delivery, RetryPolicy, Settlement
 from ackflow.core.ledger import Failure
 from ackflow.embedded import EmbeddedQueue
 from ackflow.sources import EmbeddedQueueSource
+from helpers import wait_until
 
 
 @pytest.fixture
@@ -55,14 +55,14 @@ def test_source_retries_with_backoff_then_dead_letters_with_provenance(db):
     seen_at = []
     for attempt in (1, 2):
         got = []
-        assert wait_until(lambda: bool(got.extend(_deliveries(src)) or got), timeout=5)
+        assert wait_until(lambda got=got: bool(got.extend(_deliveries(src)) or got), timeout=5)
         seen_at.append(time.monotonic())
         (d,) = got
         assert d.delivery_count == attempt and d.headers == {"h": "v"}
         assert src.fail([(d, boom)]) == [Settlement.NACKED]
         assert src.q.stats("a")["delayed"] == 1
     got = []
-    assert wait_until(lambda: bool(got.extend(_deliveries(src)) or got), timeout=5)
+    assert wait_until(lambda got=got: bool(got.extend(_deliveries(src)) or got), timeout=5)
     assert time.monotonic() - seen_at[-1] >= 0.19  # second backoff is 0.2 s
     (d,) = got
     assert src.fail([(d, boom)]) == [Settlement.DEAD_LETTERED]

@@ -7,19 +7,19 @@ import sys
 import textwrap
 
 import pytest
-from helpers import FAST, bodies, wait_until
 
 import ackflow
 from ackflow.core import ConfigError
 from ackflow.sinks import MemorySink
 from ackflow.testing import ListSource
+from helpers import FAST, bodies, wait_until
 
 pytestmark = pytest.mark.spark
 
 
 def test_bad_options_fail_at_start_and_say_what_to_fix():
     flow = ackflow.Flow(ListSource([])).to(MemorySink())
-    with pytest.raises(ConfigError, match="batch_size .* cannot exceed max_inflight"):
+    with pytest.raises(ConfigError, match=r"batch_size .* cannot exceed max_inflight"):
         ackflow.run(flow, batch_size=100, max_inflight=10)
     with pytest.raises(ConfigError, match="max_concurrent_batches must be a positive integer"):
         ackflow.run(flow, max_concurrent_batches=0)

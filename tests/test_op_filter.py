@@ -1,11 +1,11 @@
 """filter: dropped rows emit nothing; a message with no rows left is acked."""
 
 import pytest
-from helpers import FAST, bodies
 
 import ackflow
 from ackflow.sinks import MemorySink
 from ackflow.testing import ListSource
+from helpers import FAST, bodies
 
 pytestmark = pytest.mark.spark
 

@@ -1,11 +1,11 @@
 """flat_map: each child keeps its parent's id; acked only if every child was written."""
 
 import pytest
-from helpers import FAST, bodies
 
 import ackflow
 from ackflow.sinks import MemorySink
 from ackflow.testing import FailingSink, ListSource
+from helpers import FAST, bodies
 
 pytestmark = pytest.mark.spark
 

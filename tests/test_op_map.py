@@ -1,11 +1,11 @@
 """map: plain Python per row; a raising row fails only its own message."""
 
 import pytest
-from helpers import FAST, bodies
 
 import ackflow
 from ackflow.sinks import MemorySink
 from ackflow.testing import ListSource
+from helpers import FAST, bodies
 
 pytestmark = pytest.mark.spark
 

@@ -1,12 +1,12 @@
 """with_columns: Spark Column expressions; a job-level failure is bisected to the poison."""
 
 import pytest
-from helpers import FAST, bodies
 
 import ackflow
 from ackflow.core import ConfigError, FlowError
 from ackflow.sinks import MemorySink
 from ackflow.testing import ListSource
+from helpers import FAST, bodies
 
 pytestmark = pytest.mark.spark
 

@@ -4,12 +4,12 @@ import os
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import FAST, bodies
 
 import ackflow
 from ackflow.embedded import EmbeddedQueue
 from ackflow.sinks import EmbeddedQueueSink, ParquetSink
 from ackflow.testing import FailingSink, ListSource
+from helpers import FAST, bodies
 
 pytestmark = pytest.mark.spark
 

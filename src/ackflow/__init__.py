@@ -10,7 +10,6 @@ from ackflow.engine import RunReport, run
 from ackflow.flow import Flow
 
 
-
 def session(master: str | None = None, conf: dict[str, object] | None = None) -> object:
     """The SparkSession ackflow runs on (created with ackflow's defaults if needed).
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from ackflow.core.errors import ConfigError
 from ackflow.sinks.base import Sink
 from ackflow.sources.base import Source
 
 Row = dict[str, Any]
-SchemaLike = Union[str, Any]  # a DDL string ("a INT, b STRING"), a StructType or a pyarrow schema
+SchemaLike = str | Any  # a DDL string ("a INT, b STRING"), a StructType or a pyarrow schema
 
 
 def is_column(obj: object) -> bool:

@@ -31,7 +31,7 @@ def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_i
         table = df.toArrow()
     except FlowError:
         raise
-    except Exception as e:  # noqa: BLE001 - Py4J, PythonException, SparkRuntimeException...
+    except Exception as e:
         raise JobFailed(summarize(e)) from e
     has_token = pc.is_valid(table.column("token"))
     tokens = [t for t in pc.filter(table.column("token"), has_token).to_pylist() if t]
