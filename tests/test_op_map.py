@@ -74,3 +74,21 @@ def test_a_row_that_does_not_fit_the_inferred_columns_fails_alone(spark):
     assert src.final()["m10"] == "dead_lettered"
     assert src.failures["m10"].step == "ident" and "does not fit" in src.failures["m10"].error
     assert len(sink.rows) == 10
+
+
+def test_a_crashing_python_worker_is_bisected_to_its_message(spark):
+    import os
+
+    def crash(r):
+        if r["n"] == 5:
+            os._exit(3)  # kills the Python worker: the whole Spark job fails
+        return r
+
+    src = ListSource(bodies([{"n": i} for i in range(8)]))
+    sink = MemorySink()
+    report = ackflow.run(ackflow.Flow(src).map(crash, name="crash").to(sink), spark=spark,
+                         **{**FAST, "batch_size": 8, "until_idle": 0.5})
+    assert src.final()["m5"] == "dead_lettered"
+    assert src.failures["m5"].step == "spark"
+    assert report.acked == 7 and report.bisections >= 1
+    assert sorted(r["n"] for r in sink.rows) == [0, 1, 2, 3, 4, 6, 7]

@@ -55,6 +55,10 @@ def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> No
     p.add_argument("--drain-timeout", type=_seconds, default=60.0,
                    help="on SIGINT/SIGTERM, seconds to let running batches finish (default 60)")
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (off by default)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address for the metrics port (default 127.0.0.1)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("-v", "--verbose", action="store_true", help="log every failure")
 
@@ -111,12 +115,16 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if args.metrics_port is not None:
+        print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics", file=sys.stderr)
     return {
         "batch_size": args.batch_size,
         "max_inflight": args.max_inflight,
         "max_concurrent_batches": args.max_concurrent_batches,
         "drain_timeout_s": args.drain_timeout,
         "until_idle": args.until_idle,
+        "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
     }
 
 

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,6 +27,7 @@ from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult, execute
 from ackflow.engine.report import RunReport
 from ackflow.flow import Flow
+from ackflow.observe.metrics import Metrics
 
 log = logging.getLogger("ackflow.engine")
 
@@ -49,6 +51,8 @@ class Engine:
         master: str | None = None,
         progress: Progress | None = None,
         handle_signals: bool = True,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         for name, value in (("batch_size", batch_size), ("max_inflight", max_inflight),
                             ("max_concurrent_batches", max_concurrent_batches),
@@ -64,6 +68,8 @@ class Engine:
             raise ConfigError("until_idle must be >= 0 seconds")
         if batch_timeout_s <= 0:
             raise ConfigError("batch_timeout_s must be positive")
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be a TCP port (0-65535), got {metrics_port}")
         flow.validate()
         self.flow = flow
         self.batch_size = batch_size
@@ -80,6 +86,10 @@ class Engine:
         self.handle_signals = handle_signals
 
         self.report = RunReport()
+        self.metrics = Metrics(max_inflight)
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.batch_seconds: deque[float] = deque(maxlen=10_000)  # bounded, for p50/p99
         self.inflight: dict[int, Delivery] = {}
         self._next_id = 1
         self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery]]] = queue.Queue()
@@ -115,6 +125,7 @@ class Engine:
             d.settle(Settlement.ACKED)
         source.ack(acked)
         self.report.acked += len(acked)
+        self.metrics.acked.inc(len(acked))
 
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items()]
         if failures:
@@ -144,6 +155,12 @@ class Engine:
         self.report.bisections += result.bisections
         for name, n in result.outcomes.rows_written.items():
             self.report.rows_written[name] = self.report.rows_written.get(name, 0) + n
+            self.metrics.rows_written.labels(sink=name).inc(n)
+        self.batch_seconds.append(result.seconds)
+        self.metrics.batch_seconds.observe(result.seconds)
+        self.metrics.batch_size.observe(result.size)
+        self.metrics.bisections.inc(result.bisections)
+        self._window_metrics()
         log.debug("batch %s: %d messages, %d acked, %d failed, %d jobs, %.3f s",
                   result.batch_id, result.size, len(acked), len(failures), result.jobs,
                   result.seconds)
@@ -154,10 +171,12 @@ class Engine:
             self.report.dead_lettered_by_step[f.step] = (
                 self.report.dead_lettered_by_step.get(f.step, 0) + 1
             )
+            self.metrics.dead_lettered.labels(step=f.step).inc()
             log.info("message %s dead-lettered after %d deliveries: %s", d.key,
                      d.delivery_count, f)
         else:
             self.report.nacked += 1
+            self.metrics.nacked.inc()
             log.debug("message %s nacked (delivery %d): %s", d.key, d.delivery_count, f)
         if len(self.report.failures) < 20:
             self.report.failures.append(
@@ -171,6 +190,11 @@ class Engine:
             d.settle(Settlement.RELEASED)
         self.flow.source.release(deliveries)
         self.report.released += len(deliveries)
+        self.metrics.released.inc(len(deliveries))
+
+    def _window_metrics(self) -> None:
+        w = self.window
+        self.metrics.window(w.in_flight, w.throttled, w.throttle_episodes)
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -183,7 +207,11 @@ class Engine:
         spark = self.spark or session(self.master)
         compiled = CompiledFlow(flow, spark)
         flow.sink.open()
+        if self.metrics_port is not None:
+            self.metrics.serve(self.metrics_port, self.metrics_host)
+            log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)
         self.report.recovered = flow.source.open()
+        self.metrics.recovered.inc(self.report.recovered)
         if self.report.recovered:
             log.warning("%d messages a previous consumer had in flight were given back and "
                         "will be processed again (their rows may be written twice)",
@@ -201,8 +229,14 @@ class Engine:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
             self.report.elapsed_s = time.monotonic() - started
+            self.report.throttle_episodes = self.window.throttle_episodes
+            if self.batch_seconds:
+                ordered = sorted(self.batch_seconds)
+                self.report.batch_p50_s = ordered[len(ordered) // 2]
+                self.report.batch_p99_s = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
             flow.source.close()
             flow.sink.close()
+            self.metrics.close()
         return self.report
 
     def _submit(self, compiled: Any, pool: ThreadPoolExecutor, batch: list[Delivery]) -> None:
@@ -276,6 +310,8 @@ class Engine:
                         batch_started = time.monotonic()
                     pending.extend(got)
                     self.report.pulled += pulled
+                    self.metrics.pulled.inc(pulled)
+                    self._window_metrics()
                     last_message = time.monotonic()
             now = time.monotonic()
             if pending and len(self._running) < self.max_concurrent and (

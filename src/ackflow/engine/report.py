@@ -26,6 +26,9 @@ class RunReport:
     jobs: int = 0
     bisections: int = 0
     elapsed_s: float = 0.0
+    throttle_episodes: int = 0
+    batch_p50_s: float = 0.0
+    batch_p99_s: float = 0.0
     dead_lettered_by_step: dict[str, int] = field(default_factory=dict)
     failures: list[dict[str, str]] = field(default_factory=list)  # the first few, for people
 

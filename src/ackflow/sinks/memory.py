@@ -36,7 +36,7 @@ class MemorySink(Sink):
         self.rows: list[dict[str, Any]] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "rows": []}
+        return {**self.__dict__, "rows": []}  # rows stay on the driver
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         return PartitionResult(token=_to_ipc(rows) if rows.num_rows else None)

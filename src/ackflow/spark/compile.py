@@ -8,6 +8,7 @@ returns receipts, and the job's result is fetched with ``toArrow()``.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,10 @@ from ackflow.spark.rows import (
     STATUS,
     STEP,
     TASK_RECEIPTS,
-    decode,
     infer_schema,
+    make_sampler,
     make_segment,
     make_writer,
-    segment_rows,
 )
 
 SAMPLE_ROWS = 200
@@ -68,8 +68,14 @@ def segments(flow: Flow) -> list[Segment]:
 
 
 class CompiledFlow:
-    """A flow bound to a SparkSession. Output columns of Python segments are
-    inferred once, from the first batch, unless a step gives ``schema=``."""
+    """A flow bound to a SparkSession.
+
+    The output columns of a run of Python steps are inferred once, from the first
+    batch: a small Spark job runs the steps over it on the executors and returns up to
+    ``SAMPLE_ROWS`` good rows per partition, whose keys and types become the columns.
+    A step's ``schema=`` skips this. If that job fails as a whole, the batch's job
+    fails and is bisected like any other.
+    """
 
     def __init__(self, flow: Flow, spark: SparkSession) -> None:
         flow.validate()
@@ -101,7 +107,7 @@ class CompiledFlow:
         except Exception as e:
             raise FlowError(step.name, f"bad schema=: {e}") from e
 
-    def _schema(self, index: int, seg: Segment, df: DataFrame, inputs: pa.Table,
+    def _schema(self, index: int, seg: Segment, df: DataFrame,
                 data_cols: list[str]) -> pa.Schema | None:
         with self._lock:
             if index in self._schemas:
@@ -110,21 +116,12 @@ class CompiledFlow:
             if explicit is not None:
                 schema = explicit
             else:
-                if index == 0:  # decode the whole batch: cheap, and no live row is missed
-                    rows: list[dict[str, Any] | None] = []
-                    for body in inputs.column(BODY).to_pylist():
-                        try:
-                            rows.append(decode(body, self.flow.source.format))
-                        except Exception:  # noqa: BLE001 - the task reports it per row
-                            continue
-                else:
-                    live = df.filter(F.col(STATUS) == LIVE).select(*data_cols)
-                    rows = list(live.limit(SAMPLE_ROWS).toArrow().to_pylist())
-                n = len(rows)
-                _, status, *_, out = segment_rows(
-                    list(range(n)), [LIVE] * n, [None] * n, [None] * n, rows, seg.steps
-                )
-                good = [r for s, r in zip(status, out, strict=True) if s == LIVE]
+                # Run the steps on the executors (never on the driver: a user function may
+                # crash its process or have side effects) and bring a sample of good rows back.
+                sampler = make_sampler(seg.steps, self.flow.source.format,
+                                       None if index == 0 else data_cols, SAMPLE_ROWS)
+                picked = df.mapInArrow(sampler, "rows binary").toArrow().column("rows")
+                good = [r for blob in picked.to_pylist() for r in pickle.loads(blob)]
                 if not good:
                     return None  # no row of this batch gets past this segment
                 schema = infer_schema(good, seg.name)
@@ -151,7 +148,7 @@ class CompiledFlow:
         data_cols: list[str] = []
         for index, seg in enumerate(self.segments):
             if seg.python:
-                schema = self._schema(index, seg, df, inputs, data_cols)
+                schema = self._schema(index, seg, df, data_cols)
                 dead_end = schema is None  # no live row past this segment in this batch
                 if schema is None:
                     schema = pa.schema([])

@@ -173,6 +173,39 @@ def make_segment(
     return segment
 
 
+def make_sampler(
+    steps: Sequence[Step], fmt: str, data_in: list[str] | None, limit: int,
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """A ``mapInArrow`` function returning up to ``limit`` good output rows per
+    partition, pickled, for inferring the output columns on the driver."""
+    import pickle
+
+    def sample(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        good: list[dict[str, Any]] = []
+        for b in batches:
+            ids = b.column(ID).to_pylist()
+            if data_in is None:
+                status = [LIVE] * len(ids)
+                rows: list[dict[str, Any] | None] = []
+                for body in b.column(BODY).to_pylist():
+                    try:
+                        rows.append(decode(body, fmt))
+                    except Exception:  # noqa: BLE001 - reported per row by the real job
+                        rows.append(None)
+            else:
+                status = b.column(STATUS).to_pylist()
+                rows = b.select(data_in).to_pylist() if data_in else [{} for _ in ids]
+            n = len(ids)
+            _, o_st, _, _, o_rows = segment_rows(ids, status, [None] * n, [None] * n, rows, steps)
+            good.extend(r for st, r in zip(o_st, o_rows, strict=True) if st == LIVE)
+            if len(good) >= limit:
+                break
+        yield pa.RecordBatch.from_pylist([{"rows": pickle.dumps(good[:limit])}],
+                                         schema=pa.schema([("rows", pa.binary())]))
+
+    return sample
+
+
 def make_writer(
     sink: Sink, batch_id: str, data_cols: list[str]
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
