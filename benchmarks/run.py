@@ -1,0 +1,262 @@
+"""Benchmarks: the source's limit, a hand-written peer, and ackflow, on the same data.
+
+    .venv/bin/python -m benchmarks.run                      # 200k messages, ~2 minutes
+    .venv/bin/python -m benchmarks.run --messages 50000     # quicker
+    .venv/bin/python -m benchmarks.run --rss 200000,2000000 # driver memory vs stream length
+
+Each phase runs in a fresh process (its own JVM), warmed up with one batch first,
+over 100-byte JSON messages in the embedded queue:
+
+* limit   -- lease + ack of every message in batches, no processing at all;
+* peer    -- the same Spark transforms and Parquet output, batch by batch from a plain
+             driver loop that leases and never settles (what a user would hand-write);
+* ackflow -- end to end: pull, Spark job with receipts, Parquet commit, settlement.
+
+It prints a table and writes JSON (``--out``, default benchmarks/results/latest.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+QUEUE = "bench"
+
+
+def body(i: int) -> bytes:
+    """A 100-byte JSON message."""
+    b = json.dumps({"id": i, "sku": f"sku-{i % 977:04d}", "qty": 1 + i % 7,
+                    "price": round(1 + (i % 1000) / 10, 2), "pad": ""}, separators=(",", ":"))
+    pad = max(0, 100 - len(b))
+    return b.replace('"pad":""', '"pad":"' + "x" * pad + '"').encode()
+
+
+def publish(db: str, n: int, queue: str = QUEUE) -> None:
+    from ackflow.embedded import EmbeddedQueue
+
+    q = EmbeddedQueue(db)
+    for start in range(0, n, 50_000):
+        q.publish(queue, [body(i) for i in range(start, min(n, start + 50_000))])
+    q.close()
+
+
+def parse(r: dict[str, Any]) -> dict[str, Any]:
+    if r["qty"] <= 0:
+        raise ValueError("qty must be positive")
+    return {"id": r["id"], "sku": r["sku"], "qty": r["qty"], "price": r["price"]}
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def jvm_pid() -> int | None:
+    me = str(os.getpid())
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if f.read().split(") ", 1)[1].split()[1] == me:
+                        with open(f"/proc/{p}/comm") as c:
+                            if "java" in c.read():
+                                return int(p)
+            except (OSError, IndexError):
+                continue
+    return None
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))] if xs else 0.0
+
+
+# -- phases (each in its own process) --------------------------------------------------------
+
+
+def phase_limit(db: str, n: int, batch: int) -> dict[str, Any]:
+    from ackflow.embedded import EmbeddedQueue
+
+    q = EmbeddedQueue(db)
+    q.claim_consumer(QUEUE)
+    done = 0
+    t0 = time.perf_counter()
+    while done < n:
+        leased = q.lease(QUEUE, batch, visibility_timeout=300)
+        if not leased:
+            break
+        q.ack(QUEUE, [(m.row_id, m.deliveries) for m in leased])
+        done += len(leased)
+    secs = time.perf_counter() - t0
+    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb()}
+
+
+def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
+    import pyarrow as pa
+    from pyspark.sql import functions as F
+
+    from ackflow.embedded import EmbeddedQueue
+    from ackflow.spark.session import session
+
+    spark = session("local[*]")
+    q = EmbeddedQueue(db)
+    schema = "id BIGINT, sku STRING, qty BIGINT, price DOUBLE"
+    parallelism = spark.sparkContext.defaultParallelism
+
+    def transform(batches):
+        for b in batches:
+            rows = [parse(json.loads(x)) for x in b.column("body").to_pylist()]
+            yield pa.RecordBatch.from_pylist(rows, schema=pa.schema(
+                [("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()),
+                 ("price", pa.float64())]))
+
+    def one(bodies: list[bytes]) -> float:
+        t = time.perf_counter()
+        table = pa.table({"body": pa.array(bodies, pa.binary())})
+        per = max(1, -(-len(bodies) // parallelism))
+        table = pa.Table.from_batches(table.to_batches(max_chunksize=per))
+        df = spark.createDataFrame(table).mapInArrow(transform, schema)
+        df = df.withColumn("total", F.col("qty") * F.col("price"))
+        df.write.mode("append").parquet(out)
+        return time.perf_counter() - t
+
+    one([body(i) for i in range(batch)])  # warm-up: Python workers, JIT
+    latencies = []
+    done = 0
+    t0 = time.perf_counter()
+    while done < n:
+        leased = q.lease(QUEUE, batch, visibility_timeout=3600)
+        if not leased:
+            break
+        latencies.append(one([m.body for m in leased]))
+        done += len(leased)
+    secs = time.perf_counter() - t0
+    jvm = jvm_pid()
+    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb(),
+            "jvm_rss_mb": rss_mb(jvm) if jvm else None,
+            "batch_p50_s": pct(latencies, 0.5), "batch_p99_s": pct(latencies, 0.99)}
+
+
+def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str) -> dict[str, Any]:
+    import ackflow
+    from ackflow.engine import Engine
+    from ackflow.sinks import Parquet
+    from ackflow.sources import EmbeddedQueue
+
+    spark = ackflow.session("local[*]")
+
+    def flow(queue: str, path: str) -> ackflow.Flow:
+        return (ackflow.Flow(EmbeddedQueue(db, queue))
+                .map(parse, name="parse", schema="id BIGINT, sku STRING, qty BIGINT, price DOUBLE")
+                .with_columns(total="qty * price")
+                .to(Parquet(path)))
+
+    Engine(flow("warmup", out + "-warmup"), spark=spark, batch_size=batch, max_inflight=inflight,
+           until_idle=0.2, handle_signals=False).run()
+    peak = [0.0]
+
+    def sample(report: Any, window: Any) -> None:
+        peak[0] = max(peak[0], rss_mb())
+
+    report = Engine(flow(QUEUE, out), spark=spark, batch_size=batch, max_inflight=inflight,
+                    until_idle=0.5, handle_signals=False, progress=sample).run()
+    secs = report.elapsed_s - 0.5  # the idle wait at the end is not work
+    jvm = jvm_pid()
+    return {"messages": report.acked, "seconds": secs, "rate": report.acked / secs,
+            "rss_mb": rss_mb(), "rss_peak_mb": peak[0], "jvm_rss_mb": rss_mb(jvm) if jvm else None,
+            "batch_p50_s": report.batch_p50_s, "batch_p99_s": report.batch_p99_s,
+            "nacked": report.nacked, "dead_lettered": report.dead_lettered}
+
+
+def run_phase(name: str, args: list[str]) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--phase", name, *args],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"phase {name} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--messages", type=int, default=200_000)
+    p.add_argument("--batch-size", type=int, default=25_000)
+    p.add_argument("--max-inflight", type=int, default=75_000)
+    p.add_argument("--out", default="benchmarks/results/latest.json")
+    p.add_argument("--rss", default=None, help="comma-separated message counts: ackflow RSS only")
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--db", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+
+    if a.phase:
+        if a.phase == "limit":
+            res = phase_limit(a.db, a.messages, a.batch_size)
+        elif a.phase == "peer":
+            res = phase_peer(a.db, a.messages, a.batch_size, os.path.join(a.dir, "peer"))
+        else:
+            publish(a.db, a.batch_size, "warmup")
+            res = phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight,
+                                os.path.join(a.dir, "ackflow"))
+        res["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(res))
+        return
+
+    common = ["--batch-size", str(a.batch_size), "--max-inflight", str(a.max_inflight)]
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "settings": {"messages": a.messages, "batch_size": a.batch_size,
+                     "max_inflight": a.max_inflight, "message_bytes": len(body(0))},
+    }
+    with tempfile.TemporaryDirectory(prefix="ackflow-bench-") as tmp:
+        if a.rss:
+            rows = []
+            for n in [int(x) for x in a.rss.split(",")]:
+                db = os.path.join(tmp, f"rss-{n}.db")
+                publish(db, n)
+                r = run_phase("ackflow", ["--db", db, "--dir", tmp, "--messages", str(n), *common])
+                rows.append({"messages": n, **r})
+                os.remove(db)
+            results["rss"] = rows
+            base = rows[0]["max_rss_mb"]
+            print(f"{'messages':>10} {'msg/s':>9} {'driver peak RSS MB':>19} {'vs first':>9}")
+            for r in rows:
+                print(f"{r['messages']:>10,} {r['rate']:>9,.0f} {r['max_rss_mb']:>19.0f} "
+                      f"{r['max_rss_mb'] / base - 1:>+9.1%}")
+        else:
+            for name in ("limit", "peer", "ackflow"):
+                db = os.path.join(tmp, f"{name}.db")
+                publish(db, a.messages)
+                results[name] = run_phase(name, ["--db", db, "--dir", tmp,
+                                                 "--messages", str(a.messages), *common])
+            lim, peer, af = results["limit"]["rate"], results["peer"]["rate"], results["ackflow"]["rate"]
+            results["ratios"] = {"ackflow_vs_limit": af / lim, "ackflow_vs_peer": af / peer}
+            print(f"{'phase':<8} {'msg/s':>10} {'batch p50 s':>12} {'batch p99 s':>12} "
+                  f"{'driver RSS MB':>14}")
+            for name in ("limit", "peer", "ackflow"):
+                r = results[name]
+                print(f"{name:<8} {r['rate']:>10,.0f} {r.get('batch_p50_s', 0):>12.3f} "
+                      f"{r.get('batch_p99_s', 0):>12.3f} {r['max_rss_mb']:>14.0f}")
+            print(f"ackflow / limit = {af / lim:.2f}   ackflow / peer = {af / peer:.2f}")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
