@@ -83,7 +83,26 @@ class WithColumns(Step):
     columns: tuple[tuple[str, Any], ...]  # (name, pyspark Column)
 
 
+@dataclass(frozen=True)
+class GroupBy(Step):
+    keys: tuple[str, ...]
+    aggs: tuple[Any, ...]  # pyspark Columns or SQL strings ("sum(qty) AS qty")
+
+
+@dataclass(frozen=True)
+class Join(Step):
+    other: Any  # a static pyspark DataFrame
+    on: tuple[str, ...]
+    how: str
+
+
+@dataclass(frozen=True)
+class Transform(Step):
+    fn: Callable[[Any], Any]  # DataFrame -> DataFrame
+
+
 PYTHON_STEPS = (Map, Filter, FlatMap)
+JOIN_HOWS = ("inner", "left", "left_semi", "left_anti")
 
 
 @dataclass(frozen=True)
@@ -173,6 +192,53 @@ class Flow:
                 raise ConfigError(f"step {step_name!r}: column names starting with __af_ are reserved")
         return self._add(WithColumns(step_name, tuple(merged.items())))
 
+    def group_by(self, *keys: str) -> GroupedFlow:
+        """Group the rows of each batch by ``keys``; finish with ``.agg(...)``.
+
+        An output row carries the ids of every message that had a row in the group:
+        if writing it fails, every member fails; a member is acked only when all its
+        groups (and other rows) were written. Groups never span batches.
+        """
+        if not keys or not all(isinstance(k, str) and k for k in keys):
+            raise ConfigError("group_by: give one or more column names")
+        return GroupedFlow(self, tuple(keys))
+
+    def join(self, other: Any, on: str | Iterable[str], how: str = "inner", *,
+             name: str | None = None) -> Flow:
+        """Join each row with a static DataFrame (a lookup table) on column names.
+
+        The stream side keeps its message ids; a row with several matches becomes
+        several rows (like ``flat_map``). With ``how="inner"`` (or ``"left_semi"``) a
+        row without a match is dropped *like a filter*: its message is acked if it has
+        no other rows. ``"left"`` keeps it with nulls; ``"left_anti"`` keeps only rows
+        without a match. Joins that would fabricate rows without a source message
+        (right, full) are refused.
+        """
+        step_name = self._name(name, "join")
+        if not _is_dataframe(other):
+            raise ConfigError(f"step {step_name!r}: join needs a static Spark DataFrame, "
+                              f"got {type(other).__name__}")
+        if how not in JOIN_HOWS:
+            raise ConfigError(f"step {step_name!r}: how={how!r} is not supported; use one of "
+                              f"{', '.join(JOIN_HOWS)} (a right or full join would emit rows "
+                              "that no source message can be acked for)")
+        cols = (on,) if isinstance(on, str) else tuple(on)
+        if not cols or not all(isinstance(c, str) for c in cols):
+            raise ConfigError(f"step {step_name!r}: on= must name one or more columns")
+        return self._add(Join(step_name, other, cols, how))
+
+    def transform(self, fn: Callable[[Any], Any], *, name: str | None = None) -> Flow:
+        """The escape hatch: ``fn`` takes the batch's DataFrame and returns one.
+
+        The DataFrame carries ackflow's internal ``__af_*`` columns (the lineage ids
+        and the row status); ``fn`` must keep them. A DataFrame that lost them fails
+        the flow with an error naming the step, and receipts for ids that no message
+        of the batch has fail the batch: never an ack. Rows that ``fn`` removes lose
+        their lineage, so their messages are nacked; use :meth:`filter` to drop rows.
+        """
+        _check_callable(fn, "transform", name)
+        return self._add(Transform(self._name(name, "transform"), fn))
+
     def to(self, sink: Sink) -> Flow:
         """End the flow in ``sink``. Returns the complete flow, ready for :func:`ackflow.run`."""
         if not isinstance(sink, Sink):
@@ -191,6 +257,28 @@ class Flow:
         names = [s.name for s in self.steps] + [self.sink.name]
         if len(set(names)) != len(names):
             raise ConfigError(f"sink name {self.sink.name!r} clashes with a step name")
+
+
+@dataclass(frozen=True)
+class GroupedFlow:
+    """A flow waiting for its aggregation: ``flow.group_by("k").agg(...)``."""
+
+    flow: Flow
+    keys: tuple[str, ...]
+
+    def agg(self, *aggs: Any, name: str | None = None) -> Flow:
+        """Aggregate each group with Spark aggregate Columns or SQL strings.
+
+        ``flow.group_by("sku").agg(F.sum("qty").alias("qty"), "count(*) AS n")``
+        """
+        step_name = self.flow._name(name, "group_by")
+        if not aggs:
+            raise ConfigError(f"step {step_name!r}: agg needs at least one aggregate")
+        for a in aggs:
+            if not (is_column(a) or isinstance(a, str)):
+                raise ConfigError(f"step {step_name!r}: aggregates must be Spark Columns or "
+                                  f"SQL strings, got {type(a).__name__}")
+        return self.flow._add(GroupBy(step_name, self.keys, tuple(aggs)))
 
 
 def _check_callable(fn: object, kind: str, name: str | None) -> None:

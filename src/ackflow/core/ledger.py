@@ -51,7 +51,7 @@ class Outcomes:
 
     acked: list[int] = field(default_factory=list)
     failed: dict[int, Failure] = field(default_factory=dict)
-    rows_written: dict[str, int] = field(default_factory=dict)
+    rows_written: dict[str, int] = field(default_factory=dict)  # physical rows, per sink
 
 
 NO_RECEIPT = Failure("ledger", "no receipt came back for this message (lineage lost); not acked")
@@ -69,20 +69,13 @@ def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table) -> Outcomes
     ...     {"id": 3, "sink": "s", "emitted": 0, "written": 0, "err_step": None, "err": None},
     ... ], schema=RECEIPT_SCHEMA)
     >>> out = settle_receipts([1, 2, 3, 4], r)
-    >>> out.acked, sorted(out.failed), str(out.failed[2]), out.rows_written
-    ([1, 3], [2, 4], "step 'parse': boom", {'s': 2})
+    >>> out.acked, sorted(out.failed), str(out.failed[2])
+    ([1, 3], [2, 4], "step 'parse': boom")
     """
     outcomes = Outcomes()
     expected = pa.array(expected_ids, type=pa.int64())
     receipts = receipts.select(RECEIPT_SCHEMA.names).cast(RECEIPT_SCHEMA)
     receipts = receipts.filter(pc.is_in(receipts["id"], value_set=expected))
-
-    if receipts.num_rows:
-        per_sink = receipts.group_by("sink").aggregate([("written", "sum")])
-        for sink, written in zip(
-            per_sink["sink"].to_pylist(), per_sink["written_sum"].to_pylist(), strict=True
-        ):
-            outcomes.rows_written[sink or ""] = int(written or 0)
 
     # One error text per row: "step<SEP>error", so that min() keeps the pair together.
     has_err = pc.is_valid(receipts["err"])

@@ -12,8 +12,12 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.settlement import Delivery
+from ackflow.flow import Transform
 from ackflow.spark.compile import CompiledFlow
 from ackflow.spark.job import JobFailed, run_job
 from ackflow.spark.rows import describe
@@ -93,11 +97,26 @@ def execute(
             finally:
                 fail_all(ds, Failure(sink.name, f"commit failed: {describe(e)}"))
             return
+        stray = _stray_ids(ids, job.receipts)
+        if stray:
+            culprit = next((s.name for s in compiled.flow.steps if isinstance(s, Transform)),
+                           "ledger")
+            log.error("batch %s: receipts for %d ids that are not in the batch; failing it",
+                      batch_id, stray)
+            fail_all(ds, Failure(culprit, f"the job returned receipts for {stray} lineage ids "
+                                 "that no message of this batch has (fabricated ids); not acked"))
+            return
         part = settle_receipts(ids, job.receipts)
         result.outcomes.acked.extend(part.acked)
         result.outcomes.failed.update(part.failed)
-        for name, n in part.rows_written.items():
+        for name, n in job.rows_written.items():
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
 
     attempt(deliveries, batch_id)
     return result
+
+
+def _stray_ids(expected: list[int], receipts: pa.Table) -> int:
+    ids = receipts.column("id")
+    return int(pc.sum(pc.invert(pc.is_in(ids, value_set=pa.array(expected, pa.int64())))).as_py()
+               or 0)

@@ -21,18 +21,30 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType, _parse_datatype_string
 
 from ackflow.core.errors import FlowError
-from ackflow.flow import PYTHON_STEPS, ColumnFilter, FlatMap, Flow, Map, Step, WithColumns
+from ackflow.flow import (
+    PYTHON_STEPS,
+    ColumnFilter,
+    FlatMap,
+    Flow,
+    GroupBy,
+    Join,
+    Map,
+    Step,
+    Transform,
+    WithColumns,
+)
 from ackflow.spark.rows import (
     BODY,
     ERR,
     FILTERED,
     ID,
-    INTERNAL,
+    IDS,
     LIVE,
     STATUS,
     STEP,
     TASK_RECEIPTS,
     infer_schema,
+    internal_schema,
     make_sampler,
     make_segment,
     make_writer,
@@ -108,7 +120,7 @@ class CompiledFlow:
             raise FlowError(step.name, f"bad schema=: {e}") from e
 
     def _schema(self, index: int, seg: Segment, df: DataFrame,
-                data_cols: list[str]) -> pa.Schema | None:
+                data_cols: list[str], lineage: str) -> pa.Schema | None:
         with self._lock:
             if index in self._schemas:
                 return self._schemas[index]
@@ -119,7 +131,7 @@ class CompiledFlow:
                 # Run the steps on the executors (never on the driver: a user function may
                 # crash its process or have side effects) and bring a sample of good rows back.
                 sampler = make_sampler(seg.steps, self.flow.source.format,
-                                       None if index == 0 else data_cols, SAMPLE_ROWS)
+                                       None if index == 0 else data_cols, SAMPLE_ROWS, lineage)
                 picked = df.mapInArrow(sampler, "rows binary").toArrow().column("rows")
                 good = [r for blob in picked.to_pylist() for r in pickle.loads(blob)]
                 if not good:
@@ -146,38 +158,124 @@ class CompiledFlow:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
         df = self.spark.createDataFrame(inputs)
         data_cols: list[str] = []
+        lineage = ID
         for index, seg in enumerate(self.segments):
             if seg.python:
-                schema = self._schema(index, seg, df, data_cols)
+                schema = self._schema(index, seg, df, data_cols, lineage)
                 dead_end = schema is None  # no live row past this segment in this batch
                 if schema is None:
                     schema = pa.schema([])
-                out_schema = pa.schema([*schema, *INTERNAL])
+                out_schema = pa.schema([*schema, *internal_schema(lineage)])
                 fn = make_segment(seg.steps, self.flow.source.format,
-                                  None if index == 0 else data_cols, schema, out_schema)
+                                  None if index == 0 else data_cols, schema, out_schema, lineage)
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:
                     break  # later steps have no columns to work on and no rows to see
                 continue
             step = seg.steps[0]
-            live = F.col(STATUS) == LIVE
             try:
-                if isinstance(step, ColumnFilter):
-                    df = df.withColumn(
-                        STATUS,
-                        F.when(~live, F.col(STATUS))
-                        .when(F.coalesce(_column(step.condition), F.lit(False)), F.lit(LIVE))
-                        .otherwise(F.lit(FILTERED)),
-                    )
-                elif isinstance(step, WithColumns):
-                    df = df.withColumns({c: F.when(live, _column(e)) for c, e in step.columns})
-                    data_cols += [c for c, _ in step.columns if c not in data_cols]
+                df, data_cols, lineage = self._apply(step, df, data_cols, lineage)
             except AnalysisException as e:
                 raise FlowError(step.name, _first_line(e)) from e
-        df = df.select(*data_cols, ID, STATUS, STEP, ERR)
-        return df.mapInArrow(make_writer(self.sink, batch_id, data_cols),
+        df = df.select(*[F.col(f"`{c}`") for c in data_cols], lineage, STATUS, STEP, ERR)
+        return df.mapInArrow(make_writer(self.sink, batch_id, data_cols, lineage),
                              from_arrow_schema(TASK_RECEIPTS))
+
+    def _apply(self, step: Step, df: DataFrame, data_cols: list[str],
+               lineage: str) -> tuple[DataFrame, list[str], str]:
+        """Apply one Spark step; rows that are not live pass through untouched."""
+        live = F.col(STATUS) == LIVE
+        if isinstance(step, ColumnFilter):
+            df = df.withColumn(
+                STATUS,
+                F.when(~live, F.col(STATUS))
+                .when(F.coalesce(_column(step.condition), F.lit(False)), F.lit(LIVE))
+                .otherwise(F.lit(FILTERED)),
+            )
+            return df, data_cols, lineage
+        if isinstance(step, WithColumns):
+            df = df.withColumns({c: F.when(live, _column(e)) for c, e in step.columns})
+            return df, data_cols + [c for c, _ in step.columns if c not in data_cols], lineage
+        if isinstance(step, GroupBy):
+            return self._group(step, df, lineage)
+        if isinstance(step, Join):
+            return self._join(step, df, data_cols, lineage)
+        if isinstance(step, Transform):
+            return self._transform(step, df, lineage)
+        raise FlowError(step.name, f"unknown step kind {step.kind}")
+
+    def _group(self, step: GroupBy, df: DataFrame,
+               lineage: str) -> tuple[DataFrame, list[str], str]:
+        # Live rows group by the keys. A row that is not live forms a group of its own
+        # (keyed by its lineage), so its status and error reach the receipts unchanged.
+        live = F.col(STATUS) == LIVE
+        keys = [F.when(live, F.col(k)).alias(k) for k in step.keys]
+        solo = F.when(~live, F.col(lineage)).alias("__af_solo")
+        members = (F.collect_list(F.col(ID)) if lineage == ID
+                   else F.flatten(F.collect_list(F.col(IDS))))
+        failure = F.first(F.when(F.col(ERR).isNotNull(), F.struct(STEP, ERR)), ignorenulls=True)
+        aggs = [_column(a) for a in step.aggs]
+        out = df.groupBy(*keys, solo).agg(
+            *aggs,
+            members.alias(IDS),
+            F.max(STATUS).alias(STATUS),
+            failure.alias("__af_failure"),
+        )
+        out = (out.withColumn(STEP, F.col("__af_failure." + STEP))
+               .withColumn(ERR, F.col("__af_failure." + ERR))
+               .drop("__af_failure", "__af_solo"))
+        data_cols = [c for c in out.columns if not c.startswith("__af_")]
+        return out, data_cols, IDS
+
+    def _join(self, step: Join, df: DataFrame, data_cols: list[str],
+              lineage: str) -> tuple[DataFrame, list[str], str]:
+        live = F.col(STATUS) == LIVE
+        other = step.other
+        missing = [c for c in step.on if c not in other.columns or c not in data_cols]
+        if missing:
+            raise FlowError(step.name, f"join column(s) {missing} must exist on both sides")
+        if any(c.startswith("__af_") for c in other.columns):
+            raise FlowError(step.name, "the static DataFrame has __af_ columns (reserved)")
+        extra = [c for c in other.columns if c not in step.on]
+        if step.how in ("inner", "left"):
+            clash = [c for c in extra if c in data_cols]
+            if clash:
+                raise FlowError(step.name, f"column(s) {clash} exist on both sides; rename them")
+            right = other.withColumn("__af_match", F.lit(True))
+        else:  # semi/anti: only whether a match exists
+            right = other.select(*step.on).dropDuplicates().withColumn("__af_match", F.lit(True))
+            extra = []
+        # Always a left join, so that no stream row (nor its receipt) can vanish; the
+        # rows an inner/semi join would drop are marked filtered instead.
+        out = df.join(F.broadcast(right), on=list(step.on), how="left")
+        matched = F.col("__af_match").isNotNull()
+        drop = {"inner": ~matched, "left_semi": ~matched, "left_anti": matched}.get(step.how)
+        if drop is not None:
+            out = out.withColumn(STATUS, F.when(live & drop, F.lit(FILTERED))
+                                 .otherwise(F.col(STATUS)))
+        return out.drop("__af_match"), data_cols + extra, lineage
+
+    def _transform(self, step: Transform, df: DataFrame,
+                   lineage: str) -> tuple[DataFrame, list[str], str]:
+        try:
+            out = step.fn(df)
+        except AnalysisException:
+            raise
+        except Exception as e:
+            raise FlowError(step.name, f"transform function raised {type(e).__name__}: {e}") from e
+        if not isinstance(out, DataFrame):
+            raise FlowError(step.name, f"transform must return a DataFrame, got "
+                            f"{type(out).__name__}")
+        lost = [c for c in (lineage, STATUS, STEP, ERR) if c not in out.columns]
+        if lost:
+            raise FlowError(step.name, f"the DataFrame returned lost ackflow's column(s) {lost}; "
+                            "keep them (select them along, or use withColumn)")
+        expected = internal_schema(lineage)
+        types = {f.name: f.dataType for f in out.schema.fields}
+        if types[lineage] != from_arrow_schema(expected)[lineage].dataType:
+            raise FlowError(step.name, f"column {lineage} changed type to {types[lineage]}")
+        return out, [c for c in out.columns if not c.startswith("__af_")], lineage
 
 
 def _column(expr: Any) -> Any:

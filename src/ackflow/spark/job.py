@@ -17,8 +17,9 @@ class JobFailed(Exception):
 
 @dataclass
 class JobResult:
-    receipts: pa.Table
-    tokens: list[bytes]
+    receipts: pa.Table  # one or more lines per message id
+    tokens: list[bytes]  # for the sink's commit
+    rows_written: dict[str, int]  # physical rows, per sink
 
 
 def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_id: str) -> JobResult:
@@ -33,9 +34,14 @@ def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_i
         raise
     except Exception as e:
         raise JobFailed(summarize(e)) from e
-    has_token = pc.is_valid(table.column("token"))
-    tokens = [t for t in pc.filter(table.column("token"), has_token).to_pylist() if t]
-    return JobResult(table.filter(pc.invert(has_token)), tokens)
+    summary_mask = pc.is_null(table.column("id"))
+    summary = table.filter(summary_mask)
+    tokens = [t for t in summary.column("token").to_pylist() if t]
+    written: dict[str, int] = {}
+    for sink, n in zip(summary.column("sink").to_pylist(), summary.column("written").to_pylist(),
+                       strict=True):
+        written[sink] = written.get(sink, 0) + int(n or 0)
+    return JobResult(table.filter(pc.invert(summary_mask)), tokens, written)
 
 
 def summarize(e: BaseException) -> str:

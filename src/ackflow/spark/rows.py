@@ -22,10 +22,18 @@ from ackflow.flow import Filter, FlatMap, Map, Step
 from ackflow.sinks.base import Sink
 
 ID, BODY, STATUS, STEP, ERR = "__af_id", "__af_body", "__af_status", "__af_step", "__af_err"
+IDS = "__af_ids"  # after a group_by: the ids of every member message of the row
 LIVE, FILTERED, FAILED = 0, 1, 2
-INTERNAL = pa.schema(
-    [(ID, pa.int64()), (STATUS, pa.int32()), (STEP, pa.string()), (ERR, pa.string())]
-)
+
+
+def internal_schema(lineage: str = ID) -> pa.Schema:
+    """The internal columns: lineage (one id, or a list after grouping) and status."""
+    id_type = pa.int64() if lineage == ID else pa.list_(pa.int64())
+    return pa.schema(
+        [(lineage, id_type), (STATUS, pa.int32()), (STEP, pa.string()), (ERR, pa.string())]
+    )
+
+
 TASK_RECEIPTS = RECEIPT_SCHEMA.append(pa.field("token", pa.binary()))
 
 Out = tuple[int, "dict[str, Any] | None", "str | None", "str | None"]
@@ -134,14 +142,15 @@ def conform(
 
 def make_segment(
     steps: Sequence[Step], fmt: str, data_in: list[str] | None, data_schema: pa.Schema,
-    out_schema: pa.Schema,
+    out_schema: pa.Schema, lineage: str = ID,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None)."""
     last = steps[-1].name if steps else "decode"
+    id_type = out_schema.field(lineage).type
 
     def segment(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
-            ids = b.column(ID).to_pylist()
+            ids = b.column(lineage).to_pylist()
             n = len(ids)
             rows: list[dict[str, Any] | None]
             if data_in is None:
@@ -162,7 +171,7 @@ def make_segment(
             o_id, o_st, o_step, o_err, o_rows = segment_rows(ids, status, sname, errs, rows, steps)
             data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
             internal = [
-                pa.array(o_id, pa.int64()),
+                pa.array(o_id, id_type),
                 pa.array(o_st, pa.int32()),
                 pa.array(o_step, pa.string()),
                 pa.array(o_err, pa.string()),
@@ -174,7 +183,7 @@ def make_segment(
 
 
 def make_sampler(
-    steps: Sequence[Step], fmt: str, data_in: list[str] | None, limit: int,
+    steps: Sequence[Step], fmt: str, data_in: list[str] | None, limit: int, lineage: str = ID,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function returning up to ``limit`` good output rows per
     partition, pickled, for inferring the output columns on the driver."""
@@ -183,7 +192,7 @@ def make_sampler(
     def sample(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         good: list[dict[str, Any]] = []
         for b in batches:
-            ids = b.column(ID).to_pylist()
+            ids = b.column(lineage).to_pylist()
             if data_in is None:
                 status = [LIVE] * len(ids)
                 rows: list[dict[str, Any] | None] = []
@@ -207,9 +216,12 @@ def make_sampler(
 
 
 def make_writer(
-    sink: Sink, batch_id: str, data_cols: list[str]
+    sink: Sink, batch_id: str, data_cols: list[str], lineage: str = ID
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function that writes a partition's live rows and returns receipts."""
+    """A ``mapInArrow`` function that writes a partition's live rows and returns receipts.
+
+    A grouped row (lineage ``__af_ids``) gives one receipt line to each member id.
+    """
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -248,27 +260,31 @@ def make_writer(
             for j in live_idx:
                 steps_l[j], errs_l[j] = sink.name, text
             err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
-        receipts = compact_receipts(
-            pa.table(
-                {
-                    "id": table.column(ID),
-                    "sink": pa.array([sink.name] * n, pa.string()),
-                    "emitted": emitted,
-                    "written": written,
-                    "err_step": err_step,
-                    "err": err,
-                },
-                schema=RECEIPT_SCHEMA,
-            )
+        per_row = pa.table(
+            {
+                "id": pa.nulls(n, pa.int64()) if lineage != ID else table.column(ID),
+                "sink": pa.array([sink.name] * n, pa.string()),
+                "emitted": emitted,
+                "written": written,
+                "err_step": err_step,
+                "err": err,
+            },
+            schema=RECEIPT_SCHEMA,
         )
+        if lineage != ID:  # one line per member of each grouped row
+            members = table.column(lineage).combine_chunks()
+            per_row = per_row.take(pc.list_parent_indices(members)).set_column(
+                0, "id", pc.list_flatten(members))
+        receipts = compact_receipts(per_row)
         receipts = receipts.append_column("token", pa.nulls(receipts.num_rows, pa.binary()))
         yield from receipts.to_batches()
-        if token is not None:
-            yield pa.RecordBatch.from_pylist(
-                [{"id": None, "sink": sink.name, "emitted": 0, "written": 0, "err_step": None,
-                  "err": None, "token": token}],
-                schema=TASK_RECEIPTS,
-            )
+        # the partition's summary: physical rows emitted and written, and the sink's token
+        yield pa.RecordBatch.from_pylist(
+            [{"id": None, "sink": sink.name, "emitted": len(live_idx),
+              "written": int(written[live_idx].sum()) if len(live_idx) else 0,
+              "err_step": None, "err": None, "token": token}],
+            schema=TASK_RECEIPTS,
+        )
 
     return write
 

@@ -1,0 +1,55 @@
+"""join with a static DataFrame: the stream side's ids carry through."""
+
+import pytest
+
+import ackflow
+from ackflow.core import ConfigError
+from ackflow.sinks import MemorySink
+from ackflow.testing import ListSource
+from helpers import FAST, bodies
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture
+def skus(spark):
+    return spark.createDataFrame([("a", 1.5), ("b", 2.0), ("b", 2.5)], "sku STRING, price DOUBLE")
+
+
+def run(spark, flow):
+    return ackflow.run(flow, spark=spark, **FAST)
+
+
+def test_inner_join_drops_unmatched_rows_like_a_filter(spark, skus):
+    src = ListSource(bodies([{"sku": s, "qty": 1} for s in ("a", "b", "zzz")]))
+    sink = MemorySink()
+    report = run(spark, ackflow.Flow(src).join(skus, "sku", name="prices").to(sink))
+    assert sorted((r["sku"], r["price"]) for r in sink.rows) == [("a", 1.5), ("b", 2.0), ("b", 2.5)]
+    assert report.acked == 3  # "zzz" had no price: dropped like a filter, acked
+
+
+def test_left_join_keeps_unmatched_rows_and_two_matches_need_both_writes(spark, skus):
+    from ackflow.testing import FailingSink
+
+    src = ListSource(bodies([{"sku": s, "qty": 1} for s in ("a", "b", "zzz")]))
+    sink = FailingSink(fail_if=lambda r: r["price"] == 2.5)
+    run(spark, ackflow.Flow(src).join(skus, "sku", "left").to(sink))
+    assert src.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "acked"}
+    assert ("zzz", None) in {(r["sku"], r["price"]) for r in sink.rows}
+
+
+def test_semi_and_anti_joins_filter(spark, skus):
+    semi, anti = MemorySink("semi"), MemorySink("anti")
+    for how, sink in (("left_semi", semi), ("left_anti", anti)):
+        src = ListSource(bodies([{"sku": s} for s in ("a", "b", "c")]))
+        report = run(spark, ackflow.Flow(src).join(skus, "sku", how).to(sink))
+        assert report.acked == 3
+    assert sorted(r["sku"] for r in semi.rows) == ["a", "b"]
+    assert [r["sku"] for r in anti.rows] == ["c"]
+
+
+def test_joins_that_fabricate_rows_are_refused(spark, skus):
+    with pytest.raises(ConfigError, match="right or full join"):
+        ackflow.Flow(ListSource([])).join(skus, "sku", "right")
+    with pytest.raises(ConfigError, match="static Spark DataFrame"):
+        ackflow.Flow(ListSource([])).join({"sku": "a"}, "sku")
