@@ -99,6 +99,9 @@ class CompiledFlow:
         self._schemas: dict[int, pa.Schema] = {}
         self._lock = threading.Lock()
         self.parallelism = max(1, spark.sparkContext.defaultParallelism)
+        self.shipped = _pickle_parts(flow)
+        if not spark.sparkContext.master.startswith("local"):
+            check_executors_can_load(spark, self.shipped)
 
     # -- schemas -----------------------------------------------------------------------
 
@@ -276,6 +279,49 @@ class CompiledFlow:
         if types[lineage] != from_arrow_schema(expected)[lineage].dataType:
             raise FlowError(step.name, f"column {lineage} changed type to {types[lineage]}")
         return out, [c for c in out.columns if not c.startswith("__af_")], lineage
+
+
+def _pickle_parts(flow: Flow) -> dict[str, bytes]:
+    """Everything that runs on executors, pickled now: a part that cannot be sent
+    fails at start, with its name, rather than in the middle of a run."""
+    from pyspark import cloudpickle
+
+    parts: dict[str, Any] = {s.name: s for s in flow.steps
+                             if isinstance(s, PYTHON_STEPS)}
+    assert flow.sink is not None
+    parts[flow.sink.name] = flow.sink
+    out = {}
+    for name, part in parts.items():
+        try:
+            out[name] = cloudpickle.dumps(part)
+        except Exception as e:
+            raise FlowError(name, f"cannot be sent to the executors (not picklable): "
+                            f"{type(e).__name__}: {e}. Open connections and files inside the "
+                            "function or in write_partition, not when building the flow") from e
+    return out
+
+
+def check_executors_can_load(spark: SparkSession, shipped: dict[str, bytes]) -> None:
+    """Unpickle every step and the sink on an executor; name the one that fails."""
+
+    def load(item: tuple[str, bytes]) -> tuple[str, str | None]:
+        import pickle
+
+        name, blob = item
+        try:
+            pickle.loads(blob)
+            return name, None
+        except Exception as e:  # noqa: BLE001 - reported on the driver, by name
+            return name, f"{type(e).__name__}: {e}"
+
+    items = list(shipped.items())
+    results = spark.sparkContext.parallelize(items, 1).map(load).collect()
+    for name, error in results:
+        if error is not None:
+            raise FlowError(name, f"the executors cannot load it ({error}). Make its module "
+                            "importable there: run the flow with `ackflow run file.py:flow` "
+                            "(the file is shipped by value), or add the module with "
+                            "SparkContext.addPyFile / spark.submit.pyFiles")
 
 
 def _column(expr: Any) -> Any:

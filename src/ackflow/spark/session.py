@@ -31,7 +31,8 @@ def session(master: str | None = None, conf: dict[str, Any] | None = None,
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ["PYTHONPATH"] = _worker_pythonpath()
-    if (master or "local").startswith("local"):
+    local = (master or "local").startswith("local")
+    if local:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder.master(master or "local[*]").appName("ackflow")
     defaults: dict[str, Any] = {
@@ -44,6 +45,8 @@ def session(master: str | None = None, conf: dict[str, Any] | None = None,
         "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
         "spark.python.worker.reuse": "true",
         "spark.sql.session.timeZone": "UTC",
+        # executors run this interpreter (set PYSPARK_PYTHON where workers differ)
+        "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
     }
     defaults.update(conf or {})
     for k, v in defaults.items():
@@ -51,7 +54,29 @@ def session(master: str | None = None, conf: dict[str, Any] | None = None,
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(log_level)
     quiet_pyspark_loggers()
+    if not spark.sparkContext.master.startswith("local"):
+        ship_ackflow(spark)
     return spark
+
+
+def ship_ackflow(spark: SparkSession) -> str:
+    """Send ackflow itself to the executors (a zip, with ``addPyFile``).
+
+    Executors then import the same ackflow as the driver, whatever their Python has
+    installed. Returns the path of the zip.
+    """
+    import shutil
+    import tempfile
+
+    import ackflow
+
+    package_dir = os.path.dirname(os.path.abspath(ackflow.__file__))
+    folder = tempfile.mkdtemp(prefix="ackflow-ship-")
+    base = os.path.join(folder, "ackflow")
+    archive = shutil.make_archive(base, "zip", root_dir=os.path.dirname(package_dir),
+                                  base_dir="ackflow")
+    spark.sparkContext.addPyFile(archive)
+    return archive
 
 
 def quiet_pyspark_loggers() -> None:
