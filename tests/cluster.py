@@ -51,7 +51,7 @@ class Cluster:
 
     def _spawn(self, *args: str, log: str) -> subprocess.Popen:
         home = os.path.dirname(pyspark.__file__)
-        out = open(os.path.join(self.workdir, log), "wb")  # noqa: SIM115 - closed with the process
+        out = open(os.path.join(self.workdir, log), "wb")
         p = subprocess.Popen([os.path.join(home, "bin", "spark-class"), *args], env=self._env(),
                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(p)

@@ -10,10 +10,10 @@ import textwrap
 
 import pyarrow.parquet as pq
 import pytest
-from cluster import Cluster
-from helpers import wait_until
 
 from ackflow.embedded import EmbeddedQueue
+from cluster import Cluster
+from helpers import wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -98,7 +98,7 @@ def test_cluster_and_local_give_the_same_results_and_settlements(tmp_path, clust
     for key in ("acked", "nacked", "dead_lettered"):
         assert local[key] == remote[key], key
     assert local["acked"] == sum(1 for r in rows if r["qty"] >= 0)
-    dead_l, left_l, sums_l = outcome(db_l, out_l)
+    dead_l, _left_l, sums_l = outcome(db_l, out_l)
     dead_c, left_c, sums_c = outcome(db_c, out_c)
     assert dead_l == dead_c and set(dead_c) == {f"o{r['id']}" for r in rows if r["qty"] < 0}
     assert all(step == "parse" for step, _ in dead_c.values())
