@@ -246,17 +246,16 @@ class EmbeddedQueue:
             self._bump(queue, "acked_total", done)
         return done
 
-    def retry(
-        self, deliveries: Sequence[tuple[int, int]], *, delay: float, error: str
-    ) -> int:
-        """Make failed deliveries visible again after ``delay`` seconds."""
-        at = time.time() + delay
+    def retry(self, failures: Sequence[tuple[int, int, float, str]]) -> int:
+        """Make failed ``(row_id, deliveries, delay_s, error)`` visible again after their
+        delay, in one transaction."""
+        now = time.time()
         with self._tx():
             before = self._db.total_changes
             self._db.executemany(
                 "UPDATE messages SET leased = 0, visible_at = ?, last_error = ?"
                 " WHERE id = ? AND deliveries = ? AND leased = 1",
-                [(at, error, rid, n) for rid, n in deliveries],
+                [(now + delay, error, rid, n) for rid, n, delay, error in failures],
             )
             return self._db.total_changes - before
 

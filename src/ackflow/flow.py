@@ -112,6 +112,7 @@ class Flow:
     source: Source
     steps: tuple[Step, ...] = ()
     sink: Sink | None = None
+    error_sink: Sink | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, Source):
@@ -238,6 +239,31 @@ class Flow:
         """
         _check_callable(fn, "transform", name)
         return self._add(Transform(self._name(name, "transform"), fn))
+
+    def broadcast(self, *branches: Sink, mode: str = "all", fallback: Iterable[Sink] = (),
+                  name: str = "broadcast") -> Flow:
+        """End the flow in several sinks at once (see :class:`ackflow.sinks.Broadcast`).
+
+        ``mode="all"``: a message is acked when every branch wrote all its rows.
+        ``mode="primary", fallback=[...]``: acked when the primary wrote them, or a
+        fallback did after the primary failed. Failures name the branch.
+        """
+        from ackflow.sinks.broadcast import Broadcast
+
+        return self.to(Broadcast(*branches, mode=mode, fallback=tuple(fallback), name=name))
+
+    def on_error(self, sink: Sink) -> Flow:
+        """Dead-letter failed messages to ``sink`` instead of the source's own dead letters.
+
+        When the source's retry policy gives a message up, a row with its ``message``
+        key, ``body``, ``headers`` (JSON), the failing ``step``, the ``error``, its
+        ``deliveries`` and ``failed_at`` is written to ``sink`` (on the driver) and only
+        then is the message settled at the source. If that write fails, the message is
+        nacked and retried later: it is never dropped.
+        """
+        if not isinstance(sink, Sink):
+            raise ConfigError(f"on_error(): expected an ackflow Sink, got {type(sink).__name__}")
+        return dataclasses.replace(self, error_sink=sink)
 
     def to(self, sink: Sink) -> Flow:
         """End the flow in ``sink``. Returns the complete flow, ready for :func:`ackflow.run`."""

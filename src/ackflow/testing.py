@@ -86,6 +86,14 @@ class ListSource(Source):
                 out.append(Settlement.NACKED)
         return out
 
+    def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
+        for d, f in failures:
+            self.failures[d.key] = f
+            self._record(d, "nacked")
+            self._delayed.append(
+                (time.monotonic() + self.policy.delay_after(d.delivery_count), int(d.handle))  # type: ignore[call-overload]
+            )
+
     def release(self, deliveries: Sequence[Delivery]) -> None:
         for d in deliveries:
             self._record(d, "released")

@@ -128,6 +128,8 @@ class Engine:
         self.metrics.acked.inc(len(acked))
 
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items()]
+        if failures and self.flow.error_sink is not None:
+            failures = self._dead_letter_to_sink(result.batch_id, failures)
         if failures:
             states = source.fail(failures)
             for (d, f), state in zip(failures, states, strict=True):
@@ -164,6 +166,33 @@ class Engine:
         log.debug("batch %s: %d messages, %d acked, %d failed, %d jobs, %.3f s",
                   result.batch_id, result.size, len(acked), len(failures), result.jobs,
                   result.seconds)
+
+    def _dead_letter_to_sink(self, batch_id: str,
+                             failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
+        """Write given-up messages to the flow's error sink, then settle them; return the
+        failures that are still to be retried by the source."""
+        source, sink = self.flow.source, self.flow.error_sink
+        assert sink is not None
+        done = [(d, f) for d, f in failures if source.exhausted(d)]
+        if not done:
+            return failures
+        rest = [(d, f) for d, f in failures if not source.exhausted(d)]
+        try:
+            write_dead_letters(sink, f"{batch_id}-dead", done)
+        except Exception as e:  # noqa: BLE001 - not written: nack, never drop
+            log.error("batch %s: error sink %r failed (%s); nacking %d messages", batch_id,
+                      sink.name, e, len(done))
+            source.nack(done)
+            for d, f in done:
+                d.settle(Settlement.NACKED)
+                self._record_failure(d, f, Settlement.NACKED)
+            return rest
+        for d, _ in done:
+            d.settle(Settlement.DEAD_LETTERED)
+        source.ack([d for d, _ in done])
+        for d, f in done:
+            self._record_failure(d, f, Settlement.DEAD_LETTERED)
+        return rest
 
     def _record_failure(self, d: Delivery, f: Failure, state: Settlement) -> None:
         if state is Settlement.DEAD_LETTERED:
@@ -207,6 +236,8 @@ class Engine:
         spark = self.spark or session(self.master)
         compiled = CompiledFlow(flow, spark)
         flow.sink.open()
+        if flow.error_sink is not None:
+            flow.error_sink.open()
         if self.metrics_port is not None:
             self.metrics.serve(self.metrics_port, self.metrics_host)
             log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)
@@ -236,6 +267,8 @@ class Engine:
                 self.report.batch_p99_s = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
             flow.source.close()
             flow.sink.close()
+            if flow.error_sink is not None:
+                flow.error_sink.close()
             self.metrics.close()
         return self.report
 
@@ -366,6 +399,31 @@ class Engine:
                     sc.cancelJobGroup(batch_id)
         except Exception as e:  # noqa: BLE001
             log.error("could not cancel Spark jobs: %s", e)
+
+
+def write_dead_letters(sink: Any, batch_id: str,
+                       failures: list[tuple[Delivery, Failure]]) -> None:
+    """Write failed messages with their provenance to ``sink`` and commit; raise if any
+    row was not written."""
+    import json
+
+    import pyarrow as pa
+
+    now = time.time()
+    table = pa.Table.from_pylist(
+        [{"message": d.key, "body": d.body, "headers": json.dumps(d.headers),
+          "step": f.step, "error": f.error, "deliveries": d.delivery_count, "failed_at": now}
+         for d, f in failures],
+        schema=pa.schema([("message", pa.string()), ("body", pa.binary()),
+                          ("headers", pa.string()), ("step", pa.string()),
+                          ("error", pa.string()), ("deliveries", pa.int64()),
+                          ("failed_at", pa.float64())]))
+    result = sink.write_partition(batch_id, 0, table)
+    if result.failed:
+        sink.abort(batch_id, [result.token] if result.token else [])
+        raise RuntimeError(f"{len(result.failed)} dead letters were refused: "
+                           f"{next(iter(result.failed.values()))}")
+    sink.commit(batch_id, [result.token] if result.token else [])
 
 
 def run(flow: Flow, **options: Any) -> RunReport:

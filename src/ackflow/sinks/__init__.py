@@ -1,6 +1,7 @@
 """Sinks: where rows go. Their writers run inside Spark tasks."""
 
 from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sinks.broadcast import Broadcast
 from ackflow.sinks.embedded import EmbeddedQueueSink
 from ackflow.sinks.memory import ConsoleSink, MemorySink
 from ackflow.sinks.parquet import ParquetSink
@@ -11,6 +12,7 @@ Console = ConsoleSink
 EmbeddedQueue = EmbeddedQueueSink
 
 __all__ = [
+    "Broadcast",
     "Console",
     "ConsoleSink",
     "EmbeddedQueue",

@@ -29,10 +29,15 @@ from ackflow.core.errors import ConfigError
 
 @dataclass
 class PartitionResult:
-    """What one partition write reports: row index → error, and a token for commit."""
+    """What one partition write reports: row index → error, and a token for commit.
+
+    ``counts`` (optional) reports rows written per branch name, for sinks that
+    write to several places (the report then counts rows per branch).
+    """
 
     failed: Mapping[int, str] = field(default_factory=dict)
     token: bytes | None = None
+    counts: Mapping[str, int] | None = None
 
 
 class Sink(ABC):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
+from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
 
 FORMATS = ("json", "text", "bytes")
@@ -26,6 +27,8 @@ class Source(ABC):
     """
 
     name: str = "source"
+
+    policy: RetryPolicy = RetryPolicy()
 
     def __init__(self, *, format: str = "json", name: str | None = None) -> None:
         if format not in FORMATS:
@@ -49,6 +52,14 @@ class Source(ABC):
     @abstractmethod
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         """Settle failed deliveries by the retry policy: ``NACKED`` or ``DEAD_LETTERED``."""
+
+    @abstractmethod
+    def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
+        """Redeliver later (after the policy's backoff), whatever the delivery count."""
+
+    def exhausted(self, delivery: Delivery) -> bool:
+        """True when the retry policy gives this delivery up if it fails now."""
+        return self.policy.exhausted(delivery.delivery_count)
 
     @abstractmethod
     def release(self, deliveries: Sequence[Delivery]) -> None:

@@ -87,21 +87,24 @@ class EmbeddedQueueSource(Source):
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         outcomes: list[Settlement] = []
         dead: list[tuple[int, int, str, str]] = []
+        retry: list[tuple[Delivery, Failure]] = []
         for d, f in failures:
-            if self.policy.exhausted(d.delivery_count):
+            if self.exhausted(d):
                 rid, n = d.handle  # type: ignore[misc]
                 dead.append((rid, n, f.step, f.error))
                 outcomes.append(Settlement.DEAD_LETTERED)
             else:
-                self.q.retry(
-                    [d.handle],  # type: ignore[list-item]
-                    delay=self.policy.delay_after(d.delivery_count),
-                    error=str(f),
-                )
+                retry.append((d, f))
                 outcomes.append(Settlement.NACKED)
+        self.nack(retry)
         if dead:
             self.q.dead_letter(self.queue, dead)
         return outcomes
+
+    def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
+        if failures:
+            self.q.retry([(*d.handle, self.policy.delay_after(d.delivery_count), str(f))  # type: ignore[misc]
+                          for d, f in failures])
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         if deliveries:

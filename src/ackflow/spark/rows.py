@@ -243,10 +243,12 @@ def make_writer(
         err_step = table.column(STEP)
         err = table.column(ERR)
         token = None
+        counts = None
         try:
             result = sink.write_partition(batch_id, partition, live)
             written[live_idx] = 1
             token = result.token
+            counts = result.counts
             if result.failed:
                 steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
                 for i, e in result.failed.items():
@@ -278,11 +280,16 @@ def make_writer(
         receipts = compact_receipts(per_row)
         receipts = receipts.append_column("token", pa.nulls(receipts.num_rows, pa.binary()))
         yield from receipts.to_batches()
-        # the partition's summary: physical rows emitted and written, and the sink's token
+        # the partition's summary: physical rows written (per branch if the sink has
+        # several), and the sink's token
+        if counts is None:
+            counts = {sink.name: int(written[live_idx].sum()) if len(live_idx) else 0}
         yield pa.RecordBatch.from_pylist(
-            [{"id": None, "sink": sink.name, "emitted": len(live_idx),
-              "written": int(written[live_idx].sum()) if len(live_idx) else 0,
-              "err_step": None, "err": None, "token": token}],
+            [{"id": None, "sink": name, "emitted": 0, "written": n, "err_step": None,
+              "err": None, "token": token if k == 0 else None}
+             for k, (name, n) in enumerate(counts.items())] or
+            [{"id": None, "sink": sink.name, "emitted": 0, "written": 0, "err_step": None,
+              "err": None, "token": token}],
             schema=TASK_RECEIPTS,
         )
 

@@ -1,0 +1,110 @@
+"""Broadcast: one stream written to several sinks, in the same Spark job."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+from ackflow.sinks.base import PartitionResult, Sink
+
+MODES = ("all", "primary")
+
+
+class Broadcast(Sink):
+    """Write every row to several sinks (branches).
+
+    * ``mode="all"``: a row counts as written only when **every** branch wrote it; a
+      branch's failure fails the row, and the error names the branch.
+    * ``mode="primary"``: the row goes to the first branch; rows it fails (or all, if
+      it raises) are tried on each ``fallback`` sink in turn. A row counts as written
+      when the primary or a fallback wrote it; the primary's failure is logged with the
+      batch and counted in ``rows_written`` of the fallback that took the row.
+
+    Each branch stages in the task and commits on the driver like a lone sink. If any
+    branch's commit fails, the whole batch fails (nothing is acked).
+    """
+
+    def __init__(self, *branches: Sink, mode: str = "all", fallback: Sequence[Sink] = (),
+                 name: str = "broadcast") -> None:
+        super().__init__(name)
+        if mode not in MODES:
+            raise ConfigError(f"broadcast: mode must be 'all' or 'primary', got {mode!r}")
+        if not branches or not all(isinstance(b, Sink) for b in branches):
+            raise ConfigError("broadcast: give one or more ackflow sinks as branches")
+        if mode == "all" and fallback:
+            raise ConfigError("broadcast: fallback= needs mode='primary'")
+        if mode == "primary" and len(branches) != 1:
+            raise ConfigError("broadcast(mode='primary'): give one primary sink and "
+                              "fallback=[...]")
+        self.branches: tuple[Sink, ...] = (*branches, *fallback)
+        names = [b.name for b in self.branches]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"broadcast: branch names must be unique, got {names}")
+        self.mode = mode
+
+    def open(self) -> None:
+        for b in self.branches:
+            b.open()
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        n = rows.num_rows
+        tokens: dict[str, bytes | None] = {}
+        counts: dict[str, int] = {}
+        if self.mode == "all":
+            failed: dict[int, str] = {}
+            for b in self.branches:
+                try:
+                    res = b.write_partition(batch_id, partition, rows)
+                except Exception as e:  # noqa: BLE001 - a branch failure fails its rows
+                    res = PartitionResult(failed={i: f"{type(e).__name__}: {e}" for i in range(n)})
+                for i, err in res.failed.items():
+                    failed.setdefault(i, f"branch {b.name!r}: {err}")
+                tokens[b.name] = res.token
+                counts[b.name] = n - len(res.failed)
+            return PartitionResult(failed=failed, token=pickle.dumps(tokens), counts=counts)
+        remaining = list(range(n))
+        errors: dict[int, list[str]] = {}
+        for b in self.branches:
+            if not remaining:
+                break
+            subset = rows.take(remaining)
+            try:
+                res = b.write_partition(batch_id, partition, subset)
+                bad = dict(res.failed)
+            except Exception as e:  # noqa: BLE001
+                res = PartitionResult()
+                bad = {i: f"{type(e).__name__}: {e}" for i in range(len(remaining))}
+            tokens[b.name] = res.token
+            counts[b.name] = len(remaining) - len(bad)
+            for i, err in bad.items():
+                errors.setdefault(remaining[i], []).append(f"branch {b.name!r}: {err}")
+            remaining = [remaining[i] for i in sorted(bad)]
+        failed = {i: "; ".join(errors[i]) for i in remaining}
+        return PartitionResult(failed=failed, token=pickle.dumps(tokens), counts=counts)
+
+    def _split(self, tokens: Sequence[bytes]) -> dict[str, list[bytes]]:
+        per: dict[str, list[bytes]] = {b.name: [] for b in self.branches}
+        for t in tokens:
+            for name, tok in pickle.loads(t).items():
+                if tok is not None:
+                    per[name].append(tok)
+        return per
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        per = self._split(tokens)
+        for b in self.branches:
+            try:
+                b.commit(batch_id, per[b.name])
+            except Exception as e:
+                raise RuntimeError(f"branch {b.name!r}: commit failed: {e}") from e
+
+    def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        per = self._split(tokens)
+        for b in self.branches:
+            b.abort(batch_id, per[b.name])
+
+    def close(self) -> None:
+        for b in self.branches:
+            b.close()

@@ -1,0 +1,53 @@
+"""broadcast: several sinks from one stream; modes all and primary with fallback."""
+
+import pytest
+
+import ackflow
+from ackflow.core import ConfigError
+from ackflow.sinks import Broadcast, MemorySink, ParquetSink
+from ackflow.testing import FailingSink, ListSource
+from helpers import FAST, bodies
+
+pytestmark = pytest.mark.spark
+
+
+def test_mode_all_acks_only_when_every_branch_wrote(spark):
+    src = ListSource(bodies([{"n": i} for i in range(12)]))
+    a, b = MemorySink("a"), FailingSink(fail_if=lambda r: r["n"] == 4, name="b")
+    report = ackflow.run(ackflow.Flow(src).broadcast(a, b), spark=spark, **FAST)
+    assert src.final()["m4"] == "dead_lettered"
+    assert src.failures["m4"].error.startswith("branch 'b': row refused")
+    assert report.acked == 11
+    assert sorted(r["n"] for r in a.rows) == list(range(12))  # a wrote m4's row; still nacked
+    assert report.rows_written == {"a": 12, "b": 11}
+
+
+def test_mode_primary_falls_back_and_acks(spark, tmp_path):
+    src = ListSource(bodies([{"n": i} for i in range(10)]))
+    primary = FailingSink(fail_if=lambda r: r["n"] % 3 == 0, name="primary")
+    spare = ParquetSink(tmp_path / "spare", name="spare")
+    report = ackflow.run(ackflow.Flow(src).broadcast(primary, mode="primary", fallback=[spare]),
+                         spark=spark, **FAST)
+    assert report.acked == 10
+    assert report.rows_written == {"primary": 6, "spare": 4}
+    import pyarrow.parquet as pq
+
+    assert sorted(pq.read_table(tmp_path / "spare").column("n").to_pylist()) == [0, 3, 6, 9]
+
+
+def test_mode_primary_fails_when_every_fallback_failed(spark):
+    src = ListSource(bodies([{"n": i} for i in range(4)]))
+    primary = FailingSink(fail_if=lambda r: r["n"] == 2, name="primary")
+    spare = FailingSink(raise_if=lambda r: True, name="spare")
+    ackflow.run(ackflow.Flow(src).broadcast(primary, mode="primary", fallback=[spare]),
+                spark=spark, **FAST)
+    assert src.final()["m2"] == "dead_lettered"
+    err = src.failures["m2"].error
+    assert "branch 'primary'" in err and "branch 'spare'" in err
+
+
+def test_bad_broadcasts_are_refused():
+    with pytest.raises(ConfigError, match="fallback= needs mode='primary'"):
+        Broadcast(MemorySink("a"), fallback=[MemorySink("b")])
+    with pytest.raises(ConfigError, match="unique"):
+        Broadcast(MemorySink("a"), MemorySink("a"))
