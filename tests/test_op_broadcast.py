@@ -16,6 +16,7 @@ def test_mode_all_acks_only_when_every_branch_wrote(spark):
     a, b = MemorySink("a"), FailingSink(fail_if=lambda r: r["n"] == 4, name="b")
     report = ackflow.run(ackflow.Flow(src).broadcast(a, b), spark=spark, **FAST)
     assert src.final()["m4"] == "dead_lettered"
+    assert src.failures["m4"].step == "b"  # the failing branch, by name
     assert src.failures["m4"].error.startswith("branch 'b': row refused")
     assert report.acked == 11
     assert sorted(r["n"] for r in a.rows) == list(range(12))  # a wrote m4's row; still nacked
@@ -42,6 +43,7 @@ def test_mode_primary_fails_when_every_fallback_failed(spark):
     ackflow.run(ackflow.Flow(src).broadcast(primary, mode="primary", fallback=[spare]),
                 spark=spark, **FAST)
     assert src.final()["m2"] == "dead_lettered"
+    assert src.failures["m2"].step == "primary"
     err = src.failures["m2"].error
     assert "branch 'primary'" in err and "branch 'spare'" in err
 

@@ -31,11 +31,14 @@ from ackflow.core.errors import ConfigError
 class PartitionResult:
     """What one partition write reports: row index → error, and a token for commit.
 
+    An error is a string, or a ``(step, error)`` pair when a composite sink wants the
+    failure recorded under another name (a broadcast names the failing branch).
+
     ``counts`` (optional) reports rows written per branch name, for sinks that
     write to several places (the report then counts rows per branch).
     """
 
-    failed: Mapping[int, str] = field(default_factory=dict)
+    failed: Mapping[int, str | tuple[str, str]] = field(default_factory=dict)
     token: bytes | None = None
     counts: Mapping[str, int] | None = None
 

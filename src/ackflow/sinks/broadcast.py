@@ -53,14 +53,16 @@ class Broadcast(Sink):
         tokens: dict[str, bytes | None] = {}
         counts: dict[str, int] = {}
         if self.mode == "all":
-            failed: dict[int, str] = {}
+            failed: dict[int, str | tuple[str, str]] = {}
             for b in self.branches:
                 try:
                     res = b.write_partition(batch_id, partition, rows)
                 except Exception as e:  # noqa: BLE001 - a branch failure fails its rows
-                    res = PartitionResult(failed={i: f"{type(e).__name__}: {e}" for i in range(n)})
+                    res = PartitionResult(failed={i: f"{type(e).__name__}: {e}"
+                                                  for i in range(n)})
                 for i, err in res.failed.items():
-                    failed.setdefault(i, f"branch {b.name!r}: {err}")
+                    text = err[1] if isinstance(err, tuple) else err
+                    failed.setdefault(i, (b.name, f"branch {b.name!r}: {text}"))
                 tokens[b.name] = res.token
                 counts[b.name] = n - len(res.failed)
             return PartitionResult(failed=failed, token=pickle.dumps(tokens), counts=counts)
@@ -72,16 +74,19 @@ class Broadcast(Sink):
             subset = rows.take(remaining)
             try:
                 res = b.write_partition(batch_id, partition, subset)
-                bad = dict(res.failed)
+                bad: dict[int, Any] = dict(res.failed)
             except Exception as e:  # noqa: BLE001
                 res = PartitionResult()
                 bad = {i: f"{type(e).__name__}: {e}" for i in range(len(remaining))}
             tokens[b.name] = res.token
             counts[b.name] = len(remaining) - len(bad)
             for i, err in bad.items():
-                errors.setdefault(remaining[i], []).append(f"branch {b.name!r}: {err}")
+                text = err[1] if isinstance(err, tuple) else err
+                errors.setdefault(remaining[i], []).append(f"branch {b.name!r}: {text}")
             remaining = [remaining[i] for i in sorted(bad)]
-        failed = {i: "; ".join(errors[i]) for i in remaining}
+        primary = self.branches[0].name
+        failed: dict[int, str | tuple[str, str]] = {
+            i: (primary, "; ".join(errors[i])) for i in remaining}
         return PartitionResult(failed=failed, token=pickle.dumps(tokens), counts=counts)
 
     def _split(self, tokens: Sequence[bytes]) -> dict[str, list[bytes]]:

@@ -276,7 +276,8 @@ class CompiledFlow:
                             "keep them (select them along, or use withColumn)")
         expected = internal_schema(lineage)
         types = {f.name: f.dataType for f in out.schema.fields}
-        if types[lineage] != from_arrow_schema(expected)[lineage].dataType:
+        want = from_arrow_schema(expected)[lineage].dataType
+        if types[lineage].simpleString() != want.simpleString():  # nullability aside
             raise FlowError(step.name, f"column {lineage} changed type to {types[lineage]}")
         return out, [c for c in out.columns if not c.startswith("__af_")], lineage
 

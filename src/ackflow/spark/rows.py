@@ -254,7 +254,7 @@ def make_writer(
                 for i, e in result.failed.items():
                     j = int(live_idx[i])
                     written[j] = 0
-                    steps_l[j], errs_l[j] = sink.name, e
+                    steps_l[j], errs_l[j] = e if isinstance(e, tuple) else (sink.name, e)
                 err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
         except Exception as e:  # noqa: BLE001 - a failed write fails its rows, never acks them
             steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
