@@ -99,7 +99,8 @@ def build(src, steps, branches):
             flow = flow.transform(lambda df: df.withColumn("c", df["c"] + 0), name=name)
     sinks = []
     for b, (mod, rest, raises) in enumerate(branches):
-        pred = (lambda r, m=mod, x=rest: r["n"] % m == x % m)
+        def pred(r, m=mod, x=rest):
+            return r["n"] % m == x % m
         sinks.append(FailingSink(name=f"b{b}", **({"raise_if": pred} if raises else
                                                    {"fail_if": pred})))
     return flow.broadcast(*sinks)

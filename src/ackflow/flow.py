@@ -265,6 +265,10 @@ class Flow:
             raise ConfigError(f"on_error(): expected an ackflow Sink, got {type(sink).__name__}")
         return dataclasses.replace(self, error_sink=sink)
 
+    def merge(self, *others: Flow) -> Flow:
+        """Read from this flow's source and the others' at once (see :func:`merge`)."""
+        return merge(self, *others)
+
     def to(self, sink: Sink) -> Flow:
         """End the flow in ``sink``. Returns the complete flow, ready for :func:`ackflow.run`."""
         if not isinstance(sink, Sink):
@@ -283,6 +287,28 @@ class Flow:
         names = [s.name for s in self.steps] + [self.sink.name]
         if len(set(names)) != len(names):
             raise ConfigError(f"sink name {self.sink.name!r} clashes with a step name")
+
+
+def merge(*flows: Flow) -> Flow:
+    """One flow over several sources: ``merge(Flow(a), Flow(b)).map(...).to(sink)``.
+
+    Lineage ids are unique across the sources, and every message is settled at its
+    own source with that source's retry policy. Merge before adding steps: each
+    source may have its own format, and the steps then see all messages.
+    """
+    from ackflow.sources.merge import MergedSource
+
+    if len(flows) < 2 or not all(isinstance(f, Flow) for f in flows):
+        raise ConfigError("merge: give two or more flows")
+    for f in flows:
+        if f.steps or f.sink is not None or f.error_sink is not None:
+            raise ConfigError("merge: merge flows that have only a source, then add steps "
+                              "and the sink to the merged flow")
+    sources = []
+    for f in flows:
+        inner = f.source.sources if isinstance(f.source, MergedSource) else (f.source,)
+        sources.extend(inner)
+    return Flow(MergedSource(*sources))
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class Delivery:
     headers: dict[str, str] = field(default_factory=dict)
     delivery_count: int = 1
     handle: object = None  # the source's own receipt handle (lease, delivery tag, offset)
+    origin: int = 0  # which source of a merged flow it came from
     state: Settlement = Settlement.PENDING
 
     @property

@@ -65,7 +65,7 @@ def execute(
         result.jobs += 1
         ids = [d.lineage_id for d in ds]
         try:
-            job = run_job(compiled, ids, [d.body for d in ds], bid)
+            job = run_job(compiled, ids, [d.body for d in ds], bid, [d.origin for d in ds])
         except JobFailed as e:
             last_error.append(str(e))
             sink.abort(bid, [])

@@ -2,7 +2,8 @@
 
 from ackflow.sources.base import Source
 from ackflow.sources.embedded import EmbeddedQueueSource
+from ackflow.sources.merge import MergedSource
 
 EmbeddedQueue = EmbeddedQueueSource
 
-__all__ = ["EmbeddedQueue", "EmbeddedQueueSource", "Source"]
+__all__ = ["EmbeddedQueue", "EmbeddedQueueSource", "MergedSource", "Source"]

@@ -37,6 +37,11 @@ class Source(ABC):
         if name is not None:
             self.name = name
 
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The format of each origin (one, unless several sources are merged)."""
+        return (self.format,)
+
     def open(self) -> int:
         """Connect. Return how many deliveries of a dead consumer were given back."""
         return 0

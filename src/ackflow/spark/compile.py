@@ -40,6 +40,7 @@ from ackflow.spark.rows import (
     ID,
     IDS,
     LIVE,
+    SRC,
     STATUS,
     STEP,
     TASK_RECEIPTS,
@@ -51,7 +52,7 @@ from ackflow.spark.rows import (
 )
 
 SAMPLE_ROWS = 200
-INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (BODY, pa.binary())])
+INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (BODY, pa.binary()), (SRC, pa.int32())])
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class CompiledFlow:
             else:
                 # Run the steps on the executors (never on the driver: a user function may
                 # crash its process or have side effects) and bring a sample of good rows back.
-                sampler = make_sampler(seg.steps, self.flow.source.format,
+                sampler = make_sampler(seg.steps, self.flow.source.formats,
                                        None if index == 0 else data_cols, SAMPLE_ROWS, lineage)
                 picked = df.mapInArrow(sampler, "rows binary").toArrow().column("rows")
                 good = [r for blob in picked.to_pylist() for r in pickle.loads(blob)]
@@ -150,9 +151,11 @@ class CompiledFlow:
 
     # -- the job ------------------------------------------------------------------------
 
-    def input_table(self, ids: list[int], bodies: list[bytes]) -> pa.Table:
+    def input_table(self, ids: list[int], bodies: list[bytes],
+                    origins: list[int] | None = None) -> pa.Table:
         """One Arrow table, chunked so Spark makes ``parallelism`` partitions of it."""
-        table = pa.table({ID: pa.array(ids, pa.int64()), BODY: pa.array(bodies, pa.binary())},
+        table = pa.table({ID: pa.array(ids, pa.int64()), BODY: pa.array(bodies, pa.binary()),
+                          SRC: pa.array(origins or [0] * len(ids), pa.int32())},
                          schema=INPUT_SCHEMA)
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
@@ -169,7 +172,7 @@ class CompiledFlow:
                 if schema is None:
                     schema = pa.schema([])
                 out_schema = pa.schema([*schema, *internal_schema(lineage)])
-                fn = make_segment(seg.steps, self.flow.source.format,
+                fn = make_segment(seg.steps, self.flow.source.formats,
                                   None if index == 0 else data_cols, schema, out_schema, lineage)
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)

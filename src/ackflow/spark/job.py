@@ -22,13 +22,14 @@ class JobResult:
     rows_written: dict[str, int]  # physical rows, per sink
 
 
-def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_id: str) -> JobResult:
+def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_id: str,
+            origins: list[int] | None = None) -> JobResult:
     """Run the batch's job; raise :class:`JobFailed` if Spark failed it as a whole.
 
     :class:`FlowError` (a step that cannot be compiled) passes through unchanged.
     """
     try:
-        df = compiled.job(compiled.input_table(ids, bodies), batch_id)
+        df = compiled.job(compiled.input_table(ids, bodies, origins), batch_id)
         table = df.toArrow()
     except FlowError:
         raise

@@ -22,6 +22,7 @@ from ackflow.flow import Filter, FlatMap, Map, Step
 from ackflow.sinks.base import Sink
 
 ID, BODY, STATUS, STEP, ERR = "__af_id", "__af_body", "__af_status", "__af_step", "__af_err"
+SRC = "__af_src"  # the index of the message's source (merged flows)
 IDS = "__af_ids"  # after a group_by: the ids of every member message of the row
 LIVE, FILTERED, FAILED = 0, 1, 2
 
@@ -141,7 +142,7 @@ def conform(
 
 
 def make_segment(
-    steps: Sequence[Step], fmt: str, data_in: list[str] | None, data_schema: pa.Schema,
+    steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None, data_schema: pa.Schema,
     out_schema: pa.Schema, lineage: str = ID,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None)."""
@@ -156,7 +157,9 @@ def make_segment(
             if data_in is None:
                 status, sname, errs = [LIVE] * n, [None] * n, [None] * n
                 rows = []
+                origins = b.column(SRC).to_pylist()
                 for i, body in enumerate(b.column(BODY).to_pylist()):
+                    fmt = formats[origins[i]]
                     try:
                         rows.append(decode(body, fmt))
                     except Exception as e:  # noqa: BLE001
@@ -183,7 +186,8 @@ def make_segment(
 
 
 def make_sampler(
-    steps: Sequence[Step], fmt: str, data_in: list[str] | None, limit: int, lineage: str = ID,
+    steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None, limit: int,
+    lineage: str = ID,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function returning up to ``limit`` good output rows per
     partition, pickled, for inferring the output columns on the driver."""
@@ -196,9 +200,10 @@ def make_sampler(
             if data_in is None:
                 status = [LIVE] * len(ids)
                 rows: list[dict[str, Any] | None] = []
-                for body in b.column(BODY).to_pylist():
+                origins = b.column(SRC).to_pylist()
+                for i, body in enumerate(b.column(BODY).to_pylist()):
                     try:
-                        rows.append(decode(body, fmt))
+                        rows.append(decode(body, formats[origins[i]]))
                     except Exception:  # noqa: BLE001 - reported per row by the real job
                         rows.append(None)
             else:

@@ -1,0 +1,98 @@
+"""Several sources as one: a flow that reads from all of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ackflow.core.errors import ConfigError
+from ackflow.core.ledger import Failure
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.sources.base import Source
+
+
+class MergedSource(Source):
+    """Pull from several sources in turn; settle each message at its own source.
+
+    Every delivery is tagged with ``origin`` (the index of its source); the engine's
+    lineage ids are unique across all of them. Each source keeps its own format and
+    retry policy.
+    """
+
+    def __init__(self, *sources: Source) -> None:
+        if len(sources) < 2 or not all(isinstance(s, Source) for s in sources):
+            raise ConfigError("merge: give two or more sources")
+        names = [s.name for s in sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"merge: source names must be unique, got {names}; "
+                              "pass name= to the sources")
+        self.sources = sources
+        self.format = sources[0].format
+        self.name = "merge(" + ", ".join(names) + ")"
+        self._turn = 0
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(s.format for s in self.sources)
+
+    def _split(self, deliveries: Sequence[Delivery]) -> dict[int, list[Delivery]]:
+        out: dict[int, list[Delivery]] = {}
+        for d in deliveries:
+            out.setdefault(d.origin, []).append(d)
+        return out
+
+    def open(self) -> int:
+        return sum(s.open() for s in self.sources)
+
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        n = len(self.sources)
+        got: list[Delivery] = []
+        order = [(self._turn + k) % n for k in range(n)]
+        self._turn = (self._turn + 1) % n
+        share = max(1, max_messages // n)
+        for k, i in enumerate(order):
+            room = max_messages - len(got)
+            if room <= 0:
+                break
+            last = k == n - 1
+            wait = timeout if last and not got else 0.0
+            batch = self.sources[i].pull(room if last else min(room, share), wait)
+            for d in batch:
+                d.origin = i
+            got.extend(batch)
+        return got
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        for i, ds in self._split(deliveries).items():
+            self.sources[i].ack(ds)
+
+    def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        states: dict[int, Settlement] = {}
+        per: dict[int, list[tuple[Delivery, Failure]]] = {}
+        for d, f in failures:
+            per.setdefault(d.origin, []).append((d, f))
+        for i, items in per.items():
+            for (d, _), state in zip(items, self.sources[i].fail(items), strict=True):
+                states[id(d)] = state
+        return [states[id(d)] for d, _ in failures]
+
+    def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
+        per: dict[int, list[tuple[Delivery, Failure]]] = {}
+        for d, f in failures:
+            per.setdefault(d.origin, []).append((d, f))
+        for i, items in per.items():
+            self.sources[i].nack(items)
+
+    def exhausted(self, delivery: Delivery) -> bool:
+        return self.sources[delivery.origin].exhausted(delivery)
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        for i, ds in self._split(deliveries).items():
+            self.sources[i].release(ds)
+
+    def keepalive(self, deliveries: Sequence[Delivery]) -> None:
+        for i, ds in self._split(deliveries).items():
+            self.sources[i].keepalive(ds)
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
