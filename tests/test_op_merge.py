@@ -3,7 +3,6 @@
 import json
 
 import pytest
-from helpers import FAST
 
 import ackflow
 from ackflow.core import ConfigError
@@ -11,6 +10,7 @@ from ackflow.embedded import EmbeddedQueue
 from ackflow.sinks import MemorySink
 from ackflow.sources import EmbeddedQueueSource
 from ackflow.testing import ListSource
+from helpers import FAST
 
 pytestmark = pytest.mark.spark
 

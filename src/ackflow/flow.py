@@ -143,6 +143,17 @@ class Flow:
 
         The output columns are inferred from the first rows (or given by ``schema``).
         An exception fails only the message the row came from.
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src, sink = ListSource(['{"n": 1}', '{"n": 0}']), MemorySink()
+        >>> report = ackflow.run(Flow(src).map(lambda r: {"inv": 10 // r["n"]}, name="inv")
+        ...                      .to(sink), master="local[2]", until_idle=0.2)
+        >>> sink.rows, src.final()
+        ([{'inv': 10}], {'m0': 'acked', 'm1': 'dead_lettered'})
+        >>> src.failures["m1"].step, src.failures["m1"].error.split(":")[0]
+        ('inv', 'ZeroDivisionError')
         """
         _check_callable(fn, "map", name)
         return self._add(Map(self._name(name, "map"), fn, schema))
@@ -152,6 +163,15 @@ class Flow:
         or a Spark SQL expression string (``"qty > 0"``).
 
         A message whose rows are all dropped is acked (it was handled on purpose).
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src, sink = ListSource(['{"n": 1}', '{"n": 2}', '{"n": 3}']), MemorySink()
+        >>> report = ackflow.run(Flow(src).filter(lambda r: r["n"] != 2).filter("n < 3")
+        ...                      .to(sink), master="local[2]", until_idle=0.2)
+        >>> sink.rows, report.acked
+        ([{'n': 1}], 3)
         """
         step_name = self._name(name, "filter")
         if is_column(predicate) or isinstance(predicate, str):
@@ -165,6 +185,15 @@ class Flow:
 
         Each child keeps its parent's message id: the message is acked only when
         every child was written; a message with no children is acked.
+
+        >>> import ackflow
+        >>> from ackflow.testing import FailingSink, ListSource
+        >>> src = ListSource(['{"k": 2}', '{"k": 3}', '{"k": 0}'])
+        >>> sink = FailingSink(fail_if=lambda r: r["i"] == 2)  # refuses one child of m1
+        >>> report = ackflow.run(Flow(src).flat_map(lambda r: [{"i": i} for i in range(r["k"])])
+        ...                      .to(sink), master="local[2]", until_idle=0.2)
+        >>> sorted(src.final().items())
+        [('m0', 'acked'), ('m1', 'dead_lettered'), ('m2', 'acked')]
         """
         _check_callable(fn, "flat_map", name)
         return self._add(FlatMap(self._name(name, "flat_map"), fn, schema))
@@ -178,6 +207,15 @@ class Flow:
         strings, which need none: ``flow.with_columns(total="qty * price")``. With ANSI mode on,
         a row whose expression fails (a bad cast) fails the whole Spark job; the
         engine then bisects the batch so that only that row's message fails.
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src, sink = ListSource(['{"qty": 2, "price": 1.5}']), MemorySink()
+        >>> report = ackflow.run(Flow(src).with_columns(total="qty * price").to(sink),
+        ...                      master="local[2]", until_idle=0.2)
+        >>> sink.rows
+        [{'qty': 2, 'price': 1.5, 'total': 3.0}]
         """
         merged = {**(columns or {}), **kw}
         step_name = self._name(name, "with_columns")
@@ -214,6 +252,16 @@ class Flow:
         no other rows. ``"left"`` keeps it with nulls; ``"left_anti"`` keeps only rows
         without a match. Joins that would fabricate rows without a source message
         (right, full) are refused.
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> spark = ackflow.session("local[2]")
+        >>> names = spark.createDataFrame([(1, "one")], "k BIGINT, name STRING")
+        >>> src, sink = ListSource(['{"k": 1}', '{"k": 7}']), MemorySink()
+        >>> report = ackflow.run(Flow(src).join(names, "k").to(sink), spark=spark, until_idle=0.2)
+        >>> sink.rows, report.acked  # k=7 had no match: dropped like a filter, acked
+        ([{'k': 1, 'name': 'one'}], 2)
         """
         step_name = self._name(name, "join")
         if not _is_dataframe(other):
@@ -236,6 +284,15 @@ class Flow:
         the flow with an error naming the step, and receipts for ids that no message
         of the batch has fail the batch: never an ack. Rows that ``fn`` removes lose
         their lineage, so their messages are nacked; use :meth:`filter` to drop rows.
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src, sink = ListSource(['{"a": 1}']), MemorySink()
+        >>> flow = Flow(src).transform(lambda df: df.withColumn("b", df["a"] + 1)).to(sink)
+        >>> report = ackflow.run(flow, master="local[2]", until_idle=0.2)
+        >>> sink.rows
+        [{'a': 1, 'b': 2}]
         """
         _check_callable(fn, "transform", name)
         return self._add(Transform(self._name(name, "transform"), fn))
@@ -247,6 +304,15 @@ class Flow:
         ``mode="all"``: a message is acked when every branch wrote all its rows.
         ``mode="primary", fallback=[...]``: acked when the primary wrote them, or a
         fallback did after the primary failed. Failures name the branch.
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import FailingSink, ListSource
+        >>> src = ListSource(['{"n": 1}', '{"n": 2}'])
+        >>> flow = Flow(src).broadcast(MemorySink("a"), FailingSink(fail_if=lambda r: r["n"] == 2))
+        >>> report = ackflow.run(flow, master="local[2]", until_idle=0.2)
+        >>> src.final(), src.failures["m1"].step
+        ({'m0': 'acked', 'm1': 'dead_lettered'}, 'failing')
         """
         from ackflow.sinks.broadcast import Broadcast
 
@@ -260,6 +326,15 @@ class Flow:
         ``deliveries`` and ``failed_at`` is written to ``sink`` (on the driver) and only
         then is the message settled at the source. If that write fails, the message is
         nacked and retried later: it is never dropped.
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src, dlq = ListSource(['not json']), MemorySink("dlq")
+        >>> report = ackflow.run(Flow(src).to(MemorySink()).on_error(dlq), master="local[2]",
+        ...                      until_idle=0.2)
+        >>> [(r["message"], r["step"], r["body"]) for r in dlq.rows], src.final()
+        ([('m0', 'decode', b'not json')], {'m0': 'acked'})
         """
         if not isinstance(sink, Sink):
             raise ConfigError(f"on_error(): expected an ackflow Sink, got {type(sink).__name__}")
@@ -295,6 +370,15 @@ def merge(*flows: Flow) -> Flow:
     Lineage ids are unique across the sources, and every message is settled at its
     own source with that source's retry policy. Merge before adding steps: each
     source may have its own format, and the steps then see all messages.
+
+    >>> import ackflow
+    >>> from ackflow.sinks import MemorySink
+    >>> from ackflow.testing import ListSource
+    >>> a, b = ListSource(['{"x": 1}'], name="a"), ListSource(['hi'], format="text", name="b")
+    >>> sink = MemorySink()
+    >>> report = ackflow.run(merge(Flow(a), Flow(b)).to(sink), master="local[2]", until_idle=0.2)
+    >>> report.acked, a.final(), b.final()
+    (2, {'m0': 'acked'}, {'m0': 'acked'})
     """
     from ackflow.sources.merge import MergedSource
 
@@ -322,6 +406,16 @@ class GroupedFlow:
         """Aggregate each group with Spark aggregate Columns or SQL strings.
 
         ``flow.group_by("sku").agg(F.sum("qty").alias("qty"), "count(*) AS n")``
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src = ListSource(['{"k": "a", "v": 1}', '{"k": "a", "v": 2}', '{"k": "b", "v": 5}'])
+        >>> sink = MemorySink()
+        >>> flow = Flow(src).group_by("k").agg("sum(v) AS total").to(sink)
+        >>> report = ackflow.run(flow, master="local[2]", until_idle=0.2)
+        >>> sorted((r["k"], r["total"]) for r in sink.rows), report.acked
+        ([('a', 3), ('b', 5)], 3)
         """
         step_name = self.flow._name(name, "group_by")
         if not aggs:
