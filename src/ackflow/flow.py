@@ -101,6 +101,13 @@ class Transform(Step):
     fn: Callable[[Any], Any]  # DataFrame -> DataFrame
 
 
+@dataclass(frozen=True)
+class GroupedWithin(Step):
+    n: int
+    timeout_s: float
+    keys: tuple[str, ...]
+
+
 PYTHON_STEPS = (Map, Filter, FlatMap)
 JOIN_HOWS = ("inner", "left", "left_semi", "left_anti")
 
@@ -241,6 +248,42 @@ class Flow:
         if not keys or not all(isinstance(k, str) and k for k in keys):
             raise ConfigError("group_by: give one or more column names")
         return GroupedFlow(self, tuple(keys))
+
+    def grouped_within(self, n: int, timeout_s: float, *keys: str,
+                       name: str | None = None) -> Flow:
+        """Gather rows across batches into groups of up to ``n`` rows (per value of
+        ``keys``, or all together), each emitted at most ``timeout_s`` seconds after its
+        first row arrived.
+
+        Downstream steps see one row per group: the key columns, ``count`` and ``rows``
+        (the list of the group's rows). The messages of the rows stay unsettled, and
+        count against ``max_inflight``, until every group they have a row in was
+        written; then they are acked (or, if one of those groups failed, failed). The
+        timer flushes partial groups, so a full window cannot deadlock the pipeline.
+        One ``grouped_within`` per flow.
+
+        >>> import ackflow
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src = ListSource(['{"k": "a", "v": 1}', '{"k": "a", "v": 2}', '{"k": "b", "v": 3}'])
+        >>> sink = MemorySink()
+        >>> flow = (Flow(src).grouped_within(2, 0.5, "k")
+        ...         .map(lambda g: {"k": g["k"], "total": sum(r["v"] for r in g["rows"])}, name="sum")
+        ...         .to(sink))
+        >>> report = ackflow.run(flow, master="local[2]", until_idle=0.2)
+        >>> sorted((r["k"], r["total"]) for r in sink.rows), report.acked
+        ([('a', 3), ('b', 3)], 3)
+        """
+        step_name = self._name(name, "grouped_within")
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"step {step_name!r}: n must be a positive integer, got {n!r}")
+        if not timeout_s > 0:
+            raise ConfigError(f"step {step_name!r}: timeout_s must be positive")
+        if any(isinstance(s, GroupedWithin) for s in self.steps):
+            raise ConfigError(f"step {step_name!r}: only one grouped_within per flow")
+        if not all(isinstance(k, str) and k for k in keys):
+            raise ConfigError(f"step {step_name!r}: keys must be column names")
+        return self._add(GroupedWithin(step_name, n, float(timeout_s), tuple(keys)))
 
     def join(self, other: Any, on: str | Iterable[str], how: str = "inner", *,
              name: str | None = None) -> Flow:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ackflow.core.groups import Group
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.settlement import Delivery
 from ackflow.flow import Transform
+from ackflow.sinks.collect import CollectSink
 from ackflow.spark.compile import CompiledFlow
 from ackflow.spark.job import JobFailed, run_job
 from ackflow.spark.rows import describe
@@ -34,6 +36,8 @@ class BatchResult:
     jobs: int = 0
     bisections: int = 0
     seconds: float = 0.0
+    collected: list[pa.Table] = field(default_factory=list)  # rows for grouped_within
+    member_rows: dict[int, int] = field(default_factory=dict)  # group job: id -> memberships
 
 
 def execute(
@@ -97,6 +101,8 @@ def execute(
             finally:
                 fail_all(ds, Failure(sink.name, f"commit failed: {describe(e)}"))
             return
+        if isinstance(sink, CollectSink):
+            result.collected.extend(sink.take(bid))
         stray = _stray_ids(ids, job.receipts)
         if stray:
             culprit = next((s.name for s in compiled.flow.steps if isinstance(s, Transform)),
@@ -113,6 +119,50 @@ def execute(
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
 
     attempt(deliveries, batch_id)
+    return result
+
+
+def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str, ...],
+                   batch_id: str) -> BatchResult:
+    """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
+    one row per group. If the job fails as a whole, every member of every group fails
+    (no bisection here: the groups' messages are retried by their source)."""
+    from collections import Counter
+
+    from ackflow.spark.job import run_rows_job
+    from ackflow.spark.rows import ERR, IDS, STATUS, STEP
+
+    members = Counter(m for g in groups for m in g.members)
+    expected = sorted(members)
+    result = BatchResult(batch_id, len(expected), member_rows=dict(members))
+    data = pa.Table.from_pylist(
+        [{**dict(zip(keys, g.key, strict=True)), "count": len(g.rows), "rows": g.rows}
+         for g in groups])
+    n = data.num_rows
+    table = (data.append_column(IDS, pa.array([sorted(set(g.members)) for g in groups],
+                                              pa.list_(pa.int64())))
+             .append_column(STATUS, pa.array([0] * n, pa.int32()))
+             .append_column(STEP, pa.nulls(n, pa.string()))
+             .append_column(ERR, pa.nulls(n, pa.string())))
+    sink = compiled.sink
+    result.jobs = 1
+    try:
+        job = run_rows_job(compiled, table, batch_id)
+    except JobFailed as e:
+        sink.abort(batch_id, [])
+        log.error("groups %s: Spark job over %d groups failed: %s", batch_id, n, e)
+        result.outcomes.failed = {m: Failure("spark", f"the group's Spark job failed: {e}")
+                                  for m in expected}
+        return result
+    try:
+        sink.commit(batch_id, job.tokens)
+    except Exception as e:  # noqa: BLE001
+        sink.abort(batch_id, job.tokens)
+        result.outcomes.failed = {m: Failure(sink.name, f"commit failed: {describe(e)}")
+                                  for m in expected}
+        return result
+    result.outcomes = settle_receipts(expected, job.receipts)
+    result.outcomes.rows_written = dict(job.rows_written)
     return result
 
 

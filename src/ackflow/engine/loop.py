@@ -21,13 +21,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.core.window import InflightWindow
-from ackflow.engine.batch import BatchResult, execute
+from ackflow.engine.batch import BatchResult, execute, execute_groups
 from ackflow.engine.report import RunReport
-from ackflow.flow import Flow
+from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
+from ackflow.sinks.collect import CollectSink
 
 log = logging.getLogger("ackflow.engine")
 
@@ -86,13 +88,17 @@ class Engine:
         self.handle_signals = handle_signals
 
         self.report = RunReport()
+        self.groups: GroupBuffer | None = None  # grouped_within's buffer, if the flow has one
+        self.held: dict[int, int] = {}  # lineage id -> group memberships still unwritten
+        self.suffix: Any = None
+        self._gw_index = -1
         self.metrics = Metrics(max_inflight)
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.batch_seconds: deque[float] = deque(maxlen=10_000)  # bounded, for p50/p99
         self.inflight: dict[int, Delivery] = {}
         self._next_id = 1
-        self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery]]] = queue.Queue()
+        self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery] | None]] = queue.Queue()
         self._running: dict[str, tuple[Future[BatchResult], list[Delivery]]] = {}
         self._stop = threading.Event()
         self._cancel = threading.Event()
@@ -117,26 +123,38 @@ class Engine:
 
     # -- settling -----------------------------------------------------------------------
 
-    def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
-        source = self.flow.source
-        by_id = {d.lineage_id: d for d in deliveries}
-        acked = [by_id[i] for i in result.outcomes.acked]
-        for d in acked:
+    def _ack(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
             d.settle(Settlement.ACKED)
-        source.ack(acked)
-        self.report.acked += len(acked)
-        self.metrics.acked.inc(len(acked))
+        self.flow.source.ack(deliveries)
+        self.report.acked += len(deliveries)
+        self.metrics.acked.inc(len(deliveries))
 
-        failures = [(by_id[i], f) for i, f in result.outcomes.failed.items()]
+    def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
         if failures and self.flow.error_sink is not None:
-            failures = self._dead_letter_to_sink(result.batch_id, failures)
+            failures = self._dead_letter_to_sink(batch_id, failures)
         if failures:
-            states = source.fail(failures)
+            states = self.flow.source.fail(failures)
             for (d, f), state in zip(failures, states, strict=True):
                 d.settle(state)
                 self._record_failure(d, f, state)
-        released = [by_id[i] for i in result.released]
-        self._release(released)
+
+    def _forget(self, deliveries: list[Delivery]) -> None:
+        """Drop settled deliveries from the window (their credits return)."""
+        done = [d for d in deliveries if d.settled and d.lineage_id in self.inflight]
+        for d in done:
+            del self.inflight[d.lineage_id]
+            self.held.pop(d.lineage_id, None)
+        self.window.give_back(len(done))
+
+    def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
+        by_id = {d.lineage_id: d for d in deliveries}
+        held = self._hold(result) if self.groups is not None else set()
+        acked = [by_id[i] for i in result.outcomes.acked if i not in held]
+        self._ack(acked)
+        failures = [(by_id[i], f) for i, f in result.outcomes.failed.items()]
+        self._fail(result.batch_id, failures)
+        self._release([by_id[i] for i in result.released])
 
         outcome_ids = set(result.outcomes.acked) | set(result.outcomes.failed) | set(result.released)
         missing = [d for d in deliveries if d.lineage_id not in outcome_ids]
@@ -144,18 +162,21 @@ class Engine:
             log.error("batch %s: %d messages got no outcome; failing them", result.batch_id,
                       len(missing))
             lost = Failure("engine", "no outcome for this message; not acked")
-            states = source.fail([(d, lost) for d in missing])
-            for d, state in zip(missing, states, strict=True):
-                d.settle(state)
-                self._record_failure(d, lost, state)
+            self._fail(result.batch_id, [(d, lost) for d in missing])
 
-        for d in deliveries:
-            self.inflight.pop(d.lineage_id, None)
-        self.window.give_back(len(deliveries))
+        self._forget(deliveries)
         self.report.batches += 1
+        self._account(result)
+        log.debug("batch %s: %d messages, %d acked, %d failed, %d held, %d jobs, %.3f s",
+                  result.batch_id, result.size, len(acked), len(failures), len(held),
+                  result.jobs, result.seconds)
+
+    def _account(self, result: BatchResult) -> None:
         self.report.jobs += result.jobs
         self.report.bisections += result.bisections
         for name, n in result.outcomes.rows_written.items():
+            if self.groups is not None and name == self.flow.steps[self._gw_index].name:
+                continue  # rows handed to grouped_within are not written anywhere yet
             self.report.rows_written[name] = self.report.rows_written.get(name, 0) + n
             self.metrics.rows_written.labels(sink=name).inc(n)
         self.batch_seconds.append(result.seconds)
@@ -163,9 +184,78 @@ class Engine:
         self.metrics.batch_size.observe(result.size)
         self.metrics.bisections.inc(result.bisections)
         self._window_metrics()
-        log.debug("batch %s: %d messages, %d acked, %d failed, %d jobs, %.3f s",
-                  result.batch_id, result.size, len(acked), len(failures), result.jobs,
-                  result.seconds)
+
+    # -- grouped_within ------------------------------------------------------------------
+
+    def _hold(self, result: BatchResult) -> set[int]:
+        """Put the rows a batch handed to grouped_within into the buffer; return the ids
+        of messages that now wait for their groups (not failed in this batch)."""
+        assert self.groups is not None
+        step = self.flow.steps[self._gw_index]
+        assert isinstance(step, GroupedWithin)
+        now = time.monotonic()
+        held: set[int] = set()
+        for table in result.collected:
+            lineage = "__af_ids" if "__af_ids" in table.column_names else "__af_id"
+            ids = table.column(lineage).to_pylist()
+            rows = table.drop_columns([lineage]).to_pylist()
+            for row, mid in zip(rows, ids, strict=True):
+                members = mid if isinstance(mid, list) else [mid]
+                members = [m for m in members if m not in result.outcomes.failed]
+                if not members:
+                    continue
+                self.groups.add(tuple(row.get(k) for k in step.keys), row, members, now)
+                for m in members:
+                    self.held[m] = self.held.get(m, 0) + 1
+                    held.add(m)
+        return held
+
+    def _submit_groups(self, pool: ThreadPoolExecutor) -> None:
+        assert self.groups is not None and self.suffix is not None
+        groups = self.groups.due(time.monotonic())
+        if not groups:
+            return
+        step = self.flow.steps[self._gw_index]
+        assert isinstance(step, GroupedWithin)
+        self._seq += 1
+        batch_id = f"{self._run_token}-{self._seq:06d}g"
+        suffix = self.suffix
+        sc = suffix.spark.sparkContext
+
+        def work() -> BatchResult:
+            started = time.monotonic()
+            sc.setJobGroup(batch_id, f"ackflow groups {batch_id}", interruptOnCancel=True)
+            result = execute_groups(suffix, groups, step.keys, batch_id)
+            result.seconds = time.monotonic() - started
+            return result
+
+        fut = pool.submit(work)
+        self._running[batch_id] = (fut, [])
+        fut.add_done_callback(lambda f: self._inbox.put((f, None)))
+
+    def _settle_groups(self, result: BatchResult) -> None:
+        """A group job finished: fail members of failed groups, ack members whose
+        every group is now written."""
+        touched: list[Delivery] = []
+        failures = []
+        for mid, failure in result.outcomes.failed.items():
+            d = self.inflight.get(mid)
+            if d is not None and not d.settled:
+                failures.append((d, failure))
+                touched.append(d)
+        self._fail(result.batch_id, failures)
+        done = []
+        for mid, n in result.member_rows.items():
+            d = self.inflight.get(mid)
+            if d is None or d.settled:
+                continue
+            left = self.held.get(mid, 0) - n
+            self.held[mid] = left
+            if left <= 0:
+                done.append(d)
+        self._ack(done)
+        self._forget(touched + done)
+        self._account(result)
 
     def _dead_letter_to_sink(self, batch_id: str,
                              failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
@@ -234,7 +324,18 @@ class Engine:
         flow = self.flow
         assert flow.sink is not None
         spark = self.spark or session(self.master)
-        compiled = CompiledFlow(flow, spark)
+        gw = [i for i, s in enumerate(flow.steps) if isinstance(s, GroupedWithin)]
+        if gw:
+            i = self._gw_index = gw[0]
+            step = flow.steps[i]
+            assert isinstance(step, GroupedWithin)
+            compiled = CompiledFlow(Flow(flow.source, flow.steps[:i], CollectSink(step.name)),
+                                    spark)
+            self.suffix = CompiledFlow(Flow(flow.source, flow.steps[i + 1:], flow.sink), spark,
+                                       rows_input=True)
+            self.groups = GroupBuffer(step.n, step.timeout_s)
+        else:
+            compiled = CompiledFlow(flow, spark)
         flow.sink.open()
         if flow.error_sink is not None:
             flow.error_sink.open()
@@ -302,6 +403,11 @@ class Engine:
             got = True
             self._running = {k: v for k, v in self._running.items() if v[0] is not fut}
             exc = fut.exception()
+            if batch is None:  # a grouped_within job
+                if exc is not None:
+                    raise exc
+                self._settle_groups(fut.result())
+                continue
             if exc is not None:
                 # A FlowError or a bug: nothing of this batch is proven; give it back.
                 self._release([d for d in batch if not d.settled])
@@ -355,7 +461,10 @@ class Engine:
             ):
                 self._submit(compiled, pool, pending)
                 pending = []
+            if self.groups is not None and len(self._running) < self.max_concurrent:
+                self._submit_groups(pool)
             if (self.until_idle is not None and not pending and not self._running
+                    and not self.held and not (self.groups and len(self.groups))
                     and now - last_message >= self.until_idle):
                 return
             if self.progress is not None and now - last_progress >= 0.5:

@@ -67,11 +67,11 @@ class Segment:
         return self.steps[-1].name if self.steps else "decode"
 
 
-def segments(flow: Flow) -> list[Segment]:
-    out: list[Segment] = [Segment((), True)]  # the first segment decodes
+def segments(flow: Flow, decode: bool = True) -> list[Segment]:
+    out: list[Segment] = [Segment((), True)] if decode else []  # the first segment decodes
     for step in flow.steps:
         if isinstance(step, PYTHON_STEPS):
-            if out[-1].python:
+            if out and out[-1].python:
                 out[-1] = Segment((*out[-1].steps, step), True)
             else:
                 out.append(Segment((step,), True))
@@ -90,13 +90,15 @@ class CompiledFlow:
     fails and is bisected like any other.
     """
 
-    def __init__(self, flow: Flow, spark: SparkSession) -> None:
+    def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False) -> None:
         flow.validate()
         assert flow.sink is not None
         self.flow = flow
         self.sink = flow.sink
         self.spark = spark
-        self.segments = segments(flow)
+        # rows_input: the job starts from rows (with __af_ids lineage), not message bodies
+        self.rows_input = rows_input
+        self.segments = segments(flow, decode=not rows_input)
         self._schemas: dict[int, pa.Schema] = {}
         self._lock = threading.Lock()
         self.parallelism = max(1, spark.sparkContext.defaultParallelism)
@@ -135,7 +137,7 @@ class CompiledFlow:
                 # Run the steps on the executors (never on the driver: a user function may
                 # crash its process or have side effects) and bring a sample of good rows back.
                 sampler = make_sampler(seg.steps, self.flow.source.formats,
-                                       None if index == 0 else data_cols, SAMPLE_ROWS, lineage)
+                                       self._data_in(index, data_cols), SAMPLE_ROWS, lineage)
                 picked = df.mapInArrow(sampler, "rows binary").toArrow().column("rows")
                 good = [r for blob in picked.to_pylist() for r in pickle.loads(blob)]
                 if not good:
@@ -160,11 +162,18 @@ class CompiledFlow:
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
 
+    def _data_in(self, index: int, data_cols: list[str]) -> list[str] | None:
+        """The columns a Python segment reads; None for the first, which decodes bodies."""
+        return None if index == 0 and not self.rows_input else data_cols
+
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
         df = self.spark.createDataFrame(inputs)
         data_cols: list[str] = []
         lineage = ID
+        if self.rows_input:
+            data_cols = [c for c in inputs.column_names if not c.startswith("__af_")]
+            lineage = IDS
         for index, seg in enumerate(self.segments):
             if seg.python:
                 schema = self._schema(index, seg, df, data_cols, lineage)
@@ -173,7 +182,7 @@ class CompiledFlow:
                     schema = pa.schema([])
                 out_schema = pa.schema([*schema, *internal_schema(lineage)])
                 fn = make_segment(seg.steps, self.flow.source.formats,
-                                  None if index == 0 else data_cols, schema, out_schema, lineage)
+                                  self._data_in(index, data_cols), schema, out_schema, lineage)
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:

@@ -28,12 +28,22 @@ def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_i
 
     :class:`FlowError` (a step that cannot be compiled) passes through unchanged.
     """
+    return _run(compiled, compiled.input_table(ids, bodies, origins), batch_id)
+
+
+def run_rows_job(compiled: CompiledFlow, rows: pa.Table, batch_id: str) -> JobResult:
+    """Like :func:`run_job`, for a flow compiled with ``rows_input=True``: ``rows`` holds
+    data columns and ackflow's internal columns (lineage ``__af_ids``)."""
+    per = max(1, -(-rows.num_rows // compiled.parallelism))
+    return _run(compiled, pa.Table.from_batches(rows.to_batches(max_chunksize=per)), batch_id)
+
+
+def _run(compiled: CompiledFlow, inputs: pa.Table, batch_id: str) -> JobResult:
     try:
-        df = compiled.job(compiled.input_table(ids, bodies, origins), batch_id)
-        table = df.toArrow()
+        table = compiled.job(inputs, batch_id).toArrow()
     except FlowError:
         raise
-    except Exception as e:
+    except Exception as e:  # Py4J, PythonException, SparkRuntimeException: the whole job
         raise JobFailed(summarize(e)) from e
     summary_mask = pc.is_null(table.column("id"))
     summary = table.filter(summary_mask)

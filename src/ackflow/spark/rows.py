@@ -240,7 +240,8 @@ def make_writer(
         status = table.column(STATUS)
         live_mask = pc.equal(status, LIVE)
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
-        live = table.filter(live_mask).select(data_cols)
+        keep = [*data_cols, lineage] if getattr(sink, "wants_lineage", False) else data_cols
+        live = table.filter(live_mask).select(keep)
         n = table.num_rows
         written = np.zeros(n, dtype=np.int64)
         emitted = np.zeros(n, dtype=np.int64)

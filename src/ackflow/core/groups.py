@@ -1,0 +1,73 @@
+"""Groups across batches (``grouped_within``): a keyed buffer with a size and a timer.
+
+Pure bookkeeping, no Spark: rows go in with the lineage ids of their messages; full
+groups, and groups whose first row is older than the timeout, come out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Group:
+    key: tuple[Hashable, ...]
+    started: float
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    members: list[int] = field(default_factory=list)  # one entry per row membership
+
+
+class GroupBuffer:
+    """Holds rows per key until ``n`` rows or ``timeout_s`` since the first row.
+
+    >>> b = GroupBuffer(n=2, timeout_s=5.0)
+    >>> b.add(("a",), {"v": 1}, [1], now=0.0); b.add(("b",), {"v": 2}, [2], now=0.0)
+    >>> [g.key for g in b.due(now=1.0)]  # none full, none old
+    []
+    >>> b.add(("a",), {"v": 3}, [3], now=1.0)
+    >>> [(g.key, g.members) for g in b.due(now=1.0)]
+    [(('a',), [1, 3])]
+    >>> [g.key for g in b.due(now=5.0)]  # the timer flushes the partial group
+    [('b',)]
+    """
+
+    def __init__(self, n: int, timeout_s: float) -> None:
+        self.n = n
+        self.timeout_s = timeout_s
+        self._groups: dict[tuple[Hashable, ...], Group] = {}
+        self._full: list[Group] = []
+
+    def __len__(self) -> int:
+        return len(self._groups) + len(self._full)
+
+    def add(self, key: tuple[Hashable, ...], row: dict[str, Any], ids: Sequence[int],
+            now: float) -> None:
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = Group(key, now)
+        g.rows.append(row)
+        g.members.extend(ids)
+        if len(g.rows) >= self.n:
+            self._full.append(self._groups.pop(key))
+
+    def due(self, now: float) -> list[Group]:
+        """Take the groups that are full or timed out."""
+        out, self._full = self._full, []
+        old = [k for k, g in self._groups.items() if now - g.started >= self.timeout_s]
+        out.extend(self._groups.pop(k) for k in old)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When the oldest open group times out (None if there is none)."""
+        if self._full:
+            return 0.0
+        starts = [g.started for g in self._groups.values()]
+        return min(starts) + self.timeout_s if starts else None
+
+    def drop_all(self) -> list[Group]:
+        """Empty the buffer (shutdown): the caller gives the members back."""
+        out = self._full + list(self._groups.values())
+        self._full, self._groups = [], {}
+        return out
