@@ -53,3 +53,38 @@ def test_bad_broadcasts_are_refused():
         Broadcast(MemorySink("a"), fallback=[MemorySink("b")])
     with pytest.raises(ConfigError, match="unique"):
         Broadcast(MemorySink("a"), MemorySink("a"))
+
+
+def test_sub_flow_branches_each_with_steps(spark):
+    from ackflow import branch
+
+    src = ListSource(bodies([{"n": i} for i in range(10)]))
+    raw, odd = MemorySink("raw"), FailingSink(fail_if=lambda r: r["sq"] == 49, name="odd")
+    flow = ackflow.Flow(src).map(lambda r: {"n": r["n"], "half": r["n"] // 2}, name="prep") \
+        .broadcast(raw, branch().filter(lambda r: r["n"] % 2 == 1, name="odds")
+                   .map(lambda r: {"n": r["n"], "sq": r["n"] ** 2}, name="square").to(odd))
+    report = ackflow.run(flow, spark=spark, **FAST)
+    assert sorted(r["n"] for r in raw.rows) == list(range(10))
+    assert sorted(r["sq"] for r in odd.rows) == [1, 9, 25, 81]
+    assert src.final()["m7"] == "dead_lettered" and src.failures["m7"].step == "odd"
+    assert report.acked == 9  # even numbers: filtered in one branch, written in the other
+
+
+def test_a_branch_that_loses_rows_cannot_ack(spark):
+    from ackflow import branch
+
+    src = ListSource(bodies([{"n": i} for i in range(4)]))
+    flow = ackflow.Flow(src).broadcast(
+        MemorySink("all"), branch().transform(lambda df: df.where("n < 2"), name="cut")
+        .to(MemorySink("some")))
+    ackflow.run(flow, spark=spark, **FAST)
+    assert src.final() == {"m0": "acked", "m1": "acked", "m2": "dead_lettered",
+                           "m3": "dead_lettered"}
+    assert "lineage lost" in src.failures["m2"].error
+
+
+def test_sub_flows_need_mode_all():
+    from ackflow import branch
+
+    with pytest.raises(ConfigError, match="mode='all'"):
+        ackflow.Flow(ListSource([])).broadcast(branch().to(MemorySink("a")), mode="primary")

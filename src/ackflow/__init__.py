@@ -7,7 +7,7 @@ durably written; otherwise it is nacked, dead-lettered, or left to redelivery.
 from ackflow.core.errors import AckflowError, AlreadySettled, ConfigError, FlowError
 from ackflow.core.policy import RetryPolicy
 from ackflow.engine import RunReport, run
-from ackflow.flow import Flow, merge
+from ackflow.flow import Flow, branch, merge
 
 
 def session(master: str | None = None, conf: dict[str, object] | None = None) -> object:
@@ -30,6 +30,7 @@ __all__ = [
     "FlowError",
     "RetryPolicy",
     "RunReport",
+    "branch",
     "merge",
     "run",
     "session",

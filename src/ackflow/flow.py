@@ -108,6 +108,13 @@ class GroupedWithin(Step):
     keys: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Fork(Step):
+    """The end of a flow that broadcasts to sub-flows: each branch has steps and a sink."""
+
+    branches: tuple[Flow, ...]
+
+
 PYTHON_STEPS = (Map, Filter, FlatMap)
 JOIN_HOWS = ("inner", "left", "left_semi", "left_anti")
 
@@ -130,9 +137,23 @@ class Flow:
 
     # -- building ------------------------------------------------------------------------
 
+    @property
+    def forked(self) -> Fork | None:
+        return self.steps[-1] if self.steps and isinstance(self.steps[-1], Fork) else None
+
+    @property
+    def sinks(self) -> list[Sink]:
+        """Every sink the flow writes to (one, or one per broadcast branch)."""
+        fork = self.forked
+        if fork is not None:
+            return [s for b in fork.branches for s in b.sinks]
+        return [self.sink] if self.sink is not None else []
+
     def _add(self, step: Step) -> Flow:
         if self.sink is not None:
             raise ConfigError(f"step {step.name!r}: the flow already ends in sink {self.sink.name!r}")
+        if self.forked is not None:
+            raise ConfigError(f"step {step.name!r}: the flow already ends in a broadcast")
         if any(s.name == step.name for s in self.steps):
             raise ConfigError(f"step name {step.name!r} is used twice; step names must be unique")
         return dataclasses.replace(self, steps=(*self.steps, step))
@@ -340,9 +361,11 @@ class Flow:
         _check_callable(fn, "transform", name)
         return self._add(Transform(self._name(name, "transform"), fn))
 
-    def broadcast(self, *branches: Sink, mode: str = "all", fallback: Iterable[Sink] = (),
+    def broadcast(self, *branches: Sink | Flow, mode: str = "all", fallback: Iterable[Sink] = (),
                   name: str = "broadcast") -> Flow:
-        """End the flow in several sinks at once (see :class:`ackflow.sinks.Broadcast`).
+        """End the flow in several sinks at once (see :class:`ackflow.sinks.Broadcast`),
+        or in several sub-flows: ``ackflow.branch().map(...).to(sink)`` (mode ``all``;
+        the shared part is computed once per batch and cached while the branches run).
 
         ``mode="all"``: a message is acked when every branch wrote all its rows.
         ``mode="primary", fallback=[...]``: acked when the primary wrote them, or a
@@ -359,7 +382,24 @@ class Flow:
         """
         from ackflow.sinks.broadcast import Broadcast
 
-        return self.to(Broadcast(*branches, mode=mode, fallback=tuple(fallback), name=name))
+        if all(isinstance(b, Sink) for b in branches):
+            return self.to(Broadcast(*branches, mode=mode, fallback=tuple(fallback), name=name))
+        if mode != "all" or tuple(fallback):
+            raise ConfigError("broadcast: sub-flow branches need mode='all' (fallbacks are for "
+                              "sinks)")
+        subflows: list[Flow] = []
+        for b in branches:
+            if isinstance(b, Sink):
+                b = branch().to(b)
+            if not isinstance(b, Flow) or not isinstance(b.source, _BranchSource):
+                raise ConfigError("broadcast: a branch is a sink or ackflow.branch()...to(sink), "
+                                  f"got {type(b).__name__}")
+            if b.sink is None or b.forked is not None:
+                raise ConfigError("broadcast: each branch must end in one sink (.to(sink))")
+            if any(isinstance(s, GroupedWithin) for s in b.steps):
+                raise ConfigError("broadcast: grouped_within cannot be inside a branch")
+            subflows.append(b)
+        return self._add(Fork(name, tuple(subflows)))
 
     def on_error(self, sink: Sink) -> Flow:
         """Dead-letter failed messages to ``sink`` instead of the source's own dead letters.
@@ -394,17 +434,49 @@ class Flow:
                 f"to(): expected an ackflow Sink, got {type(sink).__name__}"
                 + ("; a Spark writer cannot ack: use ackflow.sinks" if _is_dataframe(sink) else "")
             )
-        if self.sink is not None:
-            raise ConfigError(f"the flow already ends in sink {self.sink.name!r}")
+        if self.sink is not None or self.forked is not None:
+            raise ConfigError("the flow already ends in a sink or a broadcast")
         return dataclasses.replace(self, sink=sink)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` if the flow cannot run (no sink, name clashes)."""
-        if self.sink is None:
+        if not self.sinks:
             raise ConfigError("the flow has no sink: end it with .to(sink)")
-        names = [s.name for s in self.steps] + [self.sink.name]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"sink name {self.sink.name!r} clashes with a step name")
+        names = [s.name for s in self.steps]
+        fork = self.forked
+        for b in fork.branches if fork is not None else ():
+            names += [s.name for s in b.steps]
+        names += [s.name for s in self.sinks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"names {dupes} are used more than once (steps, branches and "
+                              "sinks need distinct names)")
+
+
+class _BranchSource(Source):
+    """Stands for "the stream being broadcast" in a branch built with :func:`branch`."""
+
+    name = "branch"
+
+    def pull(self, max_messages: int, timeout: float) -> list[Any]:
+        raise ConfigError("a branch has no source of its own: use it in Flow.broadcast()")
+
+    ack = fail = nack = release = pull  # type: ignore[assignment]
+
+
+def branch() -> Flow:
+    """Start a sub-flow for :meth:`Flow.broadcast`: ``branch().map(f).to(sink)``.
+
+    >>> import ackflow
+    >>> from ackflow.sinks import MemorySink
+    >>> from ackflow.testing import ListSource
+    >>> src, raw, doubled = ListSource(['{"n": 1}', '{"n": 2}']), MemorySink("raw"), MemorySink("x2")
+    >>> flow = Flow(src).broadcast(raw, branch().map(lambda r: {"n": r["n"] * 2}, name="x2f").to(doubled))
+    >>> report = ackflow.run(flow, master="local[2]", until_idle=0.2)
+    >>> sorted(r["n"] for r in raw.rows), sorted(r["n"] for r in doubled.rows), report.acked
+    ([1, 2], [2, 4], 2)
+    """
+    return Flow(_BranchSource())
 
 
 def merge(*flows: Flow) -> Flow:

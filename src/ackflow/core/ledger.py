@@ -57,11 +57,13 @@ class Outcomes:
 NO_RECEIPT = Failure("ledger", "no receipt came back for this message (lineage lost); not acked")
 
 
-def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table) -> Outcomes:
+def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
+                    required_sinks: Sequence[str] | None = None) -> Outcomes:
     """Decide ack or failure for every id in ``expected_ids`` from ``receipts``.
 
     Every expected id gets exactly one outcome. Receipts for ids that were not
-    expected are ignored (they cannot prove anything about this batch).
+    expected are ignored (they cannot prove anything about this batch). With
+    ``required_sinks`` (several branches), a message needs a receipt from each.
 
     >>> r = pa.Table.from_pylist([
     ...     {"id": 1, "sink": "s", "emitted": 2, "written": 2, "err_step": None, "err": None},
@@ -93,19 +95,25 @@ def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table) -> Outcomes
     short = pc.less(per_sink_rows["written_sum"], per_sink_rows["emitted_sum"])
     per_sink_rows = per_sink_rows.append_column("short", short)
     per_id = per_sink_rows.group_by("id").aggregate(
-        [("error_min", "min"), ("short", "any"), ("sink", "min")]
+        [("error_min", "min"), ("short", "any"), ("sink", "min"), ("sink", "count_distinct")]
     )
 
     ok = pc.and_(pc.is_null(per_id["error_min_min"]), pc.invert(per_id["short_any"]))
+    if required_sinks:
+        enough = pc.greater_equal(per_id["sink_count_distinct"], len(set(required_sinks)))
+        ok = pc.and_(ok, enough)
     outcomes.acked = pc.filter(per_id["id"], ok).to_pylist()
     bad = per_id.filter(pc.invert(ok))
-    for mid, err, sink in zip(
+    for mid, err, sink, short in zip(
         bad["id"].to_pylist(), bad["error_min_min"].to_pylist(), bad["sink_min"].to_pylist(),
-        strict=True,
+        bad["short_any"].to_pylist(), strict=True,
     ):
         if err is not None:
             step, _, text = err.partition(_SEP)
             outcomes.failed[mid] = Failure(step, text)
+        elif not short:
+            outcomes.failed[mid] = Failure(
+                "ledger", "a branch returned no receipt for this message (lineage lost)")
         else:
             outcomes.failed[mid] = Failure(
                 sink or "sink", "fewer rows were written than were emitted; not acked"

@@ -51,6 +51,7 @@ def execute(
     """Run ``deliveries`` through the flow; every lineage id gets an outcome or is released."""
     result = BatchResult(batch_id, len(deliveries))
     sink = compiled.sink
+    required = [s.name for s in compiled.sinks] if len(compiled.sinks) > 1 else None
 
     def fail_all(ds: list[Delivery], failure: Failure) -> None:
         for d in ds:
@@ -72,7 +73,7 @@ def execute(
             job = run_job(compiled, ids, [d.body for d in ds], bid, [d.origin for d in ds])
         except JobFailed as e:
             last_error.append(str(e))
-            sink.abort(bid, [])
+            abort_all(compiled, bid, {})
             if cancelled.is_set():
                 result.released.extend(ids)
             elif len(ds) == 1:
@@ -92,14 +93,9 @@ def execute(
                 attempt(ds[:half], f"{bid}a")
                 attempt(ds[half:], f"{bid}b")
             return
-        try:
-            sink.commit(bid, job.tokens)
-        except Exception as e:  # noqa: BLE001 - a failed commit fails the batch, never acks
-            log.error("batch %s: sink %r commit failed: %s", batch_id, sink.name, e)
-            try:
-                sink.abort(bid, job.tokens)
-            finally:
-                fail_all(ds, Failure(sink.name, f"commit failed: {describe(e)}"))
+        failed_sink = commit_all(compiled, bid, job.tokens)
+        if failed_sink is not None:
+            fail_all(ds, failed_sink)
             return
         if isinstance(sink, CollectSink):
             result.collected.extend(sink.take(bid))
@@ -112,7 +108,7 @@ def execute(
             fail_all(ds, Failure(culprit, f"the job returned receipts for {stray} lineage ids "
                                  "that no message of this batch has (fabricated ids); not acked"))
             return
-        part = settle_receipts(ids, job.receipts)
+        part = settle_receipts(ids, job.receipts, required_sinks=required)
         result.outcomes.acked.extend(part.acked)
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
@@ -144,26 +140,45 @@ def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str,
              .append_column(STATUS, pa.array([0] * n, pa.int32()))
              .append_column(STEP, pa.nulls(n, pa.string()))
              .append_column(ERR, pa.nulls(n, pa.string())))
-    sink = compiled.sink
     result.jobs = 1
     try:
         job = run_rows_job(compiled, table, batch_id)
     except JobFailed as e:
-        sink.abort(batch_id, [])
+        abort_all(compiled, batch_id, {})
         log.error("groups %s: Spark job over %d groups failed: %s", batch_id, n, e)
         result.outcomes.failed = {m: Failure("spark", f"the group's Spark job failed: {e}")
                                   for m in expected}
         return result
-    try:
-        sink.commit(batch_id, job.tokens)
-    except Exception as e:  # noqa: BLE001
-        sink.abort(batch_id, job.tokens)
-        result.outcomes.failed = {m: Failure(sink.name, f"commit failed: {describe(e)}")
-                                  for m in expected}
+    failed_sink = commit_all(compiled, batch_id, job.tokens)
+    if failed_sink is not None:
+        result.outcomes.failed = dict.fromkeys(expected, failed_sink)
         return result
-    result.outcomes = settle_receipts(expected, job.receipts)
+    required = [s.name for s in compiled.sinks] if len(compiled.sinks) > 1 else None
+    result.outcomes = settle_receipts(expected, job.receipts, required_sinks=required)
     result.outcomes.rows_written = dict(job.rows_written)
     return result
+
+
+def commit_all(compiled: CompiledFlow, batch_id: str,
+               tokens: dict[str, list[bytes]]) -> Failure | None:
+    """Commit every sink of the batch; on the first failure abort the rest and return
+    the failure (the batch then fails: nothing is acked)."""
+    for sink in compiled.sinks:
+        try:
+            sink.commit(batch_id, tokens.get(sink.name, []))
+        except Exception as e:  # noqa: BLE001 - a failed commit fails the batch, never acks
+            log.error("batch %s: sink %r commit failed: %s", batch_id, sink.name, e)
+            abort_all(compiled, batch_id, tokens)
+            return Failure(sink.name, f"commit failed: {describe(e)}")
+    return None
+
+
+def abort_all(compiled: CompiledFlow, batch_id: str, tokens: dict[str, list[bytes]]) -> None:
+    for sink in compiled.sinks:
+        try:
+            sink.abort(batch_id, tokens.get(sink.name, []))
+        except Exception as e:  # noqa: BLE001 - cleanup only
+            log.warning("batch %s: sink %r abort failed: %s", batch_id, sink.name, e)
 
 
 def _stray_ids(expected: list[int], receipts: pa.Table) -> int:

@@ -322,7 +322,6 @@ class Engine:
         from ackflow.spark.session import session
 
         flow = self.flow
-        assert flow.sink is not None
         spark = self.spark or session(self.master)
         gw = [i for i, s in enumerate(flow.steps) if isinstance(s, GroupedWithin)]
         if gw:
@@ -336,7 +335,8 @@ class Engine:
             self.groups = GroupBuffer(step.n, step.timeout_s)
         else:
             compiled = CompiledFlow(flow, spark)
-        flow.sink.open()
+        for sink in flow.sinks:
+            sink.open()
         if flow.error_sink is not None:
             flow.error_sink.open()
         if self.metrics_port is not None:
@@ -367,7 +367,8 @@ class Engine:
                 self.report.batch_p50_s = ordered[len(ordered) // 2]
                 self.report.batch_p99_s = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
             flow.source.close()
-            flow.sink.close()
+            for sink in flow.sinks:
+                sink.close()
             if flow.error_sink is not None:
                 flow.error_sink.close()
             self.metrics.close()

@@ -8,6 +8,7 @@ returns receipts, and the job's result is fetched with ``toArrow()``.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ackflow.flow import (
     Transform,
     WithColumns,
 )
+from ackflow.sinks.base import Sink
 from ackflow.spark.rows import (
     BODY,
     ERR,
@@ -92,14 +94,21 @@ class CompiledFlow:
 
     def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False) -> None:
         flow.validate()
-        assert flow.sink is not None
         self.flow = flow
-        self.sink = flow.sink
+        self.sinks = flow.sinks
+        self.sink = self.sinks[0]
         self.spark = spark
         # rows_input: the job starts from rows (with __af_ids lineage), not message bodies
         self.rows_input = rows_input
-        self.segments = segments(flow, decode=not rows_input)
-        self._schemas: dict[int, pa.Schema] = {}
+        fork = flow.forked
+        main = Flow(flow.source, flow.steps[:-1] if fork else flow.steps, self.sink)
+        self.segments = segments(main, decode=not rows_input)
+        self.branches: list[tuple[list[Segment], Sink]] = []
+        for b in fork.branches if fork is not None else ():
+            assert b.sink is not None
+            self.branches.append((segments(b, decode=False), b.sink))
+        self._schemas: dict[tuple[int, ...], pa.Schema] = {}
+        self._persisted: dict[str, DataFrame] = {}
         self._lock = threading.Lock()
         self.parallelism = max(1, spark.sparkContext.defaultParallelism)
         self.shipped = _pickle_parts(flow)
@@ -125,8 +134,8 @@ class CompiledFlow:
         except Exception as e:
             raise FlowError(step.name, f"bad schema=: {e}") from e
 
-    def _schema(self, index: int, seg: Segment, df: DataFrame,
-                data_cols: list[str], lineage: str) -> pa.Schema | None:
+    def _schema(self, index: tuple[int, ...], seg: Segment, df: DataFrame,
+                data_in: list[str] | None, lineage: str) -> pa.Schema | None:
         with self._lock:
             if index in self._schemas:
                 return self._schemas[index]
@@ -136,8 +145,8 @@ class CompiledFlow:
             else:
                 # Run the steps on the executors (never on the driver: a user function may
                 # crash its process or have side effects) and bring a sample of good rows back.
-                sampler = make_sampler(seg.steps, self.flow.source.formats,
-                                       self._data_in(index, data_cols), SAMPLE_ROWS, lineage)
+                sampler = make_sampler(seg.steps, self.flow.source.formats, data_in,
+                                       SAMPLE_ROWS, lineage)
                 picked = df.mapInArrow(sampler, "rows binary").toArrow().column("rows")
                 good = [r for blob in picked.to_pylist() for r in pickle.loads(blob)]
                 if not good:
@@ -162,10 +171,6 @@ class CompiledFlow:
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
 
-    def _data_in(self, index: int, data_cols: list[str]) -> list[str] | None:
-        """The columns a Python segment reads; None for the first, which decodes bodies."""
-        return None if index == 0 and not self.rows_input else data_cols
-
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
         df = self.spark.createDataFrame(inputs)
@@ -174,27 +179,60 @@ class CompiledFlow:
         if self.rows_input:
             data_cols = [c for c in inputs.column_names if not c.startswith("__af_")]
             lineage = IDS
-        for index, seg in enumerate(self.segments):
+        df, data_cols, lineage, alive = self._chain(self.segments, (), df, data_cols, lineage,
+                                                    decode=not self.rows_input)
+        if not self.branches:
+            return self._write(self.sink, df, data_cols, lineage, batch_id)
+        # Sub-flows: the shared part is cached for the batch, each branch continues from
+        # it and writes its receipts; one job returns them all (see release()).
+        shared = df.persist()
+        with self._lock:
+            self._persisted[batch_id] = shared
+        outs = []
+        for b, (segs, sink) in enumerate(self.branches):
+            bdf, bcols, blin, _ = self._chain(segs if alive else [], (b,), shared, data_cols,
+                                              lineage, decode=False)
+            outs.append(self._write(sink, bdf, bcols, blin, batch_id))
+        return functools.reduce(DataFrame.unionByName, outs)
+
+    def release(self, batch_id: str) -> None:
+        """Drop what :meth:`job` cached for ``batch_id`` (after its job ran)."""
+        with self._lock:
+            shared = self._persisted.pop(batch_id, None)
+        if shared is not None:
+            shared.unpersist()
+
+    def _chain(self, segs: list[Segment], key: tuple[int, ...], df: DataFrame,
+               data_cols: list[str], lineage: str,
+               decode: bool) -> tuple[DataFrame, list[str], str, bool]:
+        """Apply segments; returns the DataFrame, its data columns, its lineage column,
+        and False if a segment let no live row through (later steps were skipped)."""
+        for index, seg in enumerate(segs):
             if seg.python:
-                schema = self._schema(index, seg, df, data_cols, lineage)
+                data_in = None if decode and index == 0 else data_cols
+                schema = self._schema((*key, index), seg, df, data_in, lineage)
                 dead_end = schema is None  # no live row past this segment in this batch
                 if schema is None:
                     schema = pa.schema([])
                 out_schema = pa.schema([*schema, *internal_schema(lineage)])
-                fn = make_segment(seg.steps, self.flow.source.formats,
-                                  self._data_in(index, data_cols), schema, out_schema, lineage)
+                fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
+                                  out_schema, lineage)
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:
-                    break  # later steps have no columns to work on and no rows to see
+                    return df, data_cols, lineage, False  # no rows, no columns for later steps
                 continue
             step = seg.steps[0]
             try:
                 df, data_cols, lineage = self._apply(step, df, data_cols, lineage)
             except AnalysisException as e:
                 raise FlowError(step.name, _first_line(e)) from e
+        return df, data_cols, lineage, True
+
+    def _write(self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str,
+               batch_id: str) -> DataFrame:
         df = df.select(*[F.col(f"`{c}`") for c in data_cols], lineage, STATUS, STEP, ERR)
-        return df.mapInArrow(make_writer(self.sink, batch_id, data_cols, lineage),
+        return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage),
                              from_arrow_schema(TASK_RECEIPTS))
 
     def _apply(self, step: Step, df: DataFrame, data_cols: list[str],
@@ -299,10 +337,13 @@ def _pickle_parts(flow: Flow) -> dict[str, bytes]:
     fails at start, with its name, rather than in the middle of a run."""
     from pyspark import cloudpickle
 
-    parts: dict[str, Any] = {s.name: s for s in flow.steps
-                             if isinstance(s, PYTHON_STEPS)}
-    assert flow.sink is not None
-    parts[flow.sink.name] = flow.sink
+    steps = list(flow.steps)
+    fork = flow.forked
+    for b in fork.branches if fork is not None else ():
+        steps += b.steps
+    parts: dict[str, Any] = {s.name: s for s in steps if isinstance(s, PYTHON_STEPS)}
+    for sink in flow.sinks:
+        parts[sink.name] = sink
     out = {}
     for name, part in parts.items():
         try:

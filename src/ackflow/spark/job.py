@@ -18,7 +18,7 @@ class JobFailed(Exception):
 @dataclass
 class JobResult:
     receipts: pa.Table  # one or more lines per message id
-    tokens: list[bytes]  # for the sink's commit
+    tokens: dict[str, list[bytes]]  # per sink name, for its commit
     rows_written: dict[str, int]  # physical rows, per sink
 
 
@@ -45,13 +45,18 @@ def _run(compiled: CompiledFlow, inputs: pa.Table, batch_id: str) -> JobResult:
         raise
     except Exception as e:  # Py4J, PythonException, SparkRuntimeException: the whole job
         raise JobFailed(summarize(e)) from e
+    finally:
+        compiled.release(batch_id)
     summary_mask = pc.is_null(table.column("id"))
-    summary = table.filter(summary_mask)
-    tokens = [t for t in summary.column("token").to_pylist() if t]
+    summary = table.filter(summary_mask).to_pylist()
+    tokens: dict[str, list[bytes]] = {}
     written: dict[str, int] = {}
-    for sink, n in zip(summary.column("sink").to_pylist(), summary.column("written").to_pylist(),
-                       strict=True):
-        written[sink] = written.get(sink, 0) + int(n or 0)
+    for line in summary:
+        if line["emitted"] < 0:
+            if line["token"]:
+                tokens.setdefault(line["sink"], []).append(line["token"])
+        else:
+            written[line["sink"]] = written.get(line["sink"], 0) + int(line["written"] or 0)
     return JobResult(table.filter(pc.invert(summary_mask)), tokens, written)
 
 

@@ -287,17 +287,16 @@ def make_writer(
         receipts = receipts.append_column("token", pa.nulls(receipts.num_rows, pa.binary()))
         yield from receipts.to_batches()
         # the partition's summary: physical rows written (per branch if the sink has
-        # several), and the sink's token
+        # several), then the sink's token on a line of its own (emitted = -1)
         if counts is None:
             counts = {sink.name: int(written[live_idx].sum()) if len(live_idx) else 0}
-        yield pa.RecordBatch.from_pylist(
-            [{"id": None, "sink": name, "emitted": 0, "written": n, "err_step": None,
-              "err": None, "token": token if k == 0 else None}
-             for k, (name, n) in enumerate(counts.items())] or
-            [{"id": None, "sink": sink.name, "emitted": 0, "written": 0, "err_step": None,
-              "err": None, "token": token}],
-            schema=TASK_RECEIPTS,
-        )
+        lines = [{"id": None, "sink": name, "emitted": 0, "written": n, "err_step": None,
+                  "err": None, "token": None} for name, n in counts.items()]
+        if token is not None:
+            lines.append({"id": None, "sink": sink.name, "emitted": -1, "written": 0,
+                          "err_step": None, "err": None, "token": token})
+        if lines:
+            yield pa.RecordBatch.from_pylist(lines, schema=TASK_RECEIPTS)
 
     return write
 
