@@ -143,3 +143,32 @@ def test_a_killed_executor_means_retries_or_nacks_never_loss(tmp_path, cluster):
     assert valid <= written  # nothing lost
     assert set(dead) == {f"o{r['id']}" for r in rows if r["qty"] < 0}
     assert left["ready"] + left["leased"] + left["delayed"] == 0
+
+
+def test_a_function_executors_cannot_import_fails_at_start_naming_its_step(tmp_path, cluster):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "secret_steps.py").write_text("def tag(r):\n    return {**r, 'tag': 1}\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    db = str(work / "q.db")
+    publish(db, 3)
+    (work / "flow.py").write_text(textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {str(hidden)!r})  # importable here, on the driver only
+        import secret_steps
+        import ackflow
+        from ackflow.sources import EmbeddedQueue
+        from ackflow.sinks import Memory
+
+        flow = ackflow.Flow(EmbeddedQueue({db!r}, "in")).map(secret_steps.tag, name="tagging") \\
+            .to(Memory())
+    '''))
+    r = subprocess.run([sys.executable, "-m", "ackflow.cli", "run", "flow.py:flow", "--master",
+                        cluster.master_url, "--until-idle", "1"], cwd=work, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "step 'tagging': the executors cannot load it" in r.stderr
+    assert "secret_steps" in r.stderr
+    q = EmbeddedQueue(db)
+    assert q.stats("in")["delivered_total"] == 0  # failed before pulling anything

@@ -92,3 +92,14 @@ def test_sigterm_stops_pulling_drains_and_exits_cleanly(tmp_path):
     assert 0 < result["acked"] < 100000  # it stopped early
     assert result["acked_not_written"] == 0
     assert result["unsettled"] == 0  # every delivery was settled (acked or released) once
+
+
+def test_a_step_that_cannot_be_sent_to_executors_fails_at_start_naming_it(spark):
+    import threading
+
+    lock = threading.Lock()
+    src = ListSource(bodies([{"n": 1}]))
+    flow = ackflow.Flow(src).map(lambda r: (lock, r)[1], name="locked").to(MemorySink())
+    with pytest.raises(ackflow.FlowError, match=r"step 'locked': cannot be sent to the executors"):
+        ackflow.run(flow, spark=spark, **FAST)
+    assert src.deliveries == {}  # nothing was pulled

@@ -27,7 +27,7 @@ def test_nothing_after_the_sink_and_only_one_sink():
     done = ackflow.Flow(ListSource([])).to(MemorySink())
     with pytest.raises(ConfigError, match="already ends in sink"):
         done.map(lambda r: r)
-    with pytest.raises(ConfigError, match="already ends in sink"):
+    with pytest.raises(ConfigError, match="already ends in a sink"):
         done.to(MemorySink("other"))
 
 

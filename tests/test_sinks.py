@@ -71,3 +71,13 @@ def test_embedded_queue_sink_chains_pipelines(spark, tmp_path):
     q = EmbeddedQueue(db)
     assert q.stats("next")["ready"] == 25
     assert {m["msg_id"] for m in q.peek("next", 100)} == {f"x{i}" for i in range(25)}
+
+
+def test_console_sink_prints_rows_on_the_driver(spark, capsys):
+    from ackflow.sinks import ConsoleSink
+
+    src = ListSource(bodies([{"n": i} for i in range(3)]))
+    report = ackflow.run(ackflow.Flow(src).to(ConsoleSink(limit=2)), spark=spark, **FAST)
+    out = capsys.readouterr().out
+    assert report.acked == 3
+    assert out.count("[console ") == 2 and "{'n': 0}" in out
