@@ -15,34 +15,28 @@ from ackflow.core.errors import AckflowError, ConfigError
 log = logging.getLogger("ackflow")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _number(kind: type, low: float | None, high: float | None, what: str) -> Any:
+    """An argparse type: a number of ``kind`` within [low, high], or a clear error."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if low is not None and high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(
+                f"must be at least {low}, got {value}" if low else
+                f"must not be negative, got {value}")
+        return value
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
-    return value
+_positive_int = _number(int, 1, None, "a whole number")
+_seconds = _number(float, 0, None, "seconds")
+_rate = _number(float, 0, 1, "a number between 0 and 1")
 
 
 def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> None:

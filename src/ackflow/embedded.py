@@ -140,6 +140,12 @@ class EmbeddedQueue:
     def _tx(self) -> _Tx:
         return _Tx(self._db)
 
+    def _changes(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> int:
+        """``executemany`` inside the current transaction; return the rows it changed."""
+        before = self._db.total_changes
+        self._db.executemany(sql, rows)
+        return self._db.total_changes - before
+
     def _bump(self, queue: str, column: str, n: int) -> None:
         self._db.execute("INSERT OR IGNORE INTO counters (queue) VALUES (?)", (queue,))
         self._db.execute(
@@ -172,13 +178,11 @@ class EmbeddedQueue:
             for b, mid, h in zip(bodies, ids, hdrs, strict=True)
         ]
         with self._tx():
-            before = self._db.total_changes
-            self._db.executemany(
+            added = self._changes(
                 "INSERT OR IGNORE INTO messages (queue, msg_id, body, headers, visible_at,"
                 " published_at) VALUES (?, ?, ?, ?, ?, ?)",
                 rows,
             )
-            added = self._db.total_changes - before
             self._bump(queue, "published_total", added)
         return added
 
@@ -237,12 +241,10 @@ class EmbeddedQueue:
         A pair whose lease was lost (expired and leased again) is not acked.
         """
         with self._tx():
-            before = self._db.total_changes
-            self._db.executemany(
+            done = self._changes(
                 "DELETE FROM messages WHERE id = ? AND deliveries = ? AND leased = 1",
                 deliveries,
             )
-            done = self._db.total_changes - before
             self._bump(queue, "acked_total", done)
         return done
 
@@ -251,36 +253,30 @@ class EmbeddedQueue:
         delay, in one transaction."""
         now = time.time()
         with self._tx():
-            before = self._db.total_changes
-            self._db.executemany(
+            return self._changes(
                 "UPDATE messages SET leased = 0, visible_at = ?, last_error = ?"
                 " WHERE id = ? AND deliveries = ? AND leased = 1",
                 [(now + delay, error, rid, n) for rid, n, delay, error in failures],
             )
-            return self._db.total_changes - before
 
     def release(self, deliveries: Sequence[tuple[int, int]]) -> int:
         """Give back unprocessed deliveries at once, without counting a delivery."""
         now = time.time()
         with self._tx():
-            before = self._db.total_changes
-            self._db.executemany(
+            return self._changes(
                 "UPDATE messages SET leased = 0, visible_at = ?, deliveries = deliveries - 1"
                 " WHERE id = ? AND deliveries = ? AND leased = 1",
                 [(now, rid, n) for rid, n in deliveries],
             )
-            return self._db.total_changes - before
 
     def extend(self, deliveries: Sequence[tuple[int, int]], *, visibility_timeout: float) -> int:
         """Push the lease of still-held deliveries ``visibility_timeout`` s into the future."""
         at = time.time() + visibility_timeout
         with self._tx():
-            before = self._db.total_changes
-            self._db.executemany(
+            return self._changes(
                 "UPDATE messages SET visible_at = ? WHERE id = ? AND deliveries = ? AND leased = 1",
                 [(at, rid, n) for rid, n in deliveries],
             )
-            return self._db.total_changes - before
 
     def dead_letter(
         self, queue: str, failures: Sequence[tuple[int, int, str, str]]

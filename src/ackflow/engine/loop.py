@@ -412,9 +412,7 @@ class Engine:
             if exc is not None:
                 # A FlowError or a bug: nothing of this batch is proven; give it back.
                 self._release([d for d in batch if not d.settled])
-                for d in batch:
-                    self.inflight.pop(d.lineage_id, None)
-                self.window.give_back(len(batch))
+                self._forget(batch)
                 raise exc
             self._settle(fut.result(), batch)
 
@@ -429,10 +427,7 @@ class Engine:
             now = time.monotonic()
             if self._stop.is_set():
                 self._release(pending)
-                for d in pending:
-                    self.inflight.pop(d.lineage_id, None)
-                self.window.give_back(len(pending))
-                pending = []
+                self._forget(pending)
                 return
             pulled = 0
             want = min(self.window.credits, self.batch_size - len(pending))

@@ -57,6 +57,28 @@ def decode(body: bytes, fmt: str) -> dict[str, Any]:
     return {"body": body}
 
 
+def decode_batch(
+    b: pa.RecordBatch, formats: Sequence[str]
+) -> tuple[list[dict[str, Any] | None], list[int], list[str | None], list[str | None]]:
+    """Decode a batch of message bodies, each by its source's format.
+
+    Returns rows (None where decoding failed) and, per row, status, step and error.
+    """
+    n = b.num_rows
+    rows: list[dict[str, Any] | None] = []
+    status, steps, errs = [LIVE] * n, [None] * n, [None] * n
+    origins = b.column(SRC).to_pylist()
+    for i, body in enumerate(b.column(BODY).to_pylist()):
+        fmt = formats[origins[i]]
+        try:
+            rows.append(decode(body, fmt))
+        except Exception as e:  # noqa: BLE001 - fails this message only
+            rows.append(None)
+            status[i], steps[i] = FAILED, "decode"
+            errs[i] = f"could not decode the {fmt} payload: {describe(e)}"
+    return rows, status, steps, errs
+
+
 def run_steps(row: dict[str, Any], steps: Sequence[Step]) -> list[Out]:
     """Run ``row`` through the Python steps; return the rows out and the failures."""
     items = [row]
@@ -155,17 +177,7 @@ def make_segment(
             n = len(ids)
             rows: list[dict[str, Any] | None]
             if data_in is None:
-                status, sname, errs = [LIVE] * n, [None] * n, [None] * n
-                rows = []
-                origins = b.column(SRC).to_pylist()
-                for i, body in enumerate(b.column(BODY).to_pylist()):
-                    fmt = formats[origins[i]]
-                    try:
-                        rows.append(decode(body, fmt))
-                    except Exception as e:  # noqa: BLE001
-                        rows.append(None)
-                        status[i], sname[i] = FAILED, "decode"
-                        errs[i] = f"could not decode the {fmt} payload: {describe(e)}"
+                rows, status, sname, errs = decode_batch(b, formats)
             else:
                 status = b.column(STATUS).to_pylist()
                 sname = b.column(STEP).to_pylist()
@@ -198,14 +210,7 @@ def make_sampler(
         for b in batches:
             ids = b.column(lineage).to_pylist()
             if data_in is None:
-                status = [LIVE] * len(ids)
-                rows: list[dict[str, Any] | None] = []
-                origins = b.column(SRC).to_pylist()
-                for i, body in enumerate(b.column(BODY).to_pylist()):
-                    try:
-                        rows.append(decode(body, formats[origins[i]]))
-                    except Exception:  # noqa: BLE001 - reported per row by the real job
-                        rows.append(None)
+                rows, status, _, _ = decode_batch(b, formats)
             else:
                 status = b.column(STATUS).to_pylist()
                 rows = b.select(data_in).to_pylist() if data_in else [{} for _ in ids]
