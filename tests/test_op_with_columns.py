@@ -34,6 +34,7 @@ def test_an_ansi_cast_error_is_bisected_to_the_poison_message(spark, caplog):
     report = ackflow.run(flow, spark=spark, **{**FAST, "batch_size": 64, "until_idle": 0.5})
     assert src.final()["m41"] == "dead_lettered"
     assert "CAST_INVALID_INPUT" in src.failures["m41"].error
+    assert src.failures["m41"].step == "cast"
     assert report.acked == 63 and sorted(r["n"] for r in sink.rows) == [
         i for i in range(64) if i != 41]
     assert 1 <= report.bisections <= 2 * 7  # about log2(64) levels, two halves each

@@ -77,9 +77,10 @@ def execute(
             if cancelled.is_set():
                 result.released.extend(ids)
             elif len(ds) == 1:
-                log.warning("batch %s: message %s fails the Spark job on its own: %s",
-                            batch_id, ds[0].key, e)
-                fail_all(ds, Failure("spark", f"the Spark job failed on this message: {e}"))
+                step = _locate(compiled, ds)
+                log.warning("batch %s: message %s fails the Spark job on its own in step %r: %s",
+                            batch_id, ds[0].key, step, e)
+                fail_all(ds, Failure(step, f"the Spark job failed on this message: {e}"))
             elif result.jobs + 2 > max_jobs:
                 log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
                           "failing %d messages: %s", batch_id, max_jobs, len(ds), e)
@@ -157,6 +158,17 @@ def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str,
     result.outcomes = settle_receipts(expected, job.receipts, required_sinks=required)
     result.outcomes.rows_written = dict(job.rows_written)
     return result
+
+
+def _locate(compiled: CompiledFlow, ds: list[Delivery]) -> str:
+    """The step that fails the job for this one message ("spark" if that is unknown)."""
+    try:
+        inputs = compiled.input_table([d.lineage_id for d in ds], [d.body for d in ds],
+                                      [d.origin for d in ds])
+        return compiled.locate(inputs)
+    except Exception as e:  # noqa: BLE001 - naming the step is a courtesy, not a must
+        log.warning("could not locate the failing step: %s", e)
+        return "spark"
 
 
 def commit_all(compiled: CompiledFlow, batch_id: str,

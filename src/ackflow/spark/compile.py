@@ -195,6 +195,29 @@ class CompiledFlow:
             outs.append(self._write(sink, bdf, bcols, blin, batch_id))
         return functools.reduce(DataFrame.unionByName, outs)
 
+    def locate(self, inputs: pa.Table) -> str:
+        """Name the step that fails a job on its own over ``inputs`` (one poison message):
+        run growing prefixes of the plan, a Spark job each, and return the first step
+        whose prefix fails; the sink's name if every prefix succeeds."""
+        df = self.spark.createDataFrame(inputs)
+        data_cols: list[str] = []
+        lineage = ID
+        if self.rows_input:
+            data_cols = [c for c in inputs.column_names if not c.startswith("__af_")]
+            lineage = IDS
+        for k, seg in enumerate(self.segments, start=1):
+            try:
+                out, _, _, alive = self._chain(self.segments[:k], (), df, data_cols, lineage,
+                                               decode=not self.rows_input)
+                out.toArrow()  # every column evaluated
+            except FlowError:
+                raise
+            except Exception:  # noqa: BLE001 - this prefix is where it breaks
+                return "+".join(s.name for s in seg.steps) or "decode"
+            if not alive:
+                break
+        return self.sink.name if len(self.sinks) == 1 else "broadcast"
+
     def release(self, batch_id: str) -> None:
         """Drop what :meth:`job` cached for ``batch_id`` (after its job ran)."""
         with self._lock:
