@@ -147,3 +147,33 @@ def test_source_settles_delivery_objects_it_made(db):
     assert src.q.stats("a")["acked_total"] == 1
     assert os.path.exists(db)
     src.close()
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("keepalive_s, extended", [(0.25, True), (1000.0, False)])
+def test_leases_are_extended_while_a_slow_batch_runs(spark, db, keepalive_s, extended):
+    import json
+
+    import ackflow
+    from ackflow.engine import Engine
+    from ackflow.sinks import MemorySink
+
+    EmbeddedQueue(db).publish("a", [json.dumps({"n": i}).encode() for i in range(20)])
+    src = EmbeddedQueueSource(db, "a", visibility_timeout=1.0)
+
+    def slow(r):
+        time.sleep(0.2)  # a batch takes ~2 s per job: longer than the 1 s lease
+        return r
+
+    deadline = time.monotonic() + 15  # without extension it could churn for ever: bound it
+    engine = Engine(ackflow.Flow(src).map(slow, name="slow").to(MemorySink()), spark=spark,
+                    batch_size=20, max_inflight=60, until_idle=0.5, keepalive_s=keepalive_s,
+                    progress=lambda r, w: time.monotonic() > deadline and engine.request_stop())
+    engine.run()
+    stats = EmbeddedQueue(db).stats("a")
+    # The window has room, so the engine keeps pulling while the batch runs: an expired
+    # lease is handed out again, and the first delivery's ack no longer counts.
+    if extended:
+        assert (stats["delivered_total"], stats["acked_total"]) == (20, 20)
+    else:
+        assert stats["delivered_total"] > 20  # the failure mode the extension prevents
