@@ -173,12 +173,7 @@ class CompiledFlow:
 
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
-        df = self.spark.createDataFrame(inputs)
-        data_cols: list[str] = []
-        lineage = ID
-        if self.rows_input:
-            data_cols = [c for c in inputs.column_names if not c.startswith("__af_")]
-            lineage = IDS
+        df, data_cols, lineage = self._start(inputs)
         df, data_cols, lineage, alive = self._chain(self.segments, (), df, data_cols, lineage,
                                                     decode=not self.rows_input)
         if not self.branches:
@@ -195,16 +190,18 @@ class CompiledFlow:
             outs.append(self._write(sink, bdf, bcols, blin, batch_id))
         return functools.reduce(DataFrame.unionByName, outs)
 
+    def _start(self, inputs: pa.Table) -> tuple[DataFrame, list[str], str]:
+        """The batch's first DataFrame, its data columns and its lineage column."""
+        df = self.spark.createDataFrame(inputs)
+        if self.rows_input:  # rows from grouped_within: data columns and __af_ids
+            return df, [c for c in inputs.column_names if not c.startswith("__af_")], IDS
+        return df, [], ID
+
     def locate(self, inputs: pa.Table) -> str:
         """Name the step that fails a job on its own over ``inputs`` (one poison message):
         run growing prefixes of the plan, a Spark job each, and return the first step
         whose prefix fails; the sink's name if every prefix succeeds."""
-        df = self.spark.createDataFrame(inputs)
-        data_cols: list[str] = []
-        lineage = ID
-        if self.rows_input:
-            data_cols = [c for c in inputs.column_names if not c.startswith("__af_")]
-            lineage = IDS
+        df, data_cols, lineage = self._start(inputs)
         for k, seg in enumerate(self.segments, start=1):
             try:
                 out, _, _, alive = self._chain(self.segments[:k], (), df, data_cols, lineage,
