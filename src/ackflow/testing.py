@@ -79,10 +79,7 @@ class ListSource(Source):
                 self._record(d, "dead_lettered")
                 out.append(Settlement.DEAD_LETTERED)
             else:
-                self._record(d, "nacked")
-                self._delayed.append(
-                    (time.monotonic() + self.policy.delay_after(d.delivery_count), int(d.handle))  # type: ignore[call-overload]
-                )
+                self.nack([(d, f)])
                 out.append(Settlement.NACKED)
         return out
 

@@ -217,21 +217,9 @@ class Engine:
             return
         step = self.flow.steps[self._gw_index]
         assert isinstance(step, GroupedWithin)
-        self._seq += 1
-        batch_id = f"{self._run_token}-{self._seq:06d}g"
         suffix = self.suffix
-        sc = suffix.spark.sparkContext
-
-        def work() -> BatchResult:
-            started = time.monotonic()
-            sc.setJobGroup(batch_id, f"ackflow groups {batch_id}", interruptOnCancel=True)
-            result = execute_groups(suffix, groups, step.keys, batch_id)
-            result.seconds = time.monotonic() - started
-            return result
-
-        fut = pool.submit(work)
-        self._running[batch_id] = (fut, [])
-        fut.add_done_callback(lambda f: self._inbox.put((f, None)))
+        self._launch(pool, suffix, "g", None,
+                     lambda bid: execute_groups(suffix, groups, step.keys, bid))
 
     def _settle_groups(self, result: BatchResult) -> None:
         """A group job finished: fail members of failed groups, ack members whose
@@ -375,20 +363,28 @@ class Engine:
         return self.report
 
     def _submit(self, compiled: Any, pool: ThreadPoolExecutor, batch: list[Delivery]) -> None:
+        self._launch(pool, compiled, "", batch,
+                     lambda bid: execute(compiled, batch, bid, max_jobs=self.max_bisect_jobs,
+                                         cancelled=self._cancel))
+
+    def _launch(self, pool: ThreadPoolExecutor, compiled: Any, suffix: str,
+                batch: list[Delivery] | None, run: Callable[[str], BatchResult]) -> None:
+        """Run ``run(batch_id)`` on a worker thread under its own Spark job group (so that
+        shutdown can cancel it); its result comes back through the inbox with ``batch``
+        (None for a grouped_within job)."""
         self._seq += 1
-        batch_id = f"{self._run_token}-{self._seq:06d}"
+        batch_id = f"{self._run_token}-{self._seq:06d}{suffix}"
         sc = compiled.spark.sparkContext
 
         def work() -> BatchResult:
             started = time.monotonic()
-            sc.setJobGroup(batch_id, f"ackflow batch {batch_id}", interruptOnCancel=True)
-            result = execute(compiled, batch, batch_id, max_jobs=self.max_bisect_jobs,
-                             cancelled=self._cancel)
+            sc.setJobGroup(batch_id, f"ackflow {batch_id}", interruptOnCancel=True)
+            result = run(batch_id)
             result.seconds = time.monotonic() - started
             return result
 
         fut = pool.submit(work)
-        self._running[batch_id] = (fut, batch)
+        self._running[batch_id] = (fut, batch or [])
         fut.add_done_callback(lambda f: self._inbox.put((f, batch)))
 
     def _complete(self, block_s: float) -> bool:
