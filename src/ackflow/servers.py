@@ -1,0 +1,244 @@
+"""Throwaway local servers for tests, benchmarks and the demo.
+
+:class:`PostgresServer` and :class:`RabbitMQServer` start a private PostgreSQL
+cluster or RabbitMQ node from the Debian packages (``scripts/install-services.sh``
+installs them), listening on 127.0.0.1 only, on free ports, with their data in a
+temporary directory that is removed when they stop. They are context managers::
+
+    with PostgresServer() as pg:
+        print(pg.dsn)
+
+Every process they start is stopped through its own pid or control tool; nothing
+else on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+class PostgresServer:
+    """A PostgreSQL cluster in a temporary directory, on 127.0.0.1:``port``.
+
+    ``initdb`` refuses to run as root: as root, the cluster is created and run as the
+    ``postgres`` user (which the Debian package creates). Authentication is ``trust``
+    on loopback; the superuser is ``postgres``.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not found:
+            raise ConfigError("PostgreSQL is not installed: run scripts/install-services.sh")
+        self.bin = os.path.dirname(found[-1])
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="ackflow-pg-")
+        self.data = os.path.join(self.dir, "data")
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+            self._as = ["runuser", "-u", "postgres", "--"]
+        self._run("initdb", "-D", self.data, "-U", "postgres", "-A", "trust", "--no-sync",
+                  "-E", "UTF8", "--locale=C.UTF-8")
+        self.running = False
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, tool: str, *args: str) -> None:
+        out = subprocess.run([*self._as, os.path.join(self.bin, tool), *args],
+                             capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"{tool} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+
+    def start(self) -> PostgresServer:
+        opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir}"
+        self._run("pg_ctl", "-D", self.data, "-w", "-t", "60", "-l",
+                  os.path.join(self.dir, "log"), "-o", opts, "start")
+        self.running = True
+        return self
+
+    def stop(self) -> None:
+        if self.running:
+            self._run("pg_ctl", "-D", self.data, "-w", "-m", "fast", "stop")
+            self.running = False
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> PostgresServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class RabbitMQServer:
+    """A RabbitMQ node of its own (name, cookie, epmd, ports, data), on 127.0.0.1.
+
+    Every listener (AMQP, Erlang distribution, epmd, and the stream protocol when
+    ``streams=True``) binds to loopback. The node is started from
+    ``/usr/lib/rabbitmq/bin/rabbitmq-server`` (the ``/usr/sbin`` wrapper switches
+    user), controlled with ``rabbitmqctl -n NAME``.
+    """
+
+    SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+    CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
+
+    def __init__(self, *, streams: bool = False) -> None:
+        if not os.path.exists(self.SERVER):
+            raise ConfigError("RabbitMQ is not installed: run scripts/install-services.sh")
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.epmd_port = free_port()
+        self.stream_port = free_port() if streams else None
+        self.dir = tempfile.mkdtemp(prefix="ackflow-rmq-")
+        self.name = f"ackflow{self.port}@localhost"
+        self.proc: subprocess.Popen[bytes] | None = None
+        d = self.dir
+        conf = [
+            "loopback_users = none",
+            f"listeners.tcp.1 = 127.0.0.1:{self.port}",
+            "log.console = false",
+            "log.file.level = warning",
+        ]
+        plugins = "[]."
+        if streams:
+            conf += [f"stream.listeners.tcp.1 = 127.0.0.1:{self.stream_port}",
+                     "stream.advertised_host = localhost"]
+            plugins = "[rabbitmq_stream]."
+        self._write("rabbitmq.conf", "\n".join(conf) + "\n")
+        self._write("enabled_plugins", plugins + "\n")
+        self._write("rabbitmq-env.conf", "")
+        self._write("advanced.config", "[].\n")
+        dist = "-kernel inet_dist_use_interface {127,0,0,1}"
+        self.env = {
+            **os.environ,
+            "HOME": d,
+            "RABBITMQ_NODENAME": self.name,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": os.path.join(d, "mnesia"),
+            "RABBITMQ_LOG_BASE": os.path.join(d, "log"),
+            "RABBITMQ_PID_FILE": os.path.join(d, "rabbit.pid"),
+            "RABBITMQ_CONFIG_FILE": os.path.join(d, "rabbitmq.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": os.path.join(d, "enabled_plugins"),
+            "RABBITMQ_CONF_ENV_FILE": os.path.join(d, "rabbitmq-env.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": os.path.join(d, "advanced.config"),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": dist,
+            "RABBITMQ_CTL_ERL_ARGS": dist,
+        }
+
+    def _write(self, name: str, text: str) -> None:
+        with open(os.path.join(self.dir, name), "w") as f:
+            f.write(text)
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+
+    def ctl(self, *args: str, timeout: float = 60) -> str:
+        out = subprocess.run([self.CTL, "-n", self.name, *args], env=self.env,
+                             capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: "
+                               f"{(out.stderr or out.stdout).strip()[-1500:]}")
+        return out.stdout
+
+    def start(self) -> RabbitMQServer:
+        log = open(os.path.join(self.dir, "server.out"), "ab")
+        self.proc = subprocess.Popen([self.SERVER], env=self.env, stdout=log, stderr=log,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 90
+        while True:  # await_startup fails at once until the node is registered with epmd
+            try:
+                self.ctl("await_startup", "--timeout", "60", timeout=90)
+                break
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise
+                time.sleep(0.5)
+        if not _wait_port(self.port, 30):
+            self.stop()
+            raise RuntimeError(f"RabbitMQ did not listen on 127.0.0.1:{self.port}")
+        return self
+
+    def stop(self) -> None:
+        """Stop the node (SIGTERM to the process group it runs in) and its epmd."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        # the node's private epmd (its own port) outlives the node: stop it too
+        subprocess.run(["epmd", "-kill"], env=self.env, capture_output=True, timeout=10)
+
+    def restart(self) -> None:
+        self.stop()
+        _wait_free(self.port, 30)
+        self.start()
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RabbitMQServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _wait_free(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                time.sleep(0.2)
