@@ -70,7 +70,7 @@ def execute(
         result.jobs += 1
         ids = [d.lineage_id for d in ds]
         try:
-            job = run_job(compiled, ids, [d.body for d in ds], bid, [d.origin for d in ds])
+            job = run_job(compiled, ds, bid)
         except JobFailed as e:
             last_error.append(str(e))
             abort_all(compiled, bid, {})
@@ -120,14 +120,15 @@ def execute(
 
 
 def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str, ...],
-                   batch_id: str) -> BatchResult:
+                   batch_id: str, row_keys: list[str]) -> BatchResult:
     """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
-    one row per group. If the job fails as a whole, every member of every group fails
-    (no bisection here: the groups' messages are retried by their source)."""
+    one row per group (keyed by ``row_keys``). If the job fails as a whole, every member
+    of every group fails (no bisection here: the groups' messages are retried by their
+    source)."""
     from collections import Counter
 
     from ackflow.spark.job import run_rows_job
-    from ackflow.spark.rows import ERR, IDS, STATUS, STEP
+    from ackflow.spark.rows import ERR, IDS, KEY, STATUS, STEP
 
     members = Counter(m for g in groups for m in g.members)
     expected = sorted(members)
@@ -138,6 +139,7 @@ def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str,
     n = data.num_rows
     table = (data.append_column(IDS, pa.array([sorted(set(g.members)) for g in groups],
                                               pa.list_(pa.int64())))
+             .append_column(KEY, pa.array(row_keys, pa.string()))
              .append_column(STATUS, pa.array([0] * n, pa.int32()))
              .append_column(STEP, pa.nulls(n, pa.string()))
              .append_column(ERR, pa.nulls(n, pa.string())))
@@ -160,11 +162,19 @@ def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str,
     return result
 
 
+def group_key(member_keys: list[str], values: tuple[object, ...]) -> str:
+    """A group's row key: a digest of its members' keys and its group-by values."""
+    import hashlib
+    import json
+
+    text = json.dumps([sorted(member_keys), list(values)], default=str)
+    return "g:" + hashlib.sha256(text.encode()).hexdigest()
+
+
 def _locate(compiled: CompiledFlow, ds: list[Delivery]) -> str:
     """The step that fails the job for this one message ("spark" if that is unknown)."""
     try:
-        inputs = compiled.input_table([d.lineage_id for d in ds], [d.body for d in ds],
-                                      [d.origin for d in ds])
+        inputs = compiled.input_table(ds)
         return compiled.locate(inputs)
     except Exception as e:  # noqa: BLE001 - naming the step is a courtesy, not a must
         log.warning("could not locate the failing step: %s", e)

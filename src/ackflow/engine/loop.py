@@ -25,7 +25,7 @@ from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.core.window import InflightWindow
-from ackflow.engine.batch import BatchResult, execute, execute_groups
+from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.report import RunReport
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
@@ -218,8 +218,10 @@ class Engine:
         step = self.flow.steps[self._gw_index]
         assert isinstance(step, GroupedWithin)
         suffix = self.suffix
+        row_keys = [group_key([self.inflight[m].key for m in set(g.members)], g.key)
+                    for g in groups]
         self._launch(pool, suffix, "g", None,
-                     lambda bid: execute_groups(suffix, groups, step.keys, bid))
+                     lambda bid: execute_groups(suffix, groups, step.keys, bid, row_keys))
 
     def _settle_groups(self, result: BatchResult) -> None:
         """A group job finished: fail members of failed groups, ack members whose

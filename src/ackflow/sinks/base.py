@@ -51,8 +51,19 @@ class Sink(ABC):
             raise ConfigError("a sink needs a non-empty name")
         self.name = name
 
+    #: True: ``write_partition`` also gets a ``__af_key`` column, each row's
+    #: deterministic key (its message's identity and its position among the message's
+    #: rows), the same when the message is delivered again. Keyed sinks use it to
+    #: write a redelivered message's rows in place instead of twice.
+    wants_keys: bool = False
+
     def open(self) -> None:  # noqa: B027
         """Driver side, at start: check the configuration; fail with a clear message."""
+
+    def prepare(self, schema: Any) -> None:  # noqa: B027
+        """Driver side, before a job writes rows with these columns (a ``pyarrow.Schema``):
+        check or create the destination; raise :class:`~ackflow.core.errors.FlowError`
+        (which stops the run) if the rows cannot be written there."""
 
     @abstractmethod
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:

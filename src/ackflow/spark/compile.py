@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import pickle
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType, _parse_datatype_string
 
 from ackflow.core.errors import FlowError
+from ackflow.core.settlement import Delivery
 from ackflow.flow import (
     PYTHON_STEPS,
     ColumnFilter,
@@ -41,6 +43,7 @@ from ackflow.spark.rows import (
     FILTERED,
     ID,
     IDS,
+    KEY,
     LIVE,
     SRC,
     STATUS,
@@ -54,7 +57,8 @@ from ackflow.spark.rows import (
 )
 
 SAMPLE_ROWS = 200
-INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (BODY, pa.binary()), (SRC, pa.int32())])
+INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
+                          (SRC, pa.int32())])
 
 
 @dataclass(frozen=True)
@@ -162,12 +166,18 @@ class CompiledFlow:
 
     # -- the job ------------------------------------------------------------------------
 
-    def input_table(self, ids: list[int], bodies: list[bytes],
-                    origins: list[int] | None = None) -> pa.Table:
-        """One Arrow table, chunked so Spark makes ``parallelism`` partitions of it."""
-        table = pa.table({ID: pa.array(ids, pa.int64()), BODY: pa.array(bodies, pa.binary()),
-                          SRC: pa.array(origins or [0] * len(ids), pa.int32())},
-                         schema=INPUT_SCHEMA)
+    def input_table(self, deliveries: Sequence[Delivery]) -> pa.Table:
+        """One Arrow table, chunked so Spark makes ``parallelism`` partitions of it.
+
+        A message's key is its source's stable identity (prefixed with its origin in
+        a merged flow, where two sources may use the same identities)."""
+        table = pa.table({
+            ID: pa.array([d.lineage_id for d in deliveries], pa.int64()),
+            KEY: pa.array([d.key if not d.origin else f"{d.origin}|{d.key}"
+                           for d in deliveries], pa.string()),
+            BODY: pa.array([d.body for d in deliveries], pa.binary()),
+            SRC: pa.array([d.origin for d in deliveries], pa.int32())},
+            schema=INPUT_SCHEMA)
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
 
@@ -251,7 +261,8 @@ class CompiledFlow:
 
     def _write(self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str,
                batch_id: str) -> DataFrame:
-        df = df.select(*[F.col(f"`{c}`") for c in data_cols], lineage, STATUS, STEP, ERR)
+        df = df.select(*[F.col(f"`{c}`") for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
+        sink.prepare(to_arrow_schema(df.select(*[F.col(f"`{c}`") for c in data_cols]).schema))
         return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage),
                              from_arrow_schema(TASK_RECEIPTS))
 
@@ -289,9 +300,14 @@ class CompiledFlow:
                    else F.flatten(F.collect_list(F.col(IDS))))
         failure = F.first(F.when(F.col(ERR).isNotNull(), F.struct(STEP, ERR)), ignorenulls=True)
         aggs = [_column(a) for a in step.aggs]
+        # a group's key: the keys of its member rows and its group-by values
+        key = F.concat(F.lit("g:"), F.sha2(F.to_json(F.struct(
+            F.array_sort(F.collect_list(F.col(KEY))).alias("m"),
+            *[F.first(F.col(k)).alias(k) for k in step.keys])), 256))
         out = df.groupBy(*keys, solo).agg(
             *aggs,
             members.alias(IDS),
+            key.alias(KEY),
             F.max(STATUS).alias(STATUS),
             failure.alias("__af_failure"),
         )
@@ -340,7 +356,7 @@ class CompiledFlow:
         if not isinstance(out, DataFrame):
             raise FlowError(step.name, f"transform must return a DataFrame, got "
                             f"{type(out).__name__}")
-        lost = [c for c in (lineage, STATUS, STEP, ERR) if c not in out.columns]
+        lost = [c for c in (lineage, KEY, STATUS, STEP, ERR) if c not in out.columns]
         if lost:
             raise FlowError(step.name, f"the DataFrame returned lost ackflow's column(s) {lost}; "
                             "keep them (select them along, or use withColumn)")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow.core.errors import FlowError
+from ackflow.core.settlement import Delivery
 from ackflow.spark.compile import CompiledFlow
 
 
@@ -22,13 +24,12 @@ class JobResult:
     rows_written: dict[str, int]  # physical rows, per sink
 
 
-def run_job(compiled: CompiledFlow, ids: list[int], bodies: list[bytes], batch_id: str,
-            origins: list[int] | None = None) -> JobResult:
+def run_job(compiled: CompiledFlow, deliveries: Sequence[Delivery], batch_id: str) -> JobResult:
     """Run the batch's job; raise :class:`JobFailed` if Spark failed it as a whole.
 
     :class:`FlowError` (a step that cannot be compiled) passes through unchanged.
     """
-    return _run(compiled, compiled.input_table(ids, bodies, origins), batch_id)
+    return _run(compiled, compiled.input_table(deliveries), batch_id)
 
 
 def run_rows_job(compiled: CompiledFlow, rows: pa.Table, batch_id: str) -> JobResult:

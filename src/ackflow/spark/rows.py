@@ -24,20 +24,25 @@ from ackflow.sinks.base import Sink
 ID, BODY, STATUS, STEP, ERR = "__af_id", "__af_body", "__af_status", "__af_step", "__af_err"
 SRC = "__af_src"  # the index of the message's source (merged flows)
 IDS = "__af_ids"  # after a group_by: the ids of every member message of the row
+KEY = "__af_key"  # the row's deterministic key: its message's identity + its position
 LIVE, FILTERED, FAILED = 0, 1, 2
 
 
 def internal_schema(lineage: str = ID) -> pa.Schema:
-    """The internal columns: lineage (one id, or a list after grouping) and status."""
+    """The internal columns: lineage (one id, or a list after grouping), key and status."""
     id_type = pa.int64() if lineage == ID else pa.list_(pa.int64())
-    return pa.schema(
-        [(lineage, id_type), (STATUS, pa.int32()), (STEP, pa.string()), (ERR, pa.string())]
-    )
+    return pa.schema([(lineage, id_type), (KEY, pa.string()), (STATUS, pa.int32()),
+                      (STEP, pa.string()), (ERR, pa.string())])
+
+
+def child_key(key: str, index: int) -> str:
+    """The key of the ``index``-th row a flat_map made of the row keyed ``key``."""
+    return f"{key}#{index}"
 
 
 TASK_RECEIPTS = RECEIPT_SCHEMA.append(pa.field("token", pa.binary()))
 
-Out = tuple[int, "dict[str, Any] | None", "str | None", "str | None"]
+Out = tuple[int, "dict[str, Any] | None", "str | None", "str | None", str]
 
 
 def describe(exc: BaseException) -> str:
@@ -79,13 +84,19 @@ def decode_batch(
     return rows, status, steps, errs
 
 
-def run_steps(row: dict[str, Any], steps: Sequence[Step]) -> list[Out]:
-    """Run ``row`` through the Python steps; return the rows out and the failures."""
-    items = [row]
+def run_steps(row: dict[str, Any], steps: Sequence[Step], key: str = "") -> list[Out]:
+    """Run ``row`` through the Python steps; return the rows out and the failures.
+
+    Each row out carries its key: ``key`` itself through map and filter, and
+    ``key#i`` for the i-th row a flat_map yields, so that a redelivered message gives
+    its rows the same keys again (the position among the message's rows, not the
+    order of arrival, names a row).
+    """
+    items = [(row, key)]
     outs: list[Out] = []
     for step in steps:
-        nxt: list[dict[str, Any]] = []
-        for r in items:
+        nxt: list[tuple[dict[str, Any], str]] = []
+        for r, k in items:
             try:
                 if isinstance(step, Map):
                     out = step.fn(r)
@@ -93,35 +104,39 @@ def run_steps(row: dict[str, Any], steps: Sequence[Step]) -> list[Out]:
                         raise TypeError(
                             f"map must return a dict, got {type(out).__name__} (use filter to drop)"
                         )
-                    nxt.append(out)
+                    nxt.append((out, k))
                 elif isinstance(step, Filter):
                     if step.fn(r):
-                        nxt.append(r)
+                        nxt.append((r, k))
                 elif isinstance(step, FlatMap):
-                    for child in step.fn(r):
+                    children = []
+                    for j, child in enumerate(step.fn(r)):
                         if not isinstance(child, dict):
                             raise TypeError(
                                 f"flat_map must yield dicts, got {type(child).__name__}"
                             )
-                        nxt.append(child)
+                        children.append((child, child_key(k, j)))
+                    nxt.extend(children)
             except Exception as e:  # noqa: BLE001 - any user error fails only this row
-                outs.append((FAILED, None, step.name, describe(e)))
+                outs.append((FAILED, None, step.name, describe(e), k))
         items = nxt
-    outs.extend((LIVE, r, None, None) for r in items)
+    outs.extend((LIVE, r, None, None, k) for r, k in items)
     if not outs:
-        outs.append((FILTERED, None, None, None))
+        outs.append((FILTERED, None, None, None, key))
     return outs
 
 
 def segment_rows(
     ids: Sequence[int],
+    keys: Sequence[str],
     status: Sequence[int],
     steps_: Sequence[str | None],
     errs: Sequence[str | None],
     rows: Sequence[dict[str, Any] | None],
     steps: Sequence[Step],
-) -> tuple[list[int], list[int], list[str | None], list[str | None], list[dict[str, Any]]]:
+) -> tuple[list[int], list[str], list[int], list[str | None], list[str | None], list[dict[str, Any]]]:
     o_id: list[int] = []
+    o_key: list[str] = []
     o_status: list[int] = []
     o_step: list[str | None] = []
     o_err: list[str | None] = []
@@ -129,16 +144,17 @@ def segment_rows(
     for i, mid in enumerate(ids):
         row = rows[i]
         if status[i] != LIVE or row is None:
-            outs: list[Out] = [(status[i], None, steps_[i], errs[i])]
+            outs: list[Out] = [(status[i], None, steps_[i], errs[i], keys[i])]
         else:
-            outs = run_steps(row, steps)
-        for st, r, sname, err in outs:
+            outs = run_steps(row, steps, keys[i])
+        for st, r, sname, err, k in outs:
             o_id.append(mid)
+            o_key.append(k)
             o_status.append(st)
             o_step.append(sname)
             o_err.append(err)
             o_rows.append(r if r is not None else {})
-    return o_id, o_status, o_step, o_err, o_rows
+    return o_id, o_key, o_status, o_step, o_err, o_rows
 
 
 def conform(
@@ -174,6 +190,7 @@ def make_segment(
     def segment(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
             ids = b.column(lineage).to_pylist()
+            keys = b.column(KEY).to_pylist()
             n = len(ids)
             rows: list[dict[str, Any] | None]
             if data_in is None:
@@ -183,10 +200,12 @@ def make_segment(
                 sname = b.column(STEP).to_pylist()
                 errs = b.column(ERR).to_pylist()
                 rows = b.select(data_in).to_pylist() if data_in else [{} for _ in range(n)]
-            o_id, o_st, o_step, o_err, o_rows = segment_rows(ids, status, sname, errs, rows, steps)
+            o_id, o_key, o_st, o_step, o_err, o_rows = segment_rows(ids, keys, status, sname,
+                                                                    errs, rows, steps)
             data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
             internal = [
                 pa.array(o_id, id_type),
+                pa.array(o_key, pa.string()),
                 pa.array(o_st, pa.int32()),
                 pa.array(o_step, pa.string()),
                 pa.array(o_err, pa.string()),
@@ -215,7 +234,8 @@ def make_sampler(
                 status = b.column(STATUS).to_pylist()
                 rows = b.select(data_in).to_pylist() if data_in else [{} for _ in ids]
             n = len(ids)
-            _, o_st, _, _, o_rows = segment_rows(ids, status, [None] * n, [None] * n, rows, steps)
+            _, _, o_st, _, _, o_rows = segment_rows(ids, [""] * n, status, [None] * n,
+                                                    [None] * n, rows, steps)
             good.extend(r for st, r in zip(o_st, o_rows, strict=True) if st == LIVE)
             if len(good) >= limit:
                 break
@@ -245,8 +265,10 @@ def make_writer(
         status = table.column(STATUS)
         live_mask = pc.equal(status, LIVE)
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
-        keep = [*data_cols, lineage] if getattr(sink, "wants_lineage", False) else data_cols
+        keep = [*data_cols, lineage] if getattr(sink, "wants_lineage", False) else list(data_cols)
         live = table.filter(live_mask).select(keep)
+        if getattr(sink, "wants_keys", False):
+            live = live.append_column(KEY, unique_keys(table.column(KEY).take(live_idx)))
         n = table.num_rows
         written = np.zeros(n, dtype=np.int64)
         emitted = np.zeros(n, dtype=np.int64)
@@ -304,6 +326,21 @@ def make_writer(
             yield pa.RecordBatch.from_pylist(lines, schema=TASK_RECEIPTS)
 
     return write
+
+
+def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """Keys made unique within a partition: the n-th repeat of a key gets ``~n``.
+
+    Repeats come from a join that matched several rows of the static side; they keep
+    their order (the static side's), so a redelivered message repeats the same keys.
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for k in keys.to_pylist():
+        n = seen.get(k, 0)
+        seen[k] = n + 1
+        out.append(k if n == 0 else f"{k}~{n}")
+    return pa.array(out, pa.string())
 
 
 def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
