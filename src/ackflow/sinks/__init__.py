@@ -5,11 +5,13 @@ from ackflow.sinks.broadcast import Broadcast
 from ackflow.sinks.embedded import EmbeddedQueueSink
 from ackflow.sinks.memory import ConsoleSink, MemorySink
 from ackflow.sinks.parquet import ParquetSink
+from ackflow.sinks.postgres import PostgresSink
 
 Parquet = ParquetSink
 Memory = MemorySink
 Console = ConsoleSink
 EmbeddedQueue = EmbeddedQueueSink
+Postgres = PostgresSink
 
 __all__ = [
     "Broadcast",
@@ -22,5 +24,7 @@ __all__ = [
     "Parquet",
     "ParquetSink",
     "PartitionResult",
+    "Postgres",
+    "PostgresSink",
     "Sink",
 ]

@@ -1,0 +1,304 @@
+"""PostgreSQL: keyed writes from Spark tasks, one transaction per partition.
+
+Each partition is written by its Spark task in one transaction: the rows are
+``COPY``-ed into a temporary table, then moved into the target with
+``INSERT ... SELECT ... ON CONFLICT (key)``. A row is written when that
+transaction committed. Because every row has a key that is the same when its
+message is delivered again (ackflow's row key, or the user's ``key=`` columns),
+a redelivery after a crash writes the same rows in place: the table ends up
+exactly as if every message had been processed once (effectively-once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.secrets import hide
+from ackflow.sinks.base import PartitionResult, Sink
+
+log = logging.getLogger("ackflow.sinks.postgres")
+
+KEY = "__af_key"
+MODES = ("upsert", "insert")
+
+
+def pg_type(t: Any) -> str:
+    """The PostgreSQL column type for an Arrow type (``create=True``)."""
+    import pyarrow as pa
+
+    checks = [
+        (pa.types.is_boolean, "boolean"),
+        (pa.types.is_int8, "smallint"), (pa.types.is_int16, "smallint"),
+        (pa.types.is_int32, "integer"), (pa.types.is_int64, "bigint"),
+        (pa.types.is_uint8, "smallint"), (pa.types.is_uint16, "integer"),
+        (pa.types.is_uint32, "bigint"), (pa.types.is_uint64, "numeric(20)"),
+        (pa.types.is_float16, "real"), (pa.types.is_float32, "real"),
+        (pa.types.is_float64, "double precision"),
+        (pa.types.is_string, "text"), (pa.types.is_large_string, "text"),
+        (pa.types.is_binary, "bytea"), (pa.types.is_large_binary, "bytea"),
+        (pa.types.is_date, "date"),
+    ]
+    for check, name in checks:
+        if check(t):
+            return name
+    if pa.types.is_timestamp(t):
+        return "timestamptz" if t.tz else "timestamp"
+    if pa.types.is_decimal(t):
+        return f"numeric({t.precision},{t.scale})"
+    if pa.types.is_nested(t):
+        return "jsonb"
+    return "text"
+
+
+class PostgresSink(Sink):
+    """Write rows to ``table`` with keyed upserts (or inserts that keep the first write).
+
+    ``key``: the columns that identify a row. By default (None) ackflow's row key is
+    written to the column ``key_column`` ("ackflow_key"): the source message's stable
+    identity plus the row's position among the message's rows. Either way the table
+    needs a primary key or unique index on the key (``create=True`` makes it).
+
+    ``mode="upsert"`` updates an existing row with the same key (last write wins);
+    ``"insert"`` leaves it as it was (first write wins). Both write a redelivered
+    message's rows in place, never twice.
+
+    Bad rows (a constraint violated, a value the column refuses) fail only
+    themselves: a transaction that fails is retried in halves until the bad rows are
+    isolated, and only their messages fail. A lost connection fails the whole
+    partition (its messages are retried), never acks it.
+
+    ``create=True`` creates the table from the flow's columns if it does not exist;
+    otherwise the table must exist and have every column the flow writes (checked
+    before the first write: a missing column stops the run with its name).
+    """
+
+    wants_keys = True
+
+    def __init__(self, dsn: str, table: str, *, key: Sequence[str] | None = None,
+                 mode: str = "upsert", create: bool = False, key_column: str = "ackflow_key",
+                 connect_timeout: float = 10, name: str | None = None) -> None:
+        super().__init__(name or f"postgres:{table}")
+        if mode not in MODES:
+            raise ConfigError(f"sink {self.name!r}: mode must be one of {MODES}, got {mode!r}")
+        if not table or not isinstance(table, str):
+            raise ConfigError(f"sink {self.name!r}: table must be a name like 'orders' or "
+                              "'schema.orders'")
+        if isinstance(key, str):
+            key = [key]
+        if key is not None and not key:
+            raise ConfigError(f"sink {self.name!r}: key= needs at least one column (or None "
+                              "for ackflow's row key)")
+        self.dsn = dsn
+        self.table = table
+        self.key = list(key) if key is not None else None
+        self.mode = mode
+        self.create = create
+        self.key_column = key_column
+        self.connect_timeout = connect_timeout
+        self._prepared: set[tuple[str, ...]] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_prepared"] = set()
+        return state
+
+    # -- driver side ---------------------------------------------------------------
+
+    @property
+    def conflict_key(self) -> list[str]:
+        return self.key if self.key is not None else [self.key_column]
+
+    def _ident(self) -> Any:
+        from psycopg import sql
+
+        return sql.Identifier(*self.table.split(".", 1))
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        try:
+            return psycopg.connect(self.dsn, connect_timeout=max(1, int(self.connect_timeout)))
+        except psycopg.Error as e:
+            raise ConnectionError(self._hide(f"cannot connect to PostgreSQL: {e}")) from None
+
+    def _hide(self, text: str) -> str:
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            password = conninfo_to_dict(self.dsn).get("password")
+        except Exception:  # noqa: BLE001 - an unparsable DSN: redact what looks like one
+            password = None
+        return hide(text, str(password) if password else None)
+
+    def open(self) -> None:
+        try:
+            conn = self._connect()
+        except ConnectionError as e:
+            raise ConfigError(f"sink {self.name!r}: {e}") from None
+        with conn:
+            exists = conn.execute("SELECT to_regclass(%s)",
+                                  [self._ident().as_string(conn)]).fetchone()
+            if (exists is None or exists[0] is None) and not self.create:
+                raise ConfigError(f"sink {self.name!r}: table {self.table!r} does not exist; "
+                                  "create it, or pass create=True to create it from the "
+                                  "flow's columns")
+
+    def prepare(self, schema: Any) -> None:
+        """Create the table (``create=True``) or check that it has the flow's columns."""
+        from psycopg import sql
+
+        signature = tuple(f"{f.name}:{f.type}" for f in schema)
+        if signature in self._prepared:
+            return
+        columns = self.columns(schema.names)
+        missing_key = [k for k in self.conflict_key if k not in columns]
+        if missing_key:
+            raise FlowError(self.name, f"the key column(s) {missing_key} are not among the "
+                            f"flow's columns {list(schema.names)}")
+        try:
+            conn = self._connect()
+        except ConnectionError as e:
+            raise FlowError(self.name, str(e)) from None
+        with conn:
+            ident = self._ident()
+            if self.create:
+                types = {f.name: pg_type(f.type) for f in schema}
+                types.setdefault(self.key_column, "text")
+                defs = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c]))
+                        for c in columns]
+                defs.append(sql.SQL("PRIMARY KEY ({})").format(
+                    sql.SQL(", ").join(map(sql.Identifier, self.conflict_key))))
+                conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+                    ident, sql.SQL(", ").join(defs)))
+            have = {r[0] for r in conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                "AND attnum > 0 AND NOT attisdropped", [ident.as_string(conn)])}
+            if not have:
+                raise FlowError(self.name, f"table {self.table!r} does not exist; create it, "
+                                "or pass create=True")
+            missing = [c for c in columns if c not in have]
+            if missing:
+                raise FlowError(self.name, f"table {self.table!r} has no column(s) "
+                                f"{', '.join(missing)} (the flow writes {', '.join(columns)}); "
+                                "add them with ALTER TABLE, or write to a new table with "
+                                "create=True")
+            try:  # checks the key has a unique index, without writing anything
+                conn.execute(sql.SQL("EXPLAIN ") + self._insert_sql(columns, source=ident,
+                                                                     where_false=True))
+            except Exception as e:  # noqa: BLE001 - reported as what to fix
+                raise FlowError(self.name, self._hide(
+                    f"cannot write to {self.table!r} keyed on {self.conflict_key}: "
+                    f"{str(e).strip().splitlines()[0]} (the key needs a PRIMARY KEY or a "
+                    "UNIQUE index on exactly those columns)")) from None
+        self._prepared.add(signature)
+
+    def columns(self, data_cols: Sequence[str]) -> list[str]:
+        """The table columns written: the flow's, plus ackflow's key column by default."""
+        cols = [c for c in data_cols if c != KEY]
+        if self.key is None and self.key_column not in cols:
+            cols.append(self.key_column)
+        return cols
+
+    def _insert_sql(self, columns: list[str], *, source: Any, where_false: bool = False,
+                    dedupe: bool = False) -> Any:
+        from psycopg import sql
+
+        cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+        key = sql.SQL(", ").join(map(sql.Identifier, self.conflict_key))
+        select = sql.SQL("SELECT {} FROM {}").format(cols, source)
+        if dedupe:  # two rows with one key in a piece: the later one wins
+            select = sql.SQL("SELECT DISTINCT ON ({key}) {cols} FROM {src} "
+                             "ORDER BY {key}, af_n DESC").format(key=key, cols=cols, src=source)
+        if where_false:
+            select = select + sql.SQL(" WHERE false")
+        rest = [c for c in columns if c not in self.conflict_key]
+        if self.mode == "upsert" and rest:
+            action = sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
+                sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in rest))
+        else:
+            action = sql.SQL("DO NOTHING")
+        return sql.SQL("INSERT INTO {} ({}) {} ON CONFLICT ({}) {}").format(
+            self._ident(), cols, select, key, action)
+
+    # -- task side -----------------------------------------------------------------
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        import psycopg
+
+        if rows.num_rows == 0:
+            return PartitionResult()
+        data_cols = [c for c in rows.column_names if c != KEY]
+        columns = self.columns(data_cols)
+        values = _column_values(rows, data_cols)
+        if self.key is None:
+            values.append(rows.column(KEY).to_pylist())
+        records = list(zip(*values, strict=True))
+        failed: dict[int, str] = {}
+        from psycopg import sql
+
+        conn = self._connect()
+        try:
+            with conn.cursor() as cur:  # the target's columns and types, no constraints
+                cur.execute(sql.SQL("CREATE TEMP TABLE af_stage AS SELECT * FROM {} WITH NO DATA")
+                            .format(self._ident()))
+                cur.execute("ALTER TABLE af_stage ADD COLUMN af_n bigint")
+            conn.commit()
+            self._write(conn, records, list(range(len(records))), columns, failed)
+        except psycopg.OperationalError as e:
+            raise ConnectionError(self._hide(f"lost the connection to PostgreSQL: {e}")) from None
+        finally:
+            conn.close()
+        return PartitionResult(failed=failed)
+
+    def _write(self, conn: Any, records: list[tuple[Any, ...]], idx: list[int],
+               columns: list[str], failed: dict[int, str]) -> None:
+        """Write ``records[idx]`` in one transaction; on a data error, bisect."""
+        import psycopg
+        from psycopg import sql
+
+        try:
+            with conn.cursor() as cur:
+                cur.execute("TRUNCATE af_stage")
+                copy_cols = sql.SQL(", ").join(map(sql.Identifier, [*columns, "af_n"]))
+                with cur.copy(sql.SQL("COPY af_stage ({}) FROM STDIN").format(copy_cols)) as cp:
+                    for i in idx:
+                        cp.write_row((*records[i], i))
+                cur.execute(self._insert_sql(columns, source=sql.Identifier("af_stage"),
+                                             dedupe=self.key is not None))
+            conn.commit()
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as e:
+            conn.rollback()
+            if len(idx) == 1:
+                failed[idx[0]] = self._hide(_describe_pg(e))
+                return
+            half = len(idx) // 2
+            self._write(conn, records, idx[:half], columns, failed)
+            self._write(conn, records, idx[half:], columns, failed)
+
+
+def _column_values(rows: Any, names: list[str]) -> list[list[Any]]:
+    """Python values per column; nested values become ``jsonb``."""
+    import pyarrow as pa
+    from psycopg.types.json import Jsonb
+
+    out = []
+    for name in names:
+        col = rows.column(name)
+        vals = col.to_pylist()
+        if pa.types.is_nested(col.type):
+            vals = [None if v is None else Jsonb(v) for v in vals]
+        out.append(vals)
+    return out
+
+
+def _describe_pg(e: BaseException) -> str:
+    diag = getattr(e, "diag", None)
+    primary = getattr(diag, "message_primary", None) or str(e).strip().splitlines()[0]
+    detail = getattr(diag, "message_detail", None)
+    text = f"{type(e).__name__}: {primary}"
+    return f"{text} ({detail})" if detail else text

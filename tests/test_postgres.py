@@ -1,0 +1,150 @@
+"""The PostgreSQL sink against a real server: keyed writes, bad rows isolated, clear
+errors, and the same rows (not twice as many) when messages are delivered again."""
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import ackflow
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.policy import RetryPolicy
+from ackflow.sinks import Postgres
+from ackflow.testing import ListSource
+from helpers import FAST, bodies
+
+pytestmark = pytest.mark.spark
+
+
+def rows_of(dsn, table, order="ackflow_key"):
+    with psycopg.connect(dsn) as c:
+        cur = c.execute(sql.SQL("SELECT * FROM {} ORDER BY {}").format(
+            sql.Identifier(table), sql.Identifier(order)))
+        names = [d.name for d in cur.description]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def execute(dsn, statement):
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(statement)
+
+
+def orders(n):
+    return bodies([{"order": i, "items": [{"sku": f"s{i}-{j}", "qty": j + 1}
+                                          for j in range(i % 3 + 1)]} for i in range(n)])
+
+
+def explode(o):
+    for item in o["items"]:
+        yield {"order": o["order"], "sku": item["sku"], "qty": item["qty"]}
+
+
+def test_creates_the_table_and_writes_each_row_under_its_message_key(spark, postgres, pg_table):
+    src = ListSource(orders(60))
+    sink = Postgres(postgres.dsn, pg_table, create=True)
+    report = ackflow.run(ackflow.Flow(src).flat_map(explode).to(sink), spark=spark, **FAST)
+    assert report.acked == 60
+    rows = rows_of(postgres.dsn, pg_table)
+    assert len(rows) == sum(i % 3 + 1 for i in range(60))
+    by_key = {r["ackflow_key"]: r for r in rows}
+    assert by_key["m4#1"]["sku"] == "s4-1" and by_key["m4#1"]["qty"] == 2
+    assert report.rows_written[sink.name] == len(rows)
+
+
+def test_redelivered_messages_are_written_in_place_not_twice(spark, postgres, pg_table):
+    sink = Postgres(postgres.dsn, pg_table, create=True)
+    flow = ackflow.Flow(ListSource(orders(40))).flat_map(explode).to(sink)
+    ackflow.run(flow, spark=spark, **FAST)
+    first = rows_of(postgres.dsn, pg_table)
+    # the same messages again (as after a crash before the acks): same keys, same rows
+    again = ackflow.run(ackflow.Flow(ListSource(orders(40))).flat_map(explode).to(sink),
+                        spark=spark, **FAST)
+    assert again.acked == 40
+    assert rows_of(postgres.dsn, pg_table) == first
+
+
+def test_user_key_upsert_keeps_the_last_write_and_insert_the_first(spark, postgres, pg_table):
+    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (sku text PRIMARY KEY, qty int)").format(
+        sql.Identifier(pg_table)))
+    first = bodies([{"sku": "a", "qty": 1}, {"sku": "b", "qty": 1}])
+    second = bodies([{"sku": "a", "qty": 2}, {"sku": "c", "qty": 2}])
+    upsert = Postgres(postgres.dsn, pg_table, key=["sku"])
+    keep = Postgres(postgres.dsn, pg_table, key=["sku"], mode="insert")
+    ackflow.run(ackflow.Flow(ListSource(first)).to(upsert), spark=spark, **FAST)
+    ackflow.run(ackflow.Flow(ListSource(second)).to(keep), spark=spark, **FAST)
+    assert {r["sku"]: r["qty"] for r in rows_of(postgres.dsn, pg_table, "sku")} == \
+        {"a": 1, "b": 1, "c": 2}
+    ackflow.run(ackflow.Flow(ListSource(second)).to(upsert), spark=spark, **FAST)
+    assert {r["sku"]: r["qty"] for r in rows_of(postgres.dsn, pg_table, "sku")} == \
+        {"a": 2, "b": 1, "c": 2}
+
+
+def test_constraint_violations_fail_only_their_messages(spark, postgres, pg_table):
+    execute(postgres.dsn, sql.SQL(
+        "CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int NOT NULL CHECK (n >= 0), "
+        "label varchar(5))").format(sql.Identifier(pg_table)))
+    msgs = []
+    for i in range(200):
+        if i in (17, 101):
+            msgs.append({"n": -i, "label": "x"})  # violates the CHECK
+        elif i == 150:
+            msgs.append({"n": i, "label": "far too long"})  # value too long for varchar(5)
+        else:
+            msgs.append({"n": i, "label": "ok"})
+    src = ListSource(bodies(msgs))
+    sink = Postgres(postgres.dsn, pg_table, name="pg")
+    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
+                         **{**FAST, "batch_size": 200, "max_inflight": 200})
+    assert report.acked == 197 and report.dead_lettered == 3
+    assert set(src.dead_letters) == {"m17", "m101", "m150"}
+    assert src.failures["m17"].step == "pg"
+    assert "check constraint" in src.failures["m17"].error
+    assert "too long" in src.failures["m150"].error
+    got = sorted(r["n"] for r in rows_of(postgres.dsn, pg_table))
+    assert got == sorted(m["n"] for i, m in enumerate(msgs) if i not in (17, 101, 150))
+
+
+def test_a_missing_column_stops_the_run_and_names_it(spark, postgres, pg_table):
+    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int)")
+            .format(sql.Identifier(pg_table)))
+    src = ListSource(bodies([{"n": 1, "city": "Oslo"}]))
+    with pytest.raises(FlowError) as e:
+        ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table)), spark=spark, **FAST)
+    assert "city" in str(e.value) and pg_table in str(e.value)
+    assert src.final() == {"m0": "released"}  # given back, not failed
+
+
+def test_a_key_without_a_unique_index_is_a_clear_error(spark, postgres, pg_table):
+    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (sku text, qty int)")
+            .format(sql.Identifier(pg_table)))
+    src = ListSource(bodies([{"sku": "a", "qty": 1}]))
+    with pytest.raises(FlowError, match="UNIQUE"):
+        ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, key=["sku"])),
+                    spark=spark, **FAST)
+
+
+def test_missing_table_and_unreachable_server_fail_at_start_without_the_password(postgres):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Postgres(postgres.dsn, "no_such_table").open()
+    dsn = "postgresql://app:hunter2secret@127.0.0.1:1/db"
+    with pytest.raises(ConfigError) as e:
+        Postgres(dsn, "t", connect_timeout=2).open()
+    assert "hunter2secret" not in str(e.value) and "cannot connect" in str(e.value)
+    with pytest.raises(ConfigError, match="mode"):
+        Postgres(postgres.dsn, "t", mode="merge")
+
+
+def test_an_unreachable_database_fails_the_rows_never_acks_and_hides_the_password(spark):
+    class Unreachable(Postgres):
+        def prepare(self, schema):  # as if the server went away after the start
+            pass
+
+    src = ListSource(bodies([{"n": i} for i in range(30)]),
+                     policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
+    sink = Unreachable("postgresql://app:hunter2secret@127.0.0.1:1/db", "t", name="pg",
+                       connect_timeout=1)
+    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark, **FAST)
+    assert report.acked == 0 and report.dead_lettered == 30
+    assert src.settled["m0"] == ["nacked", "dead_lettered"]
+    failure = src.failures["m0"]
+    assert failure.step == "pg" and "cannot connect to PostgreSQL" in failure.error
+    assert "hunter2secret" not in failure.error
