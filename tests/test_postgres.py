@@ -134,8 +134,11 @@ def test_missing_table_and_unreachable_server_fail_at_start_without_the_password
 
 
 def test_an_unreachable_database_fails_the_rows_never_acks_and_hides_the_password(spark):
-    class Unreachable(Postgres):
-        def prepare(self, schema):  # as if the server went away after the start
+    class Unreachable(Postgres):  # as if the server went away after the start
+        def open(self):
+            pass
+
+        def prepare(self, schema):
             pass
 
     src = ListSource(bodies([{"n": i} for i in range(30)]),
