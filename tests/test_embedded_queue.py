@@ -177,3 +177,15 @@ def test_leases_are_extended_while_a_slow_batch_runs(spark, db, keepalive_s, ext
         assert (stats["delivered_total"], stats["acked_total"]) == (20, 20)
     else:
         assert stats["delivered_total"] > 20  # the failure mode the extension prevents
+
+
+def test_publish_with_remember_never_queues_an_id_twice(tmp_path):
+    q = EmbeddedQueue(tmp_path / "q.db")
+    assert q.publish("out", [b"1", b"2"], msg_ids=["a", "b"], remember=True) == 2
+    leased = q.lease("out", 10, visibility_timeout=30)
+    q.ack("out", [(m.row_id, m.deliveries) for m in leased])
+    # consumed and gone, but remembered: published again after a crash, not queued
+    assert q.publish("out", [b"1", b"3"], msg_ids=["a", "c"], remember=True) == 1
+    assert [m.msg_id for m in q.lease("out", 10, visibility_timeout=30)] == ["c"]
+    with pytest.raises(ValueError, match="msg_id"):
+        q.publish("out", [b"x"], remember=True)

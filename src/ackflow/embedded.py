@@ -58,6 +58,11 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     dead_at      REAL    NOT NULL
 );
 CREATE INDEX IF NOT EXISTS dead_letters_queue ON dead_letters (queue, id);
+CREATE TABLE IF NOT EXISTS published_ids (
+    queue        TEXT NOT NULL,
+    msg_id       TEXT NOT NULL,
+    PRIMARY KEY (queue, msg_id)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
     queue           TEXT PRIMARY KEY,
     published_total INTEGER NOT NULL DEFAULT 0,
@@ -161,11 +166,15 @@ class EmbeddedQueue:
         *,
         msg_ids: Iterable[str | None] | None = None,
         headers: Iterable[dict[str, str] | None] | None = None,
+        remember: bool = False,
     ) -> int:
         """Append messages in one transaction; return how many were new.
 
         A message whose ``msg_id`` is already queued is skipped (so a re-published
-        message after a crash is not queued twice while the first is pending).
+        message after a crash is not queued twice while the first is pending). With
+        ``remember=True`` the message ids are also kept after their messages were
+        consumed, and an id ever published with ``remember`` is never queued again
+        (exactly-once publishing; the ids cost ~60 bytes each in the file).
         """
         now = time.time()
         bodies = list(bodies)
@@ -177,7 +186,16 @@ class EmbeddedQueue:
             (queue, mid, sqlite3.Binary(b), json.dumps(h) if h else None, now, now)
             for b, mid, h in zip(bodies, ids, hdrs, strict=True)
         ]
+        if remember and None in ids:
+            raise ValueError("remember=True needs a msg_id for every message")
         with self._tx():
+            if remember:
+                fresh = []
+                for r in rows:
+                    if self._changes("INSERT OR IGNORE INTO published_ids (queue, msg_id) "
+                                     "VALUES (?, ?)", [(queue, r[1])]):
+                        fresh.append(r)
+                rows = fresh
             added = self._changes(
                 "INSERT OR IGNORE INTO messages (queue, msg_id, body, headers, visible_at,"
                 " published_at) VALUES (?, ?, ?, ?, ?, ?)",

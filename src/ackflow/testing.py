@@ -25,11 +25,13 @@ class ListSource(Source):
 
     ``settled[key]`` lists every settlement of the message with that key, in order
     (``"acked"``, ``"nacked"``, ``"dead_lettered"``, ``"released"``);
-    ``failures[key]`` keeps the last failure. Keys are ``"m0"``, ``"m1"``, ...
+    ``failures[key]`` keeps the last failure. Keys are ``"m0"``, ``"m1"``, ... or
+    ``keys`` if given (a message's stable identity, as a broker's message id).
     """
 
     def __init__(self, bodies: Iterable[bytes | str], *, format: str = "json",
-                 policy: RetryPolicy | None = None, name: str = "list") -> None:
+                 policy: RetryPolicy | None = None, name: str = "list",
+                 keys: Sequence[str] | None = None) -> None:
         super().__init__(format=format, name=name)
         self.policy = policy or RetryPolicy(max_deliveries=1)
         self._bodies = [b.encode() if isinstance(b, str) else b for b in bodies]
@@ -40,9 +42,12 @@ class ListSource(Source):
         self.failures: dict[str, Failure] = {}
         self.dead_letters: dict[str, Failure] = {}
         self._lock = threading.Lock()
+        self._keys = list(keys) if keys is not None else None
+        if self._keys is not None and len(self._keys) != len(self._bodies):
+            raise ValueError("keys and bodies must have the same length")
 
     def key(self, index: int) -> str:
-        return f"m{index}"
+        return self._keys[index] if self._keys is not None else f"m{index}"
 
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout

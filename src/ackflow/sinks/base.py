@@ -26,6 +26,9 @@ from typing import Any
 
 from ackflow.core.errors import ConfigError
 
+#: The column of row keys that sinks with ``wants_keys`` get (see :attr:`Sink.wants_keys`).
+ROW_KEY = "__af_key"
+
 
 @dataclass
 class PartitionResult:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ackflow.core.errors import ConfigError
+from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
 
 MODES = ("all", "primary")
@@ -43,10 +44,22 @@ class Broadcast(Sink):
         if len(set(names)) != len(names):
             raise ConfigError(f"broadcast: branch names must be unique, got {names}")
         self.mode = mode
+        self.wants_keys = any(b.wants_keys for b in self.branches)
 
     def open(self) -> None:
         for b in self.branches:
             b.open()
+
+    def prepare(self, schema: Any) -> None:
+        for b in self.branches:
+            b.prepare(schema)
+
+    @staticmethod
+    def _rows_for(branch: Sink, rows: Any) -> Any:
+        """The rows as ``branch`` expects them: with the row keys only if it wants them."""
+        if KEY in rows.column_names and not branch.wants_keys:
+            return rows.drop_columns([KEY])
+        return rows
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         n = rows.num_rows
@@ -56,7 +69,7 @@ class Broadcast(Sink):
             failed: dict[int, str | tuple[str, str]] = {}
             for b in self.branches:
                 try:
-                    res = b.write_partition(batch_id, partition, rows)
+                    res = b.write_partition(batch_id, partition, self._rows_for(b, rows))
                 except Exception as e:  # noqa: BLE001 - a branch failure fails its rows
                     res = PartitionResult(failed={i: f"{type(e).__name__}: {e}"
                                                   for i in range(n)})
@@ -71,7 +84,7 @@ class Broadcast(Sink):
         for b in self.branches:
             if not remaining:
                 break
-            subset = rows.take(remaining)
+            subset = self._rows_for(b, rows.take(remaining))
             try:
                 res = b.write_partition(batch_id, partition, subset)
                 bad: dict[int, Any] = dict(res.failed)

@@ -7,17 +7,21 @@ import os
 from typing import Any
 
 from ackflow.core.errors import ConfigError
-from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 
 
 class EmbeddedQueueSink(Sink):
     """Publish each row as a JSON message to ``queue`` in the embedded queue file.
 
     Each partition is published in one SQLite transaction from its Spark task: a
-    row is written when that transaction committed. With ``id_column`` the value of
-    that column becomes the message id, and a message id already queued is not
-    queued twice.
+    row is written when that transaction committed. Each message's id is the row's
+    key (its source message's identity and its position among that message's rows),
+    or the value of ``id_column``; an id once published is never queued again, so a
+    message delivered again after a crash does not reach the next stage twice
+    (effectively-once; the queue file keeps every id, ~60 bytes each).
     """
+
+    wants_keys = True
 
     def __init__(self, path: str | os.PathLike[str], queue: str, *,
                  id_column: str | None = None, name: str | None = None) -> None:
@@ -38,16 +42,19 @@ class EmbeddedQueueSink(Sink):
 
         if rows.num_rows == 0:
             return PartitionResult()
-        records = rows.to_pylist()
-        ids = None
+        keys = rows.column(ROW_KEY).to_pylist()
+        records = rows.drop_columns([ROW_KEY]).to_pylist()
+        ids = keys
         if self.id_column is not None:
-            ids = [None if r.get(self.id_column) is None else str(r[self.id_column]) for r in records]
+            ids = [k if r.get(self.id_column) is None else str(r[self.id_column])
+                   for r, k in zip(records, keys, strict=True)]
         q = EmbeddedQueue(self.path)
         try:
             q.publish(
                 self.queue,
                 [json.dumps(r, default=str).encode() for r in records],
                 msg_ids=ids,
+                remember=True,
             )
         finally:
             q.close()

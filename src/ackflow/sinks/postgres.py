@@ -17,11 +17,11 @@ from typing import Any
 
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.secrets import hide
+from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
 
 log = logging.getLogger("ackflow.sinks.postgres")
 
-KEY = "__af_key"
 MODES = ("upsert", "insert")
 
 

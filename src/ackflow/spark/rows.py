@@ -19,12 +19,12 @@ import pyarrow.compute as pc
 
 from ackflow.core.ledger import RECEIPT_SCHEMA, compact_receipts
 from ackflow.flow import Filter, FlatMap, Map, Step
-from ackflow.sinks.base import Sink
+from ackflow.sinks.base import ROW_KEY, Sink
 
 ID, BODY, STATUS, STEP, ERR = "__af_id", "__af_body", "__af_status", "__af_step", "__af_err"
 SRC = "__af_src"  # the index of the message's source (merged flows)
 IDS = "__af_ids"  # after a group_by: the ids of every member message of the row
-KEY = "__af_key"  # the row's deterministic key: its message's identity + its position
+KEY = ROW_KEY  # the row's deterministic key: its message's identity + its position
 LIVE, FILTERED, FAILED = 0, 1, 2
 
 
