@@ -37,6 +37,9 @@ class ParquetSink(Sink):
     per row at commit (~60 bytes per row in the manifest, kept for good), and a
     rewrite of a staged file only when it holds rows already written.
 
+    ``batches.dropped`` in the manifest counts the rows a commit left out because
+    they were written before.
+
     The driver and the executors must see the same ``PATH`` (local mode, or a
     shared file system on a cluster).
     """
@@ -63,7 +66,7 @@ class ParquetSink(Sink):
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(
             "CREATE TABLE IF NOT EXISTS batches (batch TEXT PRIMARY KEY, rows INTEGER NOT NULL,"
-            " committed_at REAL NOT NULL);"
+            " dropped INTEGER NOT NULL, committed_at REAL NOT NULL);"
             "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY) WITHOUT ROWID;")
         return db
 
@@ -117,13 +120,15 @@ class ParquetSink(Sink):
             return
         db = self._db()
         try:
+            staged_total = sum(len(part["keys"]) for part in parts)
             fresh_total = self._drop_written_rows(db, parts)
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.executemany("INSERT OR IGNORE INTO row_keys (key) VALUES (?)",
                                ((k,) for part in parts for k in part["keys"]))
-                db.execute("INSERT INTO batches (batch, rows, committed_at) VALUES "
-                           "(?, ?, julianday('now'))", (batch_id, fresh_total))
+                db.execute("INSERT INTO batches (batch, rows, dropped, committed_at) VALUES "
+                           "(?, ?, ?, julianday('now'))",
+                           (batch_id, fresh_total, staged_total - fresh_total))
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")

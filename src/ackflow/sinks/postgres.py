@@ -161,6 +161,9 @@ class PostgresSink(Sink):
         try:
             conn = self._connect()
         except ConnectionError as e:
+            if self._prepared:  # checked before, the server is away for now: the write
+                log.warning("sink %r: %s", self.name, e)  # fails and its messages retry
+                return
             raise FlowError(self.name, str(e)) from None
         with conn:
             ident = self._ident()
