@@ -10,7 +10,13 @@ over 100-byte JSON messages in the embedded queue:
 * limit   -- lease + ack of every message in batches, no processing at all;
 * peer    -- the same Spark transforms and Parquet output, batch by batch from a plain
              driver loop that leases and never settles (what a user would hand-write);
-* ackflow -- end to end: pull, Spark job with receipts, Parquet commit, settlement.
+* ackflow -- end to end: pull, Spark job with receipts, Parquet commit, settlement;
+* pg_limit   -- what PostgreSQL takes: the same rows parsed on the driver and written
+                with COPY + INSERT ... ON CONFLICT, in batch-size transactions, no Spark;
+* ackflow_pg -- ackflow end to end into the Postgres sink (upserts on the row key).
+
+The Postgres phases run against a throwaway server (``ackflow.servers``) on loopback.
+``--phases limit,peer`` picks phases.
 
 It prints a table and writes JSON (``--out``, default benchmarks/results/latest.json).
 """
@@ -18,6 +24,7 @@ It prints a table and writes JSON (``--out``, default benchmarks/results/latest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,6 +36,8 @@ import time
 from typing import Any
 
 QUEUE = "bench"
+PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg")
+RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"))
 
 
 def body(i: int) -> bytes:
@@ -151,19 +160,22 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
             "batch_p50_s": pct(latencies, 0.5), "batch_p99_s": pct(latencies, 0.99)}
 
 
-def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str) -> dict[str, Any]:
+def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str,
+                  dsn: str | None = None) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
-    from ackflow.sinks import Parquet
+    from ackflow.sinks import Parquet, Postgres
     from ackflow.sources import EmbeddedQueue
 
     spark = ackflow.session("local[*]")
 
     def flow(queue: str, path: str) -> ackflow.Flow:
+        sink = (Postgres(dsn, f"bench_{queue}", create=True) if dsn is not None
+                else Parquet(path))
         return (ackflow.Flow(EmbeddedQueue(db, queue))
                 .map(parse, name="parse", schema="id BIGINT, sku STRING, qty BIGINT, price DOUBLE")
                 .with_columns(total="qty * price")
-                .to(Parquet(path)))
+                .to(sink))
 
     Engine(flow("warmup", out + "-warmup"), spark=spark, batch_size=batch, max_inflight=inflight,
            until_idle=0.2, handle_signals=False).run()
@@ -180,6 +192,50 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str) -> dict[
             "rss_mb": rss_mb(), "rss_peak_mb": peak[0], "jvm_rss_mb": rss_mb(jvm) if jvm else None,
             "batch_p50_s": report.batch_p50_s, "batch_p99_s": report.batch_p99_s,
             "nacked": report.nacked, "dead_lettered": report.dead_lettered}
+
+
+def pg_rows(bodies: list[bytes], keys: list[str]) -> list[tuple[Any, ...]]:
+    out = []
+    for b, k in zip(bodies, keys, strict=True):
+        r = parse(json.loads(b))
+        out.append((r["id"], r["sku"], r["qty"], r["price"], r["qty"] * r["price"], k))
+    return out
+
+
+PG_TABLE = "CREATE TABLE {} (id bigint, sku text, qty bigint, price double precision, " \
+    "total double precision, ackflow_key text PRIMARY KEY)"
+
+
+def phase_pg_limit(db: str, n: int, batch: int, dsn: str) -> dict[str, Any]:
+    import psycopg
+
+    from ackflow.embedded import EmbeddedQueue
+
+    q = EmbeddedQueue(db)
+    with psycopg.connect(dsn) as conn:
+        conn.execute(PG_TABLE.format("bench_limit"))
+        conn.commit()
+        done = 0
+        t0 = time.perf_counter()
+        while done < n:
+            leased = q.lease(QUEUE, batch, visibility_timeout=3600)
+            if not leased:
+                break
+            rows = pg_rows([m.body for m in leased], [m.key for m in leased])
+            with conn.cursor() as cur:
+                cur.execute("CREATE TEMP TABLE IF NOT EXISTS stage (LIKE bench_limit) "
+                            "ON COMMIT DELETE ROWS")
+                with cur.copy("COPY stage FROM STDIN") as cp:
+                    for r in rows:
+                        cp.write_row(r)
+                cur.execute("INSERT INTO bench_limit SELECT * FROM stage ON CONFLICT "
+                            "(ackflow_key) DO UPDATE SET id = EXCLUDED.id, sku = EXCLUDED.sku, "
+                            "qty = EXCLUDED.qty, price = EXCLUDED.price, total = EXCLUDED.total")
+            conn.commit()
+            q.ack(QUEUE, [(m.row_id, m.deliveries) for m in leased])
+            done += len(leased)
+        secs = time.perf_counter() - t0
+    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb()}
 
 
 def run_phase(name: str, args: list[str]) -> dict[str, Any]:
@@ -200,6 +256,8 @@ def main() -> None:
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--db", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to run")
     a = p.parse_args()
 
     if a.phase:
@@ -207,10 +265,12 @@ def main() -> None:
             res = phase_limit(a.db, a.messages, a.batch_size)
         elif a.phase == "peer":
             res = phase_peer(a.db, a.messages, a.batch_size, os.path.join(a.dir, "peer"))
+        elif a.phase == "pg_limit":
+            res = phase_pg_limit(a.db, a.messages, a.batch_size, a.dsn)
         else:
             publish(a.db, a.batch_size, "warmup")
             res = phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight,
-                                os.path.join(a.dir, "ackflow"))
+                                os.path.join(a.dir, a.phase), a.dsn)
         res["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res))
         return
@@ -238,20 +298,37 @@ def main() -> None:
                 print(f"{r['messages']:>10,} {r['rate']:>9,.0f} {r['max_rss_mb']:>19.0f} "
                       f"{r['max_rss_mb'] / base - 1:>+9.1%}")
         else:
-            for name in ("limit", "peer", "ackflow"):
-                db = os.path.join(tmp, f"{name}.db")
-                publish(db, a.messages)
-                results[name] = run_phase(name, ["--db", db, "--dir", tmp,
-                                                 "--messages", str(a.messages), *common])
-            lim, peer, af = results["limit"]["rate"], results["peer"]["rate"], results["ackflow"]["rate"]
-            results["ratios"] = {"ackflow_vs_limit": af / lim, "ackflow_vs_peer": af / peer}
-            print(f"{'phase':<8} {'msg/s':>10} {'batch p50 s':>12} {'batch p99 s':>12} "
+            phases = [x for x in a.phases.split(",") if x]
+            unknown = set(phases) - set(PHASES)
+            if unknown:
+                raise SystemExit(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+            with contextlib.ExitStack() as stack:
+                dsn = None
+                if any(x.endswith("pg") or x.startswith("pg") for x in phases):
+                    from ackflow.servers import PostgresServer
+
+                    dsn = stack.enter_context(PostgresServer()).dsn
+                for name in phases:
+                    db = os.path.join(tmp, f"{name}.db")
+                    publish(db, a.messages)
+                    extra = ["--dsn", dsn] if dsn and "pg" in name else []
+                    results[name] = run_phase(name, ["--db", db, "--dir", tmp,
+                                                     "--messages", str(a.messages), *common,
+                                                     *extra])
+            ratios = {}
+            for a_name, b_name in RATIOS:
+                if a_name in results and b_name in results:
+                    ratios[f"{a_name}_vs_{b_name}"] = (results[a_name]["rate"]
+                                                        / results[b_name]["rate"])
+            results["ratios"] = ratios
+            print(f"{'phase':<11} {'msg/s':>10} {'batch p50 s':>12} {'batch p99 s':>12} "
                   f"{'driver RSS MB':>14}")
-            for name in ("limit", "peer", "ackflow"):
+            for name in phases:
                 r = results[name]
-                print(f"{name:<8} {r['rate']:>10,.0f} {r.get('batch_p50_s', 0):>12.3f} "
+                print(f"{name:<11} {r['rate']:>10,.0f} {r.get('batch_p50_s', 0):>12.3f} "
                       f"{r.get('batch_p99_s', 0):>12.3f} {r['max_rss_mb']:>14.0f}")
-            print(f"ackflow / limit = {af / lim:.2f}   ackflow / peer = {af / peer:.2f}")
+            for k, v in ratios.items():
+                print(f"{k.replace('_vs_', ' / ')} = {v:.2f}")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=2)
