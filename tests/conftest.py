@@ -35,3 +35,13 @@ def pg_table(postgres, request):
     with psycopg.connect(postgres.dsn, autocommit=True) as c:
         c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
     return name
+
+
+@pytest.fixture(scope="session")
+def rabbitmq():
+    """A throwaway RabbitMQ node (AMQP and stream listeners on 127.0.0.1, free ports)."""
+    from ackflow.servers import RabbitMQServer
+
+    server = RabbitMQServer(streams=True).start()
+    yield server
+    server.close()

@@ -124,11 +124,30 @@ class Engine:
     # -- settling -----------------------------------------------------------------------
 
     def _ack(self, deliveries: list[Delivery]) -> None:
+        if not deliveries:
+            return
+        stale = {id(d) for d in self.flow.source.ack(deliveries) or ()}
         for d in deliveries:
-            d.settle(Settlement.ACKED)
-        self.flow.source.ack(deliveries)
-        self.report.acked += len(deliveries)
-        self.metrics.acked.inc(len(deliveries))
+            d.settle(Settlement.RELEASED if id(d) in stale else Settlement.ACKED)
+        self._count_redelivered(len(stale))
+        self.report.acked += len(deliveries) - len(stale)
+        self.metrics.acked.inc(len(deliveries) - len(stale))
+
+    def _count_redelivered(self, n: int) -> None:
+        if n:
+            log.warning("%d deliveries could not be settled (their channel or lease is gone); "
+                        "the source delivers them again", n)
+            self.report.redelivered += n
+            self.metrics.redelivered.inc(n)
+
+    def _drop_lost(self) -> None:
+        """Stop tracking deliveries the source lost (it delivers them again)."""
+        lost = [d for d in self.flow.source.take_lost()
+                if not d.settled and d.lineage_id in self.inflight]
+        for d in lost:
+            d.settle(Settlement.RELEASED)
+        self._count_redelivered(len(lost))
+        self._forget(lost)
 
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
         if failures and self.flow.error_sink is not None:
@@ -137,7 +156,10 @@ class Engine:
             states = self.flow.source.fail(failures)
             for (d, f), state in zip(failures, states, strict=True):
                 d.settle(state)
-                self._record_failure(d, f, state)
+                if state is Settlement.RELEASED:
+                    self._count_redelivered(1)
+                else:
+                    self._record_failure(d, f, state)
 
     def _forget(self, deliveries: list[Delivery]) -> None:
         """Drop settled deliveries from the window (their credits return)."""
@@ -148,16 +170,17 @@ class Engine:
         self.window.give_back(len(done))
 
     def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
-        by_id = {d.lineage_id: d for d in deliveries}
+        # deliveries the source lost meanwhile are settled (released) already: skip them
+        by_id = {d.lineage_id: d for d in deliveries if not d.settled}
         held = self._hold(result) if self.groups is not None else set()
-        acked = [by_id[i] for i in result.outcomes.acked if i not in held]
+        acked = [by_id[i] for i in result.outcomes.acked if i not in held and i in by_id]
         self._ack(acked)
-        failures = [(by_id[i], f) for i, f in result.outcomes.failed.items()]
+        failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
         self._fail(result.batch_id, failures)
-        self._release([by_id[i] for i in result.released])
+        self._release([by_id[i] for i in result.released if i in by_id])
 
         outcome_ids = set(result.outcomes.acked) | set(result.outcomes.failed) | set(result.released)
-        missing = [d for d in deliveries if d.lineage_id not in outcome_ids]
+        missing = [d for d in by_id.values() if d.lineage_id not in outcome_ids]
         if missing:  # cannot happen by construction; never ack what has no outcome
             log.error("batch %s: %d messages got no outcome; failing them", result.batch_id,
                       len(missing))
@@ -332,6 +355,8 @@ class Engine:
         if self.metrics_port is not None:
             self.metrics.serve(self.metrics_port, self.metrics_host)
             log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)
+        flow.source.configure(max_inflight=self.window.max_inflight,
+                              error_sink=flow.error_sink is not None)
         self.report.recovered = flow.source.open()
         self.metrics.recovered.inc(self.report.recovered)
         if self.report.recovered:
@@ -422,6 +447,7 @@ class Engine:
         last_progress = last_keepalive = time.monotonic()
         while True:
             self._complete(0)
+            self._drop_lost()
             now = time.monotonic()
             if self._stop.is_set():
                 self._release(pending)

@@ -13,6 +13,8 @@ class RunReport:
     ``recovered`` counts deliveries that a dead consumer had in flight and that this
     run received again: the only messages whose rows may have been written twice.
     ``released`` counts messages given back unprocessed at shutdown.
+    ``redelivered`` counts deliveries the source could no longer settle (a broker
+    connection or channel died under them): the broker delivers them again.
     """
 
     acked: int = 0
@@ -20,6 +22,7 @@ class RunReport:
     dead_lettered: int = 0
     released: int = 0
     recovered: int = 0
+    redelivered: int = 0
     pulled: int = 0
     rows_written: dict[str, int] = field(default_factory=dict)
     batches: int = 0

@@ -29,6 +29,9 @@ class Metrics:
         self.recovered = Counter("ackflow_messages_recovered",
                                  "In-flight messages of a dead consumer delivered again",
                                  registry=r)
+        self.redelivered = Counter("ackflow_messages_redelivered",
+                                   "Deliveries lost with their broker channel (delivered again)",
+                                   registry=r)
         self.rows_written = Counter("ackflow_rows_written", "Rows written", ["sink"], registry=r)
         self.in_flight = Gauge("ackflow_in_flight", "Unsettled messages", registry=r)
         self.max_inflight = Gauge("ackflow_max_inflight", "The in-flight window", registry=r)

@@ -6,12 +6,14 @@ from ackflow.sinks.embedded import EmbeddedQueueSink
 from ackflow.sinks.memory import ConsoleSink, MemorySink
 from ackflow.sinks.parquet import ParquetSink
 from ackflow.sinks.postgres import PostgresSink
+from ackflow.sinks.rabbitmq import RabbitMQSink
 
 Parquet = ParquetSink
 Memory = MemorySink
 Console = ConsoleSink
 EmbeddedQueue = EmbeddedQueueSink
 Postgres = PostgresSink
+RabbitMQ = RabbitMQSink
 
 __all__ = [
     "Broadcast",
@@ -26,5 +28,7 @@ __all__ = [
     "PartitionResult",
     "Postgres",
     "PostgresSink",
+    "RabbitMQ",
+    "RabbitMQSink",
     "Sink",
 ]

@@ -42,21 +42,37 @@ class Source(ABC):
         """The format of each origin (one, unless several sources are merged)."""
         return (self.format,)
 
+    def configure(self, *, max_inflight: int, error_sink: bool) -> None:  # noqa: B027
+        """Called by the engine before :meth:`open`: the in-flight window (a broker's
+        prefetch should follow it) and whether the flow writes dead letters to its own
+        error sink (then the source only acks them)."""
+
     def open(self) -> int:
         """Connect. Return how many deliveries of a dead consumer were given back."""
         return 0
+
+    def take_lost(self) -> list[Delivery]:
+        """Deliveries this source can no longer settle (their channel or lease died; the
+        broker delivers them again). The engine stops tracking them and counts them as
+        ``redelivered``. Called often, from the engine's thread."""
+        return []
 
     @abstractmethod
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         """Return up to ``max_messages`` deliveries, waiting at most ``timeout`` s."""
 
     @abstractmethod
-    def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """Acknowledge: every row derived from these was durably written."""
+    def ack(self, deliveries: Sequence[Delivery]) -> Sequence[Delivery] | None:
+        """Acknowledge: every row derived from these was durably written.
+
+        Return the deliveries that could not be acked because their receipt is stale
+        (the channel or lease they came on is gone; the broker delivers them again),
+        or None if all were acked."""
 
     @abstractmethod
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
-        """Settle failed deliveries by the retry policy: ``NACKED`` or ``DEAD_LETTERED``."""
+        """Settle failed deliveries by the retry policy: ``NACKED`` or ``DEAD_LETTERED``
+        (``RELEASED`` for a stale receipt that can no longer be settled)."""
 
     @abstractmethod
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:

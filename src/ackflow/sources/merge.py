@@ -40,8 +40,15 @@ class MergedSource(Source):
             out.setdefault(d.origin, []).append(d)
         return out
 
+    def configure(self, *, max_inflight: int, error_sink: bool) -> None:
+        for s in self.sources:
+            s.configure(max_inflight=max_inflight, error_sink=error_sink)
+
     def open(self) -> int:
         return sum(s.open() for s in self.sources)
+
+    def take_lost(self) -> list[Delivery]:
+        return [d for s in self.sources for d in s.take_lost()]
 
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         n = len(self.sources)
@@ -61,9 +68,11 @@ class MergedSource(Source):
             got.extend(batch)
         return got
 
-    def ack(self, deliveries: Sequence[Delivery]) -> None:
+    def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        stale: list[Delivery] = []
         for i, ds in self._split(deliveries).items():
-            self.sources[i].ack(ds)
+            stale.extend(self.sources[i].ack(ds) or ())
+        return stale
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         states: dict[int, Settlement] = {}

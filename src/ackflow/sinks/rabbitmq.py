@@ -1,0 +1,204 @@
+"""RabbitMQ as a sink: each row published with publisher confirms, from Spark tasks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+from ackflow.core.secrets import redact
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
+
+
+class RabbitMQSink(Sink):
+    """Publish each row as a JSON message to ``exchange``.
+
+    The routing key is ``routing_key`` or, per row, the value of ``routing_key_column``.
+    Every partition publishes from its Spark task on its own connection, with publisher
+    confirms handled asynchronously in a window of ``confirm_window`` messages (not one
+    at a time). A row counts as written only when the broker confirmed it; a
+    ``basic.nack``, an unroutable message (published ``mandatory``, returned by the
+    broker), a closed channel, a lost connection or ``timeout_s`` without a confirm fail
+    that row, and so its source message (which is then retried, never acked).
+
+    Messages are persistent (``delivery_mode=2``) and carry a ``message_id``: the row's
+    key by default (its source message's id and its position among the message's rows:
+    a consumer can drop a redelivered copy), or the value of ``message_id_column``.
+    ``headers_column`` names a map/struct column whose entries become headers (the
+    column is not put in the body).
+    """
+
+    wants_keys = True
+
+    def __init__(self, url: str, exchange: str, routing_key: str | None = None, *,
+                 routing_key_column: str | None = None, message_id_column: str | None = None,
+                 headers_column: str | None = None, persistent: bool = True,
+                 mandatory: bool = True, confirm_window: int = 10_000, timeout_s: float = 60.0,
+                 name: str | None = None) -> None:
+        super().__init__(name or f"rabbitmq:{exchange or '(default)'}")
+        if (routing_key is None) == (routing_key_column is None):
+            raise ConfigError(f"sink {self.name!r}: give routing_key='...' or "
+                              "routing_key_column='...' (one of them)")
+        if confirm_window < 1:
+            raise ConfigError(f"sink {self.name!r}: confirm_window must be >= 1")
+        self.url = url
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.routing_key_column = routing_key_column
+        self.message_id_column = message_id_column
+        self.headers_column = headers_column
+        self.persistent = persistent
+        self.mandatory = mandatory
+        self.confirm_window = confirm_window
+        self.timeout_s = timeout_s
+
+    def open(self) -> None:
+        import pika
+        from pika.exceptions import ChannelClosedByBroker
+
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(self.url))
+        except Exception as e:  # noqa: BLE001 - a clear message at start
+            raise ConfigError(f"sink {self.name!r}: cannot connect to {redact(self.url)}: "
+                              f"{type(e).__name__}: {redact(str(e))}") from None
+        try:
+            if self.exchange:
+                try:
+                    conn.channel().exchange_declare(self.exchange, passive=True)
+                except ChannelClosedByBroker as e:
+                    raise ConfigError(f"sink {self.name!r}: exchange {self.exchange!r} does "
+                                      f"not exist ({e.reply_text}); declare it first") from None
+        finally:
+            if conn.is_open:
+                conn.close()
+
+    def prepare(self, schema: Any) -> None:
+        from ackflow.core.errors import FlowError
+
+        for what, col in (("routing_key_column", self.routing_key_column),
+                          ("message_id_column", self.message_id_column),
+                          ("headers_column", self.headers_column)):
+            if col is not None and col not in schema.names:
+                raise FlowError(self.name, f"{what} {col!r} is not among the flow's columns "
+                                f"{list(schema.names)}")
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        import pika
+
+        if rows.num_rows == 0:
+            return PartitionResult()
+        keys = rows.column(ROW_KEY).to_pylist()
+        data = rows.drop_columns([ROW_KEY])
+        headers = None
+        if self.headers_column is not None:
+            headers = data.column(self.headers_column).to_pylist()
+            data = data.drop_columns([self.headers_column])
+        records = data.to_pylist()
+        messages = []
+        for i, r in enumerate(records):
+            rk = self.routing_key if self.routing_key is not None else r[self.routing_key_column]
+            mid = keys[i] if self.message_id_column is None else r[self.message_id_column]
+            h = headers[i] if headers is not None else None
+            if isinstance(h, list):  # an Arrow map arrives as [(key, value), ...]
+                h = dict(h)
+            props = pika.BasicProperties(
+                delivery_mode=2 if self.persistent else 1, message_id=str(mid),
+                content_type="application/json", headers=h or None)
+            messages.append((str(rk), json.dumps(r, default=str).encode(), props))
+        failed = publish_confirmed(self.url, self.exchange, messages, mandatory=self.mandatory,
+                                   window=self.confirm_window, timeout_s=self.timeout_s)
+        return PartitionResult(failed=failed)
+
+
+def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, bytes, Any]], *,
+                      mandatory: bool = True, window: int = 10_000,
+                      timeout_s: float = 60.0) -> dict[int, str]:
+    """Publish ``(routing_key, body, properties)`` messages with asynchronous publisher
+    confirms, at most ``window`` unconfirmed at a time. Returns index -> reason for every
+    message that was not confirmed (nacked, returned as unroutable, or lost)."""
+    import pika
+    from pika.spec import Basic
+
+    n = len(messages)
+    unconfirmed: dict[int, int] = {}  # delivery tag -> index, in publish order
+    failed: dict[int, str] = {}
+    returned: dict[str, str] = {}
+    state: dict[str, Any] = {"next": 0, "tag": 0, "error": None, "done": False}
+
+    def stop(conn: Any, error: str | None) -> None:
+        if error is not None and state["error"] is None:
+            state["error"] = error
+        if conn.is_open:
+            conn.close()
+        else:
+            conn.ioloop.stop()
+
+    def publish_more(ch: Any) -> None:
+        while state["next"] < n and len(unconfirmed) < window:
+            i = state["next"]
+            rk, body, props = messages[i]
+            ch.basic_publish(exchange, rk, body, props, mandatory=mandatory)
+            state["next"] += 1
+            state["tag"] += 1
+            unconfirmed[state["tag"]] = i
+        if state["next"] >= n and not unconfirmed:
+            state["done"] = True
+            stop(ch.connection, None)
+
+    def on_confirm(frame: Any) -> None:
+        m = frame.method
+        nack = isinstance(m, Basic.Nack)
+        tags = ([t for t in unconfirmed if t <= m.delivery_tag] if m.multiple
+                else [m.delivery_tag])
+        for t in tags:
+            i = unconfirmed.pop(t, None)
+            if i is None:
+                continue
+            mid = messages[i][2].message_id
+            if nack:
+                failed[i] = "the broker refused the message (basic.nack)"
+            elif mid in returned:
+                failed[i] = returned[mid]
+        publish_more(channel[0])
+
+    def on_return(ch: Any, method: Any, props: Any, body: bytes) -> None:
+        returned[props.message_id] = (f"unroutable: {method.reply_code} {method.reply_text} "
+                                      f"(exchange {method.exchange!r}, routing key "
+                                      f"{method.routing_key!r})")
+
+    channel: list[Any] = [None]
+
+    def on_channel(ch: Any) -> None:
+        channel[0] = ch
+        ch.add_on_return_callback(on_return)
+        ch.add_on_close_callback(
+            lambda c, reason: stop(c.connection, None if state["done"]
+                                   else f"channel closed: {redact(str(reason))}"))
+        ch.confirm_delivery(on_confirm, callback=lambda _: publish_more(ch))
+
+    def on_open(conn: Any) -> None:
+        conn.channel(on_open_callback=on_channel)
+
+    def on_open_error(conn: Any, err: Any) -> None:
+        state["error"] = f"cannot connect to RabbitMQ: {redact(str(err))}"
+        conn.ioloop.stop()
+
+    def on_closed(conn: Any, reason: Any) -> None:
+        if not state["done"] and state["error"] is None:
+            state["error"] = f"connection closed: {redact(str(reason))}"
+        conn.ioloop.stop()
+
+    params = pika.URLParameters(url)
+    params.connection_attempts = 1
+    params.socket_timeout = 10
+    conn = pika.SelectConnection(params, on_open_callback=on_open,
+                                 on_open_error_callback=on_open_error,
+                                 on_close_callback=on_closed)
+    conn.ioloop.call_later(timeout_s, lambda: stop(conn, f"no confirm within {timeout_s:g} s"))
+    conn.ioloop.start()
+    if state["error"] is not None or unconfirmed or state["next"] < n:
+        why = state["error"] or "not confirmed"
+        for i in list(unconfirmed.values()) + list(range(state["next"], n)):
+            failed.setdefault(i, why)
+    return failed

@@ -1,0 +1,439 @@
+"""RabbitMQ queues (classic and quorum) as a source, with manual acks.
+
+One thread owns the connection: the engine's, which calls every method here.
+Settlements handed in from any other thread are queued and carried out by the
+owner on its next call (pull, ack, keepalive), never on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import heapq
+import logging
+import queue as queue_mod
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+from ackflow.core.ledger import Failure
+from ackflow.core.policy import RetryPolicy
+from ackflow.core.secrets import redact
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.sources.base import Source
+
+log = logging.getLogger("ackflow.sources.rabbitmq")
+
+#: Headers ackflow puts on a message it dead-letters (its provenance).
+PROVENANCE = ("x-ackflow-step", "x-ackflow-error", "x-ackflow-deliveries", "x-ackflow-queue")
+
+
+def message_key(message_id: str | None, body: bytes) -> str:
+    """A message's stable identity: its ``message_id`` property, else a hash of its body
+    (the last resort: two messages with the same body then share a key)."""
+    if message_id:
+        return str(message_id)
+    return "sha256:" + hashlib.sha256(body).hexdigest()[:32]
+
+
+class RabbitMQSource(Source):
+    """Consume ``queue`` with manual acks; ack only what the flow wrote.
+
+    * Prefetch follows the engine's in-flight window (``prefetch=`` overrides it).
+    * Acks use ``multiple=True`` for runs of acked tags that are the oldest unsettled
+      ones on the channel, single acks otherwise.
+    * A failed message is nacked with ``requeue=True`` after the policy's backoff (it
+      stays in flight meanwhile), and dead-lettered once the policy gives it up (or a
+      quorum queue's ``delivery_limit`` is reached). Dead letters go, in this order of
+      choice: to the flow's error sink (``flow.on_error``: the source only acks them),
+      to ``dead_letter_exchange`` (a copy with provenance headers ``x-ackflow-step``,
+      ``-error``, ``-deliveries``, ``-queue``, published with confirms, then the
+      original is acked), or, with ``reject_to_dlx=True``, rejected without requeue
+      into the queue's own dead-letter exchange (``x-death`` headers). Without any of
+      them the source refuses to start, rather than drop poison messages.
+    * Delivery counts: quorum queues send ``x-delivery-count``; on classic queues
+      ackflow counts deliveries of each message id in memory (a restart starts from
+      the ``redelivered`` flag: 2).
+    * Connection loss or a broker restart: ackflow reconnects with backoff. Deliveries
+      from the dead channel are handed back to the engine as lost (the broker delivers
+      them again; the report counts them as ``redelivered``); a tag of an old channel
+      is never acked or nacked on a new one.
+    * Nothing is declared unless ``declare=True`` (a durable queue with
+      ``arguments``); a missing queue is an error at start.
+    """
+
+    def __init__(self, url: str, queue: str, *, format: str = "json",
+                 policy: RetryPolicy | None = None, prefetch: int | None = None,
+                 declare: bool = False, arguments: dict[str, Any] | None = None,
+                 dead_letter_exchange: str | None = None, dead_letter_routing_key: str | None = None,
+                 reject_to_dlx: bool = False, delivery_limit: int | None = None,
+                 reconnect_max_s: float = 10.0, name: str | None = None) -> None:
+        super().__init__(format=format, name=name or f"rabbitmq:{queue}")
+        if not queue:
+            raise ConfigError("RabbitMQ source: queue name is empty")
+        if prefetch is not None and not 0 < prefetch <= 65535:
+            raise ConfigError(f"RabbitMQ source: prefetch must be 1..65535, got {prefetch}")
+        self.url = url
+        self.queue = queue
+        self.policy = policy or RetryPolicy()
+        self.prefetch = prefetch
+        self.declare = declare
+        self.arguments = dict(arguments or {})
+        self.dead_letter_exchange = dead_letter_exchange
+        self.dead_letter_routing_key = dead_letter_routing_key
+        self.reject_to_dlx = reject_to_dlx
+        limit = delivery_limit if delivery_limit is not None else self.arguments.get(
+            "x-delivery-limit")
+        self.delivery_limit = int(limit) if limit is not None else None
+        self.reconnect_max_s = reconnect_max_s
+        self._window = 10_000
+        self._error_sink = False
+        self._owner: int | None = None
+        self._conn: Any = None
+        self._ch: Any = None
+        self._gen = 0  # the channel generation; a handle is (generation, delivery tag)
+        self._buffer: collections.deque[Delivery] = collections.deque()
+        self._outstanding: dict[int, Delivery] = {}  # tags unsettled on this channel, in order
+        self._lost: list[Delivery] = []
+        self._delayed: list[tuple[float, int, int, int]] = []  # (due, seq, gen, tag): nacks
+        self._seq = 0
+        self._inbox: queue_mod.Queue[tuple[str, list[Any]]] = queue_mod.Queue()
+        self._seen: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._next_connect = 0.0
+        self._backoff = 0.5
+        self.stats = collections.Counter[str]()  # acks, multiple_acks, nacks, rejects, ...
+
+    # -- connection ------------------------------------------------------------------
+
+    def configure(self, *, max_inflight: int, error_sink: bool) -> None:
+        self._window = max_inflight
+        self._error_sink = error_sink
+
+    @property
+    def where(self) -> str:
+        return redact(self.url)
+
+    def open(self) -> int:
+        if not (self._error_sink or self.dead_letter_exchange or self.reject_to_dlx):
+            raise ConfigError(
+                f"source {self.name!r}: say where dead letters go: flow.on_error(sink), "
+                "dead_letter_exchange='...', or reject_to_dlx=True (if the queue has an "
+                "x-dead-letter-exchange); ackflow will not drop poison messages")
+        self._owner = threading.get_ident()
+        try:
+            self._connect()
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a clear message at start
+            raise ConfigError(f"source {self.name!r}: cannot connect to {self.where}: "
+                              f"{type(e).__name__}: {redact(str(e))}") from None
+        return 0
+
+    def _connect(self) -> None:
+        import pika
+        from pika.exceptions import ChannelClosedByBroker
+
+        params = pika.URLParameters(self.url)
+        params.connection_attempts = 1
+        params.socket_timeout = 5
+        params.blocked_connection_timeout = 60
+        conn = pika.BlockingConnection(params)
+        try:
+            ch = conn.channel()
+            try:
+                if self.declare:
+                    ch.queue_declare(self.queue, durable=True, arguments=self.arguments or None)
+                else:
+                    ch.queue_declare(self.queue, passive=True)
+            except ChannelClosedByBroker as e:
+                if e.reply_code == 404:
+                    raise ConfigError(f"source {self.name!r}: queue {self.queue!r} does not "
+                                      f"exist on {self.where}; create it or pass "
+                                      "declare=True") from None
+                raise ConfigError(f"source {self.name!r}: cannot use queue {self.queue!r}: "
+                                  f"{e.reply_text}") from None
+            if self.dead_letter_exchange:
+                ch.confirm_delivery()
+            ch.basic_qos(prefetch_count=min(65535, self.prefetch or self._window))
+            ch.basic_consume(self.queue, self._on_message, auto_ack=False)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._ch = conn, ch
+        self._gen += 1
+        self._backoff = 0.5
+        if self._gen > 1:
+            log.warning("source %r: reconnected to %s", self.name, self.where)
+
+    def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        headers = {str(k): _text(v) for k, v in (props.headers or {}).items()}
+        key = message_key(props.message_id, body)
+        if "x-delivery-count" in headers:  # quorum queue: deliveries before this one
+            count = int(headers["x-delivery-count"]) + 1
+        else:
+            count = self._seen.get(key, 0) + 1
+            if method.redelivered:
+                count = max(count, 2)
+        self._seen[key] = count
+        self._seen.move_to_end(key)
+        if len(self._seen) > 100_000:
+            self._seen.popitem(last=False)
+        d = Delivery(0, key, body, headers, count, handle=(self._gen, method.delivery_tag))
+        self._outstanding[method.delivery_tag] = d
+        self._buffer.append(d)
+
+    def _lose_connection(self, why: BaseException) -> None:
+        """The channel is gone: everything on it is the broker's again."""
+        log.warning("source %r: lost the connection to %s (%s: %s); reconnecting",
+                    self.name, self.where, type(why).__name__, redact(str(why)))
+        buffered = {id(d) for d in self._buffer}
+        handed = [d for d in self._outstanding.values() if id(d) not in buffered]
+        self._lost.extend(d for d in handed if not d.settled)
+        self.stats["lost"] += len(handed)
+        self._outstanding.clear()
+        self._buffer.clear()
+        self._delayed.clear()
+        conn, self._conn, self._ch = self._conn, None, None
+        self._gen += 1  # no handle of the dead channel matches any more
+        try:
+            if conn is not None and conn.is_open:
+                conn.close()
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        self._next_connect = time.monotonic() + self._backoff
+        self._backoff = min(self.reconnect_max_s, self._backoff * 2)
+
+    def _ensure(self) -> bool:
+        if self._ch is not None:
+            return True
+        if time.monotonic() < self._next_connect:
+            return False
+        try:
+            self._connect()
+            return True
+        except Exception as e:  # noqa: BLE001 - retried with backoff
+            log.warning("source %r: cannot reconnect to %s yet: %s", self.name, self.where,
+                        redact(str(e)))
+            self._next_connect = time.monotonic() + self._backoff
+            self._backoff = min(self.reconnect_max_s, self._backoff * 2)
+            return False
+
+    def _broker(self, fn: Any, *args: Any, **kw: Any) -> bool:
+        """Run one broker operation; on a connection error, handle the loss."""
+        from pika.exceptions import AMQPError
+
+        try:
+            fn(*args, **kw)
+            return True
+        except (AMQPError, OSError, AttributeError) as e:
+            self._lose_connection(e)
+            return False
+
+    # -- the owner's work ----------------------------------------------------------------
+
+    def _is_owner(self) -> bool:
+        return self._owner is None or threading.get_ident() == self._owner
+
+    def _service(self) -> None:
+        """Carry out settlements handed in by other threads, and due nacks."""
+        while True:
+            try:
+                op, items = self._inbox.get_nowait()
+            except queue_mod.Empty:
+                break
+            getattr(self, op)(items)
+        now = time.monotonic()
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, gen, tag = heapq.heappop(self._delayed)
+            if gen == self._gen and tag in self._outstanding:
+                self._settle_tags([tag], "nack")
+
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        deadline = time.monotonic() + timeout
+        self._service()
+        while len(self._buffer) < max_messages:
+            if not self._ensure():
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            else:
+                left = max(0.0, deadline - time.monotonic())
+                self._broker(self._conn.process_data_events, time_limit=min(left, 0.05))
+            if time.monotonic() >= deadline:
+                break
+        out = []
+        while self._buffer and len(out) < max_messages:
+            out.append(self._buffer.popleft())
+        return out
+
+    def take_lost(self) -> list[Delivery]:
+        lost, self._lost = self._lost, []
+        return lost
+
+    def _current(self, deliveries: Sequence[Delivery]) -> tuple[list[int], list[Delivery]]:
+        """Split into tags of the current channel and stale deliveries."""
+        tags, stale = [], []
+        for d in deliveries:
+            gen, tag = d.handle  # type: ignore[misc]
+            if gen == self._gen and self._ch is not None and tag in self._outstanding:
+                tags.append(tag)
+            else:
+                stale.append(d)
+        if stale:
+            self.stats["stale"] += len(stale)
+            log.warning("source %r: %d settlements for deliveries of a closed channel are "
+                        "dropped; the broker delivers those messages again", self.name,
+                        len(stale))
+        return tags, stale
+
+    def _settle_tags(self, tags: list[int], how: str) -> bool:
+        """Ack (runs of the oldest unsettled tags with multiple=True), nack with requeue,
+        or reject without requeue."""
+        ch = self._ch
+        if how == "ack":
+            wanted = set(tags)
+            run_end = None
+            for tag in self._outstanding:  # oldest first
+                if tag not in wanted:
+                    break
+                run_end = tag
+            ok = True
+            if run_end is not None:
+                ok = self._broker(ch.basic_ack, delivery_tag=run_end, multiple=True)
+                if ok:
+                    for tag in list(self._outstanding):
+                        if tag > run_end:
+                            break
+                        wanted.discard(tag)
+                        del self._outstanding[tag]
+                    self.stats["multiple_acks"] += 1
+            for tag in sorted(wanted):
+                if not ok or not self._broker(ch.basic_ack, delivery_tag=tag):
+                    return False
+                self._outstanding.pop(tag, None)
+                self.stats["acks"] += 1
+            return ok
+        for tag in tags:
+            if how == "nack":
+                ok = self._broker(ch.basic_nack, delivery_tag=tag, requeue=True)
+            else:
+                ok = self._broker(ch.basic_reject, delivery_tag=tag, requeue=False)
+            if not ok:
+                return False
+            self._outstanding.pop(tag, None)
+            self.stats[how + "s"] += 1
+        return True
+
+    # -- settlement ------------------------------------------------------------------------
+
+    def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        if not self._is_owner():
+            self._inbox.put(("_ack_now", list(deliveries)))
+            return []
+        return self._ack_now(deliveries)
+
+    def _ack_now(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        tags, stale = self._current(deliveries)
+        if tags and not self._settle_tags(tags, "ack"):
+            # the connection died mid-way: what was not acked yet comes back from the broker
+            lost = {id(d) for d in self._lost}
+            stale += [d for d in deliveries if id(d) in lost]
+        return stale
+
+    def exhausted(self, delivery: Delivery) -> bool:
+        if self.delivery_limit is not None and delivery.delivery_count > self.delivery_limit:
+            return True
+        return self.policy.exhausted(delivery.delivery_count)
+
+    def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        out = []
+        retry, dead = [], []
+        for d, f in failures:
+            gen, tag = d.handle  # type: ignore[misc]
+            if gen != self._gen or tag not in self._outstanding:
+                out.append(Settlement.RELEASED)
+            elif self.exhausted(d):
+                dead.append((d, f))
+                out.append(Settlement.DEAD_LETTERED)
+            else:
+                retry.append((d, f))
+                out.append(Settlement.NACKED)
+        self._schedule_nacks(retry, backoff=True)
+        refused = self._dead_letter(dead)
+        for i, (d, _) in enumerate(failures):
+            if id(d) in refused:
+                out[i] = Settlement.NACKED
+        return out
+
+    def _schedule_nacks(self, failures: Sequence[tuple[Delivery, Failure]], backoff: bool) -> None:
+        now = time.monotonic()
+        for d, _ in failures:
+            gen, tag = d.handle  # type: ignore[misc]
+            delay = self.policy.delay_after(d.delivery_count) if backoff else 0.0
+            self._seq += 1
+            heapq.heappush(self._delayed, (now + delay, self._seq, gen, tag))
+        if self._is_owner():
+            self._service()
+
+    def _dead_letter(self, dead: list[tuple[Delivery, Failure]]) -> set[int]:
+        """Dead-letter; return ids of deliveries that could not be (they are nacked)."""
+        if not dead:
+            return set()
+        if self.dead_letter_exchange:
+            import pika
+
+            refused: set[int] = set()
+            for d, f in dead:
+                headers = {**d.headers, "x-ackflow-step": f.step, "x-ackflow-error": f.error[:1000],
+                           "x-ackflow-deliveries": d.delivery_count, "x-ackflow-queue": self.queue}
+                props = pika.BasicProperties(delivery_mode=2, headers=headers,
+                                             message_id=None if d.key.startswith("sha256:")
+                                             else d.key)
+                rk = self.dead_letter_routing_key or self.queue
+                try:
+                    self._ch.basic_publish(self.dead_letter_exchange, rk, d.body, props,
+                                           mandatory=True)
+                except pika.exceptions.UnroutableError:
+                    log.error("source %r: dead letter of %s is unroutable on exchange %r; "
+                              "nacking it instead", self.name, d.key, self.dead_letter_exchange)
+                    refused.add(id(d))
+                except pika.exceptions.AMQPError as e:
+                    self._lose_connection(e)
+                    return {id(x) for x, _ in dead}
+            ok = [d for d, _ in dead if id(d) not in refused]
+            self._ack_now(ok)
+            self._schedule_nacks([(d, f) for d, f in dead if id(d) in refused], backoff=True)
+            self.stats["dead_letters"] += len(ok)
+            return refused
+        tags, _ = self._current([d for d, _ in dead])
+        self._settle_tags(tags, "reject")
+        for d, f in dead:
+            log.warning("source %r: message %s rejected to the queue's dead-letter exchange "
+                        "after %d deliveries: %s", self.name, d.key, d.delivery_count, f)
+        return set()
+
+    def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
+        self._schedule_nacks(failures, backoff=True)
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        self._schedule_nacks([(d, Failure("release", "")) for d in deliveries], backoff=False)
+
+    def keepalive(self, deliveries: Sequence[Delivery]) -> None:
+        if self._ch is not None:
+            self._broker(self._conn.process_data_events, time_limit=0)
+        self._service()
+
+    def close(self) -> None:
+        self._service()
+        conn, self._conn, self._ch = self._conn, None, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - unsettled messages return to the queue
+                pass
+
+
+def _text(v: Any) -> str:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    return str(v)

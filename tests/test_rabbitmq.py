@@ -1,0 +1,151 @@
+"""The RabbitMQ source and publishing sink against a real broker (a throwaway node
+on 127.0.0.1): queue to queue with poison, quorum delivery limits, refused and
+unroutable publishes, clear errors at start."""
+
+import threading
+
+import pytest
+
+import ackflow
+from ackflow.core.errors import ConfigError
+from ackflow.core.policy import RetryPolicy
+from ackflow.sinks import Memory
+from ackflow.sinks import RabbitMQ as RabbitMQSink
+from ackflow.sources import RabbitMQ
+from amqp import count, drain, names, publish, publish_many, setup
+
+pytestmark = pytest.mark.spark
+
+RUN = {"batch_size": 2000, "max_inflight": 6000, "until_idle": 1.5, "batch_timeout_s": 0.3}
+FAST_RETRY = RetryPolicy(max_deliveries=3, backoff_s=0.05, max_backoff_s=0.2)
+
+
+def check(row):
+    if row.get("poison"):
+        raise ValueError(f"order {row['order']} is poison")
+    return {"order": row["order"], "total": row["qty"] * 2}
+
+
+def test_queue_to_queue_20k_with_poison(spark, rabbitmq):
+    url = rabbitmq.url
+    q, out_x, out_q, dlx, dead = (names(p) for p in ("in", "out-x", "out", "dlx", "dead"))
+    setup(url, queue=q, out_exchange=out_x, out_queue=out_q, dlx=dlx, dead_queue=dead)
+    rows = [{"order": i, "qty": i % 7, "poison": i % 100 == 3} for i in range(20_000)]
+    publish_many(url, q, rows, [f"o{i}" for i in range(20_000)])
+    src = RabbitMQ(url, q, policy=FAST_RETRY, dead_letter_exchange=dlx)
+    sink = RabbitMQSink(url, out_x, routing_key=out_q)
+    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(sink), spark=spark, **RUN)
+    valid = {f"o{i}" for i in range(20_000) if i % 100 != 3}
+    poison = {f"o{i}" for i in range(20_000) if i % 100 == 3}
+    assert report.acked == len(valid) and report.dead_lettered == len(poison)
+    got = drain(url, out_q)
+    assert {m for m, _, _ in got} == valid  # the row key of a 1:1 flow is the message id
+    assert len(got) == len(valid)
+    assert all(b["total"] == int(m[1:]) % 7 * 2 for m, b, _ in got)
+    dead_letters = drain(url, dead)
+    assert {m for m, _, _ in dead_letters} == poison
+    h = dead_letters[0][2]
+    assert h["x-ackflow-step"] == "check" and "is poison" in h["x-ackflow-error"]
+    assert h["x-ackflow-deliveries"] == 3 and h["x-ackflow-queue"] == q
+    assert count(url, q) == 0
+    assert src.stats["multiple_acks"] > 0  # contiguous runs of tags acked in one frame
+
+
+def test_quorum_queue_delivery_limit_rejects_into_its_dead_letter_exchange(spark, rabbitmq):
+    url = rabbitmq.url
+    q, dlx, dead = names("qq"), names("qdlx"), names("qdead")
+    setup(url, queue=names("unused"), dlx=dlx, dead_queue=dead)
+    args = {"x-queue-type": "quorum", "x-delivery-limit": 1, "x-dead-letter-exchange": dlx}
+    src = RabbitMQ(url, q, declare=True, arguments=args, reject_to_dlx=True,
+                   policy=RetryPolicy(max_deliveries=10, backoff_s=0.05))
+    # declare=True declares the quorum queue; publish after it exists
+    src.configure(max_inflight=100, error_sink=False)
+    src.open()
+    src.close()
+    publish(url, q, [{"order": i, "qty": 1, "poison": i == 2} for i in range(5)],
+            ids=[f"q{i}" for i in range(5)])
+    sink = Memory()
+    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(sink), spark=spark,
+                         **{**RUN, "batch_size": 10})
+    assert report.acked == 4 and report.dead_lettered == 1
+    # x-delivery-limit 1: the second delivery (x-delivery-count 1) is the last one
+    dead_letters = drain(url, dead)
+    assert [m for m, _, _ in dead_letters] == ["q2"]
+    death = dead_letters[0][2]["x-death"][0]
+    assert death["reason"] == "rejected" and death["queue"] == q
+    assert count(url, q) == 0
+
+
+def test_unroutable_rows_are_nacked_not_acked(spark, rabbitmq):
+    url = rabbitmq.url
+    q, out_x, out_q, dlx, dead = (names(p) for p in ("in", "out-x", "out", "dlx", "dead"))
+    setup(url, queue=q, out_exchange=out_x, out_queue=out_q, dlx=dlx, dead_queue=dead)
+    publish(url, q, [{"order": i, "qty": 1} for i in range(30)], ids=[f"u{i}" for i in range(30)])
+    src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05),
+                   dead_letter_exchange=dlx)
+    sink = RabbitMQSink(url, out_x, routing_key="nowhere", name="out")
+    report = ackflow.run(ackflow.Flow(src).map(check).to(sink), spark=spark, **RUN)
+    assert report.acked == 0 and report.nacked == 30 and report.dead_lettered == 30
+    dead_letters = drain(url, dead)
+    assert len(dead_letters) == 30
+    assert all("unroutable" in h["x-ackflow-error"] and h["x-ackflow-step"] == "out"
+               for _, _, h in dead_letters)
+    assert count(url, out_q) == 0
+
+
+def test_a_queue_refusing_publishes_fails_only_the_refused_rows(spark, rabbitmq):
+    url = rabbitmq.url
+    q, out_x, out_q, dlx, dead = (names(p) for p in ("in", "out-x", "out", "dlx", "dead"))
+    setup(url, queue=q, out_exchange=out_x, out_queue=out_q, dlx=dlx, dead_queue=dead,
+          out_args={"x-max-length": 5, "x-overflow": "reject-publish"})
+    publish(url, q, [{"order": i, "qty": 1} for i in range(20)], ids=[f"r{i}" for i in range(20)])
+    src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=1), dead_letter_exchange=dlx)
+    sink = RabbitMQSink(url, out_x, routing_key=out_q, name="out")
+    report = ackflow.run(ackflow.Flow(src).map(check).to(sink), spark=spark,
+                         **{**RUN, "batch_size": 20})
+    assert report.acked == 5 and report.dead_lettered == 15
+    assert count(url, out_q) == 5
+    dead_letters = drain(url, dead)
+    assert all("refused" in h["x-ackflow-error"] for _, _, h in dead_letters)
+    # what was refused is exactly what is missing downstream
+    assert {m for m, _, _ in dead_letters} | {m for m, _, _ in drain(url, out_q)} == \
+        {f"r{i}" for i in range(20)}
+
+
+def test_clear_errors_at_start_and_no_password_in_them(rabbitmq):
+    with pytest.raises(ConfigError, match="does not exist"):
+        src = RabbitMQ(rabbitmq.url, "no-such-queue", reject_to_dlx=True)
+        src.open()
+    with pytest.raises(ConfigError, match="dead letters"):
+        RabbitMQ(rabbitmq.url, "q").open()
+    bad = f"amqp://guest:sup3rsecret@127.0.0.1:{rabbitmq.port + 1 if rabbitmq.port < 65535 else 1}/%2F"
+    with pytest.raises(ConfigError) as e:
+        RabbitMQ(bad, "q", reject_to_dlx=True).open()
+    assert "sup3rsecret" not in str(e.value) and "***" in str(e.value)
+    with pytest.raises(ConfigError, match="exchange"):
+        RabbitMQSink(rabbitmq.url, "no-such-exchange", routing_key="x").open()
+    with pytest.raises(ConfigError, match="routing_key"):
+        RabbitMQSink(rabbitmq.url, "x")
+
+
+def test_settlements_from_another_thread_run_on_the_owner(rabbitmq):
+    url = rabbitmq.url
+    q = names("own")
+    setup(url, queue=q)
+    publish(url, q, [{"n": i} for i in range(10)])
+    src = RabbitMQ(url, q, reject_to_dlx=True)
+    src.configure(max_inflight=100, error_sink=False)
+    src.open()
+    try:
+        got = []
+        while len(got) < 10:
+            got += src.pull(10 - len(got), 1.0)
+        t = threading.Thread(target=src.ack, args=(got,))
+        t.start()
+        t.join()
+        assert src.stats["acks"] + src.stats["multiple_acks"] == 0  # not on that thread
+        src.pull(1, 0.2)  # the owner carries it out
+        assert src.stats["multiple_acks"] == 1
+    finally:
+        src.close()
+    assert count(url, q) == 0
