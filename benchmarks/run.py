@@ -13,9 +13,13 @@ over 100-byte JSON messages in the embedded queue:
 * ackflow -- end to end: pull, Spark job with receipts, Parquet commit, settlement;
 * pg_limit   -- what PostgreSQL takes: the same rows parsed on the driver and written
                 with COPY + INSERT ... ON CONFLICT, in batch-size transactions, no Spark;
-* ackflow_pg -- ackflow end to end into the Postgres sink (upserts on the row key).
+* ackflow_pg -- ackflow end to end into the Postgres sink (upserts on the row key);
+* rmq_limit  -- what RabbitMQ gives: raw pika consume with manual acks (multiple=True
+                every 1000) at the same prefetch as ackflow's window, no processing;
+* ackflow_rmq -- ackflow end to end from a RabbitMQ queue to Parquet.
 
-The Postgres phases run against a throwaway server (``ackflow.servers``) on loopback.
+The Postgres and RabbitMQ phases run against throwaway servers (``ackflow.servers``)
+on loopback.
 ``--phases limit,peer`` picks phases.
 
 It prints a table and writes JSON (``--out``, default benchmarks/results/latest.json).
@@ -36,8 +40,50 @@ import time
 from typing import Any
 
 QUEUE = "bench"
-PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg")
-RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"))
+PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq")
+RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"),
+          ("ackflow_rmq", "rmq_limit"))
+
+
+def publish_rmq(url: str, queue: str, n: int) -> None:
+    import pika
+
+    from ackflow.sinks.rabbitmq import publish_confirmed
+
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.queue_declare(queue, durable=True)
+    ch.queue_purge(queue)
+    conn.close()
+    props = pika.BasicProperties(delivery_mode=2)
+    for start in range(0, n, 50_000):
+        msgs = [(queue, body(i), props) for i in range(start, min(n, start + 50_000))]
+        if publish_confirmed(url, "", msgs):
+            raise SystemExit("benchmark messages were not confirmed by the broker")
+
+
+def phase_rmq_limit(url: str, n: int, prefetch: int) -> dict[str, Any]:
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=min(prefetch, 65535))
+    done = 0
+    t0 = time.perf_counter()
+    last_tag = 0
+    for method, _, _ in ch.consume(QUEUE, inactivity_timeout=2):
+        if method is None:
+            break
+        done += 1
+        last_tag = method.delivery_tag
+        if done % 1000 == 0:
+            ch.basic_ack(last_tag, multiple=True)
+        if done >= n:
+            break
+    ch.basic_ack(last_tag, multiple=True)
+    secs = time.perf_counter() - t0
+    conn.close()
+    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb()}
 
 
 def body(i: int) -> bytes:
@@ -161,18 +207,20 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
 
 
 def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str,
-                  dsn: str | None = None) -> dict[str, Any]:
+                  dsn: str | None = None, url: str | None = None) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
     from ackflow.sinks import Parquet, Postgres
-    from ackflow.sources import EmbeddedQueue
+    from ackflow.sources import EmbeddedQueue, RabbitMQ
 
     spark = ackflow.session("local[*]")
 
     def flow(queue: str, path: str) -> ackflow.Flow:
         sink = (Postgres(dsn, f"bench_{queue}", create=True) if dsn is not None
                 else Parquet(path))
-        return (ackflow.Flow(EmbeddedQueue(db, queue))
+        source = (RabbitMQ(url, queue, reject_to_dlx=True) if url is not None
+                  else EmbeddedQueue(db, queue))
+        return (ackflow.Flow(source)
                 .map(parse, name="parse", schema="id BIGINT, sku STRING, qty BIGINT, price DOUBLE")
                 .with_columns(total="qty * price")
                 .to(sink))
@@ -257,6 +305,7 @@ def main() -> None:
     p.add_argument("--db", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--url", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to run")
     a = p.parse_args()
 
@@ -267,10 +316,15 @@ def main() -> None:
             res = phase_peer(a.db, a.messages, a.batch_size, os.path.join(a.dir, "peer"))
         elif a.phase == "pg_limit":
             res = phase_pg_limit(a.db, a.messages, a.batch_size, a.dsn)
+        elif a.phase == "rmq_limit":
+            res = phase_rmq_limit(a.url, a.messages, a.max_inflight)
         else:
-            publish(a.db, a.batch_size, "warmup")
+            if a.url:
+                publish_rmq(a.url, "warmup", a.batch_size)
+            else:
+                publish(a.db, a.batch_size, "warmup")
             res = phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight,
-                                os.path.join(a.dir, a.phase), a.dsn)
+                                os.path.join(a.dir, a.phase), a.dsn, a.url)
         res["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res))
         return
@@ -303,15 +357,25 @@ def main() -> None:
             if unknown:
                 raise SystemExit(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
             with contextlib.ExitStack() as stack:
-                dsn = None
-                if any(x.endswith("pg") or x.startswith("pg") for x in phases):
+                dsn = url = None
+                if any("pg" in x for x in phases):
                     from ackflow.servers import PostgresServer
 
                     dsn = stack.enter_context(PostgresServer()).dsn
+                if any("rmq" in x for x in phases):
+                    from ackflow.servers import RabbitMQServer
+
+                    url = stack.enter_context(RabbitMQServer()).url
                 for name in phases:
                     db = os.path.join(tmp, f"{name}.db")
-                    publish(db, a.messages)
-                    extra = ["--dsn", dsn] if dsn and "pg" in name else []
+                    extra = []
+                    if "rmq" in name:
+                        publish_rmq(url, QUEUE, a.messages)
+                        extra = ["--url", url]
+                    else:
+                        publish(db, a.messages)
+                    if "pg" in name:
+                        extra = ["--dsn", dsn]
                     results[name] = run_phase(name, ["--db", db, "--dir", tmp,
                                                      "--messages", str(a.messages), *common,
                                                      *extra])

@@ -94,3 +94,21 @@ def test_run_rejects_a_target_that_is_not_a_flow(tmp_path):
     (tmp_path / "f.py").write_text("flow = 3\n")
     r = ackflow_cmd("run", "f.py:flow", "--master", "local[1]", cwd=tmp_path)
     assert r.returncode == 2 and "is a int, not an ackflow Flow" in r.stderr
+
+
+def test_demo_through_a_real_rabbitmq_broker(tmp_path, rabbitmq):
+    r = ackflow_cmd("demo", "--source", "rabbitmq", "--amqp-url", rabbitmq.url,
+                    "--messages", "4000", "--workdir", str(tmp_path / "demo"), "--json",
+                    "--master", "local[2]", "--batch-size", "1000", "--max-inflight", "3000")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    check = summary["check"]
+    assert check["ok"], check
+    assert check["poison_dead_lettered"] == check["poison_expected"] > 0
+    assert check["queue"]["ready"] == 0
+    assert "guest:guest" not in r.stdout + r.stderr  # the URL's password never shows
+
+
+def test_demo_source_rabbitmq_needs_a_url(capsys):
+    assert main(["demo", "--source", "rabbitmq", "--messages", "1"]) != 0
+    assert "--amqp-url" in capsys.readouterr().err

@@ -76,6 +76,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--until-idle", type=_seconds, default=3.0,
                       help="stop after this many seconds without messages (default 3)")
     demo.add_argument("--seed", type=int, default=7, help="random seed of the events")
+    demo.add_argument("--source", choices=("embedded", "rabbitmq"), default="embedded",
+                      help="where the orders are queued (default: the embedded queue)")
+    demo.add_argument("--amqp-url", default=None,
+                      help="RabbitMQ URL for --source rabbitmq (amqp://user:pass@host:5672/%%2F)")
     _engine_options(demo, 5000, 20000)
 
     run = sub.add_parser("run", help="run a flow defined in a Python file")
@@ -129,6 +133,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ackflow.spark.session import session
 
     paths = demo.DemoPaths(os.path.abspath(args.workdir))
+    rabbit = None
+    if args.source == "rabbitmq":
+        if not args.amqp_url:
+            raise ConfigError("--source rabbitmq needs --amqp-url amqp://user:pass@host:5672/%2F")
+        rabbit = demo.RabbitDemo(args.amqp_url)
     published = 0
     if args.resume:
         if not os.path.exists(paths.manifest):
@@ -136,15 +145,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         if not args.json:
             print(f"publishing {args.messages:,} order events to {paths.db} ...", file=sys.stderr)
-        published = demo.publish(paths, args.messages, args.poison_rate, args.seed)["messages"]
+        published = demo.publish(paths, args.messages, args.poison_rate, args.seed,
+                                 rabbit)["messages"]
     with open(paths.manifest) as f:
         total = json.load(f)["messages"]
     spark = session(args.master)
     bar = ProgressBar(total=None if args.resume else total)
-    report = Engine(demo.build_flow(paths), spark=spark, progress=bar,
+    report = Engine(demo.build_flow(paths, rabbit), spark=spark, progress=bar,
                     **_engine_kwargs(args)).run()
     bar.close()
-    check = demo.verify(paths)
+    check = demo.verify(paths, rabbit)
     summary = {
         "published": published,
         "acked": report.acked,

@@ -19,6 +19,7 @@ from ackflow.core.policy import RetryPolicy
 from ackflow.embedded import EmbeddedQueue
 from ackflow.flow import Flow
 from ackflow.sinks.parquet import ParquetSink
+from ackflow.sources.base import Source
 from ackflow.sources.embedded import EmbeddedQueueSource
 
 QUEUE = "orders"
@@ -69,9 +70,12 @@ def poison_body(i: int, rng: random.Random) -> tuple[bytes, str]:
     return json.dumps(event).encode(), "validate"
 
 
-def publish(paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7) -> dict[str, Any]:
-    """Start afresh in ``paths.workdir``: queue ``messages`` orders; return the manifest."""
-    for p in (paths.db, paths.db + "-wal", paths.db + "-shm", paths.manifest):
+def publish(paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7,
+            rabbit: RabbitDemo | None = None) -> dict[str, Any]:
+    """Start afresh in ``paths.workdir``: queue ``messages`` orders (in the embedded
+    queue, or in RabbitMQ); return the manifest."""
+    kept = os.path.join(paths.workdir, "dead_letters.jsonl")  # RabbitMQ's, from a last run
+    for p in (paths.db, paths.db + "-wal", paths.db + "-shm", paths.manifest, kept):
         if os.path.exists(p):
             os.remove(p)
     shutil.rmtree(paths.output, ignore_errors=True)
@@ -90,11 +94,14 @@ def publish(paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7) 
             body = json.dumps(event, separators=(",", ":")).encode()
         bodies.append(body)
         ids.append(mid)
-    q = EmbeddedQueue(paths.db)
-    try:
-        q.publish(QUEUE, bodies, msg_ids=ids)  # one transaction: all or nothing
-    finally:
-        q.close()
+    if rabbit is not None:
+        rabbit.publish(bodies, ids)
+    else:
+        q = EmbeddedQueue(paths.db)
+        try:
+            q.publish(QUEUE, bodies, msg_ids=ids)  # one transaction: all or nothing
+        finally:
+            q.close()
     manifest = {"messages": messages, "poison": poison, "valid_items": valid_items}
     with open(paths.manifest + ".tmp", "w") as f:
         json.dump(manifest, f)
@@ -133,11 +140,11 @@ def line_items(order: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def build_flow(paths: DemoPaths) -> Flow:
-    source = EmbeddedQueueSource(
-        paths.db, QUEUE, format="json",
-        policy=RetryPolicy(max_deliveries=3, backoff_s=0.2, max_backoff_s=1.0),
-    )
+def build_flow(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> Flow:
+    policy = RetryPolicy(max_deliveries=3, backoff_s=0.2, max_backoff_s=1.0)
+    source: Source = EmbeddedQueueSource(paths.db, QUEUE, format="json", policy=policy)
+    if rabbit is not None:
+        source = rabbit.source(policy)
     return (
         Flow(source)
         .map(validate, name="validate")
@@ -148,18 +155,21 @@ def build_flow(paths: DemoPaths) -> Flow:
     )
 
 
-def verify(paths: DemoPaths) -> dict[str, Any]:
+def verify(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> dict[str, Any]:
     """Compare the queue and the Parquet output with the manifest."""
     import pyarrow.parquet as pq
 
     with open(paths.manifest) as f:
         manifest = json.load(f)
-    q = EmbeddedQueue(paths.db)
-    try:
-        stats = q.stats(QUEUE)
-        dead = q.dead_letters(QUEUE)
-    finally:
-        q.close()
+    if rabbit is not None:
+        stats, dead_steps = rabbit.stats(paths)
+    else:
+        q = EmbeddedQueue(paths.db)
+        try:
+            stats = q.stats(QUEUE)
+            dead_steps = {d.msg_id: d.step for d in q.dead_letters(QUEUE)}
+        finally:
+            q.close()
     poison: dict[str, str] = manifest["poison"]
     found_orders: set[str] = set()
     rows = 0
@@ -172,10 +182,9 @@ def verify(paths: DemoPaths) -> dict[str, Any]:
     else:
         distinct = 0
     expected_orders = manifest["messages"] - len(poison)
-    dead_ids = {d.msg_id: d for d in dead}
-    wrongly_dead = [m for m in dead_ids if m not in poison]
-    poison_missing = [m for m in poison if m not in dead_ids]
-    bad_reason = [m for m, d in dead_ids.items() if m in poison and d.step != poison[m]]
+    wrongly_dead = [m for m in dead_steps if m not in poison]
+    poison_missing = [m for m in poison if m not in dead_steps]
+    bad_reason = [m for m, step in dead_steps.items() if m in poison and step != poison[m]]
     return {
         "queue": stats,
         "valid_orders_expected": expected_orders,
@@ -196,3 +205,78 @@ def verify(paths: DemoPaths) -> dict[str, Any]:
             and stats["ready"] + stats["leased"] + stats["delayed"] == 0
         ),
     }
+
+
+class RabbitDemo:
+    """The demo through a real RabbitMQ broker: queue ``ackflow-demo-orders``, dead
+    letters (with their provenance headers) to exchange ``ackflow-demo-dlx`` and queue
+    ``ackflow-demo-dead``. The check reads the dead letters off that queue and keeps
+    them in ``WORKDIR/dead_letters.jsonl``."""
+
+    QUEUE, DLX, DEAD = "ackflow-demo-orders", "ackflow-demo-dlx", "ackflow-demo-dead"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _channel(self) -> Any:
+        import pika
+
+        from ackflow.core.errors import ConfigError
+        from ackflow.core.secrets import redact
+
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(self.url))
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"cannot connect to RabbitMQ at {redact(self.url)}: "
+                              f"{type(e).__name__}: {redact(str(e))}") from None
+        ch = conn.channel()
+        ch.exchange_declare(self.DLX, "fanout", durable=True)
+        ch.queue_declare(self.DEAD, durable=True)
+        ch.queue_bind(self.DEAD, self.DLX)
+        ch.queue_declare(self.QUEUE, durable=True)
+        return conn, ch
+
+    def publish(self, bodies: list[bytes], ids: list[str]) -> None:
+        import pika
+
+        from ackflow.sinks.rabbitmq import publish_confirmed
+
+        conn, ch = self._channel()
+        ch.queue_purge(self.QUEUE)
+        ch.queue_purge(self.DEAD)
+        conn.close()
+        props = [pika.BasicProperties(delivery_mode=2, message_id=m) for m in ids]
+        failed = publish_confirmed(self.url, "", [(self.QUEUE, b, p)
+                                                  for b, p in zip(bodies, props, strict=True)])
+        if failed:
+            raise RuntimeError(f"{len(failed)} demo messages were not confirmed by the broker")
+
+    def source(self, policy: RetryPolicy) -> Source:
+        from ackflow.sources.rabbitmq import RabbitMQSource
+
+        return RabbitMQSource(self.url, self.QUEUE, policy=policy, dead_letter_exchange=self.DLX)
+
+    def stats(self, paths: DemoPaths) -> tuple[dict[str, int], dict[str, str]]:
+        conn, ch = self._channel()
+        kept = os.path.join(paths.workdir, "dead_letters.jsonl")
+        with open(kept, "a") as f:
+            while True:
+                method, props, body = ch.basic_get(self.DEAD, auto_ack=False)
+                if method is None:
+                    break
+                h = props.headers or {}
+                f.write(json.dumps({"msg_id": props.message_id, "step": h.get("x-ackflow-step"),
+                                    "error": h.get("x-ackflow-error"),
+                                    "deliveries": h.get("x-ackflow-deliveries"),
+                                    "body": body.decode("utf-8", "replace")}) + "\n")
+                f.flush()
+                ch.basic_ack(method.delivery_tag)
+        left = ch.queue_declare(self.QUEUE, passive=True).method.message_count
+        conn.close()
+        dead: dict[str, str] = {}
+        with open(kept) as f:
+            for line in f:
+                d = json.loads(line)
+                dead[d["msg_id"]] = d["step"]
+        stats = {"ready": left, "leased": 0, "delayed": 0, "dead_lettered": len(dead)}
+        return stats, dead

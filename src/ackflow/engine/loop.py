@@ -472,6 +472,8 @@ class Engine:
                     self.metrics.pulled.inc(pulled)
                     self._window_metrics()
                     last_message = time.monotonic()
+            if not source.connected:  # reconnecting: not idle, the broker holds messages
+                last_message = time.monotonic()
             now = time.monotonic()
             if pending and len(self._running) < self.max_concurrent and (
                 len(pending) >= self.batch_size

@@ -51,6 +51,12 @@ class Source(ABC):
         """Connect. Return how many deliveries of a dead consumer were given back."""
         return 0
 
+    @property
+    def connected(self) -> bool:
+        """False while the source is reconnecting to its broker (an idle run does not
+        end then: the broker still holds messages)."""
+        return True
+
     def take_lost(self) -> list[Delivery]:
         """Deliveries this source can no longer settle (their channel or lease died; the
         broker delivers them again). The engine stops tracking them and counts them as

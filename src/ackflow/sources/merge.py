@@ -47,6 +47,10 @@ class MergedSource(Source):
     def open(self) -> int:
         return sum(s.open() for s in self.sources)
 
+    @property
+    def connected(self) -> bool:
+        return all(s.connected for s in self.sources)
+
     def take_lost(self) -> list[Delivery]:
         return [d for s in self.sources for d in s.take_lost()]
 

@@ -266,6 +266,10 @@ class RabbitMQSource(Source):
             out.append(self._buffer.popleft())
         return out
 
+    @property
+    def connected(self) -> bool:
+        return self._ch is not None
+
     def take_lost(self) -> list[Delivery]:
         lost, self._lost = self._lost, []
         return lost
