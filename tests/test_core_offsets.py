@@ -1,0 +1,168 @@
+"""The contiguous offset tracker: examples, and a stateful property test over random
+interleavings of pull, ack, nack-and-retry, dead-letter, gaps and crash-and-resume."""
+
+import os
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from ackflow.core.offsets import OffsetTracker
+
+EXAMPLES = int(os.environ.get("ACKFLOW_PROPERTY_EXAMPLES", "60"))
+
+
+def test_in_flight_head_holds_the_commit():
+    t = OffsetTracker()
+    for o in range(5):
+        t.pulled(o)
+    for o in (1, 2, 3, 4):
+        t.settled(o)
+    assert t.committed == 0 and t.in_flight == 1
+    t.failed(0)
+    assert t.committed == 0  # failed: still unsettled, retried later
+    t.pulled(0)
+    t.settled(0)
+    assert t.committed == 5 and len(t) == 0
+
+
+def test_an_offset_never_pulled_blocks_until_declared_a_gap():
+    t = OffsetTracker(start=100)
+    t.pulled(100)
+    t.pulled(103)
+    t.settled(100)
+    t.settled(103)
+    assert t.committed == 101
+    t.gap(101, 103)
+    assert t.committed == 104
+
+
+def test_bounded_to_the_window_and_below_committed_is_ignored():
+    t = OffsetTracker()
+    for o in range(10_000):
+        t.pulled(o)
+        t.settled(o)
+        assert len(t) == 0
+    assert t.committed == 10_000
+    assert t.pulled(5) is False  # a stale re-read: skip it
+    with pytest.raises(KeyError):
+        t.settled(20_000)
+
+
+class Log(RuleBasedStateMachine):
+    """A log of N offsets, some of them holes the source skips (declared gaps). A
+    reader pulls in order; messages settle in any order; failures are retried; a crash
+    loses all in-memory state and resumes from the committed offset."""
+
+    N = 60
+
+    def __init__(self):
+        super().__init__()
+        self.holes = set()
+        self.tracker = OffsetTracker()
+        self.next = 0  # the reader's position
+        self.pending = set()  # pulled, in flight
+        self.failed = set()  # failed, waiting for their retry
+        self.done = set()  # settled in this incarnation (or gaps)
+        self.must_reprocess = set()  # unsettled (or uncommitted) at a crash
+        self.settled_ever = set()
+
+    @initialize(holes=st.sets(st.integers(0, N - 1), max_size=8))
+    def declare_holes(self, holes):
+        self.holes = set(holes)
+
+    @precondition(lambda self: self.next < self.N)
+    @rule(n=st.integers(1, 5))
+    def pull(self, n):
+        for _ in range(n):
+            if self.next >= self.N:
+                break
+            o = self.next
+            self.next += 1
+            if o in self.holes:
+                self.tracker.gap(o, o + 1)
+                self.done.add(o)
+                continue
+            assert self.tracker.pulled(o)
+            self.pending.add(o)
+            self.must_reprocess.discard(o)
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), dead_letter=st.booleans())
+    def settle(self, data, dead_letter):  # acked, or dead-lettered durably: both settle
+        o = data.draw(st.sampled_from(sorted(self.pending)))
+        self.pending.discard(o)
+        self.tracker.settled(o)
+        self.done.add(o)
+        self.settled_ever.add(o)
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def fail(self, data):
+        o = data.draw(st.sampled_from(sorted(self.pending)))
+        self.pending.discard(o)
+        self.tracker.failed(o)
+        self.failed.add(o)
+
+    @precondition(lambda self: self.failed)
+    @rule(data=st.data())
+    def retry(self, data):
+        o = data.draw(st.sampled_from(sorted(self.failed)))
+        self.failed.discard(o)
+        assert self.tracker.pulled(o)
+        self.pending.add(o)
+
+    @rule()
+    def crash_and_resume(self):
+        committed = self.tracker.committed
+        # everything from the committed offset on must be processed again
+        self.must_reprocess |= {o for o in range(committed, self.next) if o not in self.holes}
+        self.tracker = OffsetTracker(start=committed)
+        self.next = committed
+        self.pending.clear()
+        self.failed.clear()
+        self.done = {o for o in self.done if o < committed}
+
+    @invariant()
+    def never_past_an_unsettled_offset(self):
+        c = self.tracker.committed
+        assert all(o >= c for o in self.pending | self.failed)
+        assert all(o >= c for o in self.must_reprocess)
+
+    @invariant()
+    def advances_when_it_may(self):
+        expect = 0
+        while expect in self.done:  # every offset below the first unsettled one
+            expect += 1
+        assert self.tracker.committed == expect
+
+    @invariant()
+    def bounded(self):
+        assert len(self.tracker) <= max(0, self.tracker.highest_pulled - self.tracker.committed + 1)
+
+    def teardown(self):
+        # run to the end: retry every failure, settle everything, all committed
+        for o in sorted(self.failed):
+            self.tracker.pulled(o)
+            self.pending.add(o)
+        self.failed.clear()
+        while self.next < self.N:
+            self.pull(5)
+        for o in sorted(self.pending):
+            self.tracker.settled(o)
+            self.settled_ever.add(o)
+        self.pending.clear()
+        assert self.tracker.committed == self.N
+        assert not self.must_reprocess  # every message not committed at a crash came again
+        assert self.settled_ever == set(range(self.N)) - self.holes
+
+
+Log.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
+TestLog = Log.TestCase
