@@ -2,11 +2,13 @@
 
 from ackflow.sources.base import Source
 from ackflow.sources.embedded import EmbeddedQueueSource
+from ackflow.sources.files import FilesSource
 from ackflow.sources.merge import MergedSource
 from ackflow.sources.rabbitmq import RabbitMQSource
 
 EmbeddedQueue = EmbeddedQueueSource
+Files = FilesSource
 RabbitMQ = RabbitMQSource
 
-__all__ = ["EmbeddedQueue", "EmbeddedQueueSource", "MergedSource", "RabbitMQ", "RabbitMQSource",
+__all__ = ["EmbeddedQueue", "EmbeddedQueueSource", "Files", "FilesSource", "MergedSource", "RabbitMQ", "RabbitMQSource",
            "Source"]
