@@ -79,3 +79,19 @@ def count(url, queue):
     n = conn.channel().queue_declare(queue, passive=True).method.message_count
     conn.close()
     return n
+
+
+def stream_publish(server, stream, bodies):
+    """Create ``stream`` (if missing) and append ``bodies`` with publisher confirms."""
+    import asyncio
+
+    from rstream import Producer
+
+    async def go():
+        async with Producer("127.0.0.1", server.stream_port, username="guest",
+                            password="guest") as p:
+            await p.create_stream(stream, exists_ok=True)
+            for k in range(0, len(bodies), 500):
+                await p.send_batch(stream, list(bodies[k:k + 500]))
+
+    asyncio.run(go())

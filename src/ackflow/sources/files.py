@@ -127,7 +127,7 @@ class FilesSource(Source):
                 continue
             committed = int(st.get("committed", 0))
             f = _File(name, OffsetTracker(start=committed), dead_lettered=int(st.get("dead", 0)))
-            f.handle = open(full, "rb")  # noqa: SIM115 - kept open while the file is read
+            f.handle = open(full, "rb")
             self._files[name] = f
             if self.file_format == "csv":  # line 0 is the header: read it, then skip to
                 f.header = next(csv.reader([f.handle.readline().decode("utf-8")]), [])

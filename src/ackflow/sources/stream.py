@@ -1,0 +1,238 @@
+"""RabbitMQ streams (the ``rabbitmq_stream`` plugin) as a replayable source.
+
+A stream is a log: a consumer's progress is one stored offset, not per-message
+acks. ackflow stores it only through an :class:`~ackflow.core.offsets.OffsetTracker`:
+the stored offset never passes a message still in flight or waiting for a retry,
+so a restart (or a new consumer with the same name) processes every message that
+was not settled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import queue as queue_mod
+import threading
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+from ackflow.core.ledger import Failure
+from ackflow.core.offsets import OffsetTracker
+from ackflow.core.policy import RetryPolicy
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.sources.base import Source
+
+log = logging.getLogger("ackflow.sources.stream")
+
+
+class RabbitMQStreamSource(Source):
+    """Consume ``stream`` as the named consumer ``consumer``.
+
+    It starts after the consumer's stored offset, or, for a consumer without one,
+    at ``offset``: ``"first"``, ``"last"``, ``"next"``, an offset number, or a
+    ``datetime`` (messages stored from then on). After every settlement the
+    committed offset (everything below it acked or dead-lettered) is stored on the
+    broker (as its last offset, ``committed - 1``). Offsets the stream skips are
+    declared gaps; a message still in flight holds the stored offset back.
+
+    Failed messages are retried after the policy's backoff (kept in memory; a restart
+    reads them from the stream again) and, once given up, go to the flow's error sink:
+    a stream source needs ``flow.on_error(sink)``, since a log cannot dead-letter one
+    message. A dead letter counts as settled once the error sink wrote it.
+    """
+
+    def __init__(self, host: str, port: int, stream: str, consumer: str, *,
+                 username: str = "guest", password: str = "guest", vhost: str = "/",
+                 offset: str | int | datetime = "first", format: str = "json",
+                 policy: RetryPolicy | None = None, name: str | None = None) -> None:
+        super().__init__(format=format, name=name or f"stream:{stream}")
+        if not consumer:
+            raise ConfigError("RabbitMQ stream source: consumer= names the consumer whose "
+                              "offset is stored; it must not be empty")
+        if isinstance(offset, str) and offset not in ("first", "last", "next"):
+            raise ConfigError(f"offset must be 'first', 'last', 'next', a number or a datetime, "
+                              f"got {offset!r}")
+        self.host, self.port, self.stream, self.consumer = host, port, stream, consumer
+        self.username, self.password, self.vhost = username, password, vhost
+        self.offset = offset
+        self.policy = policy or RetryPolicy()
+        self._window = 10_000
+        self._error_sink = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._consumer: Any = None
+        self._inbox: queue_mod.Queue[tuple[int, bytes]] = queue_mod.Queue()
+        self._tracker: OffsetTracker | None = None
+        self._last_seen = -1
+        self._bodies: dict[int, bytes] = {}
+        self._retry: list[tuple[float, int, int]] = []  # (due, offset, delivery count)
+        self._stored = -1
+        self.error: BaseException | None = None
+
+    def configure(self, *, max_inflight: int, error_sink: bool) -> None:
+        self._window = max_inflight
+        self._error_sink = error_sink
+
+    # -- the consumer's thread ------------------------------------------------------------
+
+    def _run(self, coro: Any, timeout: float = 30) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def open(self) -> int:
+        from rstream import Consumer as StreamConsumer
+        from rstream import (
+            ConsumerOffsetSpecification,
+            OffsetNotFound,
+            OffsetType,
+        )
+
+        if not self._error_sink:
+            raise ConfigError(f"source {self.name!r}: a stream cannot dead-letter one message: "
+                              "give the flow an error sink with .on_error(sink)")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ackflow-stream",
+                                        daemon=True)
+        self._thread.start()
+
+        async def start() -> int:
+            self._consumer = StreamConsumer(self.host, self.port, username=self.username,
+                                            password=self.password, vhost=self.vhost)
+            await self._consumer.start()
+            if not await self._consumer.stream_exists(self.stream):
+                raise ConfigError(f"source {self.name!r}: stream {self.stream!r} does not exist "
+                                  f"on {self.host}:{self.port}")
+            try:
+                stored = await self._consumer.query_offset(self.stream, self.consumer)
+                spec = ConsumerOffsetSpecification(OffsetType.OFFSET, stored + 1)
+                start_at = stored + 1
+            except OffsetNotFound:
+                stored, start_at = -1, -1
+                if isinstance(self.offset, datetime):
+                    spec = ConsumerOffsetSpecification(OffsetType.TIMESTAMP,
+                                                       int(self.offset.timestamp() * 1000))
+                elif isinstance(self.offset, int):
+                    spec = ConsumerOffsetSpecification(OffsetType.OFFSET, self.offset)
+                    start_at = self.offset
+                else:
+                    kind = {"first": OffsetType.FIRST, "last": OffsetType.LAST,
+                            "next": OffsetType.NEXT}[self.offset]
+                    spec = ConsumerOffsetSpecification(kind, None)
+            await self._consumer.subscribe(self.stream, self._on_message,
+                                           offset_specification=spec,
+                                           subscriber_name=self.consumer, initial_credit=4)
+            self._stored = stored
+            return start_at
+
+        try:
+            start_at = self._run(start())
+        except ConfigError:
+            self.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - a clear message at start
+            self.close()
+            raise ConfigError(f"source {self.name!r}: cannot consume stream {self.stream!r} on "
+                              f"{self.host}:{self.port}: {type(e).__name__}: {e}") from None
+        if start_at >= 0:
+            self._tracker = OffsetTracker(start=start_at)
+            self._last_seen = start_at - 1
+            if self._stored >= 0:
+                log.info("source %r: resuming %s after stored offset %d", self.name,
+                         self.stream, self._stored)
+        return 0
+
+    async def _on_message(self, body: Any, ctx: Any) -> None:
+        while self._inbox.qsize() >= self._window:  # backpressure: stop taking credits
+            await asyncio.sleep(0.01)
+        self._inbox.put((ctx.offset, bytes(body)))
+
+    # -- pulling -------------------------------------------------------------------------
+
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        out: list[Delivery] = []
+        now = time.monotonic()
+        while self._retry and self._retry[0][0] <= now and len(out) < max_messages:
+            _, off, count = heapq.heappop(self._retry)
+            if off in self._bodies:
+                assert self._tracker is not None
+                self._tracker.pulled(off)
+                out.append(self._delivery(off, self._bodies[off], count))
+        deadline = now + timeout
+        while len(out) < max_messages:
+            try:
+                left = deadline - time.monotonic()
+                off, body = (self._inbox.get(timeout=left) if left > 0 and not out
+                             else self._inbox.get_nowait())
+            except queue_mod.Empty:
+                break
+            if off <= self._last_seen:
+                continue  # delivered again after a resubscription: already handed out
+            if self._tracker is None:  # a new consumer: the log starts where it starts
+                self._tracker = OffsetTracker(start=off)
+            elif off > self._last_seen + 1:
+                self._tracker.gap(self._last_seen + 1, off)  # never coming
+            self._last_seen = off
+            if not self._tracker.pulled(off):
+                continue
+            self._bodies[off] = body
+            out.append(self._delivery(off, body, 1))
+        return out
+
+    def _delivery(self, offset: int, body: bytes, count: int) -> Delivery:
+        return Delivery(0, f"{self.stream}@{offset}", body, {"offset": str(offset)}, count,
+                        handle=offset)
+
+    # -- settling --------------------------------------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        """The first offset not settled (stored on the broker as ``committed - 1``)."""
+        return self._tracker.committed if self._tracker is not None else self._stored + 1
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        assert self._tracker is not None or not deliveries
+        for d in deliveries:
+            off = int(d.handle)  # type: ignore[call-overload]
+            self._bodies.pop(off, None)
+            self._tracker.settled(off)  # type: ignore[union-attr]
+        self._store()
+
+    def _store(self) -> None:
+        last = self.committed - 1
+        if last > self._stored and self._consumer is not None:
+            self._run(self._consumer.store_offset(self.stream, self.consumer, last))
+            self._stored = last
+
+    def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        self.nack(failures)  # given-up messages went to the error sink before this
+        return [Settlement.NACKED] * len(failures)
+
+    def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
+        now = time.monotonic()
+        for d, _ in failures:
+            off = int(d.handle)  # type: ignore[call-overload]
+            heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count), off,
+                                         d.delivery_count + 1))
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        now = time.monotonic()
+        for d in deliveries:
+            heapq.heappush(self._retry, (now, int(d.handle), d.delivery_count))  # type: ignore[call-overload]
+
+    def close(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(consumer.close(), loop).result(10)
+            except Exception as e:  # noqa: BLE001 - unsettled messages are read again
+                log.warning("source %r: closing the stream consumer: %s", self.name, e)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
