@@ -29,6 +29,7 @@ from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.report import RunReport
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
+from ackflow.sinks.base import ROW_KEY
 from ackflow.sinks.collect import CollectSink
 
 log = logging.getLogger("ackflow.engine")
@@ -549,6 +550,8 @@ def write_dead_letters(sink: Any, batch_id: str,
                           ("headers", pa.string()), ("step", pa.string()),
                           ("error", pa.string()), ("deliveries", pa.int64()),
                           ("failed_at", pa.float64())]))
+    if getattr(sink, "wants_keys", False):  # a dead letter written again is the same row
+        table = table.append_column(ROW_KEY, pa.array([d.key for d, _ in failures], pa.string()))
     result = sink.write_partition(batch_id, 0, table)
     if result.failed:
         sink.abort(batch_id, [result.token] if result.token else [])

@@ -103,13 +103,16 @@ class ParquetSink(Sink):
         os.makedirs(folder, exist_ok=True)
         final = os.path.join(folder, f"part-{partition:05d}.parquet")
         _write_atomically(rows, final, self.compression, pq)
-        return PartitionResult(token=json.dumps({"file": final, "keys": keys}).encode())
+        return PartitionResult(token=json.dumps({"file": final, "keys": keys,
+                                                 "rows": rows.num_rows}).encode())
 
     def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
         if not tokens:
             return
         staged = os.path.join(self.staging, batch_id)
         parts = [json.loads(t) for t in tokens]
+        for part in parts:  # rows written without keys cannot be de-duplicated
+            part["keys"] = part["keys"] or []
         for part in parts:
             if not os.path.exists(part["file"]):
                 raise OSError(f"staged file {part['file']!r} is missing; not committing")
@@ -120,7 +123,7 @@ class ParquetSink(Sink):
             return
         db = self._db()
         try:
-            staged_total = sum(len(part["keys"]) for part in parts)
+            staged_total = sum(part["rows"] for part in parts)
             fresh_total = self._drop_written_rows(db, parts)
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -156,6 +159,9 @@ class ParquetSink(Sink):
             "SELECT key FROM incoming JOIN row_keys USING (key)")}
         total = 0
         for part in parts:
+            if not part["keys"]:
+                total += part["rows"]
+                continue
             mask = [k not in seen for k in part["keys"]]
             kept = sum(mask)
             total += kept
