@@ -151,3 +151,29 @@ def test_an_unreachable_database_fails_the_rows_never_acks_and_hides_the_passwor
     failure = src.failures["m0"]
     assert failure.step == "pg" and "cannot connect to PostgreSQL" in failure.error
     assert "hunter2secret" not in failure.error
+
+
+def test_join_matches_and_groups_get_stable_keys_so_a_rerun_changes_nothing(
+        spark, postgres, pg_table):
+    stock = spark.createDataFrame([("a", "north"), ("a", "south"), ("b", "north")],
+                                  "sku string, warehouse string")
+    msgs = bodies([{"sku": "a" if i % 2 else "b", "n": i} for i in range(20)])
+
+    def flow():
+        return (ackflow.Flow(ListSource(msgs)).join(stock, on="sku")
+                .to(Postgres(postgres.dsn, pg_table, create=True)))
+
+    ackflow.run(flow(), spark=spark, **FAST)
+    first = rows_of(postgres.dsn, pg_table)
+    assert len(first) == 10 * 2 + 10  # "a" matches two warehouses, "b" one
+    assert {r["ackflow_key"] for r in first if r["n"] == 1} == {"m1", "m1~1"}
+    ackflow.run(flow(), spark=spark, **FAST)  # delivered again: same keys, same rows
+    assert rows_of(postgres.dsn, pg_table) == first
+    groups = pg_table + "_g"
+    execute(postgres.dsn, sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(groups)))
+    grouped = (ackflow.Flow(ListSource(msgs)).group_by("sku").agg("count(*) AS n")
+               .to(Postgres(postgres.dsn, groups, create=True)))
+    ackflow.run(grouped, spark=spark, **{**FAST, "batch_size": 20, "max_inflight": 20})
+    g1 = rows_of(postgres.dsn, groups)
+    assert sorted((r["sku"], r["n"]) for r in g1) == [("a", 10), ("b", 10)]
+    assert all(r["ackflow_key"].startswith("g:") for r in g1)

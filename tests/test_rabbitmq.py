@@ -149,3 +149,27 @@ def test_settlements_from_another_thread_run_on_the_owner(rabbitmq):
     finally:
         src.close()
     assert count(url, q) == 0
+
+
+def test_headers_and_message_ids_are_carried_from_the_source(spark, rabbitmq):
+    import pika
+
+    from amqp import connect
+
+    url = rabbitmq.url
+    q, out_x, out_q, dlx, dead = (names(p) for p in ("in", "out-x", "out", "dlx", "dead"))
+    setup(url, queue=q, out_exchange=out_x, out_queue=out_q, dlx=dlx, dead_queue=dead)
+    conn = connect(url)
+    ch = conn.channel()
+    for i in range(5):
+        ch.basic_publish("", q, b'{"order": %d, "qty": 1}' % i, pika.BasicProperties(
+            delivery_mode=2, message_id=f"h{i}", headers={"tenant": f"t{i % 2}"}))
+    conn.close()
+    src = RabbitMQ(url, q, dead_letter_exchange=dlx, headers_field="meta")
+    sink = RabbitMQSink(url, out_x, routing_key=out_q, headers_column="meta")
+    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark, **RUN)
+    assert report.acked == 5
+    got = {m: (b, h) for m, b, h in drain(url, out_q)}
+    assert set(got) == {f"h{i}" for i in range(5)}
+    assert all(h == {"tenant": f"t{int(m[1:]) % 2}"} for m, (_, h) in got.items())
+    assert all("meta" not in b for b, _ in got.values())

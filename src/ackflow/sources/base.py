@@ -37,10 +37,19 @@ class Source(ABC):
         if name is not None:
             self.name = name
 
+    #: If set, the message's headers (a dict of strings) are added to the first row
+    #: under this name, e.g. to carry them to a sink (``headers_column=``).
+    headers_field: str | None = None
+
     @property
     def formats(self) -> tuple[str, ...]:
         """The format of each origin (one, unless several sources are merged)."""
         return (self.format,)
+
+    @property
+    def header_fields(self) -> tuple[str | None, ...]:
+        """The ``headers_field`` of each origin."""
+        return (self.headers_field,)
 
     def configure(self, *, max_inflight: int, error_sink: bool) -> None:  # noqa: B027
         """Called by the engine before :meth:`open`: the in-flight window (a broker's

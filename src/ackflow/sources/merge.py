@@ -34,6 +34,10 @@ class MergedSource(Source):
     def formats(self) -> tuple[str, ...]:
         return tuple(s.format for s in self.sources)
 
+    @property
+    def header_fields(self) -> tuple[str | None, ...]:
+        return tuple(s.headers_field for s in self.sources)
+
     def _split(self, deliveries: Sequence[Delivery]) -> dict[int, list[Delivery]]:
         out: dict[int, list[Delivery]] = {}
         for d in deliveries:

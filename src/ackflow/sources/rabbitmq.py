@@ -62,6 +62,8 @@ class RabbitMQSource(Source):
       is never acked or nacked on a new one.
     * Nothing is declared unless ``declare=True`` (a durable queue with
       ``arguments``); a missing queue is an error at start.
+    * ``headers_field="meta"`` adds the message's headers (strings) to its row as
+      ``meta``: with the sink's ``headers_column="meta"`` they are carried downstream.
     """
 
     def __init__(self, url: str, queue: str, *, format: str = "json",
@@ -69,7 +71,8 @@ class RabbitMQSource(Source):
                  declare: bool = False, arguments: dict[str, Any] | None = None,
                  dead_letter_exchange: str | None = None, dead_letter_routing_key: str | None = None,
                  reject_to_dlx: bool = False, delivery_limit: int | None = None,
-                 reconnect_max_s: float = 10.0, name: str | None = None) -> None:
+                 reconnect_max_s: float = 10.0, headers_field: str | None = None,
+                 name: str | None = None) -> None:
         super().__init__(format=format, name=name or f"rabbitmq:{queue}")
         if not queue:
             raise ConfigError("RabbitMQ source: queue name is empty")
@@ -88,6 +91,7 @@ class RabbitMQSource(Source):
             "x-delivery-limit")
         self.delivery_limit = int(limit) if limit is not None else None
         self.reconnect_max_s = reconnect_max_s
+        self.headers_field = headers_field
         self._window = 10_000
         self._error_sink = False
         self._owner: int | None = None

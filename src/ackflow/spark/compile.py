@@ -41,6 +41,7 @@ from ackflow.spark.rows import (
     BODY,
     ERR,
     FILTERED,
+    HDR,
     ID,
     IDS,
     KEY,
@@ -58,7 +59,7 @@ from ackflow.spark.rows import (
 
 SAMPLE_ROWS = 200
 INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
-                          (SRC, pa.int32())])
+                          (SRC, pa.int32()), (HDR, pa.string())])
 
 
 @dataclass(frozen=True)
@@ -171,12 +172,15 @@ class CompiledFlow:
 
         A message's key is its source's stable identity (prefixed with its origin in
         a merged flow, where two sources may use the same identities)."""
+        fields = self.flow.source.header_fields
         table = pa.table({
             ID: pa.array([d.lineage_id for d in deliveries], pa.int64()),
             KEY: pa.array([d.key if not d.origin else f"{d.origin}|{d.key}"
                            for d in deliveries], pa.string()),
             BODY: pa.array([d.body for d in deliveries], pa.binary()),
-            SRC: pa.array([d.origin for d in deliveries], pa.int32())},
+            SRC: pa.array([d.origin for d in deliveries], pa.int32()),
+            HDR: pa.array([_headers(fields[d.origin], d.headers) for d in deliveries],
+                          pa.string())},
             schema=INPUT_SCHEMA)
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
@@ -412,6 +416,12 @@ def check_executors_can_load(spark: SparkSession, shipped: dict[str, bytes]) -> 
                             "importable there: run the flow with `ackflow run file.py:flow` "
                             "(the file is shipped by value), or add the module with "
                             "SparkContext.addPyFile / spark.submit.pyFiles")
+
+
+def _headers(field: str | None, headers: dict[str, str]) -> str | None:
+    import json
+
+    return None if field is None else json.dumps({field: headers})
 
 
 def _column(expr: Any) -> Any:

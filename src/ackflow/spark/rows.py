@@ -23,6 +23,7 @@ from ackflow.sinks.base import ROW_KEY, Sink
 
 ID, BODY, STATUS, STEP, ERR = "__af_id", "__af_body", "__af_status", "__af_step", "__af_err"
 SRC = "__af_src"  # the index of the message's source (merged flows)
+HDR = "__af_hdr"  # JSON {field: headers} to add to the first row, for sources that ask
 IDS = "__af_ids"  # after a group_by: the ids of every member message of the row
 KEY = ROW_KEY  # the row's deterministic key: its message's identity + its position
 LIVE, FILTERED, FAILED = 0, 1, 2
@@ -73,10 +74,14 @@ def decode_batch(
     rows: list[dict[str, Any] | None] = []
     status, steps, errs = [LIVE] * n, [None] * n, [None] * n
     origins = b.column(SRC).to_pylist()
+    extra = b.column(HDR).to_pylist() if HDR in b.schema.names else [None] * n
     for i, body in enumerate(b.column(BODY).to_pylist()):
         fmt = formats[origins[i]]
         try:
-            rows.append(decode(body, fmt))
+            row = decode(body, fmt)
+            if extra[i] is not None:
+                row.update(json.loads(extra[i]))
+            rows.append(row)
         except Exception as e:  # noqa: BLE001 - fails this message only
             rows.append(None)
             status[i], steps[i] = FAILED, "decode"
