@@ -63,6 +63,22 @@ def kill_when(proc, cond, timeout=180):
     proc.wait(30)
 
 
+def kill_at_random_moments(flow, env, out, kills=3):
+    """Start the pipeline and SIGKILL it after a random amount of new output, ``kills``
+    times."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(kills):
+        target = len(written(out)) + rng.randint(200, 1200)
+        proc = subprocess.Popen(cmd(flow), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            kill_when(proc, lambda t=target: len(written(out)) >= t)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
 def test_a_slow_batch_at_the_head_holds_the_commit_and_its_crash_loses_nothing(tmp_path):
     folder, out = tmp_path / "in", str(tmp_path / "out")
     folder.mkdir()
@@ -95,18 +111,7 @@ def test_sigkill_at_random_moments_over_a_file_directory(tmp_path):
     folder.mkdir()
     total = write_files(folder, 6, 1000)
     env = {**os.environ, "AF_DIR": str(folder), "AF_OUT": out}
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    for _ in range(3):
-        before = len(written(out))
-        target = before + rng.randint(200, 1200)
-        proc = subprocess.Popen(cmd("files_flow"), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            kill_when(proc, lambda t=target: len(written(out)) >= t)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+    kill_at_random_moments("files_flow", env, out)
     done = subprocess.run(cmd("files_flow"), env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -120,17 +125,7 @@ def test_sigkill_at_random_moments_over_a_stream(tmp_path, rabbitmq):
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(total)])
     env = {**os.environ, "AF_STREAM_PORT": str(rabbitmq.stream_port), "AF_STREAM": stream,
            "AF_OUT": out}
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    for _ in range(3):
-        target = len(written(out)) + rng.randint(200, 1200)
-        proc = subprocess.Popen(cmd("stream_flow"), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            kill_when(proc, lambda t=target: len(written(out)) >= t)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+    kill_at_random_moments("stream_flow", env, out)
     started = time.monotonic()
     done = subprocess.run(cmd("stream_flow", until_idle=3), env=env, capture_output=True,
                           text=True, timeout=300)

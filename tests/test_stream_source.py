@@ -22,6 +22,17 @@ def source(server, stream, consumer="c1", **kw):
                           policy=RetryPolicy(max_deliveries=2, backoff_s=0.05), **kw)
 
 
+def open_and_pull(server, stream, n):
+    """Open a source by hand (no engine) and pull ``n`` deliveries."""
+    src = source(server, stream)
+    src.configure(max_inflight=100, error_sink=True)
+    src.open()
+    got = []
+    while len(got) < n:
+        got += src.pull(n - len(got), 2.0)
+    return src, got
+
+
 def check(row):
     if row.get("poison"):
         raise ValueError(f"row {row['n']} is poison")
@@ -53,21 +64,11 @@ def test_in_flight_messages_hold_the_stored_offset_and_are_read_again(rabbitmq):
     a new consumer with the same name starts at 0 again (the recovery race)."""
     stream = names("s")
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(10)])
-    src = source(rabbitmq, stream)
-    src.configure(max_inflight=100, error_sink=True)
-    src.open()
-    got = []
-    while len(got) < 10:
-        got += src.pull(10 - len(got), 2.0)
+    src, got = open_and_pull(rabbitmq, stream, 10)
     src.ack(got[1:])
     assert src.committed == 0
     src.close()
-    again = source(rabbitmq, stream)
-    again.configure(max_inflight=100, error_sink=True)
-    again.open()
-    got = []
-    while len(got) < 10:
-        got += again.pull(10 - len(got), 2.0)
+    again, got = open_and_pull(rabbitmq, stream, 10)
     assert [d.key for d in got] == [f"{stream}@{i}" for i in range(10)]
     again.ack(got)
     assert again.committed == 10

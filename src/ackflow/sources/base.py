@@ -93,6 +93,22 @@ class Source(ABC):
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         """Redeliver later (after the policy's backoff), whatever the delivery count."""
 
+    def by_policy(self, failures: Sequence[tuple[Delivery, Failure]]) -> tuple[
+            list[Settlement], list[tuple[Delivery, Failure]], list[tuple[Delivery, Failure]]]:
+        """Sort failures by the retry policy: the settlement of each (in order), the
+        failures to retry (``NACKED``) and those given up (``DEAD_LETTERED``)."""
+        states: list[Settlement] = []
+        retry: list[tuple[Delivery, Failure]] = []
+        dead: list[tuple[Delivery, Failure]] = []
+        for d, f in failures:
+            if self.exhausted(d):
+                dead.append((d, f))
+                states.append(Settlement.DEAD_LETTERED)
+            else:
+                retry.append((d, f))
+                states.append(Settlement.NACKED)
+        return states, retry, dead
+
     def exhausted(self, delivery: Delivery) -> bool:
         """True when the retry policy gives this delivery up if it fails now."""
         return self.policy.exhausted(delivery.delivery_count)

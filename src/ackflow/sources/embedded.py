@@ -85,20 +85,11 @@ class EmbeddedQueueSource(Source):
             self.q.ack(self.queue, self._handles(deliveries))
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
-        outcomes: list[Settlement] = []
-        dead: list[tuple[int, int, str, str]] = []
-        retry: list[tuple[Delivery, Failure]] = []
-        for d, f in failures:
-            if self.exhausted(d):
-                rid, n = d.handle  # type: ignore[misc]
-                dead.append((rid, n, f.step, f.error))
-                outcomes.append(Settlement.DEAD_LETTERED)
-            else:
-                retry.append((d, f))
-                outcomes.append(Settlement.NACKED)
+        outcomes, retry, dead = self.by_policy(failures)
         self.nack(retry)
         if dead:
-            self.q.dead_letter(self.queue, dead)
+            self.q.dead_letter(self.queue, [(*d.handle, f.step, f.error)  # type: ignore[misc]
+                                            for d, f in dead])
         return outcomes
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:

@@ -220,14 +220,7 @@ class FilesSource(Source):
         self._settled(deliveries)
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
-        out, dead, retry = [], [], []
-        for d, f in failures:
-            if self.exhausted(d):
-                dead.append((d, f))
-                out.append(Settlement.DEAD_LETTERED)
-            else:
-                retry.append((d, f))
-                out.append(Settlement.NACKED)
+        out, retry, dead = self.by_policy(failures)
         self.nack(retry)
         if dead:
             self._write_dead_letters(dead)
