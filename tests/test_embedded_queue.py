@@ -169,14 +169,29 @@ def test_leases_are_extended_while_a_slow_batch_runs(spark, db, keepalive_s, ext
     engine = Engine(ackflow.Flow(src).map(slow, name="slow").to(MemorySink()), spark=spark,
                     batch_size=20, max_inflight=60, until_idle=0.5, keepalive_s=keepalive_s,
                     progress=lambda r, w: time.monotonic() > deadline and engine.request_stop())
-    engine.run()
+    report = engine.run()
     stats = EmbeddedQueue(db).stats("a")
     # The window has room, so the engine keeps pulling while the batch runs: an expired
     # lease is handed out again, and the first delivery's ack no longer counts.
     if extended:
         assert (stats["delivered_total"], stats["acked_total"]) == (20, 20)
+        assert report.redelivered == 0
     else:
         assert stats["delivered_total"] > 20  # the failure mode the extension prevents
+        # the refused acks are reported as redelivered, not as acked
+        assert report.redelivered > 0
+        assert report.acked == stats["acked_total"]
+
+
+def test_ack_held_reports_pairs_whose_lease_was_lost(tmp_path):
+    q = EmbeddedQueue(tmp_path / "q.db")
+    q.publish("a", [b"1", b"2"])
+    first = q.lease("a", 2, visibility_timeout=0.05)
+    time.sleep(0.1)
+    again = q.lease("a", 1, visibility_timeout=30)  # message 1 leased a second time
+    stale = q.ack_held("a", [(m.row_id, m.deliveries) for m in first])
+    assert stale == [(first[0].row_id, 1)] and again[0].row_id == first[0].row_id
+    assert q.stats("a")["acked_total"] == 1
 
 
 def test_publish_with_remember_never_queues_an_id_twice(tmp_path):

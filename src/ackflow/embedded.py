@@ -266,6 +266,23 @@ class EmbeddedQueue:
             self._bump(queue, "acked_total", done)
         return done
 
+    def ack_held(self, queue: str, deliveries: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Like :meth:`ack`, in one transaction, and return the pairs that were not held
+        any more (their lease expired and the message was leased again, or settled)."""
+        with self._tx():
+            held: set[tuple[int, int]] = set()
+            for k in range(0, len(deliveries), 500):
+                chunk = deliveries[k:k + 500]
+                marks = ",".join("?" * len(chunk))
+                held.update(self._db.execute(
+                    f"SELECT id, deliveries FROM messages WHERE leased = 1 AND id IN ({marks})",
+                    [rid for rid, _ in chunk]).fetchall())
+            mine = [p for p in deliveries if tuple(p) in held]
+            done = self._changes(
+                "DELETE FROM messages WHERE id = ? AND deliveries = ? AND leased = 1", mine)
+            self._bump(queue, "acked_total", done)
+        return [p for p in deliveries if tuple(p) not in held]
+
     def retry(self, failures: Sequence[tuple[int, int, float, str]]) -> int:
         """Make failed ``(row_id, deliveries, delay_s, error)`` visible again after their
         delay, in one transaction."""

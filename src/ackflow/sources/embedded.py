@@ -80,9 +80,13 @@ class EmbeddedQueueSource(Source):
     def _handles(deliveries: Sequence[Delivery]) -> list[tuple[int, int]]:
         return [d.handle for d in deliveries]  # type: ignore[misc]
 
-    def ack(self, deliveries: Sequence[Delivery]) -> None:
-        if deliveries:
-            self.q.ack(self.queue, self._handles(deliveries))
+    def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Ack; return the deliveries whose lease was lost meanwhile (not acked: the
+        message was leased again and counts as redelivered)."""
+        if not deliveries:
+            return []
+        stale = set(self.q.ack_held(self.queue, self._handles(deliveries)))
+        return [d for d in deliveries if tuple(d.handle) in stale]  # type: ignore[arg-type]
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         outcomes, retry, dead = self.by_policy(failures)
