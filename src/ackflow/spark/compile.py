@@ -115,6 +115,7 @@ class CompiledFlow:
         self._schemas: dict[tuple[int, ...], pa.Schema] = {}
         self._persisted: dict[str, DataFrame] = {}
         self._lock = threading.Lock()
+        self._prepare_lock = threading.Lock()
         self.parallelism = max(1, spark.sparkContext.defaultParallelism)
         self.shipped = _pickle_parts(flow)
         if not spark.sparkContext.master.startswith("local"):
@@ -266,7 +267,9 @@ class CompiledFlow:
     def _write(self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str,
                batch_id: str) -> DataFrame:
         df = df.select(*[F.col(f"`{c}`") for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
-        sink.prepare(to_arrow_schema(df.select(*[F.col(f"`{c}`") for c in data_cols]).schema))
+        schema = to_arrow_schema(df.select(*[F.col(f"`{c}`") for c in data_cols]).schema)
+        with self._prepare_lock:  # two batches' threads must not create a table at once
+            sink.prepare(schema)
         return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage),
                              from_arrow_schema(TASK_RECEIPTS))
 
