@@ -300,18 +300,16 @@ class RabbitMQSource(Source):
         ch = self._ch
         if how == "ack":
             wanted = set(tags)
-            run_end = None
+            head = []  # the oldest unsettled tags, as long as all of them are acked now
             for tag in self._outstanding:  # oldest first
                 if tag not in wanted:
                     break
-                run_end = tag
+                head.append(tag)
             ok = True
-            if run_end is not None:
-                ok = self._broker(ch.basic_ack, delivery_tag=run_end, multiple=True)
+            if head:
+                ok = self._broker(ch.basic_ack, delivery_tag=head[-1], multiple=True)
                 if ok:
-                    for tag in list(self._outstanding):
-                        if tag > run_end:
-                            break
+                    for tag in head:
                         wanted.discard(tag)
                         del self._outstanding[tag]
                     self.stats["multiple_acks"] += 1
