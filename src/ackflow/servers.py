@@ -22,7 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Any
+from typing import Any, Self
 
 from ackflow.core.errors import ConfigError
 
@@ -44,7 +44,33 @@ def _wait_port(port: int, timeout: float) -> bool:
     return False
 
 
-class PostgresServer:
+class _Server:
+    """What both servers share: a temporary directory ``dir``, start/stop, and a
+    context manager that starts the server and, at the end, stops it and removes
+    ``dir``."""
+
+    dir: str
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class PostgresServer(_Server):
     """A PostgreSQL cluster in a temporary directory, on 127.0.0.1:``port``.
 
     ``initdb`` refuses to run as root: as root, the cluster is created and run as the
@@ -78,7 +104,7 @@ class PostgresServer:
         if out.returncode != 0:
             raise RuntimeError(f"{tool} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
 
-    def start(self) -> PostgresServer:
+    def start(self) -> Self:
         opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir}"
         self._run("pg_ctl", "-D", self.data, "-w", "-t", "60", "-l",
                   os.path.join(self.dir, "log"), "-o", opts, "start")
@@ -90,20 +116,9 @@ class PostgresServer:
             self._run("pg_ctl", "-D", self.data, "-w", "-m", "fast", "stop")
             self.running = False
 
-    def close(self) -> None:
-        try:
-            self.stop()
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> PostgresServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
-class RabbitMQServer:
+class RabbitMQServer(_Server):
     """A RabbitMQ node of its own (name, cookie, epmd, ports, data), on 127.0.0.1.
 
     Every listener (AMQP, Erlang distribution, epmd, and the stream protocol when
@@ -178,7 +193,7 @@ class RabbitMQServer:
                                f"{(out.stderr or out.stdout).strip()[-1500:]}")
         return out.stdout
 
-    def start(self) -> RabbitMQServer:
+    def start(self) -> Self:
         log = open(os.path.join(self.dir, "server.out"), "ab")
         self.proc = subprocess.Popen([self.SERVER], env=self.env, stdout=log, stderr=log,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -219,17 +234,6 @@ class RabbitMQServer:
         _wait_free(self.port, 30)
         self.start()
 
-    def close(self) -> None:
-        try:
-            self.stop()
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RabbitMQServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _wait_free(port: int, timeout: float) -> None:
