@@ -51,7 +51,6 @@ def execute(
     """Run ``deliveries`` through the flow; every lineage id gets an outcome or is released."""
     result = BatchResult(batch_id, len(deliveries))
     sink = compiled.sink
-    required = [s.name for s in compiled.sinks] if len(compiled.sinks) > 1 else None
 
     def fail_all(ds: list[Delivery], failure: Failure) -> None:
         for d in ds:
@@ -109,7 +108,7 @@ def execute(
             fail_all(ds, Failure(culprit, f"the job returned receipts for {stray} lineage ids "
                                  "that no message of this batch has (fabricated ids); not acked"))
             return
-        part = settle_receipts(ids, job.receipts, required_sinks=required)
+        part = settle_receipts(ids, job.receipts, required_sinks=compiled.required_sinks)
         result.outcomes.acked.extend(part.acked)
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
@@ -156,8 +155,8 @@ def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str,
     if failed_sink is not None:
         result.outcomes.failed = dict.fromkeys(expected, failed_sink)
         return result
-    required = [s.name for s in compiled.sinks] if len(compiled.sinks) > 1 else None
-    result.outcomes = settle_receipts(expected, job.receipts, required_sinks=required)
+    result.outcomes = settle_receipts(expected, job.receipts,
+                                      required_sinks=compiled.required_sinks)
     result.outcomes.rows_written = dict(job.rows_written)
     return result
 

@@ -121,6 +121,11 @@ class CompiledFlow:
         if not spark.sparkContext.master.startswith("local"):
             check_executors_can_load(spark, self.shipped)
 
+    @property
+    def required_sinks(self) -> list[str] | None:
+        """With several sinks, a message is written only when each of them wrote it."""
+        return [s.name for s in self.sinks] if len(self.sinks) > 1 else None
+
     # -- schemas -----------------------------------------------------------------------
 
     def _explicit_schema(self, seg: Segment) -> pa.Schema | None:
@@ -267,9 +272,11 @@ class CompiledFlow:
     def _write(self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str,
                batch_id: str) -> DataFrame:
         df = df.select(*[F.col(f"`{c}`") for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
-        schema = to_arrow_schema(df.select(*[F.col(f"`{c}`") for c in data_cols]).schema)
-        with self._prepare_lock:  # two batches' threads must not create a table at once
-            sink.prepare(schema)
+        if type(sink).prepare is not Sink.prepare:  # resolving the schema costs a JVM call
+            fields = {f.name: f for f in df.schema.fields}
+            schema = to_arrow_schema(StructType([fields[c] for c in data_cols]))
+            with self._prepare_lock:  # two batches' threads must not create a table at once
+                sink.prepare(schema)
         return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage),
                              from_arrow_schema(TASK_RECEIPTS))
 
