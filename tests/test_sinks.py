@@ -121,6 +121,7 @@ def test_parquet_finishes_a_batch_recorded_before_a_crash_and_drops_unrecorded(s
     finally:
         os.rename = real_rename
     assert not [n for n in os.listdir(out) if n.startswith("batch=")]
+    sink.close()  # the process died: it holds no lock any more
     ParquetSink(out).open()  # the restart
     assert sorted(os.listdir(out / "_staging")) == []
     assert pq.read_table(out).column("n").to_pylist() == [1, 2]

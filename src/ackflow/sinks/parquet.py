@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import shutil
 import sqlite3
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.errors import ConfigError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
+
+log = logging.getLogger("ackflow.sinks.parquet")
 
 
 class ParquetSink(Sink):
@@ -28,14 +34,28 @@ class ParquetSink(Sink):
     Effectively-once (``dedupe=True``, the default): the sink keeps a manifest,
     ``PATH/_manifest.db`` (SQLite), of the committed batches and of every row key
     they hold (a row's key is its source message's identity and its position among
-    the message's rows). A commit first drops the rows whose keys are already
-    committed (a message delivered again after a crash, whose rows are already
-    there), then records the batch and its keys in one transaction, then renames.
-    A crash between the two leaves a recorded batch in ``_staging``: the next start
-    finishes its rename (roll forward); staged batches that were never recorded are
-    removed (their messages were not acked and come again). Cost: one SQLite insert
-    per row at commit (~60 bytes per row in the manifest, kept for good), and a
-    rewrite of a staged file only when it holds rows already written.
+    the message's rows). A commit, in one write transaction of the manifest (so two
+    batch threads or two processes holding the same key cannot both write it),
+    drops the staged rows whose keys are committed already (a message delivered
+    again, whose rows are already there), and records the batch and its keys; then
+    it renames. Cost: one SQLite insert per row at commit (~60 bytes per row in the
+    manifest, kept for good), and a rewrite of a staged file only when it holds rows
+    already written.
+
+    Durability order (each step durable before the next): a task writes its file
+    to a temporary name, fsyncs it, renames it into ``_staging/<id>/`` and fsyncs
+    that directory and ``_staging``; the driver records the batch (SQLite,
+    ``synchronous=FULL``); renames ``_staging/<id>`` to ``batch=<id>`` and fsyncs
+    ``PATH``. A crash (or power loss) before the record leaves an unrecorded staged
+    batch, removed at the next start (its messages were not acked and come again);
+    after the record, the next start finishes the rename (roll forward). A recorded
+    batch is never deleted: if the rename fails (EIO, ENOSPC), the commit undoes the
+    record in one transaction and fails (the messages are retried and written then);
+    if even the undo fails, the staged batch stays for the next start to finish.
+
+    One writer per ``PATH``: :meth:`open` takes an exclusive lock on
+    ``PATH/_writer.lock`` (``flock``; a dead process holds none) and a second
+    process gets a :class:`~ackflow.core.errors.ConfigError`.
 
     ``batches.dropped`` in the manifest counts the rows a commit left out because
     they were written before.
@@ -51,6 +71,14 @@ class ParquetSink(Sink):
         self.compression = compression
         self.dedupe = dedupe
         self.wants_keys = dedupe
+        self._lock_fd: int | None = None
+        self._commit_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # tasks get the configuration only
+        state = dict(self.__dict__)
+        state["_lock_fd"] = None
+        state["_commit_lock"] = None
+        return state
 
     @property
     def staging(self) -> str:
@@ -61,7 +89,7 @@ class ParquetSink(Sink):
         return os.path.join(self.path, "_manifest.db")
 
     def _db(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.manifest, isolation_level=None)
+        db = sqlite3.connect(self.manifest, isolation_level=None, timeout=600)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(
@@ -75,6 +103,7 @@ class ParquetSink(Sink):
             os.makedirs(self.staging, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"sink {self.name!r}: cannot create {self.path!r}: {e}") from None
+        self._take_writer_lock()
         recorded: set[str] = set()
         if self.dedupe:
             db = self._db()
@@ -84,11 +113,31 @@ class ParquetSink(Sink):
                 db.close()
         for batch_id in os.listdir(self.staging):
             staged = os.path.join(self.staging, batch_id)
-            if batch_id in recorded:  # committed, then the process died before the rename
+            if batch_id in recorded:  # recorded, then the rename did not happen: finish it
                 os.rename(staged, os.path.join(self.path, f"batch={batch_id}"))
             else:  # never committed: its messages were not acked and will come again
                 shutil.rmtree(staged, ignore_errors=True)
         _fsync_dir(self.path)
+        _fsync_dir(self.staging)
+
+    def _take_writer_lock(self) -> None:
+        if self._lock_fd is not None:
+            return
+        path = os.path.join(self.path, "_writer.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"sink {self.name!r}: another process is writing to {self.path!r} (it holds "
+                f"{path}); one writer per Parquet path: stop it or choose another path") from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         import pyarrow.parquet as pq
@@ -102,7 +151,8 @@ class ParquetSink(Sink):
         folder = os.path.join(self.staging, batch_id)
         os.makedirs(folder, exist_ok=True)
         final = os.path.join(folder, f"part-{partition:05d}.parquet")
-        _write_atomically(rows, final, self.compression, pq)
+        _write_atomically(rows, final, self.compression, pq)  # the file and its folder
+        _fsync_dir(self.staging)  # the folder's entry in _staging
         return PartitionResult(token=json.dumps({"file": final, "keys": keys,
                                                  "rows": rows.num_rows}).encode())
 
@@ -117,18 +167,46 @@ class ParquetSink(Sink):
             if not os.path.exists(part["file"]):
                 raise OSError(f"staged file {part['file']!r} is missing; not committing")
         target = os.path.join(self.path, f"batch={batch_id}")
+        faults.point("parquet.before_record")
         if not self.dedupe:
             os.rename(staged, target)
             _fsync_dir(self.path)
             return
+        with self._commit_lock:  # one commit at a time in this process; BEGIN IMMEDIATE across
+            fresh_keys, fresh_total = self._record(batch_id, parts)
+        # Recorded: the batch is committed; from here on only the rename (now, or at the
+        # next start) or an undo of the record may follow, never a deletion.
+        if fresh_total == 0:  # every row was written before (a redelivered batch)
+            shutil.rmtree(staged, ignore_errors=True)
+            return
+        try:
+            faults.point("parquet.after_record")
+            os.rename(staged, target)
+        except Exception as e:  # a dying process (KeyboardInterrupt, exit) leaves the record
+            self._undo_record(batch_id, fresh_keys, e)
+            raise
+        faults.point("parquet.after_rename")
+        try:
+            _fsync_dir(self.path)
+        except OSError as e:  # renamed and recorded: written; a lost rename rolls forward
+            log.warning("sink %r: fsync of %s after renaming batch %s failed: %s", self.name,
+                        self.path, batch_id, e)
+
+    def _record(self, batch_id: str, parts: list[dict[str, Any]]) -> tuple[list[str], int]:
+        """In one write transaction: drop rows already written, record the batch and its
+        fresh keys. Returns the fresh keys and the number of rows left to show."""
         db = self._db()
         try:
-            staged_total = sum(part["rows"] for part in parts)
-            fresh_total = self._drop_written_rows(db, parts)
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany("INSERT OR IGNORE INTO row_keys (key) VALUES (?)",
-                               ((k,) for part in parts for k in part["keys"]))
+                staged_total = sum(part["rows"] for part in parts)
+                fresh_total = self._drop_written_rows(db, parts)
+                fresh_keys = [k for part in parts for k in part["keys"]]
+                for folder in {os.path.dirname(part["file"]) for part in parts}:
+                    if os.path.isdir(folder):
+                        _fsync_dir(folder)
+                db.executemany("INSERT INTO row_keys (key) VALUES (?)",
+                               ((k,) for k in dict.fromkeys(fresh_keys)))
                 db.execute("INSERT INTO batches (batch, rows, dropped, committed_at) VALUES "
                            "(?, ?, ?, julianday('now'))",
                            (batch_id, fresh_total, staged_total - fresh_total))
@@ -138,16 +216,36 @@ class ParquetSink(Sink):
                 raise
         finally:
             db.close()
-        # Recorded: from here on the batch is committed; a crash before the rename is
-        # finished by the next open().
-        if fresh_total == 0:  # every row was written before (a redelivered batch)
-            shutil.rmtree(staged, ignore_errors=True)
-            return
-        os.rename(staged, target)
-        _fsync_dir(self.path)
+        return fresh_keys, fresh_total
+
+    def _undo_record(self, batch_id: str, fresh_keys: list[str], cause: BaseException) -> None:
+        """The rename failed after the record: take the record back (then the batch may be
+        aborted and its messages retried), or, if that fails too, keep the staged batch
+        for the next start to finish."""
+        try:
+            db = self._db()
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.executemany("DELETE FROM row_keys WHERE key = ?",
+                                   ((k,) for k in dict.fromkeys(fresh_keys)))
+                    db.execute("DELETE FROM batches WHERE batch = ?", (batch_id,))
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+            finally:
+                db.close()
+            log.error("sink %r: renaming batch %s failed (%s); its record was undone and its "
+                      "messages are retried", self.name, batch_id, cause)
+        except Exception as e:  # noqa: BLE001 - the record stands: roll forward later
+            log.error("sink %r: renaming batch %s failed (%s) and undoing its record failed "
+                      "(%s); the staged batch is kept and finished at the next start",
+                      self.name, batch_id, cause, e)
 
     def _drop_written_rows(self, db: sqlite3.Connection, parts: list[dict[str, Any]]) -> int:
-        """Remove rows whose keys are committed already from the staged files."""
+        """Remove rows whose keys are committed already from the staged files (inside the
+        caller's write transaction)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -175,8 +273,25 @@ class ParquetSink(Sink):
             part["keys"] = [k for k, m in zip(part["keys"], mask, strict=True) if m]
         return total
 
+    def _recorded(self, batch_id: str) -> bool:
+        db = self._db()
+        try:
+            return db.execute("SELECT 1 FROM batches WHERE batch = ?", (batch_id,)).fetchone() \
+                is not None
+        finally:
+            db.close()
+
     def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
-        shutil.rmtree(os.path.join(self.staging, batch_id), ignore_errors=True)
+        """Remove a staged batch that was not recorded. A recorded one is never removed
+        (its messages may be acked on redelivery): it stays for the next start."""
+        staged = os.path.join(self.staging, batch_id)
+        if not os.path.exists(staged):
+            return
+        if self.dedupe and self._recorded(batch_id):
+            log.error("sink %r: batch %s is recorded but not renamed; kept for the next start",
+                      self.name, batch_id)
+            return
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 
@@ -186,6 +301,7 @@ def _write_atomically(table: Any, final: str, compression: str, pq: Any) -> None
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final))
 
 
 def _fsync_dir(path: str) -> None:
