@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):(?P<pw>[^@\s]*)@")
+# The password runs to the LAST "@" of the URL (URL parsers split the authority there, so
+# ``amqp://app:p@ss@host`` has the password ``p@ss``); hiding too much is the safe side.
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):(?P<pw>\S*)@")
 _KV_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*'|\S+)", re.I)
 
 
@@ -18,6 +20,8 @@ def redact(text: str) -> str:
 
     >>> redact("amqp://app:s3cret@127.0.0.1:5672/%2F")
     'amqp://app:***@127.0.0.1:5672/%2F'
+    >>> redact("amqp://app:p@ss@host/vh")
+    'amqp://app:***@host/vh'
     >>> redact("host=db user=app password='a b' dbname=x")
     'host=db user=app password=*** dbname=x'
     """

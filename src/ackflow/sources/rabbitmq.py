@@ -14,9 +14,11 @@ import logging
 import queue as queue_mod
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
@@ -30,12 +32,41 @@ log = logging.getLogger("ackflow.sources.rabbitmq")
 PROVENANCE = ("x-ackflow-step", "x-ackflow-error", "x-ackflow-deliveries", "x-ackflow-queue")
 
 
-def message_key(message_id: str | None, body: bytes) -> str:
-    """A message's stable identity: its ``message_id`` property, else a hash of its body
-    (the last resort: two messages with the same body then share a key)."""
-    if message_id:
-        return str(message_id)
+#: Prefix of the key of a message published without a ``message_id``: unique to that one
+#: delivery, so a redelivery of it is a new identity (at-least-once for keyed sinks).
+UNNAMED = "delivery:"
+
+
+def message_key(message_id: Any) -> str:
+    """A message's identity: its ``message_id`` property (the producer's promise that it
+    names this message alone), else an id unique to this delivery. Never derived from
+    the body: two distinct messages may carry the same bytes."""
+    if isinstance(message_id, str) and message_id:
+        return message_id
+    return UNNAMED + uuid.uuid4().hex
+
+
+def retry_key(message_id: Any, body: bytes) -> str:
+    """What delivery counts of a classic queue are remembered by: the message id, else a
+    digest of the body (identical bodies share a count; they fail alike)."""
+    if isinstance(message_id, str) and message_id:
+        return "id:" + message_id
     return "sha256:" + hashlib.sha256(body).hexdigest()[:32]
+
+
+def header_count(value: Any) -> int | None:
+    """A producer or broker header read as a count: an int, or None if it is not one
+    (headers are outside bytes: a bad value is ignored, never raised)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if 0 <= value < 2**31 else None
+    if isinstance(value, bytes | str):
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        text = text.strip()
+        if text.isdigit() and len(text) < 10:
+            return int(text)
+    return None
 
 
 class RabbitMQSource(Source):
@@ -172,16 +203,19 @@ class RabbitMQSource(Source):
             log.warning("source %r: reconnected to %s", self.name, self.where)
 
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
-        headers = {str(k): _text(v) for k, v in (props.headers or {}).items()}
-        key = message_key(props.message_id, body)
-        if "x-delivery-count" in headers:  # quorum queue: deliveries before this one
-            count = int(headers["x-delivery-count"]) + 1
+        raw = props.headers if isinstance(props.headers, dict) else {}
+        headers = {_text(k): _text(v) for k, v in raw.items()}
+        key = message_key(props.message_id)
+        seen_key = retry_key(props.message_id, body)
+        before = header_count(raw.get("x-delivery-count"))
+        if before is not None:  # quorum queue: deliveries before this one
+            count = before + 1
         else:
-            count = self._seen.get(key, 0) + 1
+            count = self._seen.get(seen_key, 0) + 1
             if method.redelivered:
                 count = max(count, 2)
-        self._seen[key] = count
-        self._seen.move_to_end(key)
+        self._seen[seen_key] = count
+        self._seen.move_to_end(seen_key)
         if len(self._seen) > 100_000:
             self._seen.popitem(last=False)
         d = Delivery(0, key, body, headers, count, handle=(self._gen, method.delivery_tag))
@@ -215,6 +249,7 @@ class RabbitMQSource(Source):
         if time.monotonic() < self._next_connect:
             return False
         try:
+            faults.point("source.reconnect")
             self._connect()
             return True
         except Exception as e:  # noqa: BLE001 - retried with backoff
@@ -231,7 +266,7 @@ class RabbitMQSource(Source):
         try:
             fn(*args, **kw)
             return True
-        except (AMQPError, OSError, AttributeError) as e:
+        except (AMQPError, OSError, AttributeError, faults.InjectedFault) as e:
             self._lose_connection(e)
             return False
 
@@ -251,7 +286,7 @@ class RabbitMQSource(Source):
         now = time.monotonic()
         while self._delayed and self._delayed[0][0] <= now:
             _, _, gen, tag = heapq.heappop(self._delayed)
-            if gen == self._gen and tag in self._outstanding:
+            if gen == self._gen and self._ch is not None and tag in self._outstanding:
                 self._settle_tags([tag], "nack")
 
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
@@ -294,10 +329,11 @@ class RabbitMQSource(Source):
                         len(stale))
         return tags, stale
 
-    def _settle_tags(self, tags: list[int], how: str) -> bool:
+    def _settle_tags(self, tags: list[int], how: str) -> set[int]:
         """Ack (runs of the oldest unsettled tags with multiple=True), nack with requeue,
-        or reject without requeue."""
-        ch = self._ch
+        or reject without requeue. Returns the tags the broker took; the rest were on a
+        channel that died meanwhile (the broker delivers them again)."""
+        done: set[int] = set()
         if how == "ack":
             wanted = set(tags)
             head = []  # the oldest unsettled tags, as long as all of them are acked now
@@ -305,30 +341,45 @@ class RabbitMQSource(Source):
                 if tag not in wanted:
                     break
                 head.append(tag)
-            ok = True
             if head:
-                ok = self._broker(ch.basic_ack, delivery_tag=head[-1], multiple=True)
-                if ok:
-                    for tag in head:
-                        wanted.discard(tag)
-                        del self._outstanding[tag]
-                    self.stats["multiple_acks"] += 1
+                if not self._call("rabbitmq.ack", "basic_ack", delivery_tag=head[-1],
+                                  multiple=True):
+                    return done
+                for tag in head:
+                    wanted.discard(tag)
+                    del self._outstanding[tag]
+                    done.add(tag)
+                self.stats["multiple_acks"] += 1
             for tag in sorted(wanted):
-                if not ok or not self._broker(ch.basic_ack, delivery_tag=tag):
-                    return False
+                if not self._call("rabbitmq.ack", "basic_ack", delivery_tag=tag):
+                    return done
                 self._outstanding.pop(tag, None)
+                done.add(tag)
                 self.stats["acks"] += 1
-            return ok
+            return done
         for tag in tags:
             if how == "nack":
-                ok = self._broker(ch.basic_nack, delivery_tag=tag, requeue=True)
+                ok = self._call("rabbitmq.nack", "basic_nack", delivery_tag=tag, requeue=True)
             else:
-                ok = self._broker(ch.basic_reject, delivery_tag=tag, requeue=False)
+                ok = self._call("rabbitmq.nack", "basic_reject", delivery_tag=tag, requeue=False)
             if not ok:
-                return False
+                return done
             self._outstanding.pop(tag, None)
+            done.add(tag)
             self.stats[how + "s"] += 1
-        return True
+        return done
+
+    def _call(self, point: str, method: str, **kw: Any) -> bool:
+        """One call on the current channel; False (and the loss handled) if the channel is
+        gone or the connection drops during it."""
+        if self._ch is None:
+            return False
+        return self._broker(self._faulty, point, getattr(self._ch, method), **kw)
+
+    @staticmethod
+    def _faulty(point: str, fn: Any, **kw: Any) -> None:
+        faults.point(point)
+        fn(**kw)
 
     # -- settlement ------------------------------------------------------------------------
 
@@ -340,10 +391,11 @@ class RabbitMQSource(Source):
 
     def _ack_now(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         tags, stale = self._current(deliveries)
-        if tags and not self._settle_tags(tags, "ack"):
+        if tags:
+            done = self._settle_tags(tags, "ack")
             # the connection died mid-way: what was not acked yet comes back from the broker
-            lost = {id(d) for d in self._lost}
-            stale += [d for d in deliveries if id(d) in lost]
+            stale += [d for d in deliveries
+                      if d.handle[1] in tags and d.handle[1] not in done]  # type: ignore[index]
         return stale
 
     def exhausted(self, delivery: Delivery) -> bool:
@@ -355,8 +407,7 @@ class RabbitMQSource(Source):
         out = []
         retry, dead = [], []
         for d, f in failures:
-            gen, tag = d.handle  # type: ignore[misc]
-            if gen != self._gen or tag not in self._outstanding:
+            if not self._live(d):
                 out.append(Settlement.RELEASED)
             elif self.exhausted(d):
                 dead.append((d, f))
@@ -364,12 +415,19 @@ class RabbitMQSource(Source):
             else:
                 retry.append((d, f))
                 out.append(Settlement.NACKED)
-        self._schedule_nacks(retry, backoff=True)
-        refused = self._dead_letter(dead)
+        self._schedule_nacks(retry, backoff=True)  # may lose the connection: checked below
+        refused, lost = self._dead_letter(dead)
         for i, (d, _) in enumerate(failures):
-            if id(d) in refused:
+            if id(d) in lost:
+                out[i] = Settlement.RELEASED
+            elif id(d) in refused:
                 out[i] = Settlement.NACKED
         return out
+
+    def _live(self, d: Delivery) -> bool:
+        """Its channel is the current one and its tag is still unsettled there."""
+        gen, tag = d.handle  # type: ignore[misc]
+        return gen == self._gen and self._ch is not None and tag in self._outstanding
 
     def _schedule_nacks(self, failures: Sequence[tuple[Delivery, Failure]], backoff: bool) -> None:
         now = time.monotonic()
@@ -381,10 +439,13 @@ class RabbitMQSource(Source):
         if self._is_owner():
             self._service()
 
-    def _dead_letter(self, dead: list[tuple[Delivery, Failure]]) -> set[int]:
-        """Dead-letter; return ids of deliveries that could not be (they are nacked)."""
+    def _dead_letter(self, dead: list[tuple[Delivery, Failure]]) -> tuple[set[int], set[int]]:
+        """Dead-letter. Returns the ids of deliveries that could not be (they are nacked
+        instead) and of those whose channel died first (the broker delivers them again)."""
         if not dead:
-            return set()
+            return set(), set()
+        lost = {id(d) for d, _ in dead if not self._live(d)}  # a nack above lost the channel
+        dead = [(d, f) for d, f in dead if id(d) not in lost]
         if self.dead_letter_exchange:
             import pika
 
@@ -393,30 +454,37 @@ class RabbitMQSource(Source):
                 headers = {**d.headers, "x-ackflow-step": f.step, "x-ackflow-error": f.error[:1000],
                            "x-ackflow-deliveries": d.delivery_count, "x-ackflow-queue": self.queue}
                 props = pika.BasicProperties(delivery_mode=2, headers=headers,
-                                             message_id=None if d.key.startswith("sha256:")
+                                             message_id=None if d.key.startswith(UNNAMED)
                                              else d.key)
                 rk = self.dead_letter_routing_key or self.queue
                 try:
+                    if self._ch is None:
+                        raise pika.exceptions.ChannelClosed(0, "channel is gone")
+                    faults.point("rabbitmq.dead_letter")
                     self._ch.basic_publish(self.dead_letter_exchange, rk, d.body, props,
                                            mandatory=True)
                 except pika.exceptions.UnroutableError:
                     log.error("source %r: dead letter of %s is unroutable on exchange %r; "
                               "nacking it instead", self.name, d.key, self.dead_letter_exchange)
                     refused.add(id(d))
-                except pika.exceptions.AMQPError as e:
-                    self._lose_connection(e)
-                    return {id(x) for x, _ in dead}
+                except (pika.exceptions.AMQPError, OSError, faults.InjectedFault) as e:
+                    if self._ch is not None:
+                        self._lose_connection(e)
+                    return refused, lost | {id(x) for x, _ in dead}
             ok = [d for d, _ in dead if id(d) not in refused]
-            self._ack_now(ok)
+            lost |= {id(d) for d in self._ack_now(ok)}
             self._schedule_nacks([(d, f) for d, f in dead if id(d) in refused], backoff=True)
             self.stats["dead_letters"] += len(ok)
-            return refused
+            return refused, lost
         tags, _ = self._current([d for d, _ in dead])
-        self._settle_tags(tags, "reject")
+        done = self._settle_tags(tags, "reject")
         for d, f in dead:
+            if d.handle[1] not in done:  # type: ignore[index]
+                lost.add(id(d))
+                continue
             log.warning("source %r: message %s rejected to the queue's dead-letter exchange "
                         "after %d deliveries: %s", self.name, d.key, d.delivery_count, f)
-        return set()
+        return set(), lost
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         self._schedule_nacks(failures, backoff=True)
@@ -440,6 +508,13 @@ class RabbitMQSource(Source):
 
 
 def _text(v: Any) -> str:
+    """A header value as text, whatever its AMQP type (bytes, nested tables, lists,
+    decimals, timestamps): total, never raises."""
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
-    return str(v)
+    if isinstance(v, str):
+        return v
+    try:
+        return str(v)
+    except Exception:  # noqa: BLE001 - a value whose __str__ fails is still a value
+        return f"<unprintable {type(v).__name__}>"
