@@ -40,3 +40,31 @@ def test_bytes_gives_body_bytes(spark):
                 spark=spark, **FAST)
     assert sorted(r["size"] for r in sink.rows) == [1, 2]
     assert set(src.final().values()) == {"acked"}
+
+
+HOSTILE_JSON = {
+    "nan": (b'{"a": NaN}', "NaN is not JSON"),
+    "infinity": (b'{"a": -Infinity}', "-Infinity is not JSON"),
+    "duplicate": (b'{"a": 1, "a": 2}', "the key 'a' appears twice"),
+    "deep": (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "RecursionError"),
+    "utf8": (b'{"a": "\xff"}', "UnicodeDecodeError"),
+    "nul": (b'{"a": 1}\x00', "JSONDecodeError"),
+    "empty": (b"", "JSONDecodeError"),
+}
+
+
+def test_hostile_json_fails_alone_with_its_reason_and_the_rest_flows():
+    """Driver-side: the decoding every task runs (no Spark needed to show the rule)."""
+    import pyarrow as pa
+
+    from ackflow.spark.rows import BODY, FAILED, ID, KEY, LIVE, SRC, decode_batch
+
+    bodies = [b'{"ok": 1}', *(b for b, _ in HOSTILE_JSON.values()), b'{"big": "' + b"x" * 10_000_000 + b'"}']
+    n = len(bodies)
+    batch = pa.RecordBatch.from_pydict({ID: list(range(n)), KEY: [str(i) for i in range(n)],
+                                        BODY: bodies, SRC: [0] * n})
+    rows, status, steps, errs = decode_batch(batch, ["json"])
+    assert status[0] == LIVE and status[-1] == LIVE and len(rows[-1]["big"]) == 10_000_000
+    for i, (name, (_, reason)) in enumerate(HOSTILE_JSON.items(), start=1):
+        assert status[i] == FAILED and steps[i] == "decode", name
+        assert reason in errs[i], (name, errs[i])

@@ -26,8 +26,17 @@ def drop_file(folder, name, lines):
 
 
 def state(folder):
+    """The state of each file instance, by file name (progress fields only)."""
     with open(os.path.join(folder, "_ackflow", "state.json")) as f:
-        return json.load(f)["files"]
+        files = json.load(f)["files"]
+    return {e["name"]: {k: e[k] for k in ("committed", "dead", "done") if k in e}
+            for e in files.values()}
+
+
+def line_of(key):
+    """'f.jsonl@<instance id>:3' -> ('f.jsonl', 3)."""
+    name, _, rest = key.partition("@")
+    return name, int(rest.rpartition(":")[2])
 
 
 def check(row):
@@ -94,13 +103,13 @@ def test_commit_never_passes_a_line_in_flight_and_resume_rereads_it(tmp_path):
     src = Files(tmp_path)
     src.open()
     got = src.pull(10, 0.1)
-    assert [d.key for d in got] == [f"f.jsonl:{i}" for i in range(1, 6)]
+    assert [line_of(d.key) for d in got] == [("f.jsonl", i) for i in range(1, 6)]
     src.ack(got[1:])
     assert state(tmp_path)["f.jsonl"]["committed"] == 0
     src.close()  # the process dies with line 1 in flight
     again = Files(tmp_path)
     again.open()
-    assert [d.key for d in again.pull(10, 0.1)] == [f"f.jsonl:{i}" for i in range(1, 6)]
+    assert [d.key for d in again.pull(10, 0.1)] == [d.key for d in got]  # the same identity
     again.close()
 
 
@@ -113,7 +122,7 @@ def test_failed_lines_come_back_after_the_backoff(tmp_path):
     src.fail([(first[0], Failure("map", "boom"))])
     assert state(tmp_path)["f.jsonl"]["committed"] == 0
     retried = src.pull(10, 1.0)
-    assert [(d.key, d.delivery_count) for d in retried] == [("f.jsonl:1", 2)]
+    assert [(line_of(d.key), d.delivery_count) for d in retried] == [(("f.jsonl", 1), 2)]
     src.ack(retried)
     assert os.listdir(tmp_path / "done") == ["f.jsonl"]
     src.close()

@@ -2,13 +2,19 @@
 
 Files are picked up as they appear in the directory (write them elsewhere, or under
 a name starting with ``.``, then rename them in: a rename is atomic, so a file is
-complete when it is seen). Each line is a message with the stable id
-``<file>:<line>``. Progress is one committed line per file, computed by an
-:class:`~ackflow.core.offsets.OffsetTracker` (never past a line still in flight)
-and kept in ``PATH/_ackflow/state.json`` (written atomically). A restart resumes
-each file after its committed line. A file whose lines are all settled is moved
-to ``PATH/done/`` (``done="move"``) or only marked done in the state file
-(``done="record"``).
+complete when it is seen).
+
+Identity: a name is not an identity (daily drops reuse names). Each file *instance*
+gets an id when it is first seen, random and kept in the state file with the file's
+fingerprint (device, inode, size, modification time in ns). Each line is a message
+with the stable id ``<file>@<id>:<line>``: the same after a restart, different for a
+later file of the same name, even with the same content. Progress is one committed line
+per instance, computed by an :class:`~ackflow.core.offsets.OffsetTracker` (never past
+a line still in flight) and kept in ``PATH/_ackflow/state.json`` (written atomically).
+A restart resumes each instance after its committed line. An instance whose lines are
+all settled is moved to ``PATH/done/`` (``done="move"``; as ``<file>.<id>`` if
+``done/<file>`` exists: nothing is overwritten) or only marked done in the state file
+(``done="record"``: a later file of the same name is a new instance and is read).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from ackflow import faults
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
 from ackflow.core.offsets import OffsetTracker
@@ -38,7 +46,9 @@ FORMATS = {"jsonl": "json", "csv": "json", "text": "text"}
 
 @dataclass
 class _File:
+    id: str  # unique to this instance of the file (names are reused)
     name: str
+    fingerprint: list[int]
     tracker: OffsetTracker
     handle: BinaryIO | None = None
     next_line: int = 0
@@ -75,12 +85,13 @@ class FilesSource(Source):
         self.policy = policy or RetryPolicy()
         self.done = done
         self.scan_interval_s = scan_interval_s
-        self._files: dict[str, _File] = {}
-        self._state: dict[str, dict[str, Any]] = {}
-        self._retry: list[tuple[float, int, str, int, int]] = []  # due, seq, file, line, count
+        self._files: dict[str, _File] = {}  # by instance id
+        self._state: dict[str, dict[str, Any]] = {}  # by instance id
+        self._retry: list[tuple[float, int, str, int, int]] = []  # due, seq, file id, line, count
         self._seq = 0
         self._last_scan = 0.0
         self._error_sink = False
+        self._window = 10_000
 
     # -- places ----------------------------------------------------------------------
 
@@ -92,13 +103,14 @@ class FilesSource(Source):
     def state_path(self) -> str:
         return os.path.join(self.meta, "state.json")
 
-    def _dead_path(self, name: str) -> str:
-        return os.path.join(self.meta, "dead", name + ".jsonl")
+    def _dead_path(self, file_id: str) -> str:
+        return os.path.join(self.meta, "dead", file_id + ".jsonl")
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def configure(self, *, max_inflight: int, error_sink: bool) -> None:
         self._error_sink = error_sink
+        self._window = max_inflight
 
     def open(self) -> int:
         if not os.path.isdir(self.path):
@@ -107,34 +119,67 @@ class FilesSource(Source):
         if self.done == "move":
             os.makedirs(os.path.join(self.path, "done"), exist_ok=True)
         if os.path.exists(self.state_path):
-            with open(self.state_path) as f:
-                self._state = json.load(f)["files"]
+            try:
+                with open(self.state_path) as f:
+                    self._state = _migrate(json.load(f)["files"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"source {self.name!r}: cannot read {self.state_path}: {e}; "
+                                  "fix or remove it (then every file is read again)") from None
         self._scan()
         return 0
 
+    def _instance(self, name: str, fingerprint: list[int],
+                  known: dict[tuple[Any, ...], str]) -> tuple[str, dict[str, Any]]:
+        """The state entry of the file now at ``name``: the one recorded with this
+        fingerprint, an old entry without one (state written before ids existed), or a
+        new instance."""
+        fid = known.get((name, *fingerprint)) or known.pop((name,), None)
+        if fid is not None:
+            self._state[fid]["fingerprint"] = fingerprint
+            return fid, self._state[fid]
+        fid = uuid.uuid4().hex[:16]
+        self._state[fid] = {"name": name, "fingerprint": fingerprint, "committed": 0, "dead": 0}
+        self._write_state()  # the id is durable before any line of it is handed out
+        return fid, self._state[fid]
+
     def _scan(self) -> None:
         self._last_scan = time.monotonic()
+        reading = {tuple(f.fingerprint) for f in self._files.values()}
+        known = {(e["name"], *e.get("fingerprint", ())): fid for fid, e in self._state.items()}
         for name in sorted(os.listdir(self.path)):
-            if name in self._files or name.startswith((".", "_")) or name == "done":
+            if name.startswith((".", "_")) or name == "done":
                 continue
             full = os.path.join(self.path, name)
-            if not os.path.isfile(full):
+            try:
+                st = os.stat(full)
+            except OSError:  # gone meanwhile
                 continue
-            st = self._state.get(name, {})
-            if st.get("done"):
+            fingerprint = _fingerprint(st)
+            if not os.path.isfile(full) or tuple(fingerprint) in reading:
+                continue
+            fid, entry = self._instance(name, fingerprint, known)
+            if entry.get("done"):
                 if self.done == "move":  # finished, then the process died before the move
-                    self._move_done(name)
+                    self._move_done(fid, full)
                 continue
-            committed = int(st.get("committed", 0))
-            f = _File(name, OffsetTracker(start=committed), dead_lettered=int(st.get("dead", 0)))
-            f.handle = open(full, "rb")
-            self._files[name] = f
+            try:
+                handle = open(full, "rb")
+            except OSError as e:  # unreadable: look again at the next scan
+                log.warning("source %r: cannot open %s: %s", self.name, name, e)
+                continue
+            committed = int(entry.get("committed", 0))
+            f = _File(fid, name, fingerprint, OffsetTracker(start=committed),
+                      handle=handle, dead_lettered=int(entry.get("dead", 0)))
+            self._files[fid] = f
             if self.file_format == "csv":  # line 0 is the header: read it, then skip to
-                f.header = next(csv.reader([f.handle.readline().decode("utf-8")]), [])
+                f.header = _csv_header(handle.readline())
+                if f.header is None:
+                    log.error("source %r: the CSV header of %s is not valid UTF-8 CSV; every "
+                              "line of it fails", self.name, name)
                 f.next_line = 1
                 f.tracker.gap(0, 1)
             while f.next_line < committed:  # resume after the committed line
-                if not f.handle.readline():
+                if not handle.readline():
                     break
                 f.next_line += 1
             if committed:
@@ -149,16 +194,21 @@ class FilesSource(Source):
     # -- pulling ---------------------------------------------------------------------------
 
     def _delivery(self, f: _File, line: int, body: bytes, count: int) -> Delivery:
-        return Delivery(0, f"{f.name}:{line + 1}", body, {"file": f.name, "line": str(line + 1)},
-                        count, handle=(f.name, line))
+        return Delivery(0, f"{f.name}@{f.id}:{line + 1}", body,
+                        {"file": f.name, "file_id": f.id, "line": str(line + 1)},
+                        count, handle=(f.id, line))
 
     def _body(self, f: _File, raw: bytes) -> bytes:
         text = raw.rstrip(b"\r\n")
         if self.file_format == "csv":
-            row = next(csv.reader(io.StringIO(text.decode("utf-8"))), [])
-            header = f.header or []
-            if len(row) != len(header):
-                # not a fit: pass it through undecodable, so that it fails as its own message
+            # A line that does not fit (bad bytes, bad header, another number of fields)
+            # is passed on undecodable, so that it fails as its own message ("decode").
+            try:
+                row = next(csv.reader(io.StringIO(text.decode("utf-8"))), [])
+            except (UnicodeDecodeError, csv.Error):
+                return b"\xff" + text
+            header = f.header
+            if header is None or len(row) != len(header):
                 return b"\xff" + text
             return json.dumps(dict(zip(header, row, strict=True))).encode()
         return text
@@ -169,13 +219,17 @@ class FilesSource(Source):
         while True:
             now = time.monotonic()
             while self._retry and self._retry[0][0] <= now and len(out) < max_messages:
-                _, _, name, line, count = heapq.heappop(self._retry)
-                f = self._files.get(name)
+                _, _, fid, line, count = heapq.heappop(self._retry)
+                f = self._files.get(fid)
                 if f is not None and line in f.bodies:
                     f.tracker.pulled(line)
                     out.append(self._delivery(f, line, f.bodies[line], count))
+            # Bounded memory: lines waiting for a retry keep their bodies; new lines are read
+            # only while in-flight and waiting lines together stay within the window.
+            room = self._window - sum(len(f.bodies) for f in self._files.values())
             for f in list(self._files.values()):
-                while len(out) < max_messages and not f.eof and f.handle is not None:
+                while (len(out) < max_messages and room > 0 and not f.eof
+                       and f.handle is not None):
                     raw = f.handle.readline()
                     if not raw:
                         f.eof = True
@@ -189,6 +243,7 @@ class FilesSource(Source):
                     body = self._body(f, raw)
                     f.tracker.pulled(line)
                     f.bodies[line] = body
+                    room -= 1
                     out.append(self._delivery(f, line, body, 1))
             if out or now >= deadline:
                 break
@@ -203,16 +258,16 @@ class FilesSource(Source):
     def _settled(self, deliveries: Sequence[Delivery]) -> None:
         touched = set()
         for d in deliveries:
-            name, line = d.handle  # type: ignore[misc]
-            f = self._files.get(name)
+            fid, line = d.handle  # type: ignore[misc]
+            f = self._files.get(fid)
             if f is None:
                 continue
             f.bodies.pop(line, None)
             f.tracker.settled(line)
-            touched.add(name)
+            touched.add(fid)
         self._save(touched)
-        for name in touched:
-            f = self._files.get(name)
+        for fid in touched:
+            f = self._files.get(fid)
             if f is not None:
                 self._maybe_finish(f)
 
@@ -230,15 +285,15 @@ class FilesSource(Source):
     def _write_dead_letters(self, dead: Sequence[tuple[Delivery, Failure]]) -> None:
         per: dict[str, list[str]] = {}
         for d, f in dead:
-            name, line = d.handle  # type: ignore[misc]
-            per.setdefault(name, []).append(json.dumps({
-                "file": name, "line": line + 1, "step": f.step, "error": f.error,
-                "deliveries": d.delivery_count, "body": d.body.decode("utf-8", "replace"),
-                "dead_at": time.time()}))
-            if name in self._files:
-                self._files[name].dead_lettered += 1
-        for name, lines in per.items():
-            with open(self._dead_path(name), "a") as out:
+            fid, line = d.handle  # type: ignore[misc]
+            per.setdefault(fid, []).append(json.dumps({
+                "file": d.headers.get("file"), "file_id": fid, "line": line + 1,
+                "step": f.step, "error": f.error, "deliveries": d.delivery_count,
+                "body": d.body.decode("utf-8", "replace"), "dead_at": time.time()}))
+            if fid in self._files:
+                self._files[fid].dead_lettered += 1
+        for fid, lines in per.items():
+            with open(self._dead_path(fid), "a") as out:
                 out.write("\n".join(lines) + "\n")
                 out.flush()
                 os.fsync(out.fileno())
@@ -246,31 +301,31 @@ class FilesSource(Source):
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         now = time.monotonic()
         for d, _ in failures:
-            name, line = d.handle  # type: ignore[misc]
-            f = self._files.get(name)
+            fid, line = d.handle  # type: ignore[misc]
+            f = self._files.get(fid)
             if f is None:
                 continue
             f.tracker.failed(line)
             self._seq += 1
             heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count),
-                                         self._seq, name, line, d.delivery_count + 1))
+                                         self._seq, fid, line, d.delivery_count + 1))
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()
         for d in deliveries:
-            name, line = d.handle  # type: ignore[misc]
+            fid, line = d.handle  # type: ignore[misc]
             self._seq += 1
-            heapq.heappush(self._retry, (now, self._seq, name, line, d.delivery_count))
+            heapq.heappush(self._retry, (now, self._seq, fid, line, d.delivery_count))
 
     # -- progress ----------------------------------------------------------------------------
 
     def _save(self, touched: set[str]) -> None:
         changed = False
-        for name in touched:
-            f = self._files.get(name)
+        for fid in touched:
+            f = self._files.get(fid)
             if f is None:
                 continue
-            entry = self._state.setdefault(name, {})
+            entry = self._state[fid]
             if entry.get("committed") != f.tracker.committed or entry.get("dead") != f.dead_lettered:
                 entry["committed"] = f.tracker.committed
                 entry["dead"] = f.dead_lettered
@@ -281,37 +336,73 @@ class FilesSource(Source):
     def _write_state(self) -> None:
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as out:
-            json.dump({"files": self._state}, out)
+            json.dump({"version": 2, "files": self._state}, out)
             out.flush()
             os.fsync(out.fileno())
+        faults.point("files.before_commit")
         os.replace(tmp, self.state_path)
 
-    def _move_done(self, name: str) -> None:
-        """Move a finished file (and its dead letters) to ``done/``; forget its state, so
-        that a new file of the same name is read from its start."""
-        os.replace(os.path.join(self.path, name), os.path.join(self.path, "done", name))
-        if os.path.exists(self._dead_path(name)):
-            os.replace(self._dead_path(name), os.path.join(self.path, "done", name + ".dead.jsonl"))
-        self._state.pop(name, None)
+    def _move_done(self, fid: str, full: str | None) -> None:
+        """Move a finished instance (if ``full`` is still that file) and its dead letters
+        to ``done/``, never over an earlier file; then forget it."""
+        name = self._state[fid]["name"]
+        target = _free(os.path.join(self.path, "done", name), fid)
+        if full is not None:
+            try:
+                same = _fingerprint(os.stat(full)) == self._state[fid].get("fingerprint")
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.replace(full, target)
+        if os.path.exists(self._dead_path(fid)):
+            os.replace(self._dead_path(fid), target + ".dead.jsonl")
+        self._state.pop(fid, None)
         self._write_state()
 
     def _maybe_finish(self, f: _File) -> None:
         """A file read to its end with every line settled is done."""
         if not f.eof or f.tracker.committed < f.next_line or f.bodies:
             return
-        entry = self._state.setdefault(f.name, {})
+        entry = self._state[f.id]
         entry.update(committed=f.tracker.committed, dead=f.dead_lettered, done=True)
         if f.handle is not None:
             f.handle.close()
             f.handle = None
         self._write_state()  # recorded first: a crash before the move is finished at start
-        del self._files[f.name]
+        del self._files[f.id]
         if self.done == "move":
-            self._move_done(f.name)
+            self._move_done(f.id, os.path.join(self.path, f.name))
         if f.dead_lettered:
-            log.warning("source %r: %s done with %d dead-lettered lines (see %s)", self.name,
-                        f.name, f.dead_lettered,
-                        f"done/{f.name}.dead.jsonl" if self.done == "move"
-                        else self._dead_path(f.name))
+            log.warning("source %r: %s (%s) done with %d dead-lettered lines", self.name,
+                        f.name, f.id, f.dead_lettered)
         else:
-            log.info("source %r: %s done", self.name, f.name)
+            log.info("source %r: %s (%s) done", self.name, f.name, f.id)
+
+
+def _fingerprint(st: os.stat_result) -> list[int]:
+    """What tells two files of one name apart: device, inode, size, mtime (ns). A file is
+    complete when it is renamed in, so these do not change while it is read."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _free(path: str, fid: str) -> str:
+    """``path`` if nothing is there, else ``path.<fid>`` (``done/`` never overwrites)."""
+    return path if not os.path.exists(path) else f"{path}.{fid}"
+
+
+def _csv_header(raw: bytes) -> list[str] | None:
+    try:
+        return next(csv.reader([raw.rstrip(b"\r\n").decode("utf-8")]), [])
+    except (UnicodeDecodeError, csv.Error):
+        return None
+
+
+def _migrate(files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """State files written before instance ids were keyed by file name."""
+    out = {}
+    for key, entry in files.items():
+        if "name" in entry:
+            out[key] = entry
+        else:  # old: the key is the name; the fingerprint is taken when it is next seen
+            out[uuid.uuid4().hex[:16]] = {**entry, "name": key}
+    return out

@@ -51,10 +51,29 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (only finite numbers are)")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {dup!r} appears twice in one object (no value is dropped "
+                         "silently)")
+    return obj
+
+
 def decode(body: bytes, fmt: str) -> dict[str, Any]:
-    """Turn a message body into the first row a flow sees."""
+    """Turn a message body into the first row a flow sees.
+
+    JSON is read strictly: ``NaN``/``Infinity`` and an object with a key twice fail the
+    message (no field is dropped or invented silently), as do invalid UTF-8 and nesting
+    too deep for Python (each fails its own message in step ``decode``).
+    """
     if fmt == "json":
-        obj = json.loads(body)
+        obj = json.loads(body, parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got a JSON {type(obj).__name__}")
         return obj

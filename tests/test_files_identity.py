@@ -1,0 +1,148 @@
+"""The Files source: a file's name is not its identity (daily drops reuse names), and its
+bytes are untrusted. Driver-side tests, plus one end to end into a keyed sink."""
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+import ackflow
+from ackflow import faults
+from ackflow.core.ledger import Failure
+from ackflow.core.policy import RetryPolicy
+from ackflow.sinks import ParquetSink
+from ackflow.sources import Files
+from helpers import FAST
+
+
+def drop(folder, name, lines, raw=None):
+    tmp = os.path.join(folder, "." + name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(raw if raw is not None else ("\n".join(lines) + "\n").encode())
+    os.rename(tmp, os.path.join(folder, name))
+
+
+def opened(folder, **kw):
+    src = Files(folder, **kw)
+    src.configure(max_inflight=100, error_sink=False)
+    src.open()
+    return src
+
+
+def pull(src, n=100):
+    return src.pull(n, 0.05)
+
+
+def test_a_same_name_file_renamed_in_while_the_first_is_read_is_read_too(tmp_path):
+    drop(tmp_path, "orders.jsonl", ['{"n": 1}', '{"n": 2}'])
+    src = opened(tmp_path)
+    first = pull(src)
+    drop(tmp_path, "orders.jsonl", ['{"n": 3}'])  # tomorrow's drop replaces the name
+    src.ack(first)  # the first instance finishes: before, the NEW file went to done/ unread
+    src._scan()
+    second = pull(src)
+    assert [json.loads(d.body)["n"] for d in second] == [3]
+    assert {d.key for d in second}.isdisjoint(d.key for d in first)
+    src.ack(second)
+    src.close()
+    assert sorted(os.listdir(tmp_path / "done")) == ["orders.jsonl"]  # only the second was
+    # still in the folder when it finished; the first had been replaced (nothing to move)
+
+
+def test_done_never_overwrites_an_earlier_file_or_its_dead_letters(tmp_path):
+    src = opened(tmp_path, policy=RetryPolicy(max_deliveries=1))
+    for day in (1, 2):
+        drop(tmp_path, "orders.jsonl", [json.dumps({"day": day}), "not json"])
+        src._scan()
+        got = pull(src)
+        src.ack([d for d in got if d.body.startswith(b"{")])
+        src.fail([(d, Failure("decode", f"bad on day {day}")) for d in got
+                  if not d.body.startswith(b"{")])
+    src.close()
+    done = sorted(os.listdir(tmp_path / "done"))
+    assert len(done) == 4, done  # two files, two dead-letter files
+    days = sorted(json.loads(open(tmp_path / "done" / n).readline())["day"]
+                  for n in done if not n.endswith(".dead.jsonl"))
+    assert days == [1, 2]
+    errors = sorted(json.loads(open(tmp_path / "done" / n).read())["error"]
+                    for n in done if n.endswith(".dead.jsonl"))
+    assert errors == ["bad on day 1", "bad on day 2"]
+
+
+def test_record_mode_reads_a_reused_name_again(tmp_path):
+    drop(tmp_path, "orders.jsonl", ['{"n": 1}'])
+    src = opened(tmp_path, done="record")
+    src.ack(pull(src))
+    drop(tmp_path, "orders.jsonl", ['{"n": 2}'])  # before: skipped forever
+    src._scan()
+    got = pull(src)
+    assert [json.loads(d.body)["n"] for d in got] == [2]
+    src.ack(got)
+    src.close()
+    again = opened(tmp_path, done="record")  # a restart finds nothing new
+    assert pull(again) == []
+    again.close()
+
+
+def test_the_identity_survives_a_restart_and_is_written_before_any_line(tmp_path):
+    drop(tmp_path, "f.jsonl", ['{"n": 1}'])
+    src = opened(tmp_path)
+    keys = [d.key for d in pull(src)]
+    src.close()  # died with the line in flight, nothing settled
+    again = opened(tmp_path)
+    assert [d.key for d in pull(again)] == keys
+    again.close()
+
+
+def test_non_utf8_csv_lines_and_headers_fail_alone_never_in_pull(tmp_path):
+    drop(tmp_path, "a.csv", [], raw=b"id,name\n1,ok\n2,\xff\xfebad\n3,a,too many\n\x00,nul\n")
+    drop(tmp_path, "b.csv", [], raw=b"id,\xffname\n1,x\n")
+    src = opened(tmp_path, format="csv")
+    got = {d.key: d.body for d in pull(src)}  # before: UnicodeDecodeError out of pull()
+    good = [json.loads(b) for b in got.values() if b.startswith(b"{")]
+    assert sorted(r["id"] for r in good) == sorted(["1", "\x00"])
+    assert sum(1 for b in got.values() if b.startswith(b"\xff")) == 3  # fail in "decode"
+    src.close()
+
+
+def test_failed_lines_waiting_for_retry_count_against_the_window(tmp_path):
+    drop(tmp_path, "big.jsonl", [json.dumps({"n": i}) for i in range(500)])
+    src = Files(tmp_path, policy=RetryPolicy(max_deliveries=100, backoff_s=60))
+    src.configure(max_inflight=20, error_sink=False)
+    src.open()
+    for _ in range(50):  # a sink failing everything: each pull is failed at once
+        got = pull(src, 20)
+        src.fail([(d, Failure("sink", "down")) for d in got])
+        held = sum(len(f.bodies) for f in src._files.values())
+        assert held <= 20  # before: grew by 20 per round, to 500
+    src.close()
+
+
+def test_a_state_write_that_fails_loses_nothing(tmp_path):
+    drop(tmp_path, "f.jsonl", ['{"n": 1}', '{"n": 2}'])
+    src = opened(tmp_path)
+    got = pull(src)
+    faults.arm("files.before_commit", "raise")
+    try:
+        with pytest.raises(faults.InjectedFault):
+            src.ack(got)
+    finally:
+        faults.disarm()
+    src.close()
+    again = opened(tmp_path)
+    assert [d.key for d in pull(again)] == [d.key for d in got]  # read again, same keys
+    again.close()
+
+
+@pytest.mark.spark
+def test_tomorrows_file_of_the_same_name_is_written_by_a_keyed_sink(spark, tmp_path):
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    inbox.mkdir()
+    for _day in (1, 2):
+        drop(inbox, "orders.jsonl", [json.dumps({"n": i}) for i in range(3)])  # same content
+        report = ackflow.run(ackflow.Flow(Files(inbox)).to(ParquetSink(out)), spark=spark,
+                             **{**FAST, "until_idle": 1.0})
+        assert report.acked == 3
+    # before: the second day's keys equalled the first's, and Parquet dropped its rows
+    assert sorted(pq.read_table(out).column("n").to_pylist()) == [0, 0, 1, 1, 2, 2]
