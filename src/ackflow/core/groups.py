@@ -16,7 +16,12 @@ class Group:
     key: tuple[Hashable, ...]
     started: float
     rows: list[dict[str, Any]] = field(default_factory=list)
-    members: list[int] = field(default_factory=list)  # one entry per row membership
+    row_ids: list[tuple[int, ...]] = field(default_factory=list)  # each row's message ids
+
+    @property
+    def members(self) -> list[int]:
+        """One entry per row membership."""
+        return [m for ids in self.row_ids for m in ids]
 
 
 class GroupBuffer:
@@ -48,9 +53,31 @@ class GroupBuffer:
         if g is None:
             g = self._groups[key] = Group(key, now)
         g.rows.append(row)
-        g.members.extend(ids)
+        g.row_ids.append(tuple(ids))
         if len(g.rows) >= self.n:
             self._full.append(self._groups.pop(key))
+
+    def discard(self, ids: set[int]) -> None:
+        """Drop the rows of messages that will not be written through these groups (they
+        failed, or their source lost them: they come again). A group left without rows
+        is dropped.
+
+        >>> b = GroupBuffer(n=3, timeout_s=5.0)
+        >>> b.add(("a",), {"v": 1}, [1], now=0.0); b.add(("a",), {"v": 2}, [2], now=0.0)
+        >>> b.add(("b",), {"v": 3}, [1], now=0.0)
+        >>> b.discard({1})
+        >>> [(g.key, g.members) for g in b.due(now=9.0)]
+        [(('a',), [2])]
+        """
+        if not ids:
+            return
+        for g in [*self._full, *self._groups.values()]:
+            keep = [i for i, r in enumerate(g.row_ids) if ids.isdisjoint(r)]
+            if len(keep) != len(g.rows):
+                g.rows = [g.rows[i] for i in keep]
+                g.row_ids = [g.row_ids[i] for i in keep]
+        self._full = [g for g in self._full if g.rows]
+        self._groups = {k: g for k, g in self._groups.items() if g.rows}
 
     def due(self, now: float) -> list[Group]:
         """Take the groups that are full or timed out."""

@@ -163,11 +163,17 @@ class Engine:
                     self._record_failure(d, f, state)
 
     def _forget(self, deliveries: list[Delivery]) -> None:
-        """Drop settled deliveries from the window (their credits return)."""
+        """Drop settled deliveries from the window (their credits return). A message that
+        still had rows waiting in grouped_within groups (it failed, or its source lost it)
+        takes them out: those groups are written without it, and it comes again."""
         done = [d for d in deliveries if d.settled and d.lineage_id in self.inflight]
+        waiting = set()
         for d in done:
             del self.inflight[d.lineage_id]
-            self.held.pop(d.lineage_id, None)
+            if self.held.pop(d.lineage_id, 0) > 0:
+                waiting.add(d.lineage_id)
+        if self.groups is not None:
+            self.groups.discard(waiting)
         self.window.give_back(len(done))
 
     def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
@@ -225,7 +231,9 @@ class Engine:
             rows = table.drop_columns([lineage]).to_pylist()
             for row, mid in zip(rows, ids, strict=True):
                 members = mid if isinstance(mid, list) else [mid]
-                members = [m for m in members if m not in result.outcomes.failed]
+                # not a member: failed in this batch, or lost (and forgotten) meanwhile
+                members = [m for m in members if m not in result.outcomes.failed
+                           and m in self.inflight and not self.inflight[m].settled]
                 if not members:
                     continue
                 self.groups.add(tuple(row.get(k) for k in step.keys), row, members, now)
@@ -242,6 +250,7 @@ class Engine:
         step = self.flow.steps[self._gw_index]
         assert isinstance(step, GroupedWithin)
         suffix = self.suffix
+        # every member is in flight: _forget() takes a message's rows out of the buffer
         row_keys = [group_key([self.inflight[m].key for m in set(g.members)], g.key)
                     for g in groups]
         self._launch(pool, suffix, "g", None,
