@@ -38,6 +38,7 @@ class Delivery:
     handle: object = None  # the source's own receipt handle (lease, delivery tag, offset)
     origin: int = 0  # which source of a merged flow it came from
     state: Settlement = Settlement.PENDING
+    revised: bool = False
 
     @property
     def settled(self) -> bool:
@@ -52,4 +53,19 @@ class Delivery:
                 f"message {self.key!r} was already {self.state.value}; refusing to mark it "
                 f"{outcome.value}"
             )
+        self.state = outcome
+
+    def revise(self, outcome: Settlement) -> None:
+        """The source answered otherwise than the engine settled (which it does first,
+        before talking to the broker, so that a second settle never reaches it): a stale
+        receipt makes a settlement ``RELEASED`` (the broker delivers it again), a refused
+        dead letter makes it ``NACKED``. The source's answer stands. Once, and only from a
+        settled state.
+        """
+        if self.state is Settlement.PENDING or self.revised:
+            raise AlreadySettled(f"message {self.key!r}: cannot revise {self.state.value} "
+                                 f"to {outcome.value}")
+        if outcome is Settlement.PENDING:
+            raise ValueError("cannot revise a settlement to pending")
+        self.revised = True
         self.state = outcome

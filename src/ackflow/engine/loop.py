@@ -8,6 +8,7 @@ comes back. Completions are read even when the window is full (law 3).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
@@ -104,6 +106,7 @@ class Engine:
         self._stop = threading.Event()
         self._cancel = threading.Event()
         self._signals = 0
+        self._dead_letter_failures = 0
         self._run_token = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self._seq = 0
 
@@ -125,11 +128,16 @@ class Engine:
     # -- settling -----------------------------------------------------------------------
 
     def _ack(self, deliveries: list[Delivery]) -> None:
+        """Settle first (a second settle raises here, before the broker hears of it), then
+        ack at the source; what it refuses (a stale receipt) becomes released."""
         if not deliveries:
             return
+        for d in deliveries:
+            d.settle(Settlement.ACKED)
         stale = {id(d) for d in self.flow.source.ack(deliveries) or ()}
         for d in deliveries:
-            d.settle(Settlement.RELEASED if id(d) in stale else Settlement.ACKED)
+            if id(d) in stale:
+                d.revise(Settlement.RELEASED)
         self._count_redelivered(len(stale))
         self.report.acked += len(deliveries) - len(stale)
         self.metrics.acked.inc(len(deliveries) - len(stale))
@@ -153,14 +161,19 @@ class Engine:
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
         if failures and self.flow.error_sink is not None:
             failures = self._dead_letter_to_sink(batch_id, failures)
-        if failures:
-            states = self.flow.source.fail(failures)
-            for (d, f), state in zip(failures, states, strict=True):
-                d.settle(state)
-                if state is Settlement.RELEASED:
-                    self._count_redelivered(1)
-                else:
-                    self._record_failure(d, f, state)
+        if not failures:
+            return
+        source = self.flow.source
+        for d, _ in failures:  # settled first; the source may answer otherwise (below)
+            d.settle(Settlement.DEAD_LETTERED if source.exhausted(d) else Settlement.NACKED)
+        states = source.fail(failures)
+        for (d, f), state in zip(failures, states, strict=True):
+            if state is not d.state:
+                d.revise(state)
+            if state is Settlement.RELEASED:
+                self._count_redelivered(1)
+            else:
+                self._record_failure(d, f, state)
 
     def _forget(self, deliveries: list[Delivery]) -> None:
         """Drop settled deliveries from the window (their credits return). A message that
@@ -293,18 +306,27 @@ class Engine:
         try:
             write_dead_letters(sink, f"{batch_id}-dead", done)
         except Exception as e:  # noqa: BLE001 - not written: nack, never drop
-            log.error("batch %s: error sink %r failed (%s); nacking %d messages", batch_id,
-                      sink.name, e, len(done))
+            self._dead_letter_failures += len(done)
+            self.metrics.dead_letter_write_failures.inc(len(done))
+            log.error("batch %s: error sink %r failed to write %d dead letters (%s); nacking "
+                      "them (%d dead-letter writes failed in this run)", batch_id, sink.name,
+                      len(done), e, self._dead_letter_failures)
+            for d, _ in done:
+                d.settle(Settlement.NACKED)
             source.nack(done)
             for d, f in done:
-                d.settle(Settlement.NACKED)
                 self._record_failure(d, f, Settlement.NACKED)
             return rest
+        faults.point("engine.dead_letter_written")
         for d, _ in done:
             d.settle(Settlement.DEAD_LETTERED)
-        source.ack([d for d, _ in done])
+        stale = {id(d) for d in source.ack([d for d, _ in done]) or ()}
         for d, f in done:
-            self._record_failure(d, f, Settlement.DEAD_LETTERED)
+            if id(d) in stale:  # written, but the source comes with it again: written again
+                d.revise(Settlement.RELEASED)
+                self._count_redelivered(1)
+            else:
+                self._record_failure(d, f, Settlement.DEAD_LETTERED)
         return rest
 
     def _record_failure(self, d: Delivery, f: Failure, state: Settlement) -> None:
@@ -326,6 +348,9 @@ class Engine:
             )
 
     def _release(self, deliveries: list[Delivery]) -> None:
+        """Give back what was not processed; deliveries settled meanwhile (lost with their
+        channel, say) are the source's already and are skipped."""
+        deliveries = [d for d in deliveries if not d.settled]
         if not deliveries:
             return
         for d in deliveries:
@@ -358,46 +383,47 @@ class Engine:
             self.groups = GroupBuffer(step.n, step.timeout_s)
         else:
             compiled = CompiledFlow(flow, spark)
-        for sink in flow.sinks:
-            sink.open()
-        if flow.error_sink is not None:
-            flow.error_sink.open()
-        if self.metrics_port is not None:
-            self.metrics.serve(self.metrics_port, self.metrics_host)
-            log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)
-        flow.source.configure(max_inflight=self.window.max_inflight,
-                              error_sink=flow.error_sink is not None)
-        self.report.recovered = flow.source.open()
-        self.metrics.recovered.inc(self.report.recovered)
-        if self.report.recovered:
-            log.warning("%d messages a previous consumer had in flight were given back and "
-                        "will be processed again (their rows may be written twice)",
-                        self.report.recovered)
-        old_handlers: dict[int, Any] = {}
-        if self.handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                old_handlers[sig] = signal.signal(sig, self._on_signal)
-        pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="ackflow-batch")
-        started = time.monotonic()
-        try:
-            self._loop(compiled, pool)
-        finally:
-            self._shutdown(pool)
-            for sig, h in old_handlers.items():
-                signal.signal(sig, h)
-            self.report.elapsed_s = time.monotonic() - started
-            self.report.throttle_episodes = self.window.throttle_episodes
-            if self.batch_seconds:
-                ordered = sorted(self.batch_seconds)
-                self.report.batch_p50_s = ordered[len(ordered) // 2]
-                self.report.batch_p99_s = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-            flow.source.close()
+        with contextlib.ExitStack() as stack:  # every resource closed on every path
             for sink in flow.sinks:
-                sink.close()
+                sink.open()
+                stack.callback(_quietly, "close sink", sink.close)
             if flow.error_sink is not None:
-                flow.error_sink.close()
-            self.metrics.close()
+                flow.error_sink.open()
+                stack.callback(_quietly, "close the error sink", flow.error_sink.close)
+            if self.metrics_port is not None:
+                self.metrics.serve(self.metrics_port, self.metrics_host)
+                log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)
+            stack.callback(_quietly, "stop the metrics server", self.metrics.close)
+            flow.source.configure(max_inflight=self.window.max_inflight,
+                                  error_sink=flow.error_sink is not None)
+            stack.callback(_quietly, "close the source", flow.source.close)
+            self.report.recovered = flow.source.open()
+            self.metrics.recovered.inc(self.report.recovered)
+            if self.report.recovered:
+                log.warning("%d messages a previous consumer had in flight were given back and "
+                            "will be processed again (their rows may be written twice)",
+                            self.report.recovered)
+            if self.handle_signals and threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
+            pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="ackflow-batch")
+            started = time.monotonic()
+            try:
+                self._loop(compiled, pool)
+            finally:
+                try:
+                    self._shutdown(pool)
+                finally:
+                    self._finish_report(started)
         return self.report
+
+    def _finish_report(self, started: float) -> None:
+        self.report.elapsed_s = time.monotonic() - started
+        self.report.throttle_episodes = self.window.throttle_episodes
+        if self.batch_seconds:
+            ordered = sorted(self.batch_seconds)
+            self.report.batch_p50_s = ordered[len(ordered) // 2]
+            self.report.batch_p99_s = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
     def _submit(self, compiled: Any, pool: ThreadPoolExecutor, batch: list[Delivery]) -> None:
         self._launch(pool, compiled, "", batch,
@@ -540,6 +566,14 @@ class Engine:
                     sc.cancelJobGroup(batch_id)
         except Exception as e:  # noqa: BLE001
             log.error("could not cancel Spark jobs: %s", e)
+
+
+def _quietly(what: str, fn: Callable[[], Any]) -> None:
+    """Run a cleanup step; a failure is logged, and the other steps still run."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - cleanup must not hide the run's own outcome
+        log.error("could not %s: %s", what, e)
 
 
 def write_dead_letters(sink: Any, batch_id: str,

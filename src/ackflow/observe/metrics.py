@@ -32,6 +32,10 @@ class Metrics:
         self.redelivered = Counter("ackflow_messages_redelivered",
                                    "Deliveries lost with their broker channel (delivered again)",
                                    registry=r)
+        self.dead_letter_write_failures = Counter(
+            "ackflow_dead_letter_write_failures",
+            "Given-up messages whose dead-letter write to the error sink failed (nacked, retried)",
+            registry=r)
         self.rows_written = Counter("ackflow_rows_written", "Rows written", ["sink"], registry=r)
         self.in_flight = Gauge("ackflow_in_flight", "Unsettled messages", registry=r)
         self.max_inflight = Gauge("ackflow_max_inflight", "The in-flight window", registry=r)
