@@ -4,7 +4,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ackflow.core.ledger import NO_RECEIPT, RECEIPT_SCHEMA, compact_receipts, settle_receipts
+from ackflow.core.ledger import NO_RECEIPT, RECEIPT_SCHEMA, Failure, compact_receipts, settle_receipts
 
 
 def receipts(rows):
@@ -63,3 +63,29 @@ def test_property_ack_iff_all_rows_written_without_error(rows, expected):
                 step is None and (ok or e == 0) for _, e, ok, step in mine
             )
             assert (mid in out.acked) == should_ack, (mid, mine)
+
+
+def _r(mid, sink, emitted, written, step=None, err=None):
+    return {"id": mid, "sink": sink, "emitted": emitted, "written": written,
+            "err_step": step, "err": err}
+
+
+def test_the_first_failure_along_the_plan_is_kept_not_the_smallest_or_largest_text():
+    """Three rows of message 1 fail in three places. Plan order: m_first, z_later, then the
+    sink a_sink. min() of the text would say a_sink, max() z_later: both wrong."""
+    order = ["decode", "m_first", "z_later", "a_sink"]
+    rows = [_r(1, "a_sink", 1, 0, "a_sink", "refused"), _r(1, "a_sink", 0, 0, "z_later", "late"),
+            _r(1, "a_sink", 0, 0, "m_first", "the cause")]
+    for perm in (rows, rows[::-1], rows[1:] + rows[:1]):
+        table = pa.Table.from_pylist(perm, schema=RECEIPT_SCHEMA)
+        assert settle_receipts([1], table, order=order).failed[1] == Failure("m_first", "the cause")
+        compact = compact_receipts(table, order)  # inside tasks: the same rule
+        assert compact.to_pylist()[0]["err_step"] == "m_first"
+        assert settle_receipts([1], compact, order=order).failed[1].error == "the cause"
+
+
+def test_a_sink_over_reporting_rows_fails_the_message_never_acks_it():
+    table = pa.Table.from_pylist([_r(1, "s", 1, 2), _r(2, "s", 1, 1)], schema=RECEIPT_SCHEMA)
+    out = settle_receipts([1, 2], table)
+    assert out.acked == [2] and out.over_reported == [1]
+    assert "more rows written than were emitted" in out.failed[1].error

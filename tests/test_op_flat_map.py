@@ -46,3 +46,27 @@ def test_a_child_failing_a_later_step_nacks_the_parent(spark):
     assert src.final()["m6"] == "dead_lettered"
     assert (src.failures["m6"].step, src.failures["m6"].error) == ("check", "KeyError: 'sku'")
     assert sum(v == "acked" for v in src.final().values()) == 7
+
+
+def test_a_message_keeps_the_failure_of_its_earliest_step(spark):
+    """Three children of one message fail in three places: m_early, then z_late, then the
+    sink a_sink. The dead letter names m_early (min of the text says a_sink, max z_late)."""
+
+    def early(r):
+        if r["c"] == 0:
+            raise ValueError("the cause")
+        return r
+
+    def late(r):
+        if r["c"] == 1:
+            raise ValueError("late")
+        return r
+
+    src = ListSource(['{"n": 1}'])
+    flow = (ackflow.Flow(src).flat_map(lambda r: [{"n": r["n"], "c": c} for c in range(3)],
+                                       name="kids")
+            .map(early, name="m_early").map(late, name="z_late")
+            .to(FailingSink(fail_if=lambda r: r["c"] == 2, name="a_sink")))
+    ackflow.run(flow, spark=spark, **FAST)
+    assert src.failures["m0"].step == "m_early"
+    assert "the cause" in src.failures["m0"].error

@@ -34,6 +34,25 @@ RECEIPT_SCHEMA = pa.schema(
 _SEP = "\x1f"
 
 
+def _ranked_errors(receipts: pa.Table, order: Sequence[str] | None) -> pa.Array:
+    """One text per receipt row, ``rank<SEP>step<SEP>error`` (null without an error), so
+    that ``min`` keeps the failure of the earliest step of the plan (``order``: step names
+    in plan order; steps not in it, such as sinks, rank after every step)."""
+    steps = pc.fill_null(receipts["err_step"], "?")
+    n_order = len(order) if order else 0
+    if order:
+        rank = pc.fill_null(pc.index_in(steps, value_set=pa.array(list(order), pa.string())),
+                            n_order)
+    else:
+        rank = pa.array([0] * receipts.num_rows, pa.int32())
+    rank_text = pc.utf8_lpad(pc.cast(rank, pa.string()), 6, "0")
+    return pc.if_else(
+        pc.is_valid(receipts["err"]),
+        pc.binary_join_element_wise(rank_text, steps, receipts["err"], _SEP),
+        pa.nulls(receipts.num_rows, pa.string()),
+    )
+
+
 @dataclass(frozen=True)
 class Failure:
     """Why a message failed: the step that failed and the error, as text."""
@@ -52,18 +71,24 @@ class Outcomes:
     acked: list[int] = field(default_factory=list)
     failed: dict[int, Failure] = field(default_factory=dict)
     rows_written: dict[str, int] = field(default_factory=dict)  # physical rows, per sink
+    over_reported: list[int] = field(default_factory=list)  # ids a sink over-reported (a bug)
 
 
 NO_RECEIPT = Failure("ledger", "no receipt came back for this message (lineage lost); not acked")
 
 
 def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
-                    required_sinks: Sequence[str] | None = None) -> Outcomes:
+                    required_sinks: Sequence[str] | None = None,
+                    order: Sequence[str] | None = None) -> Outcomes:
     """Decide ack or failure for every id in ``expected_ids`` from ``receipts``.
 
     Every expected id gets exactly one outcome. Receipts for ids that were not
     expected are ignored (they cannot prove anything about this batch). With
     ``required_sinks`` (several branches), a message needs a receipt from each.
+    A message failed by several rows keeps the failure of the earliest step in
+    ``order`` (the plan's step names), the one that really caused it. A sink that
+    reports more rows written than were emitted for a message is a bug: the message
+    fails (never acked on over-success).
 
     >>> r = pa.Table.from_pylist([
     ...     {"id": 1, "sink": "s", "emitted": 2, "written": 2, "err_step": None, "err": None},
@@ -79,37 +104,37 @@ def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
     receipts = receipts.select(RECEIPT_SCHEMA.names).cast(RECEIPT_SCHEMA)
     receipts = receipts.filter(pc.is_in(receipts["id"], value_set=expected))
 
-    # One error text per row: "step<SEP>error", so that min() keeps the pair together.
-    has_err = pc.is_valid(receipts["err"])
-    joined = pc.if_else(
-        has_err,
-        pc.binary_join_element_wise(
-            pc.fill_null(receipts["err_step"], "?"), receipts["err"], _SEP
-        ),
-        pa.nulls(receipts.num_rows, pa.string()),
-    )
-    per_sink_rows = receipts.append_column("error", joined)
+    # One error text per row that sorts by plan position, so that min() keeps the first.
+    per_sink_rows = receipts.append_column("error", _ranked_errors(receipts, order))
     per_sink_rows = per_sink_rows.group_by(["id", "sink"]).aggregate(
         [("emitted", "sum"), ("written", "sum"), ("error", "min")]
     )
     short = pc.less(per_sink_rows["written_sum"], per_sink_rows["emitted_sum"])
-    per_sink_rows = per_sink_rows.append_column("short", short)
+    over = pc.greater(per_sink_rows["written_sum"], per_sink_rows["emitted_sum"])
+    per_sink_rows = per_sink_rows.append_column("short", short).append_column("over", over)
     per_id = per_sink_rows.group_by("id").aggregate(
-        [("error_min", "min"), ("short", "any"), ("sink", "min"), ("sink", "count_distinct")]
+        [("error_min", "min"), ("short", "any"), ("over", "any"), ("sink", "min"),
+         ("sink", "count_distinct")]
     )
 
-    ok = pc.and_(pc.is_null(per_id["error_min_min"]), pc.invert(per_id["short_any"]))
+    ok = pc.and_(pc.and_(pc.is_null(per_id["error_min_min"]), pc.invert(per_id["short_any"])),
+                 pc.invert(per_id["over_any"]))
     if required_sinks:
         enough = pc.greater_equal(per_id["sink_count_distinct"], len(set(required_sinks)))
         ok = pc.and_(ok, enough)
     outcomes.acked = pc.filter(per_id["id"], ok).to_pylist()
     bad = per_id.filter(pc.invert(ok))
-    for mid, err, sink, short in zip(
+    for mid, err, sink, short, extra in zip(
         bad["id"].to_pylist(), bad["error_min_min"].to_pylist(), bad["sink_min"].to_pylist(),
-        bad["short_any"].to_pylist(), strict=True,
+        bad["short_any"].to_pylist(), bad["over_any"].to_pylist(), strict=True,
     ):
-        if err is not None:
-            step, _, text = err.partition(_SEP)
+        if extra:
+            outcomes.over_reported.append(mid)
+            outcomes.failed[mid] = Failure(
+                sink or "sink", "the sink reported more rows written than were emitted for "
+                "this message (a bug in the sink or the plan); not acked")
+        elif err is not None:
+            _, step, text = err.split(_SEP, 2)
             outcomes.failed[mid] = Failure(step, text)
         elif not short:
             outcomes.failed[mid] = Failure(
@@ -127,41 +152,30 @@ def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
     return outcomes
 
 
-def compact_receipts(receipts: pa.Table) -> pa.Table:
-    """Sum per-row receipts into one receipt per ``(id, sink)``, keeping one error.
+def compact_receipts(receipts: pa.Table, order: Sequence[str] | None = None) -> pa.Table:
+    """Sum per-row receipts into one receipt per ``(id, sink)``, keeping the failure of
+    the earliest step in ``order`` (see :func:`settle_receipts`).
 
     Used inside Spark tasks, so that a partition returns one small row per message
     rather than one per derived row.
     """
     receipts = receipts.select(RECEIPT_SCHEMA.names).cast(RECEIPT_SCHEMA)
-    has_err = pc.is_valid(receipts["err"])
-    joined = pc.if_else(
-        has_err,
-        pc.binary_join_element_wise(
-            pc.fill_null(receipts["err_step"], "?"), receipts["err"], _SEP
-        ),
-        pa.nulls(receipts.num_rows, pa.string()),
-    )
     grouped = (
-        receipts.append_column("error", joined)
+        receipts.append_column("error", _ranked_errors(receipts, order))
         .group_by(["id", "sink"], use_threads=False)
         .aggregate([("emitted", "sum"), ("written", "sum"), ("error", "min")])
     )
-    parts = pc.split_pattern(grouped["error_min"], _SEP, max_splits=1)
-    err_step = pc.list_element(parts, 0)
-    err = pc.if_else(
-        pc.is_valid(grouped["error_min"]),
-        pc.list_element(pc.fill_null(parts, pa.scalar(["", ""], pa.list_(pa.string()))), 1),
-        pa.nulls(grouped.num_rows, pa.string()),
-    )
+    parts = pc.split_pattern(pc.fill_null(grouped["error_min"], _SEP + _SEP), _SEP, max_splits=2)
+    valid = pc.is_valid(grouped["error_min"])
+    none = pa.nulls(grouped.num_rows, pa.string())
     return pa.table(
         {
             "id": grouped["id"],
             "sink": grouped["sink"],
             "emitted": grouped["emitted_sum"],
             "written": grouped["written_sum"],
-            "err_step": err_step,
-            "err": err,
+            "err_step": pc.if_else(valid, pc.list_element(parts, 1), none),
+            "err": pc.if_else(valid, pc.list_element(parts, 2), none),
         },
         schema=RECEIPT_SCHEMA,
     )

@@ -108,7 +108,14 @@ def execute(
             fail_all(ds, Failure(culprit, f"the job returned receipts for {stray} lineage ids "
                                  "that no message of this batch has (fabricated ids); not acked"))
             return
-        part = settle_receipts(ids, job.receipts, required_sinks=compiled.required_sinks)
+        part = settle_receipts(ids, job.receipts, required_sinks=compiled.required_sinks,
+                               order=compiled.step_order)
+        if part.over_reported:
+            over = set(part.over_reported)
+            keys = [d.key for d in ds if d.lineage_id in over]
+            log.error("batch %s: a sink reported more rows written than emitted for %d "
+                      "messages (a bug; failing them, never acking): %s", batch_id,
+                      len(keys), keys[:5])
         result.outcomes.acked.extend(part.acked)
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
@@ -156,7 +163,8 @@ def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str,
         result.outcomes.failed = dict.fromkeys(expected, failed_sink)
         return result
     result.outcomes = settle_receipts(expected, job.receipts,
-                                      required_sinks=compiled.required_sinks)
+                                      required_sinks=compiled.required_sinks,
+                                      order=compiled.step_order)
     result.outcomes.rows_written = dict(job.rows_written)
     return result
 

@@ -122,6 +122,16 @@ class CompiledFlow:
             check_executors_can_load(spark, self.shipped)
 
     @property
+    def step_order(self) -> list[str]:
+        """Step names in plan order (decoding first, sinks last): a message failed by
+        several of its rows keeps the failure of the earliest step."""
+        names = ["decode", *(s.name for s in self.flow.steps)]
+        fork = self.flow.forked
+        for b in fork.branches if fork is not None else ():
+            names += [s.name for s in b.steps]
+        return names + [s.name for s in self.sinks]
+
+    @property
     def required_sinks(self) -> list[str] | None:
         """With several sinks, a message is written only when each of them wrote it."""
         return [s.name for s in self.sinks] if len(self.sinks) > 1 else None
@@ -277,7 +287,7 @@ class CompiledFlow:
             schema = to_arrow_schema(StructType([fields[c] for c in data_cols]))
             with self._prepare_lock:  # two batches' threads must not create a table at once
                 sink.prepare(schema)
-        return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage),
+        return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage, self.step_order),
                              from_arrow_schema(TASK_RECEIPTS))
 
     def _apply(self, step: Step, df: DataFrame, data_cols: list[str],

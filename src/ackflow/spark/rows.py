@@ -270,7 +270,8 @@ def make_sampler(
 
 
 def make_writer(
-    sink: Sink, batch_id: str, data_cols: list[str], lineage: str = ID
+    sink: Sink, batch_id: str, data_cols: list[str], lineage: str = ID,
+    order: Sequence[str] | None = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function that writes a partition's live rows and returns receipts.
 
@@ -334,7 +335,7 @@ def make_writer(
             members = table.column(lineage).combine_chunks()
             per_row = per_row.take(pc.list_parent_indices(members)).set_column(
                 0, "id", pc.list_flatten(members))
-        receipts = compact_receipts(per_row)
+        receipts = compact_receipts(per_row, order)
         receipts = receipts.append_column("token", pa.nulls(receipts.num_rows, pa.binary()))
         yield from receipts.to_batches()
         # the partition's summary: physical rows written (per branch if the sink has
