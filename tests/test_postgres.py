@@ -177,3 +177,27 @@ def test_join_matches_and_groups_get_stable_keys_so_a_rerun_changes_nothing(
     g1 = rows_of(postgres.dsn, groups)
     assert sorted((r["sku"], r["n"]) for r in g1) == [("a", 10), ("b", 10)]
     assert all(r["ackflow_key"].startswith("g:") for r in g1)
+
+
+def test_an_error_sink_in_postgres_creates_its_table_and_holds_the_dead_letters(spark, postgres,
+                                                                                pg_table):
+    """The error sink is a sink: prepared like a main sink. Before, the engine never called
+    prepare() on it, every dead letter failed "relation does not exist" and was nacked
+    forever."""
+
+    def check(r):
+        if r["n"] % 3 == 0:
+            raise ValueError(f"bad {r['n']}")
+        return r
+
+    src = ListSource([f'{{"n": {i}}}' for i in range(9)],
+                     policy=RetryPolicy(max_deliveries=1))
+    flow = (ackflow.Flow(src).map(check, name="check").to(ackflow.sinks.MemorySink())
+            .on_error(Postgres(postgres.dsn, pg_table, create=True, name="dead")))
+    report = ackflow.run(flow, spark=spark, **FAST)
+    assert report.dead_lettered == 3 and report.acked == 6
+    with psycopg.connect(postgres.dsn) as c:
+        got = c.execute(sql.SQL("SELECT message, step, error FROM {} ORDER BY message")
+                        .format(sql.Identifier(pg_table))).fetchall()
+    assert [(m, s) for m, s, _ in got] == [("m0", "check"), ("m3", "check"), ("m6", "check")]
+    assert "bad 3" in got[1][2]

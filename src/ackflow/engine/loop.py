@@ -593,6 +593,7 @@ def write_dead_letters(sink: Any, batch_id: str,
                           ("headers", pa.string()), ("step", pa.string()),
                           ("error", pa.string()), ("deliveries", pa.int64()),
                           ("failed_at", pa.float64())]))
+    sink.prepare(table.schema)  # the error sink is a sink: check or create its table first
     if getattr(sink, "wants_keys", False):  # a dead letter written again is the same row
         table = table.append_column(ROW_KEY, pa.array([d.key for d, _ in failures], pa.string()))
     result = sink.write_partition(batch_id, 0, table)
