@@ -92,3 +92,24 @@ def test_a_crashing_python_worker_is_bisected_to_its_message(spark):
     assert src.failures["m5"].step == "crash"  # located by re-running prefixes of the plan
     assert report.acked == 7 and report.bisections >= 1
     assert sorted(r["n"] for r in sink.rows) == [0, 1, 2, 3, 4, 6, 7]
+
+
+def test_outside_data_never_stops_the_run_through_column_inference(spark):
+    """The first batch has mixed types for one field, a field named like an internal column
+    and a value Spark cannot type. Before, inference raised FlowError: the batch was given
+    back, the run stopped, and a restart met the same batch first (a crash loop). Now only
+    the messages that do not fit fail, each with a reason naming the step and the field."""
+    src = ListSource(['{"qty": 1}', '{"qty": 2}', '{"qty": "three"}', '{"qty": 4, "__af_id": 7}',
+                      '{"qty": 5, "tags": [null]}', '{"qty": 6}'],
+                     policy=ackflow.RetryPolicy(max_deliveries=2, backoff_s=0.01))
+    sink = MemorySink()
+    report = ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same").to(sink), spark=spark,
+                         **{**FAST, "until_idle": 0.5})
+    final = src.final()
+    assert final["m2"] == "dead_lettered" and final["m3"] == "dead_lettered"
+    assert src.deliveries["m2"] == 2  # retried by the policy, then given up: no endless loop
+    assert "qty" in src.failures["m2"].error and src.failures["m2"].step == "same"
+    assert "'__af_id'" in src.failures["m3"].error and "reserved" in src.failures["m3"].error
+    assert sorted(r["qty"] for r in sink.rows) == sorted(
+        [1, 2, 6] + ([5] if final["m4"] == "acked" else []))
+    assert report.acked == len(sink.rows)

@@ -173,6 +173,8 @@ class CompiledFlow:
                 if not good:
                     return None  # no row of this batch gets past this segment
                 schema = infer_schema(good, seg.name)
+            if explicit is None:  # inferred from outside data: never a reason to stop
+                schema = _spark_safe(schema)
             try:
                 # round-trip through Spark's types, so tasks produce exactly what Spark expects
                 schema = to_arrow_schema(from_arrow_schema(schema))
@@ -390,6 +392,19 @@ class CompiledFlow:
         if types[lineage].simpleString() != want.simpleString():  # nullability aside
             raise FlowError(step.name, f"column {lineage} changed type to {types[lineage]}")
         return out, [c for c in out.columns if not c.startswith("__af_")], lineage
+
+
+def _spark_safe(schema: pa.Schema) -> pa.Schema:
+    """An inferred column whose type Spark cannot hold (a list of nulls, say) becomes a
+    string column: the rows whose values do not fit it then fail alone."""
+    fields = []
+    for f in schema:
+        try:
+            to_arrow_schema(from_arrow_schema(pa.schema([f])))
+            fields.append(f)
+        except Exception:  # noqa: BLE001 - any refusal by Spark's type mapping
+            fields.append(pa.field(f.name, pa.string()))
+    return pa.schema(fields)
 
 
 def _pickle_parts(flow: Flow) -> dict[str, bytes]:

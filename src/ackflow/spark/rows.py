@@ -23,6 +23,7 @@ from ackflow.sinks.base import ROW_KEY, Sink
 
 ID, BODY, STATUS, STEP, ERR = "__af_id", "__af_body", "__af_status", "__af_step", "__af_err"
 SRC = "__af_src"  # the index of the message's source (merged flows)
+RESERVED = "__af_"  # the prefix of ackflow's own columns; user fields may not use it
 HDR = "__af_hdr"  # JSON {field: headers} to add to the first row, for sources that ask
 IDS = "__af_ids"  # after a group_by: the ids of every member message of the row
 KEY = ROW_KEY  # the row's deterministic key: its message's identity + its position
@@ -185,7 +186,15 @@ def conform(
     rows: list[dict[str, Any]], data_schema: pa.Schema, status: list[int],
     step: list[str | None], err: list[str | None], step_name: str,
 ) -> pa.Table:
-    """Rows → Arrow with ``data_schema``; a row that does not fit fails on its own."""
+    """Rows → Arrow with ``data_schema``; a row that does not fit fails on its own, and so
+    does a row with a field named like ackflow's own columns (``__af_...``)."""
+    reserved = [i for i, r in enumerate(rows)
+                if status[i] == LIVE and any(str(k).startswith(RESERVED) for k in r)]
+    for i in reserved:
+        name = next(str(k) for k in rows[i] if str(k).startswith(RESERVED))
+        rows[i] = {}
+        status[i], step[i] = FAILED, step_name
+        err[i] = f"field {name!r}: names starting with {RESERVED} are reserved for ackflow"
     try:
         return pa.Table.from_pylist(rows, schema=data_schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
@@ -369,23 +378,42 @@ def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 
 def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
-    """Columns and types from sample rows: every key seen, types unified across rows."""
-    from ackflow.core.errors import FlowError
+    """Columns and types from sample rows: every key seen, types unified across rows.
 
+    Sample rows are outside data, so nothing in them may stop the run: a reserved
+    ``__af_`` field makes no column (the rows holding it fail, in :func:`conform`), and
+    a key whose values have mixed types takes the type of most of them (ties: the
+    first seen); the rows that do not fit fail alone, naming the step and the column.
+    """
     keys: dict[str, None] = {}
     for r in rows:
         keys.update(dict.fromkeys(r))
     fields = []
     for k in keys:
-        if k.startswith("__af_"):
-            raise FlowError(step, f"column {k!r}: names starting with __af_ are reserved")
+        if k.startswith(RESERVED):
+            continue
+        values = [r.get(k) for r in rows]
         try:
-            arr = pa.array([r.get(k) for r in rows])
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
-            raise FlowError(
-                step, f"column {k!r} has values of mixed types in the first rows ({describe(e)}); "
-                "give the step an explicit schema="
-            ) from e
-        t = arr.type
+            t = pa.array(values).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            t = _majority_type(values)
         fields.append(pa.field(k, pa.string() if pa.types.is_null(t) else t))
     return pa.schema(fields)
+
+
+def _majority_type(values: list[Any]) -> pa.DataType:
+    """The Arrow type of the largest group of values of one Python type that Arrow can
+    take (numbers of both kinds count as one group)."""
+    groups: dict[str, list[Any]] = {}
+    for v in values:
+        if v is None:
+            continue
+        kind = "number" if isinstance(v, int | float) and not isinstance(v, bool) else \
+            type(v).__name__
+        groups.setdefault(kind, []).append(v)
+    for _, group in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        try:
+            return pa.array(group).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            continue
+    return pa.string()
