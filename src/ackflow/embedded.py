@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.errors import ConfigError
 
 _SCHEMA = """
@@ -258,6 +259,7 @@ class EmbeddedQueue:
 
         A pair whose lease was lost (expired and leased again) is not acked.
         """
+        faults.point("embedded.before_ack")
         with self._tx():
             done = self._changes(
                 "DELETE FROM messages WHERE id = ? AND deliveries = ? AND leased = 1",
@@ -269,6 +271,7 @@ class EmbeddedQueue:
     def ack_held(self, queue: str, deliveries: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """Like :meth:`ack`, in one transaction, and return the pairs that were not held
         any more (their lease expired and the message was leased again, or settled)."""
+        faults.point("embedded.before_ack")
         with self._tx():
             held: set[tuple[int, int]] = set()
             for k in range(0, len(deliveries), 500):

@@ -119,6 +119,12 @@ def hits(name: str) -> int:
     return _hits.get(name, 0)
 
 
+def active() -> bool:
+    """True while any point is armed (for code that must do extra work to *have* a point,
+    such as splitting an ack in two to have a middle)."""
+    return bool(_armed)
+
+
 def armed() -> dict[str, tuple[str, int]]:
     """The armed points: name -> (action, nth)."""
     with _lock:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ackflow import faults
 from ackflow.core.groups import Group
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.settlement import Delivery
@@ -93,10 +94,12 @@ def execute(
                 attempt(ds[:half], f"{bid}a")
                 attempt(ds[half:], f"{bid}b")
             return
+        faults.point("batch.after_job")
         failed_sink = commit_all(compiled, bid, job.tokens)
         if failed_sink is not None:
             fail_all(ds, failed_sink)
             return
+        faults.point("batch.after_commit")
         if isinstance(sink, CollectSink):
             result.collected.extend(sink.take(bid))
         stray = _stray_ids(ids, job.receipts)

@@ -134,7 +134,13 @@ class Engine:
             return
         for d in deliveries:
             d.settle(Settlement.ACKED)
-        stale = {id(d) for d in self.flow.source.ack(deliveries) or ()}
+        if faults.active() and len(deliveries) > 1:  # a middle, for the fault point
+            half = len(deliveries) // 2
+            stale = {id(d) for d in self.flow.source.ack(deliveries[:half]) or ()}
+            faults.point("engine.mid_ack")
+            stale |= {id(d) for d in self.flow.source.ack(deliveries[half:]) or ()}
+        else:
+            stale = {id(d) for d in self.flow.source.ack(deliveries) or ()}
         for d in deliveries:
             if id(d) in stale:
                 d.revise(Settlement.RELEASED)
@@ -166,6 +172,7 @@ class Engine:
         source = self.flow.source
         for d, _ in failures:  # settled first; the source may answer otherwise (below)
             d.settle(Settlement.DEAD_LETTERED if source.exhausted(d) else Settlement.NACKED)
+        faults.point("engine.before_fail")
         states = source.fail(failures)
         for (d, f), state in zip(failures, states, strict=True):
             if state is not d.state:
@@ -395,7 +402,8 @@ class Engine:
                 log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)
             stack.callback(_quietly, "stop the metrics server", self.metrics.close)
             flow.source.configure(max_inflight=self.window.max_inflight,
-                                  error_sink=flow.error_sink is not None)
+                                  error_sink=flow.error_sink is not None,
+                                  keepalive_s=self.keepalive_s)
             stack.callback(_quietly, "close the source", flow.source.close)
             self.report.recovered = flow.source.open()
             self.metrics.recovered.inc(self.report.recovered)
@@ -538,6 +546,7 @@ class Engine:
         deadline = time.monotonic() + self.drain_timeout_s
         try:
             while self._running:
+                faults.point("engine.drain")
                 left = deadline - time.monotonic()
                 if left <= 0 and not self._cancel.is_set():
                     log.warning("drain timeout: cancelling %d running batches; their messages "

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.secrets import hide
 from ackflow.sinks.base import ROW_KEY as KEY
@@ -271,7 +272,9 @@ class PostgresSink(Sink):
                         cp.write_row((*records[i], i))
                 cur.execute(self._insert_sql(columns, source=sql.Identifier("af_stage"),
                                              dedupe=self.key is not None))
+            faults.point("postgres.before_commit")
             conn.commit()
+            faults.point("postgres.after_commit")
         except psycopg.OperationalError:
             raise
         except psycopg.Error as e:

@@ -51,10 +51,13 @@ class Source(ABC):
         """The ``headers_field`` of each origin."""
         return (self.headers_field,)
 
-    def configure(self, *, max_inflight: int, error_sink: bool) -> None:  # noqa: B027
+    def configure(self, *, max_inflight: int, error_sink: bool,  # noqa: B027
+                  keepalive_s: float = 30.0) -> None:
         """Called by the engine before :meth:`open`: the in-flight window (a broker's
-        prefetch should follow it) and whether the flow writes dead letters to its own
-        error sink (then the source only acks them)."""
+        prefetch should follow it), whether the flow writes dead letters to its own
+        error sink (then the source only acks them), and how often the engine extends
+        leases (:meth:`keepalive`); a source whose leases would expire sooner refuses
+        here with a :class:`ConfigError`."""
 
     def open(self) -> int:
         """Connect. Return how many deliveries of a dead consumer were given back."""

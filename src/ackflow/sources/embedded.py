@@ -42,6 +42,16 @@ class EmbeddedQueueSource(Source):
         self.visibility_timeout = visibility_timeout
         self._q: EmbeddedQueue | None = None
 
+    def configure(self, *, max_inflight: int, error_sink: bool,
+                  keepalive_s: float = 30.0) -> None:
+        # A lease must outlive two keepalive rounds, or a message still being processed
+        # is leased to... this very consumer again and processed twice at once.
+        if self.visibility_timeout <= 2 * keepalive_s:
+            raise ConfigError(
+                f"source {self.name!r}: visibility_timeout ({self.visibility_timeout:g} s) must "
+                f"be more than twice the lease keepalive ({keepalive_s:g} s): raise "
+                "visibility_timeout or lower keepalive_s")
+
     @property
     def q(self) -> EmbeddedQueue:
         if self._q is None:

@@ -108,7 +108,8 @@ class FilesSource(Source):
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def configure(self, *, max_inflight: int, error_sink: bool) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool,
+                  keepalive_s: float = 30.0) -> None:
         self._error_sink = error_sink
         self._window = max_inflight
 

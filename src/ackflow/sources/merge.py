@@ -44,9 +44,10 @@ class MergedSource(Source):
             out.setdefault(d.origin, []).append(d)
         return out
 
-    def configure(self, *, max_inflight: int, error_sink: bool) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool,
+                  keepalive_s: float = 30.0) -> None:
         for s in self.sources:
-            s.configure(max_inflight=max_inflight, error_sink=error_sink)
+            s.configure(max_inflight=max_inflight, error_sink=error_sink, keepalive_s=keepalive_s)
 
     def open(self) -> int:
         return sum(s.open() for s in self.sources)

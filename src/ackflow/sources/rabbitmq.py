@@ -142,7 +142,8 @@ class RabbitMQSource(Source):
 
     # -- connection ------------------------------------------------------------------
 
-    def configure(self, *, max_inflight: int, error_sink: bool) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool,
+                  keepalive_s: float = 30.0) -> None:
         self._window = max_inflight
         self._error_sink = error_sink
 

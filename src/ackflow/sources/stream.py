@@ -73,7 +73,8 @@ class RabbitMQStreamSource(Source):
         self._stored = -1
         self.error: BaseException | None = None
 
-    def configure(self, *, max_inflight: int, error_sink: bool) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool,
+                  keepalive_s: float = 30.0) -> None:
         self._window = max_inflight
         self._error_sink = error_sink
 
