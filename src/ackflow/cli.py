@@ -206,22 +206,43 @@ def _demo_text(s: dict[str, Any], paths: Any) -> str:
     return "\n".join(lines)
 
 
-def load_flow(target: str) -> Any:
-    """Import ``path/to/file.py:name`` and return the Flow it names."""
-    from ackflow.flow import Flow
-
+def check_flow_file(target: str) -> None:
+    """Fail with one line on a target that cannot name a flow file that compiles."""
     path, sep, name = target.rpartition(":")
     if not sep or not path or not name:
         raise ConfigError(f"expected path/to/file.py:name, got {target!r}")
     if not os.path.isfile(path):
         raise ConfigError(f"flow file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            compile(f.read(), path, "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"flow file {path!r} has a syntax error at line {e.lineno}: "
+                          f"{e.msg}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"flow file {path!r} cannot be read: {e}") from None
+
+
+def load_flow(target: str) -> Any:
+    """Import ``path/to/file.py:name`` and return the Flow it names."""
+    from ackflow.flow import Flow
+
+    check_flow_file(target)
+    path, _, name = target.rpartition(":")
     mod_name = "ackflow_user_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"cannot import {path!r}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"flow file {path!r} has a syntax error at line {e.lineno}: "
+                          f"{e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed to load: say so, once
+        raise ConfigError(f"flow file {path!r} failed to load: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
     from pyspark import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)  # executors need not import the file
@@ -240,6 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ackflow.observe import ProgressBar
     from ackflow.spark.session import session
 
+    check_flow_file(args.target)  # a missing file or a syntax error: before Spark starts
     spark = session(args.master)  # before the user's module builds Columns
     flow = load_flow(args.target)
     bar = ProgressBar()
@@ -257,7 +279,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
     if not os.path.exists(args.db):
         raise ConfigError(f"queue file {args.db!r} does not exist")
-    q = EmbeddedQueue(args.db)
+    EmbeddedQueue(args.db, readonly=True).close()  # a foreign file is refused, unchanged
+    q = EmbeddedQueue(args.db, readonly=args.action != "replay")
     try:
         if args.action == "stats":
             out: Any = q.stats(args.queue)

@@ -128,18 +128,52 @@ class EmbeddedQueue:
     2
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, synchronous: str = "FULL") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, synchronous: str = "FULL",
+                 readonly: bool = False) -> None:
         self.path = os.fspath(path)
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise ConfigError(f"embedded queue: directory {parent!r} does not exist")
         if synchronous not in ("FULL", "NORMAL"):
             raise ConfigError("embedded queue: synchronous must be FULL or NORMAL")
-        self._db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.executescript(_SCHEMA)
         self._lock_fd: int | None = None
+        if readonly:  # inspection: never writes, refuses a file that is not a queue
+            self._db = self._open_readonly()
+            return
+        if not os.path.exists(self.path):  # message bodies are data: 0600 (WAL/SHM follow)
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        try:
+            self._db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            self._check_queue(self._db, allow_empty=True)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise ConfigError(f"embedded queue: {self.path!r} is not a usable queue "
+                              f"database: {e}") from None
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        if not os.path.isfile(self.path):
+            raise ConfigError(f"queue file {self.path!r} does not exist")
+        try:
+            db = sqlite3.connect(f"file:{os.path.abspath(self.path)}?mode=ro", uri=True,
+                                 timeout=60, isolation_level=None)
+            self._check_queue(db, allow_empty=False)
+        except sqlite3.DatabaseError as e:
+            raise ConfigError(f"{self.path!r} is not an ackflow queue database ({e})") from None
+        return db
+
+    def _check_queue(self, db: sqlite3.Connection, *, allow_empty: bool) -> None:
+        """Refuse a SQLite file that holds something else than ackflow's queue (its tables
+        are never added to a foreign database)."""
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        tables.discard("sqlite_sequence")
+        if not tables and allow_empty:
+            return
+        missing = {"messages", "dead_letters", "counters"} - tables
+        if missing:
+            raise ConfigError(f"{self.path!r} is not an ackflow queue database (no table "
+                              f"{', '.join(sorted(missing))}); ackflow will not change it")
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -215,7 +249,7 @@ class EmbeddedQueue:
         Raises :class:`ConfigError` when another live process consumes the queue.
         """
         lock_path = f"{self.path}.{queue}.consumer.lock"
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
