@@ -131,7 +131,7 @@ def test_clear_errors_at_start_and_no_password_in_them(rabbitmq):
 def test_settlements_from_another_thread_run_on_the_owner(rabbitmq):
     url = rabbitmq.url
     q = names("own")
-    setup(url, queue=q)
+    setup(url, queue=q, arguments={"x-dead-letter-exchange": "ackflow-tests-dlx"})
     publish(url, q, [{"n": i} for i in range(10)])
     src = RabbitMQ(url, q, reject_to_dlx=True)
     src.configure(max_inflight=100, error_sink=False)

@@ -16,6 +16,8 @@ from ackflow.core.settlement import Settlement
 from ackflow.sources import RabbitMQ
 from amqp import connect, count, names, publish, setup
 
+DLX = {"x-dead-letter-exchange": "ackflow-tests-dlx"}  # reject_to_dlx needs one
+
 
 def pull_all(src, n, timeout=10.0):
     import time
@@ -54,7 +56,7 @@ def opened(rabbitmq):
 
 def test_hostile_header_values_never_raise_and_rows_get_text(rabbitmq, opened):
     q = names("hdr")
-    setup(rabbitmq.url, queue=q)
+    setup(rabbitmq.url, queue=q, arguments=DLX)
     hostile = [
         {"x-delivery-count": "n/a"},
         {"x-delivery-count": b"\xff\xfe"},
@@ -79,7 +81,7 @@ def test_hostile_header_values_never_raise_and_rows_get_text(rabbitmq, opened):
 
 def test_identical_bodies_without_message_id_are_distinct_messages(rabbitmq, opened):
     q = names("same")
-    setup(rabbitmq.url, queue=q)
+    setup(rabbitmq.url, queue=q, arguments=DLX)
     publish(rabbitmq.url, q, [{"n": 1}, {"n": 1}])
     src = opened(q, reject_to_dlx=True)
     got = pull_all(src, 2)
@@ -92,7 +94,7 @@ def test_identical_bodies_still_share_a_retry_count_on_a_classic_queue(rabbitmq,
     """Without a message id the identity is per delivery, but a poison body must still
     reach max_deliveries (counted by a digest of the body)."""
     q = names("cnt")
-    setup(rabbitmq.url, queue=q)
+    setup(rabbitmq.url, queue=q, arguments=DLX)
     publish(rabbitmq.url, q, [{"poison": True}])
     src = opened(q, reject_to_dlx=True, policy=RetryPolicy(max_deliveries=3, backoff_s=0.0))
     counts = []
@@ -133,7 +135,7 @@ def test_a_connection_lost_at_each_broker_call_is_a_lost_connection(rabbitmq, op
 
 def test_delayed_nacks_settle_nothing_on_a_dead_channel(rabbitmq, opened):
     q = names("delay")
-    setup(rabbitmq.url, queue=q)
+    setup(rabbitmq.url, queue=q, arguments=DLX)
     publish(rabbitmq.url, q, [{"n": 1}], ids=["d1"])
     src = opened(q, reject_to_dlx=True, policy=RetryPolicy(max_deliveries=5, backoff_s=0.2))
     (d,) = pull_all(src, 1)
@@ -142,3 +144,43 @@ def test_delayed_nacks_settle_nothing_on_a_dead_channel(rabbitmq, opened):
     (again,) = pull_all(src, 1, timeout=15)  # no crash in the due nack; the broker redelivers
     assert again.key == "d1"
     src.ack([again])
+
+
+def test_the_sink_timeout_is_on_confirm_progress_not_one_deadline(rabbitmq):
+    """A partition that takes longer than timeout_s in all, while confirms keep coming, is
+    written whole (before: its tail failed at the absolute deadline)."""
+    import time
+
+    from ackflow.sinks.rabbitmq import publish_confirmed
+
+    q = names("slow")
+    setup(rabbitmq.url, queue=q, arguments=DLX)
+    msgs = [(q, b"x" * 200, pika.BasicProperties(delivery_mode=2, message_id=f"s{i}"))
+            for i in range(20_000)]
+    started = time.monotonic()
+    failed = publish_confirmed(rabbitmq.url, "", msgs, window=200, timeout_s=0.3)
+    took = time.monotonic() - started
+    assert took > 0.3, "the partition was too fast to show anything; raise its size"
+    assert failed == {}
+    assert count(rabbitmq.url, q) == 20_000
+
+
+def test_reject_to_dlx_on_a_queue_without_a_dead_letter_exchange_is_refused(rabbitmq):
+    from ackflow.core.errors import ConfigError
+
+    plain, with_dlx = names("plain"), names("withdlx")
+    setup(rabbitmq.url, queue=plain)
+    setup(rabbitmq.url, queue=with_dlx, arguments={"x-dead-letter-exchange": "somewhere"})
+    src = RabbitMQ(rabbitmq.url, plain, reject_to_dlx=True)
+    src.configure(max_inflight=10, error_sink=False)
+    with pytest.raises(ConfigError, match="has no x-dead-letter-exchange"):
+        src.open()  # before: opened, and poison messages were dropped on reject
+    ok = RabbitMQ(rabbitmq.url, with_dlx, reject_to_dlx=True)
+    ok.configure(max_inflight=10, error_sink=False)
+    ok.open()
+    ok.close()
+    trusted = RabbitMQ(rabbitmq.url, plain, reject_to_dlx=True, dlx_by_policy=True)
+    trusted.configure(max_inflight=10, error_sink=False)
+    trusted.open()
+    trusted.close()
+    assert count(rabbitmq.url, plain) == 0  # the probe declared nothing new

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,8 +20,9 @@ class RabbitMQSink(Sink):
     confirms handled asynchronously in a window of ``confirm_window`` messages (not one
     at a time). A row counts as written only when the broker confirmed it; a
     ``basic.nack``, an unroutable message (published ``mandatory``, returned by the
-    broker), a closed channel, a lost connection or ``timeout_s`` without a confirm fail
-    that row, and so its source message (which is then retried, never acked).
+    broker), a closed channel, a lost connection or ``timeout_s`` without any confirm
+    (a timeout on progress, not a deadline) fail that row, and so its source message
+    (which is then retried, never acked).
 
     Messages are persistent (``delivery_mode=2``) and carry a ``message_id``: the row's
     key by default (its source message's id and its position among the message's rows:
@@ -124,7 +126,8 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
     unconfirmed: dict[int, int] = {}  # delivery tag -> index, in publish order
     failed: dict[int, str] = {}
     returned: dict[str, str] = {}
-    state: dict[str, Any] = {"next": 0, "tag": 0, "error": None, "done": False}
+    state: dict[str, Any] = {"next": 0, "tag": 0, "error": None, "done": False,
+                             "progress": time.monotonic()}
 
     def stop(conn: Any, error: str | None) -> None:
         if error is not None and state["error"] is None:
@@ -148,6 +151,7 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
 
     def on_confirm(frame: Any) -> None:
         m = frame.method
+        state["progress"] = time.monotonic()
         nack = isinstance(m, Basic.Nack)
         tags = ([t for t in unconfirmed if t <= m.delivery_tag] if m.multiple
                 else [m.delivery_tag])
@@ -195,7 +199,18 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
     conn = pika.SelectConnection(params, on_open_callback=on_open,
                                  on_open_error_callback=on_open_error,
                                  on_close_callback=on_closed)
-    conn.ioloop.call_later(timeout_s, lambda: stop(conn, f"no confirm within {timeout_s:g} s"))
+    def watchdog() -> None:
+        """A timeout on progress, not one deadline: fail only when no confirm came for
+        ``timeout_s`` (a large or throttled partition that keeps moving is not cut)."""
+        if state["done"]:
+            return
+        idle = time.monotonic() - state["progress"]
+        if idle >= timeout_s:
+            stop(conn, f"no confirm for {timeout_s:g} s")
+        else:
+            conn.ioloop.call_later(timeout_s - idle, watchdog)
+
+    conn.ioloop.call_later(timeout_s, watchdog)
     conn.ioloop.start()
     if state["error"] is not None or unconfirmed or state["next"] < n:
         why = state["error"] or "not confirmed"

@@ -103,7 +103,7 @@ class RabbitMQSource(Source):
                  dead_letter_exchange: str | None = None, dead_letter_routing_key: str | None = None,
                  reject_to_dlx: bool = False, delivery_limit: int | None = None,
                  reconnect_max_s: float = 10.0, headers_field: str | None = None,
-                 name: str | None = None) -> None:
+                 dlx_by_policy: bool = False, name: str | None = None) -> None:
         super().__init__(format=format, name=name or f"rabbitmq:{queue}")
         if not queue:
             raise ConfigError("RabbitMQ source: queue name is empty")
@@ -118,6 +118,7 @@ class RabbitMQSource(Source):
         self.dead_letter_exchange = dead_letter_exchange
         self.dead_letter_routing_key = dead_letter_routing_key
         self.reject_to_dlx = reject_to_dlx
+        self.dlx_by_policy = dlx_by_policy
         limit = delivery_limit if delivery_limit is not None else self.arguments.get(
             "x-delivery-limit")
         self.delivery_limit = int(limit) if limit is not None else None
@@ -190,6 +191,8 @@ class RabbitMQSource(Source):
                                       "declare=True") from None
                 raise ConfigError(f"source {self.name!r}: cannot use queue {self.queue!r}: "
                                   f"{e.reply_text}") from None
+            if self.reject_to_dlx and self._gen == 0 and not self.dlx_by_policy:
+                self._check_queue_dlx(conn)
             if self.dead_letter_exchange:
                 ch.confirm_delivery()
             ch.basic_qos(prefetch_count=min(65535, self.prefetch or self._window))
@@ -202,6 +205,36 @@ class RabbitMQSource(Source):
         self._backoff = 0.5
         if self._gen > 1:
             log.warning("source %r: reconnected to %s", self.name, self.where)
+
+    def _check_queue_dlx(self, conn: Any) -> None:
+        """``reject_to_dlx`` drops poison messages for good unless the queue has a
+        dead-letter exchange. AMQP cannot read a queue's arguments, but a declaration
+        with a differing argument is refused naming the current value: probe with a
+        value no queue has, on a channel of its own (the queue exists: checked above)."""
+        from pika.exceptions import ChannelClosedByBroker
+
+        if "x-dead-letter-exchange" in self.arguments:
+            return
+        probe = conn.channel()
+        try:
+            probe.queue_declare(self.queue, durable=True, arguments={
+                **self.arguments, "x-dead-letter-exchange": "ackflow-probe-" + uuid.uuid4().hex})
+        except ChannelClosedByBroker as e:
+            text = str(e.reply_text)
+            if "x-dead-letter-exchange" in text and "current is none" in text:
+                raise ConfigError(
+                    f"source {self.name!r}: reject_to_dlx=True but queue {self.queue!r} has no "
+                    "x-dead-letter-exchange argument: rejected poison messages would be "
+                    "dropped. Give the queue one, use dead_letter_exchange='...' or "
+                    "flow.on_error(sink), or, if a policy sets it (invisible to AMQP), pass "
+                    "dlx_by_policy=True") from None
+            return  # it has one (or differs elsewhere: nothing more to learn here)
+        else:  # the declaration went through: the queue took no such argument
+            raise ConfigError(f"source {self.name!r}: could not verify the dead-letter "
+                              f"exchange of queue {self.queue!r}")
+        finally:
+            if probe.is_open:
+                probe.close()
 
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         raw = props.headers if isinstance(props.headers, dict) else {}
