@@ -490,7 +490,8 @@ class Engine:
         last_message = time.monotonic()
         last_progress = last_keepalive = time.monotonic()
         while True:
-            self._complete(0)
+            if self._complete(0):  # a settlement is activity: retries it started may come
+                last_message = time.monotonic()
             self._drop_lost()
             now = time.monotonic()
             if self._stop.is_set():
@@ -540,7 +541,8 @@ class Engine:
                 last_keepalive = now
                 source.keepalive(list(self.inflight.values()))
             if want <= 0 or (pending and len(self._running) >= self.max_concurrent):
-                self._complete(0.05)  # nothing to pull for now: wait for a completion
+                if self._complete(0.05):  # nothing to pull for now: wait for a completion
+                    last_message = time.monotonic()
 
     def _shutdown(self, pool: ThreadPoolExecutor) -> None:
         deadline = time.monotonic() + self.drain_timeout_s

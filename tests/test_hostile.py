@@ -1,0 +1,102 @@
+"""Fuzz: hostile payloads and headers through every source format, on real Spark. Every
+message either succeeds or fails alone with a reason (retried, then dead-lettered), the
+run keeps going, and the counts add up."""
+
+import json
+import os
+
+import pika
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ackflow
+from ackflow.sinks import MemorySink
+from ackflow.sources import Files, RabbitMQ
+from ackflow.testing import ListSource
+from helpers import FAST
+
+pytestmark = pytest.mark.spark
+
+KNOWN = [b"", b"\x00", b"\xff\xfe\xfd", b'{"a": NaN}', b'{"a": 1, "a": 2}', b"[1, 2]", b"null",
+         b'{"__af_id": 1}', b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"a": "\xc3\x28"}',
+         b'{"a": 1e999}', b'{"a": {"b": [null, {"c": [[]]}]}}', b"x" * 1_000_000,
+         b'{"a": "\\ud800"}', b'{"qty": "three"}', b'{"qty": 3}', b"\r\n", b'"just a string"']
+body = st.one_of(st.sampled_from(KNOWN), st.binary(max_size=64),
+                 st.dictionaries(st.text(max_size=5), st.one_of(
+                     st.integers(), st.floats(allow_nan=True), st.text(max_size=10), st.none(),
+                     st.lists(st.integers(), max_size=3)), max_size=4)
+                 .map(lambda d: json.dumps(d).encode()))
+batch = st.lists(body, min_size=1, max_size=12)
+SETTINGS = settings(max_examples=int(os.environ.get("ACKFLOW_HOSTILE_EXAMPLES", "5")),
+                    deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow, HealthCheck.data_too_large])
+POLICY = ackflow.RetryPolicy(max_deliveries=2, backoff_s=0.01)
+
+
+def run(flow, spark, idle=0.5):
+    return ackflow.run(flow, spark=spark, **{**FAST, "until_idle": idle})
+
+
+@pytest.mark.parametrize("fmt", ["json", "text", "bytes"])
+@SETTINGS
+@given(bodies=batch)
+def test_queue_formats(spark, fmt, bodies):
+    src = ListSource(bodies, format=fmt, policy=POLICY)
+    report = run(ackflow.Flow(src).map(lambda r: r, name="same").to(MemorySink()), spark)
+    final = src.final()
+    assert len(final) == len(bodies)  # every message settled for good
+    assert set(final.values()) <= {"acked", "dead_lettered"}
+    assert report.acked + report.dead_lettered == len(bodies)
+    for key, f in src.dead_letters.items():
+        assert f.step in ("decode", "same") and f.error, (key, f)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "text"])
+@SETTINGS
+@given(lines=batch)
+def test_files_formats(spark, tmp_path_factory, fmt, lines):
+    folder = tmp_path_factory.mktemp("in")
+    raw = b"\n".join(ln.replace(b"\n", b" ").replace(b"\r", b" ") for ln in lines) + b"\n"
+    if fmt == "csv":
+        raw = b"a,b\n" + raw
+    tmp = folder / ".f.tmp"
+    tmp.write_bytes(raw)
+    os.rename(tmp, folder / "f.data")
+    src = Files(folder, format=fmt, policy=POLICY)
+    dead = MemorySink(name="dead")
+    report = run(ackflow.Flow(src).map(lambda r: r, name="same").to(MemorySink()).on_error(dead),
+                 spark)
+    expected = sum(1 for ln in raw.split(b"\n")[1 if fmt == "csv" else 0:] if ln.strip())
+    assert report.acked + report.dead_lettered == expected
+    assert all(r["step"] in ("decode", "same") and r["error"] for r in dead.rows)
+    assert os.listdir(folder / "done")  # the file was finished, not stuck
+
+
+headers = st.dictionaries(
+    st.sampled_from(["x-delivery-count", "x-death", "tenant", "x-first-death-reason", "n"]),
+    st.one_of(st.text(max_size=8), st.integers(-2**40, 2**40), st.binary(max_size=8),
+              st.booleans(), st.lists(st.integers(), max_size=2)), max_size=3)
+
+
+@SETTINGS
+@given(msgs=st.lists(st.tuples(body, headers, st.booleans()), min_size=1, max_size=10))
+def test_rabbitmq_bodies_and_headers(spark, rabbitmq, msgs):
+    from amqp import connect, count, names, setup
+
+    q = names("fuzz")
+    setup(rabbitmq.url, queue=q)
+    conn = connect(rabbitmq.url)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i, (b, h, with_id) in enumerate(msgs):
+        ch.basic_publish("", q, b, pika.BasicProperties(
+            headers=h, delivery_mode=2, message_id=f"f{i}" if with_id else None))
+    conn.close()
+    dead = MemorySink(name="dead")
+    src = RabbitMQ(rabbitmq.url, q, policy=POLICY, headers_field="meta")
+    report = run(ackflow.Flow(src).map(lambda r: r, name="same").to(MemorySink()).on_error(dead),
+                 spark, idle=1.0)
+    assert report.acked + report.dead_lettered == len(msgs)
+    assert count(rabbitmq.url, q) == 0
