@@ -18,7 +18,6 @@ settlement from a stale lease never touches a message that was leased again.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sqlite3
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ackflow import faults
+from ackflow.core.durable import WriteTx, try_lock
 from ackflow.core.errors import ConfigError
 
 _SCHEMA = """
@@ -177,8 +177,8 @@ class EmbeddedQueue:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _tx(self) -> _Tx:
-        return _Tx(self._db)
+    def _tx(self) -> WriteTx:
+        return WriteTx(self._db)
 
     def _changes(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> int:
         """``executemany`` inside the current transaction; return the rows it changed."""
@@ -249,15 +249,12 @@ class EmbeddedQueue:
         Raises :class:`ConfigError` when another live process consumes the queue.
         """
         lock_path = f"{self.path}.{queue}.consumer.lock"
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = try_lock(lock_path)
+        if fd is None:
             raise ConfigError(
                 f"embedded queue {queue!r} in {self.path!r} already has a live consumer; "
                 "stop it first (one consumer per queue)"
-            ) from None
+            )
         self._lock_fd = fd
         now = time.time()
         with self._tx():
@@ -466,15 +463,3 @@ class EmbeddedQueue:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-
-class _Tx:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error)."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self._db = db
-
-    def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")

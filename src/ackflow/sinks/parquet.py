@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -14,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ackflow import faults
+from ackflow.core.durable import WriteTx, fsync_dir, try_lock
 from ackflow.core.errors import ConfigError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
@@ -117,21 +117,18 @@ class ParquetSink(Sink):
                 os.rename(staged, os.path.join(self.path, f"batch={batch_id}"))
             else:  # never committed: its messages were not acked and will come again
                 shutil.rmtree(staged, ignore_errors=True)
-        _fsync_dir(self.path)
-        _fsync_dir(self.staging)
+        fsync_dir(self.path)
+        fsync_dir(self.staging)
 
     def _take_writer_lock(self) -> None:
         if self._lock_fd is not None:
             return
         path = os.path.join(self.path, "_writer.lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = try_lock(path)
+        if fd is None:
             raise ConfigError(
                 f"sink {self.name!r}: another process is writing to {self.path!r} (it holds "
-                f"{path}); one writer per Parquet path: stop it or choose another path") from None
+                f"{path}); one writer per Parquet path: stop it or choose another path")
         self._lock_fd = fd
 
     def close(self) -> None:
@@ -152,7 +149,7 @@ class ParquetSink(Sink):
         os.makedirs(folder, exist_ok=True)
         final = os.path.join(folder, f"part-{partition:05d}.parquet")
         _write_atomically(rows, final, self.compression, pq)  # the file and its folder
-        _fsync_dir(self.staging)  # the folder's entry in _staging
+        fsync_dir(self.staging)  # the folder's entry in _staging
         return PartitionResult(token=json.dumps({"file": final, "keys": keys,
                                                  "rows": rows.num_rows}).encode())
 
@@ -170,7 +167,7 @@ class ParquetSink(Sink):
         faults.point("parquet.before_record")
         if not self.dedupe:
             os.rename(staged, target)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             return
         with self._commit_lock:  # one commit at a time in this process; BEGIN IMMEDIATE across
             fresh_keys, fresh_total = self._record(batch_id, parts)
@@ -187,7 +184,7 @@ class ParquetSink(Sink):
             raise
         faults.point("parquet.after_rename")
         try:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         except OSError as e:  # renamed and recorded: written; a lost rename rolls forward
             log.warning("sink %r: fsync of %s after renaming batch %s failed: %s", self.name,
                         self.path, batch_id, e)
@@ -197,23 +194,18 @@ class ParquetSink(Sink):
         fresh keys. Returns the fresh keys and the number of rows left to show."""
         db = self._db()
         try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with WriteTx(db):
                 staged_total = sum(part["rows"] for part in parts)
                 fresh_total = self._drop_written_rows(db, parts)
                 fresh_keys = [k for part in parts for k in part["keys"]]
                 for folder in {os.path.dirname(part["file"]) for part in parts}:
                     if os.path.isdir(folder):
-                        _fsync_dir(folder)
+                        fsync_dir(folder)
                 db.executemany("INSERT INTO row_keys (key) VALUES (?)",
                                ((k,) for k in dict.fromkeys(fresh_keys)))
                 db.execute("INSERT INTO batches (batch, rows, dropped, committed_at) VALUES "
                            "(?, ?, ?, julianday('now'))",
                            (batch_id, fresh_total, staged_total - fresh_total))
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
         finally:
             db.close()
         return fresh_keys, fresh_total
@@ -225,15 +217,10 @@ class ParquetSink(Sink):
         try:
             db = self._db()
             try:
-                db.execute("BEGIN IMMEDIATE")
-                try:
+                with WriteTx(db):
                     db.executemany("DELETE FROM row_keys WHERE key = ?",
                                    ((k,) for k in dict.fromkeys(fresh_keys)))
                     db.execute("DELETE FROM batches WHERE batch = ?", (batch_id,))
-                    db.execute("COMMIT")
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
             finally:
                 db.close()
             log.error("sink %r: renaming batch %s failed (%s); its record was undone and its "
@@ -301,12 +288,4 @@ def _write_atomically(table: Any, final: str, compression: str, pq: Any) -> None
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(final))

@@ -1,0 +1,45 @@
+"""Small pieces of local durability shared by the embedded queue, the Parquet manifest
+and the Files source: a SQLite write transaction, an exclusive lock a dead process does
+not hold, and the fsync of a directory (so that a rename or a new file survives a power
+loss)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sqlite3
+
+
+class WriteTx:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on any exception): the write
+    lock is taken first, so checks made inside hold until the commit."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+def try_lock(path: str) -> int | None:
+    """An exclusive ``flock`` on ``path`` (created 0600): its file descriptor, or None if
+    a live process holds it. Closing the descriptor (or dying) releases it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
