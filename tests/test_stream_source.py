@@ -84,3 +84,30 @@ def test_needs_an_error_sink_and_an_existing_stream(rabbitmq):
         s = source(rabbitmq, names("missing"))
         s.configure(max_inflight=10, error_sink=True)
         s.open()
+
+
+def test_messages_waiting_for_a_retry_count_against_the_window(rabbitmq):
+    """A sink failing everything: failed messages wait for their retry with their bodies.
+    Before, their credit returned at once and new messages kept coming: memory grew with
+    throughput x backoff. Now bodies held stay within the window."""
+    import time
+
+    from ackflow.core.ledger import Failure
+
+    stream = names("s")
+    stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(300)])
+    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
+                         policy=RetryPolicy(max_deliveries=50, backoff_s=30))
+    src.configure(max_inflight=20, error_sink=True)
+    src.open()
+    try:
+        deadline = time.monotonic() + 5
+        pulled = 0
+        while time.monotonic() < deadline:
+            got = src.pull(20, 0.05)
+            pulled += len(got)
+            src.fail([(d, Failure("sink", "down")) for d in got])
+            assert len(src._bodies) <= 20
+        assert pulled == 20  # the window was filled once, then nothing new while they wait
+    finally:
+        src.close()

@@ -163,7 +163,13 @@ class RabbitMQStreamSource(Source):
                 self._tracker.pulled(off)
                 out.append(self._delivery(off, self._bodies[off], count))
         deadline = now + timeout
-        while len(out) < max_messages:
+        if not out and len(self._bodies) >= self._window:
+            # Bounded memory: messages waiting for a retry keep their bodies and count
+            # against the window; read nothing new until one settles or comes due.
+            due = self._retry[0][0] if self._retry else deadline
+            time.sleep(max(0.0, min(deadline, due) - now))
+            return out
+        while len(out) < max_messages and len(self._bodies) < self._window:
             try:
                 left = deadline - time.monotonic()
                 off, body = (self._inbox.get(timeout=left) if left > 0 and not out
