@@ -203,3 +203,22 @@ def test_publish_with_remember_never_queues_an_id_twice(tmp_path):
     assert [m.msg_id for m in q.lease("out", 10, visibility_timeout=30)] == ["c"]
     with pytest.raises(ValueError, match="msg_id"):
         q.publish("out", [b"x"], remember=True)
+
+
+def test_remembered_ids_can_be_forgotten_after_a_retention(db, monkeypatch):
+    """The sink's remember_for_s: ids older than it are forgotten, so the file stops
+    growing; an id published again after that is queued again (the stated trade-off)."""
+    from ackflow.sinks import EmbeddedQueueSink
+
+    q = EmbeddedQueue(db)
+    assert q.publish("out", [b"1"], msg_ids=["k1"], remember=True) == 1
+    q.ack("out", [(m.row_id, m.deliveries) for m in q.lease("out", 10, visibility_timeout=30)])
+    assert q.publish("out", [b"1"], msg_ids=["k1"], remember=True) == 0  # remembered
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    sink = EmbeddedQueueSink(db, "out", remember_for_s=60)
+    sink.commit("b1", [])
+    assert q.publish("out", [b"1"], msg_ids=["k1"], remember=True) == 1  # forgotten
+    with pytest.raises(ConfigError, match="remember_for_s must be positive"):
+        EmbeddedQueueSink(db, "out", remember_for_s=-1)
+    q.close()

@@ -151,3 +151,23 @@ def test_a_second_process_on_the_same_path_is_refused_until_the_first_dies(tmp_p
     s = ParquetSink(out)
     s.open()  # a dead process holds no lock
     s.close()
+
+
+def test_retention_forgets_old_keys_and_says_what_that_costs(tmp_path, monkeypatch):
+    """dedupe_retention_s: keys older than that are forgotten; a message redelivered after
+    that is written again (the documented trade-off), one within it is not."""
+    import time as clock
+
+    s = ParquetSink(tmp_path / "out", dedupe_retention_s=100)
+    s.open()
+    try:
+        s.commit("b1", stage(s, "b1", ["old"]))
+        real = clock.time
+        monkeypatch.setattr(clock, "time", lambda: real() + 1000)  # much later
+        s.commit("b2", stage(s, "b2", ["new"], start=1))
+        s.commit("b3", stage(s, "b3", ["old", "new"], start=2))  # both come again
+        assert written(tmp_path / "out") == [0, 1, 2]  # "old" expired: written again
+    finally:
+        s.close()
+    with pytest.raises(ConfigError, match="dedupe_retention_s must be positive"):
+        ParquetSink(tmp_path / "x", dedupe_retention_s=0)

@@ -62,6 +62,7 @@ CREATE INDEX IF NOT EXISTS dead_letters_queue ON dead_letters (queue, id);
 CREATE TABLE IF NOT EXISTS published_ids (
     queue        TEXT NOT NULL,
     msg_id       TEXT NOT NULL,
+    at           REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (queue, msg_id)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
@@ -148,6 +149,9 @@ class EmbeddedQueue:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.executescript(_SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(published_ids)")}
+            if "at" not in cols:  # a file from before retention existed
+                self._db.execute("ALTER TABLE published_ids ADD COLUMN at REAL NOT NULL DEFAULT 0")
         except sqlite3.DatabaseError as e:
             raise ConfigError(f"embedded queue: {self.path!r} is not a usable queue "
                               f"database: {e}") from None
@@ -227,8 +231,8 @@ class EmbeddedQueue:
             if remember:
                 fresh = []
                 for r in rows:
-                    if self._changes("INSERT OR IGNORE INTO published_ids (queue, msg_id) "
-                                     "VALUES (?, ?)", [(queue, r[1])]):
+                    if self._changes("INSERT OR IGNORE INTO published_ids (queue, msg_id, at) "
+                                     "VALUES (?, ?, ?)", [(queue, r[1], now)]):
                         fresh.append(r)
                 rows = fresh
             added = self._changes(
@@ -238,6 +242,13 @@ class EmbeddedQueue:
             )
             self._bump(queue, "published_total", added)
         return added
+
+    def forget_published(self, queue: str, older_than_s: float) -> int:
+        """Forget remembered ids published more than ``older_than_s`` ago (retention):
+        a message with such an id published again is queued again. Returns how many."""
+        with self._tx():
+            return self._db.execute("DELETE FROM published_ids WHERE queue = ? AND at < ?",
+                                    (queue, time.time() - older_than_s)).rowcount
 
     # -- the consumer ----------------------------------------------------------------------
 

@@ -18,17 +18,44 @@ class EmbeddedQueueSink(Sink):
     key (its source message's identity and its position among that message's rows),
     or the value of ``id_column``; an id once published is never queued again, so a
     message delivered again after a crash does not reach the next stage twice
-    (effectively-once; the queue file keeps every id, ~60 bytes each).
+    (effectively-once; the queue file keeps every id, ~60 bytes each). With
+    ``remember_for_s`` ids older than that are forgotten (checked at most every tenth
+    of it, after a batch's commit): the file stops growing, and a message redelivered
+    after its ids were forgotten is queued again (at-least-once beyond that horizon).
     """
 
     wants_keys = True
 
     def __init__(self, path: str | os.PathLike[str], queue: str, *,
-                 id_column: str | None = None, name: str | None = None) -> None:
+                 id_column: str | None = None, remember_for_s: float | None = None,
+                 name: str | None = None) -> None:
         super().__init__(name or f"embedded:{queue}")
+        if remember_for_s is not None and remember_for_s <= 0:
+            raise ConfigError(f"sink {self.name!r}: remember_for_s must be positive (or None "
+                              f"to remember every id), got {remember_for_s!r}")
         self.path = os.path.abspath(os.fspath(path))
         self.queue = queue
         self.id_column = id_column
+        self.remember_for_s = remember_for_s
+        self._last_sweep = 0.0
+
+    def commit(self, batch_id: str, tokens: Any) -> None:
+        """Driver side: apply the retention of remembered ids, now and then."""
+        import time
+
+        from ackflow.embedded import EmbeddedQueue
+
+        if self.remember_for_s is None:
+            return
+        now = time.monotonic()
+        if now - self._last_sweep < self.remember_for_s / 10:
+            return
+        self._last_sweep = now
+        q = EmbeddedQueue(self.path)
+        try:
+            q.forget_published(self.queue, self.remember_for_s)
+        finally:
+            q.close()
 
     def open(self) -> None:
         from ackflow.embedded import EmbeddedQueue

@@ -8,6 +8,7 @@ import os
 import shutil
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -65,12 +66,18 @@ class ParquetSink(Sink):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, name: str = "parquet",
-                 compression: str = "snappy", dedupe: bool = True) -> None:
+                 compression: str = "snappy", dedupe: bool = True,
+                 dedupe_retention_s: float | None = None) -> None:
         super().__init__(name)
+        if dedupe_retention_s is not None and dedupe_retention_s <= 0:
+            raise ConfigError(f"sink {name!r}: dedupe_retention_s must be positive (or None "
+                              f"to keep every key), got {dedupe_retention_s!r}")
         self.path = os.path.abspath(os.fspath(path))
         self.compression = compression
         self.dedupe = dedupe
         self.wants_keys = dedupe
+        self.dedupe_retention_s = dedupe_retention_s
+        self._last_sweep = 0.0
         self._lock_fd: int | None = None
         self._commit_lock = threading.Lock()
 
@@ -95,7 +102,10 @@ class ParquetSink(Sink):
         db.executescript(
             "CREATE TABLE IF NOT EXISTS batches (batch TEXT PRIMARY KEY, rows INTEGER NOT NULL,"
             " dropped INTEGER NOT NULL, committed_at REAL NOT NULL);"
-            "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY) WITHOUT ROWID;")
+            "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL"
+            " DEFAULT 0) WITHOUT ROWID;")
+        if "at" not in {r[1] for r in db.execute("PRAGMA table_info(row_keys)")}:
+            db.execute("ALTER TABLE row_keys ADD COLUMN at REAL NOT NULL DEFAULT 0")  # old files
         return db
 
     def open(self) -> None:
@@ -201,14 +211,30 @@ class ParquetSink(Sink):
                 for folder in {os.path.dirname(part["file"]) for part in parts}:
                     if os.path.isdir(folder):
                         fsync_dir(folder)
-                db.executemany("INSERT INTO row_keys (key) VALUES (?)",
-                               ((k,) for k in dict.fromkeys(fresh_keys)))
+                now = time.time()
+                db.executemany("INSERT INTO row_keys (key, at) VALUES (?, ?)",
+                               ((k, now) for k in dict.fromkeys(fresh_keys)))
+                self._sweep(db, now)
                 db.execute("INSERT INTO batches (batch, rows, dropped, committed_at) VALUES "
                            "(?, ?, ?, julianday('now'))",
                            (batch_id, fresh_total, staged_total - fresh_total))
         finally:
             db.close()
         return fresh_keys, fresh_total
+
+    def _sweep(self, db: sqlite3.Connection, now: float) -> None:
+        """With ``dedupe_retention_s``: forget keys committed longer ago than that (at most
+        every tenth of the retention, and at most hourly; a scan of the key table)."""
+        if self.dedupe_retention_s is None:
+            return
+        if now - self._last_sweep < min(self.dedupe_retention_s / 10, 3600.0):
+            return
+        self._last_sweep = now
+        gone = db.execute("DELETE FROM row_keys WHERE at < ?",
+                          (now - self.dedupe_retention_s,)).rowcount
+        if gone:
+            log.info("sink %r: forgot %d row keys older than %g s", self.name, gone,
+                     self.dedupe_retention_s)
 
     def _undo_record(self, batch_id: str, fresh_keys: list[str], cause: BaseException) -> None:
         """The rename failed after the record: take the record back (then the batch may be
