@@ -325,6 +325,8 @@ class Engine:
                 self._record_failure(d, f, Settlement.NACKED)
             return rest
         faults.point("engine.dead_letter_written")
+        self.report.rows_written[sink.name] = self.report.rows_written.get(sink.name, 0) + len(done)
+        self.metrics.rows_written.labels(sink=sink.name).inc(len(done))
         for d, _ in done:
             d.settle(Settlement.DEAD_LETTERED)
         stale = {id(d) for d in source.ack([d for d, _ in done]) or ()}

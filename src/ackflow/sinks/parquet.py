@@ -266,8 +266,11 @@ class ParquetSink(Sink):
         db.execute("CREATE TEMP TABLE IF NOT EXISTS incoming (key TEXT PRIMARY KEY)")
         db.execute("DELETE FROM incoming")
         db.executemany("INSERT OR IGNORE INTO incoming (key) VALUES (?)", ((k,) for k in keys))
+        # CROSS JOIN fixes the loop order: the batch's keys outside, a primary-key search in
+        # the manifest inside. A plain JOIN let SQLite scan the whole manifest per commit
+        # (measured: 30 ms at 0 keys, 640 ms at 10 million).
         seen = {r[0] for r in db.execute(
-            "SELECT key FROM incoming JOIN row_keys USING (key)")}
+            "SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")}
         total = 0
         for part in parts:
             if not part["keys"]:
