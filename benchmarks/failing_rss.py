@@ -19,6 +19,7 @@ import tempfile
 import time
 
 import ackflow
+from ackflow.engine import Engine
 from ackflow.sources import Files
 from ackflow.testing import FailingSink
 from benchmarks.run import rss_mb
@@ -41,7 +42,7 @@ def main() -> None:
                                                    max_backoff_s=a.backoff))
     samples: list[dict[str, float]] = []
     started = time.monotonic()
-    engine_box: list[ackflow.Engine] = []
+    engine_box: list[Engine] = []
 
     def progress(report: ackflow.RunReport, window: object) -> None:
         t = time.monotonic() - started
@@ -55,7 +56,7 @@ def main() -> None:
         if t >= a.seconds and engine_box:
             engine_box[0].request_stop()
 
-    engine = ackflow.Engine(
+    engine = Engine(
         ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)), batch_size=500,
         max_inflight=a.max_inflight, progress=progress, handle_signals=False)
     engine_box.append(engine)

@@ -45,6 +45,7 @@ def test_bytes_gives_body_bytes(spark):
 HOSTILE_JSON = {
     "nan": (b'{"a": NaN}', "NaN is not JSON"),
     "infinity": (b'{"a": -Infinity}', "-Infinity is not JSON"),
+    "overflow": (b'{"a": 1e999}', "not finite"),
     "duplicate": (b'{"a": 1, "a": 2}', "the key 'a' appears twice"),
     "deep": (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "RecursionError"),
     "utf8": (b'{"a": "\xff"}', "UnicodeDecodeError"),

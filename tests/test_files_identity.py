@@ -146,3 +146,18 @@ def test_tomorrows_file_of_the_same_name_is_written_by_a_keyed_sink(spark, tmp_p
         assert report.acked == 3
     # before: the second day's keys equalled the first's, and Parquet dropped its rows
     assert sorted(pq.read_table(out).column("n").to_pylist()) == [0, 0, 1, 1, 2, 2]
+
+
+def test_dead_letters_of_a_replaced_instance_and_its_successor_are_both_kept(tmp_path):
+    src = opened(tmp_path, policy=RetryPolicy(max_deliveries=1))
+    drop(tmp_path, "f.jsonl", ["bad one"])
+    first = pull(src)
+    drop(tmp_path, "f.jsonl", ["bad two"])  # replaces the name while the first is read
+    src.fail([(d, Failure("decode", "first")) for d in first])
+    src._scan()
+    second = pull(src)
+    src.fail([(d, Failure("decode", "second")) for d in second])
+    src.close()
+    dead = sorted(json.loads(open(tmp_path / "done" / n).read())["error"]
+                  for n in os.listdir(tmp_path / "done") if n.endswith(".dead.jsonl"))
+    assert dead == ["first", "second"]  # neither overwrote the other

@@ -356,7 +356,7 @@ class FilesSource(Source):
             if same:
                 os.replace(full, target)
         if os.path.exists(self._dead_path(fid)):
-            os.replace(self._dead_path(fid), target + ".dead.jsonl")
+            os.replace(self._dead_path(fid), _free(target + ".dead.jsonl", fid))
         self._state.pop(fid, None)
         self._write_state()
 

@@ -10,6 +10,7 @@ receipts carry the failure to the ledger.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -56,6 +57,13 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (only finite numbers are)")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is too large for a number (not finite)")
+    return value
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
@@ -74,7 +82,8 @@ def decode(body: bytes, fmt: str) -> dict[str, Any]:
     too deep for Python (each fails its own message in step ``decode``).
     """
     if fmt == "json":
-        obj = json.loads(body, parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+        obj = json.loads(body, parse_constant=_no_constants, parse_float=_finite,
+                         object_pairs_hook=_no_duplicates)
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got a JSON {type(obj).__name__}")
         return obj
