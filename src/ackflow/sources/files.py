@@ -356,7 +356,7 @@ class FilesSource(Source):
             if same:
                 os.replace(full, target)
         if os.path.exists(self._dead_path(fid)):
-            os.replace(self._dead_path(fid), _free(target + ".dead.jsonl", fid))
+            os.replace(self._dead_path(fid), _free(target, fid, ".dead.jsonl"))
         self._state.pop(fid, None)
         self._write_state()
 
@@ -386,9 +386,10 @@ def _fingerprint(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def _free(path: str, fid: str) -> str:
-    """``path`` if nothing is there, else ``path.<fid>`` (``done/`` never overwrites)."""
-    return path if not os.path.exists(path) else f"{path}.{fid}"
+def _free(path: str, fid: str, suffix: str = "") -> str:
+    """``path + suffix`` if nothing is there, else ``path.<fid> + suffix`` (``done/``
+    never overwrites)."""
+    return path + suffix if not os.path.exists(path + suffix) else f"{path}.{fid}{suffix}"
 
 
 def _csv_header(raw: bytes) -> list[str] | None:
