@@ -151,7 +151,9 @@ def test_tomorrows_file_of_the_same_name_is_written_by_a_keyed_sink(spark, tmp_p
 def test_dead_letters_of_a_replaced_instance_and_its_successor_are_both_kept(tmp_path):
     src = opened(tmp_path, policy=RetryPolicy(max_deliveries=1))
     drop(tmp_path, "f.jsonl", ["bad one"])
+    src._scan()
     first = pull(src)
+    assert len(first) == 1
     drop(tmp_path, "f.jsonl", ["bad two"])  # replaces the name while the first is read
     src.fail([(d, Failure("decode", "first")) for d in first])
     src._scan()
