@@ -61,7 +61,7 @@ def main() -> None:
         max_inflight=a.max_inflight, progress=progress, handle_signals=False)
     engine_box.append(engine)
     engine.run()
-    warm = [s for s in samples if s["t"] >= 20] or samples
+    warm = [s for s in samples if s["t"] >= 60] or samples  # after Spark's start and first jobs
     summary = {"seconds": a.seconds, "max_inflight": a.max_inflight,
                "pulled": samples[-1]["pulled"], "nacked": samples[-1]["nacked"],
                "rss_first_mb": warm[0]["rss_mb"], "rss_last_mb": warm[-1]["rss_mb"],
