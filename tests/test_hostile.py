@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ackflow
+from ackflow.embedded import EmbeddedQueue
 from ackflow.sinks import MemorySink
-from ackflow.sources import Files, RabbitMQ
-from ackflow.testing import ListSource
+from ackflow.sources import EmbeddedQueueSource, Files, RabbitMQ
 from helpers import FAST
 
 pytestmark = pytest.mark.spark
@@ -41,16 +41,19 @@ def run(flow, spark, idle=0.5):
 
 @pytest.mark.parametrize("fmt", ["json", "text", "bytes"])
 @SETTINGS
-@given(bodies=batch)
-def test_queue_formats(spark, fmt, bodies):
-    src = ListSource(bodies, format=fmt, policy=POLICY)
-    report = run(ackflow.Flow(src).map(lambda r: r, name="same").to(MemorySink()), spark)
-    final = src.final()
-    assert len(final) == len(bodies)  # every message settled for good
-    assert set(final.values()) <= {"acked", "dead_lettered"}
+@given(bodies=batch, hdrs=st.lists(st.dictionaries(st.text(max_size=6), st.text(max_size=12),
+                                                   max_size=3), min_size=12, max_size=12))
+def test_embedded_queue_formats(spark, tmp_path_factory, fmt, bodies, hdrs):
+    db = str(tmp_path_factory.mktemp("q") / "q.db")
+    EmbeddedQueue(db).publish("in", bodies, headers=hdrs[:len(bodies)])
+    src = EmbeddedQueueSource(db, "in", format=fmt, policy=POLICY)
+    src.headers_field = "meta"
+    dead = MemorySink(name="dead")
+    report = run(ackflow.Flow(src).map(lambda r: r, name="same").to(MemorySink()).on_error(dead),
+                 spark)
     assert report.acked + report.dead_lettered == len(bodies)
-    for key, f in src.dead_letters.items():
-        assert f.step in ("decode", "same") and f.error, (key, f)
+    assert all(r["step"] in ("decode", "same") and r["error"] for r in dead.rows)
+    assert EmbeddedQueue(db).stats("in")["ready"] == 0
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "text"])
