@@ -137,3 +137,72 @@ class FailingSink(Sink):
 
         for t in tokens:
             self.rows.extend(_from_ipc(t))
+
+
+class KeyedSink(Sink):
+    """An in-memory keyed sink (like PostgreSQL with ``key=``): rows are upserted by
+    their row key, so a row written again after a redelivery is the same row.
+
+    ``rows`` maps row key -> row; ``writes`` counts how often each key was committed;
+    ``conflicts`` lists keys that were written with two different values (two rows
+    sharing one identity: a lost row). Rows where ``fail_if(row)`` are refused, a
+    partition with a row where ``raise_if(row)`` raises, and the ``n``-th commit fails
+    before (``fail_commits={n: "before"}``) or after (``"after"``) applying its rows.
+    """
+
+    wants_keys = True
+
+    def __init__(self, name: str = "keyed", *, fail_if: Any = None, raise_if: Any = None,
+                 fail_commits: dict[int, str] | None = None) -> None:
+        super().__init__(name)
+        self.fail_if = fail_if
+        self.raise_if = raise_if
+        self.fail_commits = dict(fail_commits or {})
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.writes: Counter[str] = Counter()
+        self.conflicts: list[str] = []
+        self.commits = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # tasks get the predicates, not the data
+        return {"name": self.name, "fail_if": self.fail_if, "raise_if": self.raise_if}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["name"], fail_if=state["fail_if"],  # type: ignore[misc]
+                      raise_if=state["raise_if"])
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        from ackflow.sinks.base import ROW_KEY
+        from ackflow.sinks.memory import _to_ipc
+
+        records = rows.to_pylist()
+        if self.raise_if is not None and any(self.raise_if(r) for r in records):
+            raise RuntimeError(f"sink {self.name} exploded mid-write")
+        failed = {}
+        if self.fail_if is not None:
+            failed = {i: "row refused by the sink" for i, r in enumerate(records)
+                      if self.fail_if(r)}
+        keep = [i for i in range(len(records)) if i not in failed]
+        if len({records[i][ROW_KEY] for i in keep}) != len(keep):
+            raise RuntimeError(f"sink {self.name}: two rows of one partition share a key")
+        return PartitionResult(failed=failed, token=_to_ipc(rows.take(keep)) if keep else None)
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        from ackflow.sinks.base import ROW_KEY
+        from ackflow.sinks.memory import _from_ipc
+
+        with self._lock:
+            self.commits += 1
+            when = self.fail_commits.pop(self.commits, None)
+            if when == "before":
+                raise RuntimeError(f"sink {self.name}: commit {self.commits} failed (injected)")
+            for t in tokens:
+                for row in _from_ipc(t):
+                    key = row.pop(ROW_KEY)
+                    if key in self.rows and self.rows[key] != row:
+                        self.conflicts.append(key)
+                    self.rows[key] = row
+                    self.writes[key] += 1
+            if when == "after":
+                raise RuntimeError(f"sink {self.name}: commit {self.commits} applied, then "
+                                   "failed (injected)")

@@ -17,6 +17,7 @@ class Group:
     started: float
     rows: list[dict[str, Any]] = field(default_factory=list)
     row_ids: list[tuple[int, ...]] = field(default_factory=list)  # each row's message ids
+    row_keys: list[str] = field(default_factory=list)  # each row's key (its identity)
 
     @property
     def members(self) -> list[int]:
@@ -48,12 +49,13 @@ class GroupBuffer:
         return len(self._groups) + len(self._full)
 
     def add(self, key: tuple[Hashable, ...], row: dict[str, Any], ids: Sequence[int],
-            now: float) -> None:
+            now: float, row_key: str = "") -> None:
         g = self._groups.get(key)
         if g is None:
             g = self._groups[key] = Group(key, now)
         g.rows.append(row)
         g.row_ids.append(tuple(ids))
+        g.row_keys.append(row_key)
         if len(g.rows) >= self.n:
             self._full.append(self._groups.pop(key))
 
@@ -76,6 +78,7 @@ class GroupBuffer:
             if len(keep) != len(g.rows):
                 g.rows = [g.rows[i] for i in keep]
                 g.row_ids = [g.row_ids[i] for i in keep]
+                g.row_keys = [g.row_keys[i] for i in keep]
         self._full = [g for g in self._full if g.rows]
         self._groups = {k: g for k, g in self._groups.items() if g.rows}
 

@@ -41,6 +41,13 @@ class Delivery:
     revised: bool = False
 
     @property
+    def identity(self) -> str:
+        """The message's identity within its flow: its key, prefixed with its origin in a
+        merged flow (two sources may use the same keys). Row keys, group keys and dead
+        letters derive from it, never from ``key`` alone."""
+        return self.key if not self.origin else f"{self.origin}|{self.key}"
+
+    @property
     def settled(self) -> bool:
         return self.state is not Settlement.PENDING
 

@@ -21,7 +21,7 @@ from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.settlement import Delivery
 from ackflow.flow import Transform
 from ackflow.sinks.collect import CollectSink
-from ackflow.spark.compile import CompiledFlow
+from ackflow.spark.compile import Plan
 from ackflow.spark.job import JobFailed, run_job
 from ackflow.spark.rows import describe
 
@@ -42,7 +42,7 @@ class BatchResult:
 
 
 def execute(
-    compiled: CompiledFlow,
+    compiled: Plan,
     deliveries: list[Delivery],
     batch_id: str,
     *,
@@ -128,7 +128,7 @@ def execute(
     return result
 
 
-def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str, ...],
+def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
                    batch_id: str, row_keys: list[str]) -> BatchResult:
     """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
     one row per group (keyed by ``row_keys``). If the job fails as a whole, every member
@@ -172,16 +172,16 @@ def execute_groups(compiled: CompiledFlow, groups: list[Group], keys: tuple[str,
     return result
 
 
-def group_key(member_keys: list[str], values: tuple[object, ...]) -> str:
-    """A group's row key: a digest of its members' keys and its group-by values."""
+def group_key(row_keys: list[str], values: tuple[object, ...]) -> str:
+    """A group's row key: a digest of its rows' keys and its group-by values."""
     import hashlib
     import json
 
-    text = json.dumps([sorted(member_keys), list(values)], default=str)
+    text = json.dumps([sorted(row_keys), list(values)], default=str)
     return "g:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def _locate(compiled: CompiledFlow, ds: list[Delivery]) -> str:
+def _locate(compiled: Plan, ds: list[Delivery]) -> str:
     """The step that fails the job for this one message ("spark" if that is unknown)."""
     try:
         inputs = compiled.input_table(ds)
@@ -191,7 +191,7 @@ def _locate(compiled: CompiledFlow, ds: list[Delivery]) -> str:
         return "spark"
 
 
-def commit_all(compiled: CompiledFlow, batch_id: str,
+def commit_all(compiled: Plan, batch_id: str,
                tokens: dict[str, list[bytes]]) -> Failure | None:
     """Commit every sink of the batch; on the first failure abort the rest and return
     the failure (the batch then fails: nothing is acked)."""
@@ -205,7 +205,7 @@ def commit_all(compiled: CompiledFlow, batch_id: str,
     return None
 
 
-def abort_all(compiled: CompiledFlow, batch_id: str, tokens: dict[str, list[bytes]]) -> None:
+def abort_all(compiled: Plan, batch_id: str, tokens: dict[str, list[bytes]]) -> None:
     for sink in compiled.sinks:
         try:
             sink.abort(batch_id, tokens.get(sink.name, []))

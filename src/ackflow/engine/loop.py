@@ -58,6 +58,7 @@ class Engine:
         handle_signals: bool = True,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        executor: str = "spark",
     ) -> None:
         for name, value in (("batch_size", batch_size), ("max_inflight", max_inflight),
                             ("max_concurrent_batches", max_concurrent_batches),
@@ -75,8 +76,11 @@ class Engine:
             raise ConfigError("batch_timeout_s must be positive")
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0-65535), got {metrics_port}")
+        if executor not in ("spark", "local"):
+            raise ConfigError(f"executor must be 'spark' or 'local', got {executor!r}")
         flow.validate()
         self.flow = flow
+        self.executor = executor
         self.batch_size = batch_size
         self.window = InflightWindow(max_inflight)
         self.max_concurrent = max_concurrent_batches
@@ -248,15 +252,17 @@ class Engine:
         for table in result.collected:
             lineage = "__af_ids" if "__af_ids" in table.column_names else "__af_id"
             ids = table.column(lineage).to_pylist()
-            rows = table.drop_columns([lineage]).to_pylist()
-            for row, mid in zip(rows, ids, strict=True):
+            keys = table.column(ROW_KEY).to_pylist()
+            rows = table.drop_columns([lineage, ROW_KEY]).to_pylist()
+            for row, mid, row_key in zip(rows, ids, keys, strict=True):
                 members = mid if isinstance(mid, list) else [mid]
                 # not a member: failed in this batch, or lost (and forgotten) meanwhile
                 members = [m for m in members if m not in result.outcomes.failed
                            and m in self.inflight and not self.inflight[m].settled]
                 if not members:
                     continue
-                self.groups.add(tuple(row.get(k) for k in step.keys), row, members, now)
+                self.groups.add(tuple(row.get(k) for k in step.keys), row, members, now,
+                                row_key)
                 for m in members:
                     self.held[m] = self.held.get(m, 0) + 1
                     held.add(m)
@@ -270,9 +276,9 @@ class Engine:
         step = self.flow.steps[self._gw_index]
         assert isinstance(step, GroupedWithin)
         suffix = self.suffix
-        # every member is in flight: _forget() takes a message's rows out of the buffer
-        row_keys = [group_key([self.inflight[m].key for m in set(g.members)], g.key)
-                    for g in groups]
+        # a group's row key: its rows' keys (unique to them: two groups of one message's
+        # rows differ) and its values
+        row_keys = [group_key(g.row_keys, g.key) for g in groups]
         self._launch(pool, suffix, "g", None,
                      lambda bid: execute_groups(suffix, groups, step.keys, bid, row_keys))
 
@@ -374,24 +380,33 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------
 
-    def run(self) -> RunReport:
+    def _compiler(self) -> Callable[..., Any]:
+        """Flow -> its executable plan: on Spark, or in this process (``executor="local"``,
+        for tests: the same task code, no JVM, Python steps only)."""
+        if self.executor == "local":
+            from ackflow.spark.local import LocalFlow
+
+            return LocalFlow
         from ackflow.spark.compile import CompiledFlow
         from ackflow.spark.session import session
 
-        flow = self.flow
         spark = self.spark or session(self.master)
+        return lambda f, **kw: CompiledFlow(f, spark, **kw)
+
+    def run(self) -> RunReport:
+        flow = self.flow
+        compile_ = self._compiler()
         gw = [i for i, s in enumerate(flow.steps) if isinstance(s, GroupedWithin)]
         if gw:
             i = self._gw_index = gw[0]
             step = flow.steps[i]
             assert isinstance(step, GroupedWithin)
-            compiled = CompiledFlow(Flow(flow.source, flow.steps[:i], CollectSink(step.name)),
-                                    spark)
-            self.suffix = CompiledFlow(Flow(flow.source, flow.steps[i + 1:], flow.sink), spark,
-                                       rows_input=True)
+            compiled = compile_(Flow(flow.source, flow.steps[:i], CollectSink(step.name)))
+            self.suffix = compile_(Flow(flow.source, flow.steps[i + 1:], flow.sink),
+                                   rows_input=True)
             self.groups = GroupBuffer(step.n, step.timeout_s)
         else:
-            compiled = CompiledFlow(flow, spark)
+            compiled = compile_(flow)
         with contextlib.ExitStack() as stack:  # every resource closed on every path
             for sink in flow.sinks:
                 sink.open()
@@ -447,11 +462,10 @@ class Engine:
         (None for a grouped_within job)."""
         self._seq += 1
         batch_id = f"{self._run_token}-{self._seq:06d}{suffix}"
-        sc = compiled.spark.sparkContext
 
         def work() -> BatchResult:
             started = time.monotonic()
-            sc.setJobGroup(batch_id, f"ackflow {batch_id}", interruptOnCancel=True)
+            compiled.bind_thread(batch_id)
             result = run(batch_id)
             result.seconds = time.monotonic() - started
             return result
@@ -599,7 +613,7 @@ def write_dead_letters(sink: Any, batch_id: str,
 
     now = time.time()
     table = pa.Table.from_pylist(
-        [{"message": d.key, "body": d.body, "headers": json.dumps(d.headers),
+        [{"message": d.identity, "body": d.body, "headers": json.dumps(d.headers),
           "step": f.step, "error": f.error, "deliveries": d.delivery_count, "failed_at": now}
          for d, f in failures],
         schema=pa.schema([("message", pa.string()), ("body", pa.binary()),
@@ -608,7 +622,7 @@ def write_dead_letters(sink: Any, batch_id: str,
                           ("failed_at", pa.float64())]))
     sink.prepare(table.schema)  # the error sink is a sink: check or create its table first
     if getattr(sink, "wants_keys", False):  # a dead letter written again is the same row
-        table = table.append_column(ROW_KEY, pa.array([d.key for d, _ in failures], pa.string()))
+        table = table.append_column(ROW_KEY, pa.array([d.identity for d, _ in failures], pa.string()))
     result = sink.write_partition(batch_id, 0, table)
     if result.failed:
         sink.abort(batch_id, [result.token] if result.token else [])

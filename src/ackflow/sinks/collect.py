@@ -19,6 +19,7 @@ class CollectSink(Sink):
     """
 
     wants_lineage = True
+    wants_keys = True  # a group's key derives from its rows' keys
 
     def __init__(self, name: str) -> None:
         super().__init__(name)

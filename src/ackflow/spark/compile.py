@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,22 +87,16 @@ def segments(flow: Flow, decode: bool = True) -> list[Segment]:
     return out
 
 
-class CompiledFlow:
-    """A flow bound to a SparkSession.
+class Plan:
+    """What every executor of a flow shares: its segments, its step order, its input
+    table and the schemas of its Python segments (explicit, or inferred from the first
+    batch by a sampler that runs where the steps run)."""
 
-    The output columns of a run of Python steps are inferred once, from the first
-    batch: a small Spark job runs the steps over it on the executors and returns up to
-    ``SAMPLE_ROWS`` good rows per partition, whose keys and types become the columns.
-    A step's ``schema=`` skips this. If that job fails as a whole, the batch's job
-    fails and is bisected like any other.
-    """
-
-    def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False) -> None:
+    def __init__(self, flow: Flow, *, parallelism: int, rows_input: bool = False) -> None:
         flow.validate()
         self.flow = flow
         self.sinks = flow.sinks
         self.sink = self.sinks[0]
-        self.spark = spark
         # rows_input: the job starts from rows (with __af_ids lineage), not message bodies
         self.rows_input = rows_input
         fork = flow.forked
@@ -113,13 +107,10 @@ class CompiledFlow:
             assert b.sink is not None
             self.branches.append((segments(b, decode=False), b.sink))
         self._schemas: dict[tuple[int, ...], pa.Schema] = {}
-        self._persisted: dict[str, DataFrame] = {}
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
-        self.parallelism = max(1, spark.sparkContext.defaultParallelism)
+        self.parallelism = max(1, parallelism)
         self.shipped = _pickle_parts(flow)
-        if not spark.sparkContext.master.startswith("local"):
-            check_executors_can_load(spark, self.shipped)
 
     @property
     def step_order(self) -> list[str]:
@@ -135,6 +126,19 @@ class CompiledFlow:
     def required_sinks(self) -> list[str] | None:
         """With several sinks, a message is written only when each of them wrote it."""
         return [s.name for s in self.sinks] if len(self.sinks) > 1 else None
+
+    def bind_thread(self, batch_id: str) -> None:
+        """Called on a batch's worker thread before its jobs run (Spark: the job group
+        that shutdown can cancel)."""
+
+    def release(self, batch_id: str) -> None:
+        """Drop what :meth:`job` cached for ``batch_id`` (after its job ran)."""
+
+    def prepare_sink(self, sink: Sink, schema: Any) -> None:
+        """``sink.prepare(schema)``, one at a time: two batches' threads must not create
+        a table at once."""
+        with self._prepare_lock:
+            sink.prepare(schema)
 
     # -- schemas -----------------------------------------------------------------------
 
@@ -155,8 +159,11 @@ class CompiledFlow:
         except Exception as e:
             raise FlowError(step.name, f"bad schema=: {e}") from e
 
-    def _schema(self, index: tuple[int, ...], seg: Segment, df: DataFrame,
-                data_in: list[str] | None, lineage: str) -> pa.Schema | None:
+    def _schema(self, index: tuple[int, ...], seg: Segment,
+                sample: Callable[[Any], list[bytes]], data_in: list[str] | None,
+                lineage: str) -> pa.Schema | None:
+        """The segment's output columns; ``sample(fn)`` runs the sampler ``fn`` over the
+        batch where the steps run and returns its pickled rows, one blob per partition."""
         with self._lock:
             if index in self._schemas:
                 return self._schemas[index]
@@ -164,12 +171,11 @@ class CompiledFlow:
             if explicit is not None:
                 schema = explicit
             else:
-                # Run the steps on the executors (never on the driver: a user function may
+                # Run the steps where tasks run (never on the driver: a user function may
                 # crash its process or have side effects) and bring a sample of good rows back.
                 sampler = make_sampler(seg.steps, self.flow.source.formats, data_in,
                                        SAMPLE_ROWS, lineage)
-                picked = df.mapInArrow(sampler, "rows binary").toArrow().column("rows")
-                good = [r for blob in picked.to_pylist() for r in pickle.loads(blob)]
+                good = [r for blob in sample(sampler) for r in pickle.loads(blob)]
                 if not good:
                     return None  # no row of this batch gets past this segment
                 schema = infer_schema(good, seg.name)
@@ -183,18 +189,15 @@ class CompiledFlow:
             self._schemas[index] = schema
             return schema
 
-    # -- the job ------------------------------------------------------------------------
-
     def input_table(self, deliveries: Sequence[Delivery]) -> pa.Table:
-        """One Arrow table, chunked so Spark makes ``parallelism`` partitions of it.
+        """One Arrow table, chunked so the executor makes ``parallelism`` partitions of it.
 
         A message's key is its source's stable identity (prefixed with its origin in
         a merged flow, where two sources may use the same identities)."""
         fields = self.flow.source.header_fields
         table = pa.table({
             ID: pa.array([d.lineage_id for d in deliveries], pa.int64()),
-            KEY: pa.array([d.key if not d.origin else f"{d.origin}|{d.key}"
-                           for d in deliveries], pa.string()),
+            KEY: pa.array([d.identity for d in deliveries], pa.string()),
             BODY: pa.array([d.body for d in deliveries], pa.binary()),
             SRC: pa.array([d.origin for d in deliveries], pa.int32()),
             HDR: pa.array([_headers(fields[d.origin], d.headers) for d in deliveries],
@@ -202,6 +205,31 @@ class CompiledFlow:
             schema=INPUT_SCHEMA)
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
+
+
+class CompiledFlow(Plan):
+    """A flow bound to a SparkSession.
+
+    The output columns of a run of Python steps are inferred once, from the first
+    batch: a small Spark job runs the steps over it on the executors and returns up to
+    ``SAMPLE_ROWS`` good rows per partition, whose keys and types become the columns.
+    A step's ``schema=`` skips this. If that job fails as a whole, the batch's job
+    fails and is bisected like any other.
+    """
+
+    def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False) -> None:
+        super().__init__(flow, parallelism=spark.sparkContext.defaultParallelism,
+                         rows_input=rows_input)
+        self.spark = spark
+        self._persisted: dict[str, DataFrame] = {}
+        if not spark.sparkContext.master.startswith("local"):
+            check_executors_can_load(spark, self.shipped)
+
+    def bind_thread(self, batch_id: str) -> None:
+        self.spark.sparkContext.setJobGroup(batch_id, f"ackflow {batch_id}",
+                                            interruptOnCancel=True)
+
+    # -- the job ------------------------------------------------------------------------
 
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
@@ -248,7 +276,6 @@ class CompiledFlow:
         return self.sink.name if len(self.sinks) == 1 else "broadcast"
 
     def release(self, batch_id: str) -> None:
-        """Drop what :meth:`job` cached for ``batch_id`` (after its job ran)."""
         with self._lock:
             shared = self._persisted.pop(batch_id, None)
         if shared is not None:
@@ -262,7 +289,8 @@ class CompiledFlow:
         for index, seg in enumerate(segs):
             if seg.python:
                 data_in = None if decode and index == 0 else data_cols
-                schema = self._schema((*key, index), seg, df, data_in, lineage)
+                schema = self._schema((*key, index), seg, functools.partial(_sample, df),
+                                      data_in, lineage)
                 dead_end = schema is None  # no live row past this segment in this batch
                 if schema is None:
                     schema = pa.schema([])
@@ -287,8 +315,7 @@ class CompiledFlow:
         if type(sink).prepare is not Sink.prepare:  # resolving the schema costs a JVM call
             fields = {f.name: f for f in df.schema.fields}
             schema = to_arrow_schema(StructType([fields[c] for c in data_cols]))
-            with self._prepare_lock:  # two batches' threads must not create a table at once
-                sink.prepare(schema)
+            self.prepare_sink(sink, schema)
         return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage, self.step_order),
                              from_arrow_schema(TASK_RECEIPTS))
 
@@ -392,6 +419,10 @@ class CompiledFlow:
         if types[lineage].simpleString() != want.simpleString():  # nullability aside
             raise FlowError(step.name, f"column {lineage} changed type to {types[lineage]}")
         return out, [c for c in out.columns if not c.startswith("__af_")], lineage
+
+
+def _sample(df: DataFrame, sampler: Any) -> list[bytes]:
+    return df.mapInArrow(sampler, "rows binary").toArrow().column("rows").to_pylist()  # type: ignore[no-any-return]
 
 
 def _spark_safe(schema: pa.Schema) -> pa.Schema:

@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 from ackflow.core.errors import FlowError
 from ackflow.core.settlement import Delivery
-from ackflow.spark.compile import CompiledFlow
+from ackflow.spark.compile import Plan
 
 
 class JobFailed(Exception):
@@ -24,7 +24,7 @@ class JobResult:
     rows_written: dict[str, int]  # physical rows, per sink
 
 
-def run_job(compiled: CompiledFlow, deliveries: Sequence[Delivery], batch_id: str) -> JobResult:
+def run_job(compiled: Plan, deliveries: Sequence[Delivery], batch_id: str) -> JobResult:
     """Run the batch's job; raise :class:`JobFailed` if Spark failed it as a whole.
 
     :class:`FlowError` (a step that cannot be compiled) passes through unchanged.
@@ -32,14 +32,14 @@ def run_job(compiled: CompiledFlow, deliveries: Sequence[Delivery], batch_id: st
     return _run(compiled, compiled.input_table(deliveries), batch_id)
 
 
-def run_rows_job(compiled: CompiledFlow, rows: pa.Table, batch_id: str) -> JobResult:
+def run_rows_job(compiled: Plan, rows: pa.Table, batch_id: str) -> JobResult:
     """Like :func:`run_job`, for a flow compiled with ``rows_input=True``: ``rows`` holds
     data columns and ackflow's internal columns (lineage ``__af_ids``)."""
     per = max(1, -(-rows.num_rows // compiled.parallelism))
     return _run(compiled, pa.Table.from_batches(rows.to_batches(max_chunksize=per)), batch_id)
 
 
-def _run(compiled: CompiledFlow, inputs: pa.Table, batch_id: str) -> JobResult:
+def _run(compiled: Plan, inputs: pa.Table, batch_id: str) -> JobResult:
     try:
         table = compiled.job(inputs, batch_id).toArrow()
     except FlowError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,6 +30,12 @@ HDR = "__af_hdr"  # JSON {field: headers} to add to the first row, for sources t
 IDS = "__af_ids"  # after a group_by: the ids of every member message of the row
 KEY = ROW_KEY  # the row's deterministic key: its message's identity + its position
 LIVE, FILTERED, FAILED = 0, 1, 2
+LOCAL_TASK = threading.local()  # the in-process executor's task: its partition id
+
+
+def local_partition() -> int:
+    """The partition id of a task of the in-process executor (0 outside one)."""
+    return int(getattr(LOCAL_TASK, "partition", 0))
 
 
 def internal_schema(lineage: str = ID) -> pa.Schema:
@@ -304,7 +311,7 @@ def make_writer(
             return
         table = pa.Table.from_batches(chunks)
         ctx = TaskContext.get()
-        partition = ctx.partitionId() if ctx is not None else 0
+        partition = ctx.partitionId() if ctx is not None else local_partition()
         status = table.column(STATUS)
         live_mask = pc.equal(status, LIVE)
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))

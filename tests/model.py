@@ -1,0 +1,454 @@
+"""The model-based test's parts: what hypothesis generates, how it becomes a flow, and a
+plain-Python model of what must happen to every message (tests/test_model.py).
+
+A generated example is a flow over one or two sources (merged), Python steps (map,
+filter, flat_map, a step that crashes its task), optionally Column steps (a cast that
+fails, group_by, join, transform: Spark only), optionally ``grouped_within``, and one to
+three keyed sinks (broadcast ``all``, with sub-flow branches, or ``primary`` with
+fallbacks) that refuse rows, raise, or fail a commit before or after applying it;
+``on_error`` dead letters; retries; batch size, window and concurrency; and fault points
+armed to raise (a crash: the run stops, and the next run starts from what is durable).
+
+The model predicts, for every message, the steps it surely fails in (``must``), the
+steps it may fail in as collateral (``may``: a raising sink fails its whole partition,
+and which rows share one is the executor's business), the rows it leaves in every
+branch when it is acked, and the reason its dead letter must carry.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+import ackflow
+from ackflow.core.policy import RetryPolicy
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.testing import KeyedSink, ListSource
+
+ENGINE_FAULTS = ("batch.after_job", "batch.after_commit", "engine.mid_ack",
+                 "engine.before_fail", "engine.dead_letter_written", "engine.drain")
+
+
+# -- the example -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Branch:
+    sink: str  # "ok" | "refuse" | "raise"
+    mod: int
+    rest: int
+    steps: tuple[tuple[str, int], ...] = ()  # sub-flow steps: ("bmap", m) | ("bfilter", m)
+
+
+@dataclass(frozen=True)
+class Example:
+    ns: tuple[int | None, ...]  # None: a body that is not JSON
+    sources: int  # 1, or 2 (merged; message i is in source i % 2)
+    steps: tuple[tuple[str, int], ...]
+    grouped: bool  # grouped_within(4, 0.05, "n") after the steps
+    mode: str  # "all" | "primary"
+    branches: tuple[Branch, ...]
+    on_error: bool
+    commit_faults: tuple[tuple[int, int, str], ...]  # (branch or -1 for the error sink, nth, when)
+    engine_faults: tuple[tuple[str, int], ...]
+    batch_size: int
+    window: int
+    concurrency: int
+
+    @property
+    def transient(self) -> int:
+        return len(self.commit_faults) + len(self.engine_faults)
+
+    @property
+    def max_deliveries(self) -> int:
+        # room for every transient fault and crash to hit one message, and one more try
+        return self.transient + 2
+
+
+PY_STEPS = st.one_of(
+    st.tuples(st.just("map"), st.integers(2, 9)),  # fails rows with (n + c) % m == 0
+    st.tuples(st.just("filter"), st.integers(2, 6)),  # drops rows with (n + c) % m == 0
+    st.tuples(st.just("flat_map"), st.integers(0, 3)),  # k children, c = 0..k-1
+    st.tuples(st.just("crash"), st.integers(7, 13)),  # the task dies on (n + c) % m == 0
+)
+COLUMN_STEPS = st.one_of(
+    st.tuples(st.just("cast"), st.integers(3, 9)),  # a failing cast: the job fails
+    st.tuples(st.just("group"), st.just(0)),  # group_by n: c = min(n)
+    st.tuples(st.just("join"), st.integers(2, 4)),  # inner join: keeps n % m != 0, adds tag
+    st.tuples(st.just("transform"), st.just(0)),  # identity through the DataFrame hatch
+)
+
+
+@st.composite
+def examples(draw: Any, spark: bool = False, max_messages: int = 30) -> Example:
+    ns = tuple(draw(st.lists(st.one_of(st.integers(0, 20), st.none()) if draw(st.booleans())
+                             else st.integers(0, 20), min_size=1, max_size=max_messages)))
+    step_kinds = st.one_of(PY_STEPS, COLUMN_STEPS) if spark else PY_STEPS
+    steps = tuple(draw(st.lists(step_kinds, max_size=4)))
+    grouped = not spark and draw(st.integers(0, 4)) == 0
+    mode = draw(st.sampled_from(["all", "all", "primary"]))
+    sink_kind = st.sampled_from(["ok", "ok", "refuse", "refuse", "raise"])
+    bsteps = st.lists(st.tuples(st.sampled_from(["bmap", "bfilter"]), st.integers(2, 7)),
+                      max_size=2)
+    n_branches = draw(st.integers(2, 3) if mode == "primary" else st.integers(1, 3))
+    branches = []
+    for _ in range(n_branches):
+        with_steps = mode == "all" and not grouped and draw(st.booleans())
+        branches.append(Branch(draw(sink_kind), draw(st.integers(2, 7)), draw(st.integers(0, 6)),
+                               tuple(draw(bsteps)) if with_steps else ()))
+    on_error = draw(st.booleans())
+    targets = list(range(n_branches)) + ([-1] if on_error else [])
+    commit_faults = tuple(draw(st.lists(
+        st.tuples(st.sampled_from(targets), st.integers(1, 4), st.sampled_from(["before", "after"])),
+        max_size=2, unique_by=lambda f: (f[0], f[1]))))
+    engine_faults = tuple(draw(st.lists(
+        st.tuples(st.sampled_from(ENGINE_FAULTS), st.integers(1, 3)), max_size=2,
+        unique_by=lambda f: f[0])))
+    batch_size = draw(st.integers(1, 16))
+    window = draw(st.integers(batch_size, 40))
+    return Example(ns, draw(st.sampled_from([1, 1, 2])), steps, grouped, mode,
+                   tuple(branches), on_error, commit_faults, engine_faults, batch_size,
+                   window, draw(st.integers(1, 3)))
+
+
+# -- the source: a broker that redelivers what a dead consumer held ----------------------
+
+class ModelSource(ListSource):
+    """A :class:`ListSource` that behaves like a broker across crashes: deliveries still
+    unsettled when a run ended (the consumer died) come again at the next ``open()``,
+    and the previous connection's late settlements are refused. It records every
+    settlement per delivery and the most messages ever outstanding."""
+
+    def __init__(self, bodies: Sequence[str], *, window: list[int], **kw: Any) -> None:
+        super().__init__(bodies, **kw)
+        self.outstanding: dict[tuple[int, int], Delivery] = {}  # (index, count) -> delivery
+        self.window = window  # [outstanding now over every source, the most ever]
+        self.per_delivery: Counter[tuple[str, int]] = Counter()
+        self.epoch = 0
+        self.limit = 10**9  # deliveries of one message that mean "retried forever"
+        self._mine: dict[int, int] = {}  # id(delivery) -> epoch
+        self._guard = threading.Lock()
+
+    def open(self) -> int:
+        self.epoch += 1
+        back = list(self.outstanding.values())
+        self.outstanding.clear()
+        self.window[0] -= len(back)
+        for d in back:
+            self._ready.append(int(d.handle))  # type: ignore[call-overload]
+        return len(back)
+
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        got = super().pull(max_messages, min(timeout, 0.005))
+        looping = [d.key for d in got if d.delivery_count > self.limit]
+        if looping:
+            raise AssertionError(f"messages delivered more than {self.limit} times (retried "
+                                 f"forever, never dead-lettered): {looping}")
+        with self._guard:
+            for d in got:
+                self.outstanding[(int(d.handle), d.delivery_count)] = d  # type: ignore[call-overload]
+                self._mine[id(d)] = self.epoch
+            self.window[0] += len(got)
+            self.window[1] = max(self.window[1], self.window[0])
+        return got
+
+    def _settled(self, d: Delivery) -> bool:
+        """Record a settlement; False if the delivery is not live (a stale receipt)."""
+        with self._guard:
+            key = (int(d.handle), d.delivery_count)  # type: ignore[call-overload]
+            if self._mine.get(id(d)) != self.epoch or key not in self.outstanding:
+                return False
+            del self.outstanding[key]
+            self.window[0] -= 1
+            self.per_delivery[(d.key, d.delivery_count)] += 1
+            return True
+
+    def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        live = [d for d in deliveries if self._settled(d)]
+        super().ack(live)
+        return [d for d in deliveries if d not in live]
+
+    def fail(self, failures: Sequence[tuple[Delivery, Any]]) -> list[Settlement]:
+        out = []
+        for d, f in failures:
+            if not self._settled(d):
+                out.append(Settlement.RELEASED)
+                continue
+            self.failures[d.key] = f
+            if self.policy.exhausted(d.delivery_count):
+                self.dead_letters[d.key] = f
+                self._record(d, "dead_lettered")
+                out.append(Settlement.DEAD_LETTERED)
+            else:
+                ListSource.nack(self, [(d, f)])
+                out.append(Settlement.NACKED)
+        return out
+
+    def nack(self, failures: Sequence[tuple[Delivery, Any]]) -> None:
+        ListSource.nack(self, [(d, f) for d, f in failures if self._settled(d)])
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        ListSource.release(self, [d for d in deliveries if self._settled(d)])
+
+    def pending(self) -> int:
+        """Messages not yet finally settled (ready, delayed or outstanding)."""
+        return len(self._ready) + len(self._delayed) + len(self.outstanding)
+
+
+# -- the flow ----------------------------------------------------------------------------
+
+def _sink_pred(b: Branch) -> Any:
+    def pred(r: dict[str, Any], m: int = b.mod, x: int = b.rest) -> bool:
+        return r["n"] % m == x % m
+    return pred
+
+
+def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSource],
+                                                  list[KeyedSink], KeyedSink | None]:
+    policy = RetryPolicy(max_deliveries=ex.max_deliveries, backoff_s=0)
+    bodies: list[list[str]] = [[] for _ in range(ex.sources)]
+    for i, n in enumerate(ex.ns):
+        bodies[i % ex.sources].append("{bad" if n is None else json.dumps({"n": n, "c": 0}))
+    window = [0, 0]
+    sources = [ModelSource(b, policy=policy, name=f"src{k}", window=window)
+               for k, b in enumerate(bodies)]
+    flow = (ackflow.Flow(sources[0]) if ex.sources == 1
+            else ackflow.merge(*(ackflow.Flow(s) for s in sources)))
+    for k, (kind, arg) in enumerate(ex.steps):
+        flow = _add_step(flow, f"s{k}", kind, arg, spark)
+    if ex.grouped:
+        flow = flow.grouped_within(4, 0.05, "n", name="gw")
+    commit_faults: dict[int, dict[int, str]] = {}
+    for target, nth, when in ex.commit_faults:
+        commit_faults.setdefault(target, {})[nth] = when
+    sinks = []
+    for b, br in enumerate(ex.branches):
+        pred = _sink_pred(br)
+        kw = {"fail_if": pred} if br.sink == "refuse" else {"raise_if": pred} \
+            if br.sink == "raise" else {}
+        sinks.append(KeyedSink(f"b{b}", fail_commits=commit_faults.get(b), **kw))
+    if ex.mode == "primary":
+        flow = flow.broadcast(sinks[0], mode="primary", fallback=sinks[1:])
+    elif any(br.steps for br in ex.branches):
+        subs = []
+        for b, (br, sink) in enumerate(zip(ex.branches, sinks, strict=True)):
+            sub = ackflow.branch()
+            for j, (kind, arg) in enumerate(br.steps):
+                sub = _add_step(sub, f"b{b}s{j}", kind, arg, spark)
+            subs.append(sub.to(sink))
+        flow = flow.broadcast(*subs)
+    else:
+        flow = flow.broadcast(*sinks)
+    dlq = None
+    if ex.on_error:
+        dlq = KeyedSink("dlq", fail_commits=commit_faults.get(-1))
+        flow = flow.on_error(dlq)
+    return flow, sources, sinks, dlq
+
+
+def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) -> ackflow.Flow:
+    import pyarrow as pa
+
+    schema = pa.schema([("n", pa.int64()), ("c", pa.int64())])
+    if kind == "map":
+        def fn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
+            if (r["n"] + r["c"]) % m == 0:
+                raise ValueError("poison row")
+            return {"n": r["n"], "c": r["c"] + 1}
+        return flow.map(fn, name=name, schema=schema)
+    if kind == "bmap":
+        def bfn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
+            if (r["n"] + r["c"]) % m == 0:
+                raise ValueError("poison row in a branch")
+            return {"n": r["n"], "c": r["c"] + 10}
+        return flow.map(bfn, name=name)  # columns inferred from the batch
+    if kind in ("filter", "bfilter"):
+        return flow.filter(lambda r, m=arg: (r["n"] + r["c"]) % m != 0, name=name)
+    if kind == "flat_map":
+        return flow.flat_map(lambda r, k=arg: [{"n": r["n"], "c": j} for j in range(k)],
+                             name=name)
+    if kind == "crash":
+        def crash(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
+            if (r["n"] + r["c"]) % m == 0:
+                raise SystemExit("the task dies")  # not an Exception: fails the whole job
+            return r
+        return flow.map(crash, name=name, schema=schema)
+    if kind == "cast":
+        expr = (f"CAST(CASE WHEN (n + c) % {arg} = 0 THEN 'x' ELSE CAST(c AS STRING) END "
+                "AS BIGINT)")
+        return flow.with_columns({"c": expr}, name=name)
+    if kind == "group":
+        return flow.group_by("n").agg("min(n) AS c", name=name)
+    if kind == "join":
+        keep = [(n, f"t{n}") for n in range(21) if n % arg != 0]
+        other = spark.createDataFrame(keep, "n BIGINT, tag STRING")
+        flow = flow.join(other, "n", name=name)
+        return flow.transform(lambda df: df.drop("tag"), name=f"{name}drop")
+    if kind == "transform":
+        return flow.transform(lambda df: df.withColumn("c", df["c"] + 0), name=name)
+    raise AssertionError(kind)
+
+
+# -- the model ---------------------------------------------------------------------------
+
+@dataclass
+class Fate:
+    key: str  # the message's identity in the flow (origin-prefixed in a merged flow)
+    source: int
+    local_key: str  # its key at its source
+    must: list[str] = field(default_factory=list)  # steps it surely fails in, plan order
+    may: set[str] = field(default_factory=set)  # steps it may fail in (collateral)
+    crash: str | None = None  # fails the job on its own: the located segment
+    rows: dict[int, dict[str, dict[str, int]]] = field(default_factory=dict)  # branch -> key -> row
+
+
+def segment_names(ex: Example) -> list[list[str]]:
+    """The plan's segments as the compiler cuts them: consecutive Python steps run
+    together (the first segment also decodes); each Column step is a segment."""
+    segs: list[list[str]] = [[]]
+    python = True
+    for k, (kind, _) in enumerate(ex.steps):
+        if kind in ("map", "filter", "flat_map", "crash"):
+            if not python:
+                segs.append([])
+            segs[-1].append(f"s{k}")
+            python = True
+        else:
+            segs.extend([[f"s{k}"], [f"s{k}drop"]] if kind == "join" else [[f"s{k}"]])
+            python = False
+    return segs
+
+
+def model(ex: Example) -> list[Fate]:
+    fates = []
+    counts = [0] * ex.sources
+    for i in range(len(ex.ns)):
+        origin = i % ex.sources
+        local = f"m{counts[origin]}"
+        counts[origin] += 1
+        fates.append(Fate(local if origin == 0 else f"{origin}|{local}", origin, local))
+    segs = segment_names(ex)
+    seg_of = {name: "+".join(seg) for seg in segs for name in seg}
+    rows: list[tuple[int, str, dict[str, int]]] = []
+    for i, n in enumerate(ex.ns):
+        if n is None:
+            fates[i].must.append("decode")
+        else:
+            rows.append((i, fates[i].key, {"n": n, "c": 0}))
+    for k, (kind, arg) in enumerate(ex.steps):
+        name = f"s{k}"
+        out = []
+        for i, key, r in rows:
+            v = r["n"] + r["c"]
+            if kind == "map":
+                if v % arg == 0:
+                    fates[i].must.append(name)
+                else:
+                    out.append((i, key, {"n": r["n"], "c": r["c"] + 1}))
+            elif kind == "filter":
+                if v % arg != 0:
+                    out.append((i, key, r))
+            elif kind == "flat_map":
+                out.extend((i, f"{key}#{j}", {"n": r["n"], "c": j}) for j in range(arg))
+            elif kind == "crash":
+                if v % arg == 0:
+                    fates[i].crash = fates[i].crash or seg_of[name]
+                else:
+                    out.append((i, key, r))
+            elif kind == "cast":
+                if v % arg == 0:
+                    fates[i].crash = fates[i].crash or name
+                else:
+                    out.append((i, key, r))
+            elif kind == "group":
+                out.append((i, "", {"n": r["n"], "c": r["n"]}))  # keys: digests of members
+            elif kind == "join":
+                if r["n"] % arg != 0:
+                    out.append((i, key, r))
+            else:
+                out.append((i, key, r))
+        rows = out
+    for b, br in enumerate(ex.branches):
+        brows = rows
+        for j, (kind, arg) in enumerate(br.steps):
+            name = f"b{b}s{j}"
+            out = []
+            for i, key, r in brows:
+                v = r["n"] + r["c"]
+                if kind == "bmap":
+                    if v % arg == 0:
+                        fates[i].must.append(name)
+                    else:
+                        out.append((i, key, {"n": r["n"], "c": r["c"] + 10}))
+                elif v % arg != 0:
+                    out.append((i, key, r))
+            brows = out
+        for i, key, r in brows:
+            fates[i].rows.setdefault(b, {})[key] = r
+    # the sinks
+    pred = [_sink_pred(br) for br in ex.branches]
+    any_raise = {b for b, br in enumerate(ex.branches) if br.sink == "raise"}
+    for fate in fates:
+        if ex.mode == "all":
+            for b, br in enumerate(ex.branches):
+                hit = [r for r in fate.rows.get(b, {}).values() if pred[b](r)]
+                if hit and br.sink in ("refuse", "raise"):
+                    fate.must.append(f"b{b}")
+                if any_raise and fate.rows.get(b):  # its rows share partitions with others
+                    fate.may.update(f"b{x}" for x in any_raise)
+        else:  # primary: a row fails only when every sink fails it
+            mine = fate.rows.get(0, {})
+            for r in mine.values():
+                if all(pred[b](r) and br.sink != "ok" for b, br in enumerate(ex.branches)):
+                    fate.must.append("b0")
+            if any_raise and mine:
+                fate.may.add("b0")
+    return fates
+
+
+def reasons(ex: Example, fate: Fate) -> set[str]:
+    """The steps a dead letter of this message may name."""
+    if fate.crash is not None:
+        first = {fate.crash}
+    elif fate.must:
+        first = {fate.must[0]}
+        sink_level = [s for s in fate.must if s.startswith("b") and "s" not in s[1:]]
+        if fate.must[0] in sink_level:  # sinks are not ranked among each other
+            first = set(sink_level)
+    else:
+        first = set()
+    transient = set()
+    if ex.commit_faults:
+        transient |= {"broadcast", "b0", *(f"b{t}" for t, _, _ in ex.commit_faults if t >= 0)}
+    return first | fate.may | transient
+
+
+def settle_all(ex: Example, sources: list[ModelSource], run: Any) -> tuple[int, list[str]]:
+    """Run until every message is finally settled, restarting after every crash (an
+    armed fault point that raised); returns the number of crashes and their texts."""
+    from ackflow import faults
+
+    crashes: list[str] = []
+    deadline = time.monotonic() + 60
+    for s in sources:  # every crash may release a message once; then it must end
+        s.limit = ex.max_deliveries + len(ex.engine_faults) + 2
+    for name, nth in ex.engine_faults:
+        faults.arm(name, "raise", nth=nth)
+    try:
+        while time.monotonic() < deadline:
+            try:
+                run()
+            except faults.InjectedFault as e:
+                crashes.append(str(e))
+                continue
+            if all(s.pending() == 0 for s in sources):
+                return len(crashes), crashes
+        raise AssertionError(f"not settled within 60 s: {[s.pending() for s in sources]}")
+    finally:
+        faults.disarm()
