@@ -121,13 +121,11 @@ def _setup_logging(verbose: bool) -> None:
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.metrics_port is not None:
         print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics", file=sys.stderr)
-    if args.ui_allow_replay and args.ui_port is None:
-        raise ConfigError("--ui-allow-replay needs --ui-port")
     if args.ui_port is not None:
         host = "127.0.0.1" if args.ui_host in ("", "0.0.0.0", "::") else args.ui_host
         host = f"[{host}]" if ":" in host else host
         print(f"status page: http://{host}:{args.ui_port}/"
-              + (" (port 0: the chosen port is logged)" if args.ui_port == 0 else ""),
+              + (" (port 0: the chosen port is logged with -v)" if args.ui_port == 0 else ""),
               file=sys.stderr)
     return {
         "batch_size": args.batch_size,
@@ -331,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
     try:
+        if getattr(args, "ui_allow_replay", False) and args.ui_port is None:
+            raise ConfigError("--ui-allow-replay needs --ui-port")
         if args.command == "demo":
             return cmd_demo(args)
         if args.command == "run":

@@ -449,11 +449,12 @@ class Engine:
             if self.board is not None:
                 from ackflow.observe.ui import StatusServer
 
-                self.ui = StatusServer(self.board, flow.source, port=self.ui_port or 0,
-                                       host=self.ui_host, allow_replay=self.ui_allow_replay)
-                self.ui.start()
-                stack.callback(_quietly, "stop the status page", self.ui.close)
-                log.info("status page at %s", self.ui.url)
+                ui = StatusServer(self.board, flow.source, port=self.ui_port or 0,
+                                  host=self.ui_host, allow_replay=self.ui_allow_replay)
+                ui.start()
+                stack.callback(_quietly, "stop the status page", ui.close)
+                self.ui = ui  # set once it serves
+                log.info("status page at %s", ui.url)
             flow.source.configure(max_inflight=self.window.max_inflight,
                                   error_sink=flow.error_sink is not None,
                                   keepalive_s=self.keepalive_s)

@@ -65,7 +65,7 @@ function nodeStats(node, s) {
     if (written !== undefined) lines.push([`rows written ${num(written)}`, ""]);
   } else {
     if (node.role === "sink") lines.push([`rows written ${num(s.rows_written[node.name] || 0)}`, ""]);
-    lines.push([`failed ${num(fails)}` + (node.role === "sink" ? "" : " messages"), fails ? "bad" : ""]);
+    lines.push([`failed: ${num(fails)}`, fails ? "bad" : ""]);
     if (fails && node.role !== "sink") {
       lines.push([`nacked ${num(failed.nacked)} · dead ${num(failed.dead_lettered)}`, "bad"]);
     }
