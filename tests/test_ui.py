@@ -362,3 +362,53 @@ def test_a_port_in_use_and_replay_without_the_page_are_clear_errors(tmp_path, ca
     assert "must be between 0 and 65535" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "none.py") + ":flow", "--ui-allow-replay"]) == 2
     assert "--ui-allow-replay needs --ui-port" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_ackflow_run_serves_the_page_with_ui_port(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    db = str(tmp_path / "q.db")
+    publish(db, 0, 300)
+    (tmp_path / "flow.py").write_text(textwrap.dedent(f'''
+        import ackflow
+        from ackflow.sinks import MemorySink
+        from ackflow.sources import EmbeddedQueue
+
+        flow = ackflow.Flow(EmbeddedQueue({db!r}, "orders")).to(MemorySink())
+    '''))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ackflow.cli", "run", "flow.py:flow",
+                             "--ui-port", str(port), "--until-idle", "3", "--json",
+                             "--master", "local[2]"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen: dict = {}
+
+    def finished() -> bool:
+        try:
+            status, raw = http(f"http://127.0.0.1:{port}/api/status")
+        except OSError:
+            return False
+        seen.update(json.loads(raw) if status == 200 else {})
+        return seen.get("totals", {}).get("acked") == 300
+
+    try:
+        assert wait_until(finished, timeout=180, every=0.05), seen
+        assert seen["state"] in ("running", "stopped") and seen["window"]["max_inflight"] == 10000
+        assert seen["rows_written"] == {"memory": 300}
+        assert seen["replay"]["allowed"] is False and seen["replay"]["supported"] is True
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert f"status page: http://127.0.0.1:{port}/" in err
+    assert json.loads(out.strip().splitlines()[-1])["acked"] == 300

@@ -691,7 +691,9 @@ def run(flow: Flow, **options: Any) -> RunReport:
     Options: ``batch_size`` (2000), ``max_inflight`` (10000), ``max_concurrent_batches``
     (2), ``batch_timeout_s`` (1.0), ``until_idle`` (None: run until a signal),
     ``drain_timeout_s`` (60), ``max_bisect_jobs`` (64), ``spark`` (a SparkSession) or
-    ``master`` (``local[*]`` by default), ``progress`` (a callback).
+    ``master`` (``local[*]`` by default), ``progress`` (a callback), ``metrics_port``
+    and ``metrics_host`` (Prometheus), ``ui_port``, ``ui_host`` and ``ui_allow_replay``
+    (the live status page, :mod:`ackflow.observe.ui`).
 
     Returns a :class:`RunReport`. A message is acked only when every row derived from
     it was written; every other message is nacked (retried by the source's policy),

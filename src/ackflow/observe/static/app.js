@@ -132,11 +132,11 @@ function drawGraph(s) {
 
 const CW = 600, CH = 180, PAD = { l: 48, r: 8, t: 8, b: 20 };
 
-function niceMax(v) {
+function niceMax(v) {  // four equal ticks of 1, 2, 2.5 or 5 times a power of ten
   if (!(v > 0)) return 1;
-  const p = Math.pow(10, Math.floor(Math.log10(v)));
-  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
-  return 10 * p;
+  const step = v / 4, p = Math.pow(10, Math.floor(Math.log10(step)));
+  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= step) return 4 * m * p;
+  return 40 * p;
 }
 
 function fmtAxis(v) {
