@@ -165,7 +165,8 @@ class Engine:
         self.report.acked += len(deliveries) - len(stale)
         self.metrics.acked.inc(len(deliveries) - len(stale))
         if self.board is not None:
-            self.board.acked([d for d in deliveries if id(d) not in stale])
+            self.board.acked([d for d in deliveries if id(d) not in stale] if stale
+                             else deliveries)
 
     def _count_redelivered(self, n: int) -> None:
         if n:
@@ -614,6 +615,7 @@ class Engine:
 
     def _shutdown(self, pool: ThreadPoolExecutor) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
+        self._pending = 0  # the loop gave back what it had not batched
         try:
             while self._running:
                 faults.point("engine.drain")

@@ -100,7 +100,20 @@ def _clean(details: dict[str, object]) -> dict[str, object]:
 
 def flow_graph(flow: Flow) -> dict[str, Any]:
     """Nodes (source, decode, each step, each sink, the dead letters) with a column and
-    a row for drawing, and edges between them."""
+    a row for drawing, and edges between them.
+
+    >>> import ackflow
+    >>> from ackflow.sinks import MemorySink
+    >>> from ackflow.testing import ListSource
+    >>> g = flow_graph(ackflow.Flow(ListSource([])).map(lambda r: r, name="parse")
+    ...                .to(MemorySink()))
+    >>> [(n["role"], n["name"], n["col"], n["row"]) for n in g["nodes"]]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('source', 'list', 0, 0), ('step', 'decode', 1, 0), ('step', 'parse', 2, 0),
+     ('sink', 'memory', 3, 0), ('error_sink', 'dead letters', 1, 1)]
+    >>> g["edges"][-1]
+    ['source:list', 'error_sink:dead letters']
+    """
     from ackflow.sinks.broadcast import Broadcast
 
     nodes: list[dict[str, Any]] = []
@@ -182,8 +195,7 @@ class StatusBoard:
         self._episodes: deque[list[float | None]] = deque(maxlen=EPISODES_KEPT)
         self._episodes_seen = 0
         self._published_at = float("-inf")
-        self._version = 0
-        self._snapshot: dict[str, Any] = {}
+        self._current: tuple[int, dict[str, Any]] = (0, {})
         self._dead_letters: tuple[DeadLetterNote, ...] = ()
 
     # -- fed by the engine (its thread) -----------------------------------------------------
@@ -272,14 +284,14 @@ class StatusBoard:
             "dead_letters": [n.as_json() for n in reversed(self._dead_letters)],
             "replay_supported": self.replay_supported,
         }
-        self._snapshot = snapshot  # one assignment: readers see the old or the new one
-        self._version += 1
+        # one assignment: readers see the old pair or the new one, never a mix
+        self._current = (self._current[0] + 1, snapshot)
 
     # -- read by the page (any thread) --------------------------------------------------------
 
     def current(self) -> tuple[int, dict[str, Any]]:
-        snapshot = self._snapshot
-        return self._version, snapshot
+        """The latest ``(version, snapshot)``; version 0 is the empty one before the first."""
+        return self._current
 
     def dead_letters(self) -> tuple[DeadLetterNote, ...]:
         """The dead letters of the latest snapshot (with their replay refs)."""
