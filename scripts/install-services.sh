@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Install the Debian packages the integration tests start throwaway servers from:
-# PostgreSQL (the Postgres sink) and RabbitMQ (the RabbitMQ source and sink).
+# Install the Debian packages the integration tests need: PostgreSQL (the Postgres
+# sink) and RabbitMQ (the RabbitMQ source and sink), which the tests start throwaway
+# servers from, and Chromium, the headless browser that tests the status page
+# (Playwright drives /usr/bin/chromium; it downloads no browser of its own).
 # Nothing is started or enabled here: the test fixtures start their own servers
 # on 127.0.0.1 with free ports and private data directories.
 set -euo pipefail
 want=()
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || want+=(postgresql)
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || want+=(rabbitmq-server)
+[ -x /usr/bin/chromium ] || want+=(chromium)
 if [ ${#want[@]} -eq 0 ]; then
   exit 0
 fi

@@ -53,6 +53,12 @@ def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> No
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address for the metrics port (default 127.0.0.1)")
+    p.add_argument("--ui-port", type=_number(int, 0, 65535, "a TCP port"), default=None,
+                   metavar="PORT", help="serve the live status page on this port (off by default)")
+    p.add_argument("--ui-host", default="127.0.0.1",
+                   help="address for the status page (default 127.0.0.1)")
+    p.add_argument("--ui-allow-replay", action="store_true",
+                   help="let the status page replay dead letters (embedded queue; off by default)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("-v", "--verbose", action="store_true", help="log every failure")
 
@@ -115,6 +121,12 @@ def _setup_logging(verbose: bool) -> None:
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.metrics_port is not None:
         print(f"metrics: http://{args.metrics_host}:{args.metrics_port}/metrics", file=sys.stderr)
+    if args.ui_port is not None:
+        host = "127.0.0.1" if args.ui_host in ("", "0.0.0.0", "::") else args.ui_host
+        host = f"[{host}]" if ":" in host else host
+        print(f"status page: http://{host}:{args.ui_port}/"
+              + (" (port 0: the chosen port is logged with -v)" if args.ui_port == 0 else ""),
+              file=sys.stderr)
     return {
         "batch_size": args.batch_size,
         "max_inflight": args.max_inflight,
@@ -123,6 +135,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "until_idle": args.until_idle,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
+        "ui_port": args.ui_port,
+        "ui_host": args.ui_host,
+        "ui_allow_replay": args.ui_allow_replay,
     }
 
 
@@ -314,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
     try:
+        if getattr(args, "ui_allow_replay", False) and args.ui_port is None:
+            raise ConfigError("--ui-allow-replay needs --ui-port")
         if args.command == "demo":
             return cmd_demo(args)
         if args.command == "run":

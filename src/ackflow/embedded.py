@@ -362,8 +362,15 @@ class EmbeddedQueue:
         self, queue: str, failures: Sequence[tuple[int, int, str, str]]
     ) -> int:
         """Move ``(row_id, deliveries, step, error)`` to the dead-letter table, atomically."""
+        return len(self.dead_letter_ids(queue, failures))
+
+    def dead_letter_ids(
+        self, queue: str, failures: Sequence[tuple[int, int, str, str]]
+    ) -> dict[tuple[int, int], int]:
+        """Like :meth:`dead_letter`; return the dead-letter id (what :meth:`replay` takes)
+        of each ``(row_id, deliveries)`` that was still held and was moved."""
         now = time.time()
-        moved = 0
+        moved: dict[tuple[int, int], int] = {}
         with self._tx():
             for rid, n, step, error in failures:
                 row = self._db.execute(
@@ -373,12 +380,12 @@ class EmbeddedQueue:
                 ).fetchone()
                 if row is None:
                     continue
-                self._db.execute(
+                cur = self._db.execute(
                     "INSERT INTO dead_letters (queue, msg_id, body, headers, step, error,"
                     " deliveries, published_at, dead_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (queue, row[0], row[1], row[2], step, error, n, row[3], now),
                 )
-                moved += 1
+                moved[(rid, n)] = int(cur.lastrowid or 0)
         return moved
 
     # -- inspection ------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class Delivery:
     origin: int = 0  # which source of a merged flow it came from
     state: Settlement = Settlement.PENDING
     revised: bool = False
+    pulled_at: float = 0.0  # time.monotonic() when the engine pulled it (pull-to-ack latency)
 
     @property
     def identity(self) -> str:

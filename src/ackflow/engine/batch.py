@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -48,8 +49,12 @@ def execute(
     *,
     max_jobs: int,
     cancelled: threading.Event,
+    phase: Callable[[str], None] | None = None,
 ) -> BatchResult:
-    """Run ``deliveries`` through the flow; every lineage id gets an outcome or is released."""
+    """Run ``deliveries`` through the flow; every lineage id gets an outcome or is released.
+
+    ``phase`` (optional) is told ``"job"`` before each Spark job and ``"commit"`` before
+    the sinks commit (the status page shows what the window waits on)."""
     result = BatchResult(batch_id, len(deliveries))
     sink = compiled.sink
 
@@ -69,6 +74,8 @@ def execute(
             return
         result.jobs += 1
         ids = [d.lineage_id for d in ds]
+        if phase is not None:
+            phase("job")
         try:
             job = run_job(compiled, ds, bid)
         except JobFailed as e:
@@ -95,6 +102,8 @@ def execute(
                 attempt(ds[half:], f"{bid}b")
             return
         faults.point("batch.after_job")
+        if phase is not None:
+            phase("commit")
         failed_sink = commit_all(compiled, bid, job.tokens)
         if failed_sink is not None:
             fail_all(ds, failed_sink)

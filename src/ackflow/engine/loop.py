@@ -31,6 +31,7 @@ from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.report import RunReport
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
+from ackflow.observe.status import EngineFacts, StatusBoard
 from ackflow.sinks.base import ROW_KEY
 from ackflow.sinks.collect import CollectSink
 
@@ -59,6 +60,9 @@ class Engine:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         executor: str = "spark",
+        ui_port: int | None = None,
+        ui_host: str = "127.0.0.1",
+        ui_allow_replay: bool = False,
     ) -> None:
         for name, value in (("batch_size", batch_size), ("max_inflight", max_inflight),
                             ("max_concurrent_batches", max_concurrent_batches),
@@ -78,6 +82,10 @@ class Engine:
             raise ConfigError(f"metrics_port must be a TCP port (0-65535), got {metrics_port}")
         if executor not in ("spark", "local"):
             raise ConfigError(f"executor must be 'spark' or 'local', got {executor!r}")
+        if ui_port is not None and not 0 <= ui_port <= 65535:
+            raise ConfigError(f"ui_port must be a TCP port (0-65535), got {ui_port}")
+        if ui_allow_replay and ui_port is None:
+            raise ConfigError("ui_allow_replay needs the status page (ui_port)")
         flow.validate()
         self.flow = flow
         self.executor = executor
@@ -103,6 +111,15 @@ class Engine:
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.batch_seconds: deque[float] = deque(maxlen=10_000)  # bounded, for p50/p99
+        # the status page: a board the engine feeds, served by a thread of its own
+        self.ui_port, self.ui_host, self.ui_allow_replay = ui_port, ui_host, ui_allow_replay
+        self.board: StatusBoard | None = None
+        if ui_port is not None:
+            self.board = StatusBoard(flow, self.report,
+                                     replay_supported=flow.source.replays_dead_letters)
+        self.ui: Any = None  # the StatusServer, while the run serves the page
+        self._phases: dict[str, str] = {}  # running batch id -> "job" or "commit"
+        self._pending = 0  # pulled, not yet in a job (for the status page)
         self.inflight: dict[int, Delivery] = {}
         self._next_id = 1
         self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery] | None]] = queue.Queue()
@@ -151,6 +168,9 @@ class Engine:
         self._count_redelivered(len(stale))
         self.report.acked += len(deliveries) - len(stale)
         self.metrics.acked.inc(len(deliveries) - len(stale))
+        if self.board is not None:
+            self.board.acked([d for d in deliveries if id(d) not in stale] if stale
+                             else deliveries)
 
     def _count_redelivered(self, n: int) -> None:
         if n:
@@ -234,6 +254,8 @@ class Engine:
             self.report.rows_written[name] = self.report.rows_written.get(name, 0) + n
             self.metrics.rows_written.labels(sink=name).inc(n)
         self.batch_seconds.append(result.seconds)
+        if self.board is not None:
+            self.board.batch(result.seconds)
         self.metrics.batch_seconds.observe(result.seconds)
         self.metrics.batch_size.observe(result.size)
         self.metrics.bisections.inc(result.bisections)
@@ -341,10 +363,11 @@ class Engine:
                 d.revise(Settlement.RELEASED)
                 self._count_redelivered(1)
             else:
-                self._record_failure(d, f, Settlement.DEAD_LETTERED)
+                self._record_failure(d, f, Settlement.DEAD_LETTERED, kept_by=sink.name)
         return rest
 
-    def _record_failure(self, d: Delivery, f: Failure, state: Settlement) -> None:
+    def _record_failure(self, d: Delivery, f: Failure, state: Settlement, *,
+                        kept_by: str = "source") -> None:
         if state is Settlement.DEAD_LETTERED:
             self.report.dead_lettered += 1
             self.report.dead_lettered_by_step[f.step] = (
@@ -357,6 +380,10 @@ class Engine:
             self.report.nacked += 1
             self.metrics.nacked.inc()
             log.debug("message %s nacked (delivery %d): %s", d.key, d.delivery_count, f)
+        if self.board is not None:
+            ref = (self.flow.source.dead_letter_ref(d)
+                   if kept_by == "source" and state is Settlement.DEAD_LETTERED else None)
+            self.board.failed(d, f, state.value, kept_by=kept_by, ref=ref)
         if len(self.report.failures) < 20:
             self.report.failures.append(
                 {"message": d.key, "step": f.step, "error": f.error, "outcome": state.value}
@@ -377,6 +404,23 @@ class Engine:
     def _window_metrics(self) -> None:
         w = self.window
         self.metrics.window(w.in_flight, w.throttled, w.throttle_episodes)
+
+    def _publish(self, state: str) -> None:
+        """Hand the status page a snapshot (the engine's thread; a few times a second)."""
+        if self.board is None:
+            return
+        w = self.window
+        jobs = tuple((len(batch), self._phases.get(bid, "job"))
+                     for bid, (_, batch) in list(self._running.items()))
+        try:
+            details = self.flow.source.status()
+        except Exception as e:  # noqa: BLE001 - the page must never stop the run
+            details = {"status": f"unavailable: {type(e).__name__}"}
+        self.board.publish(EngineFacts(
+            state=state, in_flight=w.in_flight, max_inflight=w.max_inflight,
+            throttled=w.throttled, throttle_episodes=w.throttle_episodes,
+            batching=self._pending, jobs=jobs, held=len(self.held),
+            connected=self.flow.source.connected, source=details))
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -418,6 +462,15 @@ class Engine:
                 self.metrics.serve(self.metrics_port, self.metrics_host)
                 log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)
             stack.callback(_quietly, "stop the metrics server", self.metrics.close)
+            if self.board is not None:
+                from ackflow.observe.ui import StatusServer
+
+                ui = StatusServer(self.board, flow.source, port=self.ui_port or 0,
+                                  host=self.ui_host, allow_replay=self.ui_allow_replay)
+                ui.start()
+                stack.callback(_quietly, "stop the status page", ui.close)
+                self.ui = ui  # set once it serves
+                log.info("status page at %s", ui.url)
             flow.source.configure(max_inflight=self.window.max_inflight,
                                   error_sink=flow.error_sink is not None,
                                   keepalive_s=self.keepalive_s)
@@ -433,6 +486,7 @@ class Engine:
                     stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
             pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="ackflow-batch")
             started = time.monotonic()
+            self._publish("running")
             try:
                 self._loop(compiled, pool)
             finally:
@@ -440,6 +494,8 @@ class Engine:
                     self._shutdown(pool)
                 finally:
                     self._finish_report(started)
+                    self._pending = 0
+                    self._publish("stopped")
         return self.report
 
     def _finish_report(self, started: float) -> None:
@@ -451,9 +507,12 @@ class Engine:
             self.report.batch_p99_s = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
     def _submit(self, compiled: Any, pool: ThreadPoolExecutor, batch: list[Delivery]) -> None:
+        def phase(bid: str) -> Callable[[str], None]:
+            return lambda name: self._phases.__setitem__(bid, name)
+
         self._launch(pool, compiled, "", batch,
                      lambda bid: execute(compiled, batch, bid, max_jobs=self.max_bisect_jobs,
-                                         cancelled=self._cancel))
+                                         cancelled=self._cancel, phase=phase(bid)))
 
     def _launch(self, pool: ThreadPoolExecutor, compiled: Any, suffix: str,
                 batch: list[Delivery] | None, run: Callable[[str], BatchResult]) -> None:
@@ -465,6 +524,7 @@ class Engine:
 
         def work() -> BatchResult:
             started = time.monotonic()
+            self._phases[batch_id] = "job"
             compiled.bind_thread(batch_id)
             result = run(batch_id)
             result.seconds = time.monotonic() - started
@@ -485,7 +545,9 @@ class Engine:
                 return got
             timeout = None
             got = True
-            self._running = {k: v for k, v in self._running.items() if v[0] is not fut}
+            for k in [k for k, v in self._running.items() if v[0] is fut]:
+                del self._running[k]
+                self._phases.pop(k, None)
             exc = fut.exception()
             if batch is None:  # a grouped_within job
                 if exc is not None:
@@ -522,8 +584,10 @@ class Engine:
                 pulled = len(got)
                 if got:
                     self.window.take(pulled)
+                    pulled_at = time.monotonic()
                     for d in got:
                         d.lineage_id = self._next_id
+                        d.pulled_at = pulled_at
                         self._next_id += 1
                         self.inflight[d.lineage_id] = d
                     if not pending:
@@ -553,6 +617,9 @@ class Engine:
             if self.progress is not None and now - last_progress >= 0.5:
                 last_progress = now
                 self.progress(self.report, self.window)
+            if self.board is not None and self.board.due():
+                self._pending = len(pending)
+                self._publish("stopping" if self._stop.is_set() else "running")
             if now - last_keepalive >= self.keepalive_s and self.inflight:
                 last_keepalive = now
                 source.keepalive(list(self.inflight.values()))
@@ -562,9 +629,12 @@ class Engine:
 
     def _shutdown(self, pool: ThreadPoolExecutor) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
+        self._pending = 0  # the loop gave back what it had not batched
         try:
             while self._running:
                 faults.point("engine.drain")
+                if self.board is not None and self.board.due():
+                    self._publish("draining")
                 left = deadline - time.monotonic()
                 if left <= 0 and not self._cancel.is_set():
                     log.warning("drain timeout: cancelling %d running batches; their messages "
@@ -637,7 +707,9 @@ def run(flow: Flow, **options: Any) -> RunReport:
     Options: ``batch_size`` (2000), ``max_inflight`` (10000), ``max_concurrent_batches``
     (2), ``batch_timeout_s`` (1.0), ``until_idle`` (None: run until a signal),
     ``drain_timeout_s`` (60), ``max_bisect_jobs`` (64), ``spark`` (a SparkSession) or
-    ``master`` (``local[*]`` by default), ``progress`` (a callback).
+    ``master`` (``local[*]`` by default), ``progress`` (a callback), ``metrics_port``
+    and ``metrics_host`` (Prometheus), ``ui_port``, ``ui_host`` and ``ui_allow_replay``
+    (the live status page, :mod:`ackflow.observe.ui`).
 
     Returns a :class:`RunReport`. A message is acked only when every row derived from
     it was written; every other message is nacked (retried by the source's policy),

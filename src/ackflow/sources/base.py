@@ -120,6 +120,34 @@ class Source(ABC):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries that were not processed (shutdown), for redelivery."""
 
+    # -- the status page (optional) ---------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        """Facts about the source for the status page, from memory only (no I/O): e.g.
+        ``committed_offset``, ``lag``, ``retries_waiting``. Called from the engine's
+        thread a few times a second while the page is served; values are numbers,
+        strings or booleans, and nothing secret (a URL's password is redacted)."""
+        return {}
+
+    def probe(self) -> dict[str, object] | None:
+        """Facts that cost I/O (a backlog count, say), or None. Called from the status
+        page's thread (never the engine's) at most every few seconds while a browser
+        watches: it must use its own connection."""
+        return None
+
+    #: True when :meth:`replay_dead_letters` can give dead letters another try.
+    replays_dead_letters: bool = False
+
+    def dead_letter_ref(self, delivery: Delivery) -> object | None:
+        """What :meth:`replay_dead_letters` needs to replay ``delivery``, which the last
+        :meth:`fail` call dead-lettered (None: it cannot be replayed)."""
+        return None
+
+    def replay_dead_letters(self, refs: Sequence[object]) -> int:
+        """Move the given dead letters back to the source for another try; return how
+        many. Called from the status page's thread: it must use its own connection."""
+        raise NotImplementedError(f"source {self.name!r} cannot replay dead letters")
+
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:  # noqa: B027
         """Called now and then with the in-flight deliveries, to extend their leases."""
 

@@ -41,6 +41,7 @@ class EmbeddedQueueSource(Source):
         self.policy = policy or RetryPolicy()
         self.visibility_timeout = visibility_timeout
         self._q: EmbeddedQueue | None = None
+        self._dead_ids: dict[tuple[int, int], int] = {}
 
     def configure(self, *, max_inflight: int, error_sink: bool,
                   keepalive_s: float = 30.0) -> None:
@@ -101,10 +102,40 @@ class EmbeddedQueueSource(Source):
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         outcomes, retry, dead = self.by_policy(failures)
         self.nack(retry)
-        if dead:
-            self.q.dead_letter(self.queue, [(*d.handle, f.step, f.error)  # type: ignore[misc]
-                                            for d, f in dead])
+        # only the last call's dead-letter ids are kept (bounded), for dead_letter_ref()
+        self._dead_ids = self.q.dead_letter_ids(
+            self.queue, [(*d.handle, f.step, f.error) for d, f in dead]  # type: ignore[misc]
+        ) if dead else {}
         return outcomes
+
+    # -- the status page -------------------------------------------------------------------
+
+    replays_dead_letters = True
+
+    def status(self) -> dict[str, object]:
+        return {"kind": "embedded queue", "file": self.path, "queue": self.queue}
+
+    def probe(self) -> dict[str, object] | None:
+        """The queue's backlog, from a read-only handle of its own (any thread)."""
+        q = EmbeddedQueue(self.path, readonly=True)
+        try:
+            s = q.stats(self.queue)
+        finally:
+            q.close()
+        return {"lag": s["ready"], "retries_waiting": s["delayed"], "leased": s["leased"],
+                "dead_letters_kept": s["dead_lettered"]}
+
+    def dead_letter_ref(self, delivery: Delivery) -> object | None:
+        return self._dead_ids.get(tuple(delivery.handle))  # type: ignore[arg-type]
+
+    def replay_dead_letters(self, refs: Sequence[object]) -> int:
+        """Move dead letters (their ids in the queue file) back to the queue, through a
+        handle of its own (any thread; the queue file serialises writers)."""
+        q = EmbeddedQueue(self.path)
+        try:
+            return q.replay(self.queue, [int(r) for r in refs])  # type: ignore[call-overload]
+        finally:
+            q.close()
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         if failures:

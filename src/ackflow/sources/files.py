@@ -254,6 +254,14 @@ class FilesSource(Source):
             time.sleep(min(0.02, max(0.0, deadline - now)))
         return out
 
+    def status(self) -> dict[str, object]:
+        files = list(self._files.values())
+        out: dict[str, object] = {"kind": "files", "path": self.path, "files_open": len(files),
+                                  "retries_waiting": len(self._retry)}
+        for f in files[:5]:  # bounded: the first few instances
+            out[f"committed line of {f.name}"] = f.tracker.committed
+        return out
+
     # -- settling ----------------------------------------------------------------------------
 
     def _settled(self, deliveries: Sequence[Delivery]) -> None:

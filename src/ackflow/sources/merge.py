@@ -56,6 +56,13 @@ class MergedSource(Source):
     def connected(self) -> bool:
         return all(s.connected for s in self.sources)
 
+    def status(self) -> dict[str, object]:
+        out: dict[str, object] = {"kind": "merge"}
+        for s in self.sources:
+            for k, v in s.status().items():
+                out[f"{s.name}: {k}"] = v
+        return out
+
     def take_lost(self) -> list[Delivery]:
         return [d for s in self.sources for d in s.take_lost()]
 

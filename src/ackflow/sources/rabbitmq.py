@@ -339,6 +339,11 @@ class RabbitMQSource(Source):
             out.append(self._buffer.popleft())
         return out
 
+    def status(self) -> dict[str, object]:
+        return {"kind": "RabbitMQ queue", "url": self.where, "queue": self.queue,
+                "retries_waiting": len(self._delayed), "buffered": len(self._buffer),
+                "unsettled_on_channel": len(self._outstanding)}
+
     @property
     def connected(self) -> bool:
         return self._ch is not None

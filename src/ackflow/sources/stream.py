@@ -200,6 +200,16 @@ class RabbitMQStreamSource(Source):
         """The first offset not settled (stored on the broker as ``committed - 1``)."""
         return self._tracker.committed if self._tracker is not None else self._stored + 1
 
+    def status(self) -> dict[str, object]:
+        """The committed offset, the last offset received, and ``lag``: offsets received
+        but not committed yet (the stream's own end is not asked for)."""
+        committed = self.committed
+        return {"kind": "RabbitMQ stream", "server": f"{self.host}:{self.port}",
+                "stream": self.stream, "consumer": self.consumer,
+                "committed_offset": committed, "last_offset_received": self._last_seen,
+                "lag": max(0, self._last_seen + 1 - committed) + self._inbox.qsize(),
+                "retries_waiting": len(self._retry)}
+
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         assert self._tracker is not None or not deliveries
         for d in deliveries:
