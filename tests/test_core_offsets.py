@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 
 from ackflow.core.offsets import OffsetTracker
 
-EXAMPLES = int(os.environ.get("ACKFLOW_PROPERTY_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("ACKFLOW_OFFSET_EXAMPLES", "1000"))  # CI runs 1000
 
 
 def test_in_flight_head_holds_the_commit():

@@ -68,3 +68,40 @@ def test_a_fault_at_each_boundary_then_a_restart_ends_exact(spark, tmp_path, poi
     got = pq.read_table(out).column("n").to_pylist()
     assert sorted(got) == list(range(n)), (len(got), len(set(got)))
     assert EmbeddedQueue(db).stats("in")["ready"] == 0
+
+
+@pytest.mark.parametrize("point", ["postgres.before_commit", "postgres.after_commit"])
+def test_a_fault_inside_the_postgres_write_ends_exact(postgres, pg_table, tmp_path, point):
+    """The points inside a task's PostgreSQL transaction, armed in this process: the
+    in-process executor runs the tasks here (on Spark they run in Python workers, armed
+    through ACKFLOW_FAULTS). Before COMMIT the rows are rolled back; after it they are in
+    the table but the task never reported them: the batch fails, its messages come
+    again and are written in place. Either way: every row exactly once, queue empty."""
+    import psycopg
+    from psycopg import sql
+
+    from ackflow.engine.loop import Engine
+    from ackflow.sinks import Postgres
+
+    db = str(tmp_path / "q.db")
+    n = 40
+    EmbeddedQueue(db).publish("in", [json.dumps({"n": i}).encode() for i in range(n)],
+                              msg_ids=[f"m{i}" for i in range(n)])
+    src = EmbeddedQueueSource(db, "in", visibility_timeout=2.0,
+                              policy=ackflow.RetryPolicy(max_deliveries=5, backoff_s=0.01))
+    flow = ackflow.Flow(src).flat_map(lambda r: [r, {"n": r["n"] + 1000}], name="two").to(
+        Postgres(postgres.dsn, pg_table, create=True))
+    faults.arm(point, "raise", nth=2)
+    try:
+        report = Engine(flow, executor="local", batch_size=10, max_inflight=40,
+                        until_idle=0.3, batch_timeout_s=0.05, keepalive_s=0.5).run()
+        assert faults.hits(point) >= 2, "the point was never reached"
+    finally:
+        faults.disarm()
+    assert report.acked == n and report.nacked >= 1, report
+    with psycopg.connect(postgres.dsn) as c:
+        rows = c.execute(sql.SQL("SELECT ackflow_key, n FROM {}").format(
+            sql.Identifier(pg_table))).fetchall()
+    assert len(rows) == 2 * n and len({k for k, _ in rows}) == 2 * n
+    assert sorted(v for _, v in rows) == sorted([*range(n), *range(1000, 1000 + n)])
+    assert EmbeddedQueue(db).stats("in")["ready"] == 0
