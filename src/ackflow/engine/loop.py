@@ -709,7 +709,9 @@ def run(flow: Flow, **options: Any) -> RunReport:
     ``drain_timeout_s`` (60), ``max_bisect_jobs`` (64), ``spark`` (a SparkSession) or
     ``master`` (``local[*]`` by default), ``progress`` (a callback), ``metrics_port``
     and ``metrics_host`` (Prometheus), ``ui_port``, ``ui_host`` and ``ui_allow_replay``
-    (the live status page, :mod:`ackflow.observe.ui`).
+    (the live status page, :mod:`ackflow.observe.ui`), ``executor`` (``"spark"``;
+    ``"local"`` runs the same task code in this process without a JVM, for tests of
+    flows with Python steps only: see :mod:`ackflow.spark.local`).
 
     Returns a :class:`RunReport`. A message is acked only when every row derived from
     it was written; every other message is nacked (retried by the source's policy),
