@@ -251,10 +251,7 @@ def load_flow(target: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise ConfigError(f"flow file {path!r} has a syntax error at line {e.lineno}: "
-                          f"{e.msg}") from None
+        spec.loader.exec_module(module)  # (syntax errors: check_flow_file, before Spark)
     except Exception as e:  # noqa: BLE001 - the user's module failed to load: say so, once
         raise ConfigError(f"flow file {path!r} failed to load: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}") from None

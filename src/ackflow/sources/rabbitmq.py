@@ -356,9 +356,8 @@ class RabbitMQSource(Source):
         """Split into tags of the current channel and stale deliveries."""
         tags, stale = [], []
         for d in deliveries:
-            gen, tag = d.handle  # type: ignore[misc]
-            if gen == self._gen and self._ch is not None and tag in self._outstanding:
-                tags.append(tag)
+            if self._live(d):
+                tags.append(d.handle[1])  # type: ignore[index]
             else:
                 stale.append(d)
         if stale:
