@@ -116,6 +116,7 @@ class Published:
     per_source: Counter[str] = field(default_factory=Counter)
     stream_count: int = 0
     errors: int = 0
+    error_log: list[str] = field(default_factory=list)
 
 
 class Publisher(threading.Thread):
@@ -200,9 +201,10 @@ class Publisher(threading.Thread):
                     delivery_mode=2, message_id=mid), mandatory=True)
                 self.record("queue", mid, poison)
                 k += 1
-        except (OSError, pika.exceptions.AMQPError):
+        except (OSError, pika.exceptions.AMQPError) as e:
             # not confirmed: publish again with the same message_id (the same identity)
             self.out.errors += 1
+            self.out.error_log.append(f"queue at {k}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
             self._carry["q"] = msgs[k:]
             self._conn = None
 
@@ -210,6 +212,7 @@ class Publisher(threading.Thread):
         from rstream import Producer
 
         self._carry["s"] = []
+        sent = [0]
 
         async def go() -> None:
             async with Producer("127.0.0.1", self.rmq.stream_port, username="guest",
@@ -218,14 +221,17 @@ class Publisher(threading.Thread):
                     await p.send_wait(STREAM, body)
                     self.record("stream", mid, poison)
                     self.out.stream_count += 1
+                    sent[0] += 1
 
         try:
             asyncio.run(asyncio.wait_for(go(), 30))
-        except Exception:  # noqa: BLE001 - rstream raises many kinds; counted, reported
+        except Exception as e:  # noqa: BLE001 - rstream raises many kinds; counted, reported
             # a message not confirmed may still be in the stream: publishing again could
             # duplicate it under a new offset, so it is not published again; the
             # publisher pauses around broker restarts so that this does not happen
             self.out.errors += 1
+            self.out.error_log.append(
+                f"stream at {sent[0]}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
 
     def write_file(self) -> None:
         if not self._pending_lines:
@@ -342,6 +348,7 @@ class Stats:
     peak_rss_driver: int = 0
     peak_rss_tree: int = 0
     acked: float = 0.0
+    first_ack_s: list[float] = field(default_factory=list)  # per child: start to first ack
 
 
 def log_line(msg: str, t0: float) -> None:
@@ -435,6 +442,8 @@ class Soak:
         self.stats.peak_rss_tree = max(self.stats.peak_rss_tree, tree)
         acked = c.poll_acked()
         if acked is not None and acked > c.acked:
+            if c.acked == 0:
+                self.stats.first_ack_s.append(round(now - c.started, 1))
             self.stats.acked += acked - c.acked
             c.acked = acked
             if soak:
@@ -461,7 +470,8 @@ class Soak:
                 kills.pop(0)
                 c.kill()
                 self.stats.kills += 1
-                self.say(f"SIGKILL pipeline (pid {c.pid}, kill {self.stats.kills})")
+                self.say(f"SIGKILL pipeline (pid {c.pid}, kill {self.stats.kills}, it acked "
+                         f"{c.acked:.0f}; {self.stats.acked:.0f} in all)")
                 self.start_child()
             elif c.proc.poll() is not None:
                 rc = c.proc.returncode
@@ -547,6 +557,40 @@ def stream_committed(rmq: Any) -> int:
         return -1
 
 
+def stream_tail(rmq: Any, start: int) -> list[tuple[int, str]]:
+    """(offset, body) of every stream message from ``start``."""
+    from rstream import Consumer, ConsumerOffsetSpecification, OffsetType
+
+    got: list[tuple[int, str]] = []
+
+    async def on_message(body: Any, ctx: Any) -> None:
+        text = bytes(body).decode("utf-8", "replace")
+        got.append((int(ctx.offset), text))
+
+    async def go() -> None:
+        async with Consumer("127.0.0.1", rmq.stream_port, username="guest",
+                            password="guest") as c:
+            await c.subscribe(STREAM, on_message, offset_specification=ConsumerOffsetSpecification(
+                OffsetType.OFFSET, max(0, start)))
+            n = -1
+            while n != len(got):  # until nothing more comes for a second
+                n = len(got)
+                await asyncio.sleep(1.0)
+
+    try:
+        asyncio.run(go())
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        got.append((-1, f"{type(e).__name__}: {e}"))
+    return got
+
+
+def is_poison(text: str) -> bool:
+    try:
+        return int(json.loads(text)["qty"]) <= 0
+    except (ValueError, KeyError, TypeError):
+        return True
+
+
 def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
     import psycopg
     import pyarrow.parquet as pq
@@ -571,6 +615,16 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
             dead_ids[m.group(1)] += 1
         else:
             unknown_dead += 1
+    # what the stream really holds: a message whose publish raised (no confirm) may be
+    # in the stream all the same; it is published then, and must be processed
+    in_stream = stream_tail(rmq, 0)
+    extra_stream = []
+    for off, text in in_stream:
+        mid = ID_RE.search(text)
+        if mid and mid.group(1) not in pub.good and mid.group(1) not in pub.poison:
+            extra_stream.append((off, text[:120]))
+            (pub.poison if is_poison(text) else pub.good).add(mid.group(1))
+    stream_end = max((off for off, _ in in_stream), default=-1)
     good, poison = pub.good, pub.poison
     lost_pg = good - set(pg_ids)
     lost_pq = good - set(pq_ids)
@@ -596,12 +650,15 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         "rows_not_published": sorted(unknown_rows)[:20],
         "dead_letters_without_id": unknown_dead,
         "queue_depth": depth,
-        "stream_stored_offset": committed, "stream_last_offset": pub.stream_count - 1,
+        "stream_stored_offset": committed, "stream_last_offset": stream_end,
         "files_left": left[:20],
     }
+    checks["stream_unconfirmed_in_stream"] = extra_stream
+    # offsets the broker never delivers (seen after a restart): the source declares them gaps
+    checks["stream_offsets_not_messages"] = stream_end + 1 - len(in_stream)
     ok = (not lost and not duplicated and not good_dead and not poison_written
           and not unknown_rows and unknown_dead == 0 and depth == 0
-          and committed == pub.stream_count - 1 and not left)
+          and committed == stream_end and not left)
     return {"lost": len(lost), "duplicated": len(duplicated), "dead_lettered": len(dead_rows),
             "good_dead_lettered": len(good_dead), "rows_postgres": sum(pg_ids.values()),
             "rows_parquet": sum(pq_ids.values()), "ok": ok, "checks": checks}
@@ -632,6 +689,10 @@ def main(argv: list[str] | None = None) -> int:
             soak = Soak(a, sched, pg, rmq, work)
             pub = soak.run()
             result = verify(pub, pg, rmq, soak)
+            soak.log.close()
+            with open(os.path.join(work, "pipeline.log"), "rb") as f:
+                fired = Counter(m.decode() for m in re.findall(
+                    rb"ackflow: fault point '([a-z_.]+)' \(hit \d+\): exiting now", f.read()))
     finally:
         if a.keep:
             print(f"work directory kept: {work}", flush=True)
@@ -642,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         "minutes": a.minutes, "seed": seed, "messages": len(pub.good) + len(pub.poison),
         "poison": len(pub.poison), "per_source": dict(pub.per_source),
         "kills": st.kills, "fault_point_exits": st.fault_exits,
-        "fault_points_armed": dict(st.fault_starts), "other_exits": st.other_exits,
+        "fault_points_armed": dict(st.fault_starts), "fault_points_fired": dict(fired),
+        "other_exits": st.other_exits,
         "child_starts": st.starts, "broker_restarts": st.broker_restarts,
         "db_outages": st.db_outages, "db_outage_s": st.outage_s,
         "lost": result["lost"], "duplicated": result["duplicated"],
@@ -650,9 +712,12 @@ def main(argv: list[str] | None = None) -> int:
         "good_dead_lettered": result["good_dead_lettered"],
         "rows_postgres": result["rows_postgres"], "rows_parquet": result["rows_parquet"],
         "longest_stall_s": round(st.longest_stall_s, 1),
+        "acked_seen": int(st.acked),
+        "first_ack_s_max": max(st.first_ack_s, default=None),
+        "first_ack_s_median": sorted(st.first_ack_s)[len(st.first_ack_s) // 2] if st.first_ack_s else None,
         "peak_rss_driver_mb": round(st.peak_rss_driver / 2**20, 1),
         "peak_rss_child_tree_mb": round(st.peak_rss_tree / 2**20, 1),
-        "publish_errors": pub.errors,
+        "publish_errors": pub.errors, "publish_error_log": pub.error_log[:10],
         "elapsed_s": round(time.monotonic() - started, 1),
         "checks": result["checks"], "ok": result["ok"],
     }
@@ -668,7 +733,9 @@ def print_table(s: dict[str, Any]) -> None:
         ("seed", s["seed"]), ("minutes", s["minutes"]),
         ("SIGKILLs of the pipeline", s["kills"]),
         ("fault points armed (starts)", armed),
-        ("exits at a fault point", s["fault_point_exits"]),
+        ("fault points fired (driver or worker)",
+         ", ".join(f"{k} x{v}" for k, v in sorted(s["fault_points_fired"].items())) or "none"),
+        ("pipeline exits at a fault point", s["fault_point_exits"]),
         ("other pipeline exits", s["other_exits"]),
         ("pipeline starts", s["child_starts"]),
         ("broker restarts", s["broker_restarts"]),
@@ -680,6 +747,8 @@ def print_table(s: dict[str, Any]) -> None:
         ("good messages dead-lettered", s["good_dead_lettered"]),
         ("rows in PostgreSQL / Parquet", f"{s['rows_postgres']:,} / {s['rows_parquet']:,}"),
         ("longest stall (no ack progress)", f"{s['longest_stall_s']} s"),
+        ("pipeline start to first ack", f"median {s['first_ack_s_median']} s, "
+         f"max {s['first_ack_s_max']} s"),
         ("peak RSS driver / child tree", f"{s['peak_rss_driver_mb']} / {s['peak_rss_child_tree_mb']} MB"),
         ("elapsed", f"{s['elapsed_s']} s"),
         ("checks", "ok" if s["ok"] else json.dumps(s["checks"])),
