@@ -226,9 +226,11 @@ class Publisher(threading.Thread):
         try:
             asyncio.run(asyncio.wait_for(go(), 30))
         except Exception as e:  # noqa: BLE001 - rstream raises many kinds; counted, reported
-            # a message not confirmed may still be in the stream: publishing again could
-            # duplicate it under a new offset, so it is not published again; the
-            # publisher pauses around broker restarts so that this does not happen
+            # a message not confirmed may still be in the stream: publishing it again
+            # could duplicate it under a new offset, so it is not; verify() reads the
+            # stream and counts such a message as published (the rest of the batch was
+            # never sent). The publisher pauses around broker restarts, yet a stream
+            # can still be unavailable for a moment after one.
             self.out.errors += 1
             self.out.error_log.append(
                 f"stream at {sent[0]}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
@@ -370,7 +372,6 @@ class Soak:
         self.log = open(os.path.join(work, "pipeline.log"), "ab")
         self.t0 = time.monotonic()
         self.child: Child | None = None
-        self.lock = threading.Lock()
 
     def say(self, msg: str) -> None:
         if not self.a.quiet:
