@@ -325,6 +325,19 @@ def segment_names(ex: Example) -> list[list[str]]:
     return segs
 
 
+def _read_later(steps: Sequence[tuple[str, int]], k: int) -> bool:
+    """Whether the column step ``k`` writes is ever computed. Spark prunes a column no
+    later step reads: a ``group`` replaces ``c`` by ``min(n)``, so a cast whose only
+    readers before that group are other Column steps is never evaluated and cannot fail
+    (a plain-Python step, a branch step and the sinks read every column)."""
+    for kind, _ in steps[k + 1:]:
+        if kind == "group":
+            return False
+        if kind in ("map", "filter", "flat_map", "crash"):
+            return True
+    return True
+
+
 def model(ex: Example) -> list[Fate]:
     fates = []
     counts = [0] * ex.sources
@@ -362,7 +375,7 @@ def model(ex: Example) -> list[Fate]:
                 else:
                     out.append((i, key, r))
             elif kind == "cast":
-                if v % arg == 0:
+                if v % arg == 0 and _read_later(ex.steps, k):
                     fates[i].crash = fates[i].crash or name
                 else:
                     out.append((i, key, r))

@@ -112,6 +112,14 @@ MERGED_DEAD_LETTERS = Example((None, None), 2, (), False, "all", OK, True, (), (
 TWO_GROUPS_ONE_MESSAGE = Example((0,), 1, (("flat_map", 2), ("flat_map", 3)), True, "all",
                                  OK, False, (), (), 1, 1, 1)
 
+# Spark prunes a column nothing reads: a failing cast of ``c`` followed by a group (which
+# replaces ``c``) never runs, so the message is acked; the model first said it must fail
+CAST_UNREAD = Example((0,), 1, (("cast", 5), ("group", 0)), False, "all", OK, False, (), (),
+                      1, 1, 1)
+# the same cast read by a Python step before the group does run, and fails the message
+CAST_READ = Example((0, 1), 1, (("cast", 5), ("filter", 7), ("group", 0)), False, "all", OK,
+                    False, (), (), 2, 2, 1)
+
 
 @settings(max_examples=LOCAL_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -127,5 +135,7 @@ def test_model_local(ex: Example) -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(ex=examples(spark=True, max_messages=16))
+@example(ex=CAST_UNREAD)
+@example(ex=CAST_READ)
 def test_model_spark(spark: object, ex: Example) -> None:
     run_example(ex, spark=spark)
