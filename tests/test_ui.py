@@ -30,7 +30,7 @@ from ackflow.observe.status import PREVIEW_BYTES, EngineFacts, StatusBoard
 from ackflow.observe.ui import StatusServer
 from ackflow.sinks import MemorySink
 from ackflow.sources import EmbeddedQueue as EmbeddedQueueSource
-from ackflow.testing import ListSource
+from ackflow.testing import FailingSink, ListSource
 from helpers import wait_until
 
 CHROMIUM = os.environ.get("ACKFLOW_CHROMIUM", "/usr/bin/chromium")
@@ -165,6 +165,10 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         wait_js(page, "() => document.querySelector('#graph g.node.sink')"
                       ".textContent.includes('rows written 400')")
         assert "rows written 400" in sink_node.text_content()
+        for step in ("decode", "validate"):  # counted in the Spark tasks (not the sampler's)
+            node = f'#graph g.node[data-name="{step}"]'
+            wait_js(page, f"() => document.querySelector('{node}').textContent"
+                          ".includes('rows in 400 · out 400')")
         names = page.eval_on_selector_all("#graph g.node", "ns => ns.map(n => n.dataset.name)")
         assert names == ["embedded:orders", "decode", "validate", "orders", "dead letters"]
 
@@ -293,6 +297,64 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
     assert sorted(r["n"] for r in sink.rows) == [-1, *range(1000)]
     with pytest.raises(OSError):  # the page went away with the run
         socket.create_connection(("127.0.0.1", port), timeout=3).close()
+
+
+def bodies(n: int) -> list[bytes]:
+    return [b"not json" if i % 10 == 9 else json.dumps({"n": i}).encode() for i in range(n)]
+
+
+def rows_by_step(flow: ackflow.Flow, **engine: object) -> dict:
+    """Run ``flow`` with the status page on; the rows per step of its last snapshot."""
+    run = Engine(flow, batch_size=25, max_inflight=100, until_idle=0.3, ui_port=0,
+                 handle_signals=False, **engine)
+    run.run()
+    assert run.board is not None
+    return run.board.current()[1]["rows_by_step"]
+
+
+def test_rows_in_out_and_failed_per_step_are_counted_in_the_tasks():
+    # 100 messages, 10 undecodable; map fails n % 7 == 0 (13 of the 90); the filter drops
+    # odd n; flat_map makes 3 rows of each; the sink refuses rows with n % 11 == 0
+    def check(row):
+        if row["n"] % 7 == 0:
+            raise ValueError("a seventh")
+        return row
+
+    sink = FailingSink(fail_if=lambda r: r["n"] % 11 == 0, name="out")
+    flow = (ackflow.Flow(ListSource(bodies(100))).map(check, name="check")
+            .filter(lambda r: r["n"] % 2 == 0, name="even")
+            .flat_map(lambda r: [{"n": r["n"], "k": k} for k in range(3)], name="three")
+            .to(sink))
+    good = [n for n in range(100) if n % 10 != 9 and n % 7 != 0]
+    even = [n for n in good if n % 2 == 0]
+    refused = 3 * sum(1 for n in even if n % 11 == 0)
+    rows = rows_by_step(flow, executor="local")
+    assert rows == {
+        "decode": {"in": 100, "out": 90, "failed": 10},
+        "check": {"in": 90, "out": len(good), "failed": 90 - len(good)},
+        "even": {"in": len(good), "out": len(even), "failed": 0},
+        "three": {"in": len(even), "out": 3 * len(even), "failed": 0},
+        "out": {"in": 3 * len(even), "out": 3 * len(even) - refused, "failed": refused},
+    }
+
+
+@pytest.mark.spark
+def test_rows_around_spark_steps_are_read_off_their_neighbours(spark):
+    flow = (ackflow.Flow(ListSource(bodies(60))).map(lambda r: {"n": r["n"], "g": r["n"] % 4},
+                                                      name="tag")
+            .group_by("g").agg("count(*) AS c", name="per_g")
+            .with_columns({"d": "c * 2"}, name="double")
+            .map(lambda r: {**r, "e": 1}, name="after")  # its sampler runs tag again: uncounted
+            .to(MemorySink()))
+    rows = rows_by_step(flow, spark=spark)
+    groups = rows["memory"]["in"]
+    assert 4 <= groups <= 4 * 3  # each batch of 25 groups its own rows (at most 4 groups)
+    assert rows["decode"] == {"in": 60, "out": 54, "failed": 6}
+    assert rows["tag"] == {"in": 54, "out": 54, "failed": 0}
+    assert rows["per_g"] == {"in": 54, "out": None, "failed": None}  # double follows it
+    assert rows["double"] == {"in": None, "out": groups, "failed": None}
+    assert rows["after"] == {"in": groups, "out": groups, "failed": 0}
+    assert rows["memory"] == {"in": groups, "out": groups, "failed": 0}
 
 
 def board_with_a_dead_letter(body: bytes) -> StatusBoard:

@@ -118,6 +118,7 @@ class Engine:
             self.board = StatusBoard(flow, self.report,
                                      replay_supported=flow.source.replays_dead_letters)
         self.ui: Any = None  # the StatusServer, while the run serves the page
+        self._plans: list[Any] = []  # the compiled plans (their row counts feed the page)
         self._phases: dict[str, str] = {}  # running batch id -> "job" or "commit"
         self._pending = 0  # pulled, not yet in a job (for the status page)
         self.inflight: dict[int, Delivery] = {}
@@ -416,26 +417,35 @@ class Engine:
             details = self.flow.source.status()
         except Exception as e:  # noqa: BLE001 - the page must never stop the run
             details = {"status": f"unavailable: {type(e).__name__}"}
+        rows: dict[str, tuple[int, int, int]] = {}
+        for plan in self._plans:
+            rows.update(plan.row_counts())  # each step and sink is in one plan
         self.board.publish(EngineFacts(
             state=state, in_flight=w.in_flight, max_inflight=w.max_inflight,
             throttled=w.throttled, throttle_episodes=w.throttle_episodes,
             batching=self._pending, jobs=jobs, held=len(self.held),
-            connected=self.flow.source.connected, source=details))
+            connected=self.flow.source.connected, source=details, rows=rows))
 
     # -- the loop -----------------------------------------------------------------------
 
     def _compiler(self) -> Callable[..., Any]:
         """Flow -> its executable plan: on Spark, or in this process (``executor="local"``,
-        for tests: the same task code, no JVM, Python steps only)."""
+        for tests: the same task code, no JVM, Python steps only). With the status page
+        on, the plan's tasks count rows per step."""
+        count = self.board is not None
         if self.executor == "local":
             from ackflow.spark.local import LocalFlow
 
-            return LocalFlow
+            return lambda f, **kw: self._plan(LocalFlow(f, count_rows=count, **kw))
         from ackflow.spark.compile import CompiledFlow
         from ackflow.spark.session import session
 
         spark = self.spark or session(self.master)
-        return lambda f, **kw: CompiledFlow(f, spark, **kw)
+        return lambda f, **kw: self._plan(CompiledFlow(f, spark, count_rows=count, **kw))
+
+    def _plan(self, plan: Any) -> Any:
+        self._plans.append(plan)
+        return plan
 
     def run(self) -> RunReport:
         flow = self.flow

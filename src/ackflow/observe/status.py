@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ackflow.core.secrets import redact
@@ -74,6 +74,8 @@ class EngineFacts:
     held: int  # waiting for their grouped_within groups
     connected: bool
     source: dict[str, object]
+    #: rows (in, out, failed) per Python step and sink, counted by the tasks
+    rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -95,6 +97,56 @@ def _clean(details: dict[str, object]) -> dict[str, object]:
             out[str(k)[:100]] = v
         else:
             out[str(k)[:100]] = redact(str(v))[:300]
+    return out
+
+
+def rows_by_node(graph: dict[str, Any], counts: dict[str, tuple[int, int, int]]
+                 ) -> dict[str, dict[str, int | None]]:
+    """Rows in / out / failed for each step and sink of the graph.
+
+    Python steps, decoding and the sinks are counted by the tasks. A Spark step
+    (with_columns, group_by, join, transform) runs inside Spark, where nothing counts its
+    rows; they are read off its neighbours: its rows in are the rows out of the step
+    before it, its rows out the rows into the step after it (None where that neighbour
+    is a Spark step too). A ``grouped_within`` step's rows out are the groups it made.
+    Rows that a Spark step fails fail the whole job; such messages are counted in
+    ``failed_by_step``, not here.
+
+    >>> g = {"nodes": [{"id": "step:decode", "role": "step", "name": "decode", "kind": "decode"},
+    ...                {"id": "step:agg", "role": "step", "name": "agg", "kind": "GroupBy"},
+    ...                {"id": "sink:out", "role": "sink", "name": "out", "kind": "Parquet"}],
+    ...      "edges": [["step:decode", "step:agg"], ["step:agg", "sink:out"]]}
+    >>> rows_by_node(g, {"decode": (10, 9, 1), "out": (3, 3, 0)})["agg"]
+    {'in': 9, 'out': 3, 'failed': None}
+    """
+    counts = {redact(k): v for k, v in counts.items()}  # the graph's names are redacted
+    known = {"step", "sink", "error_sink"}
+    nodes = {n["id"]: n for n in graph["nodes"] if n["role"] in known}
+    prev: dict[str, str] = {}
+    nxt: dict[str, str] = {}
+    for a, b in graph["edges"]:
+        if a in nodes and b in nodes and nodes[b]["role"] != "error_sink":
+            prev.setdefault(b, a)
+            nxt.setdefault(a, b)
+    out: dict[str, dict[str, int | None]] = {}
+    for n in nodes.values():
+        c = counts.get(n["name"])
+        if c is not None:
+            out[n["name"]] = {"in": c[0], "out": c[1], "failed": c[2]}
+    for node_id, n in nodes.items():
+        name = n["name"]
+        if (name in out and n["kind"] != "GroupedWithin") or n["role"] != "step":
+            continue  # counted; or a sink of a broadcast (its rows written are known)
+        before = nodes.get(prev.get(node_id, ""))
+        after = nodes.get(nxt.get(node_id, ""))
+        mine = out.get(name, {"in": None, "out": None, "failed": None})
+        if mine["in"] is None and before is not None and before["name"] in out:
+            mine["in"] = out[before["name"]]["out"]
+        if after is not None and after["name"] in counts:
+            mine["out"] = counts[after["name"]][0]
+        elif n["kind"] == "GroupedWithin":
+            mine["out"] = None  # what it collected is not what it made
+        out[name] = mine
     return out
 
 
@@ -259,6 +311,7 @@ class StatusBoard:
                        "batches": r.batches, "jobs": r.jobs, "bisections": r.bisections},
             "rows_written": {redact(k): v for k, v in r.rows_written.items()},
             "failed_by_step": {k: dict(v) for k, v in self._failed.items()},
+            "rows_by_step": rows_by_node(self.graph, facts.rows),
             "window": {
                 "in_flight": facts.in_flight, "max_inflight": facts.max_inflight,
                 "throttled": facts.throttled, "throttle_episodes": facts.throttle_episodes,

@@ -8,10 +8,11 @@ returns receipts, and the job's result is fetched with ``toArrow()``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +47,14 @@ from ackflow.spark.rows import (
     IDS,
     KEY,
     LIVE,
+    NO_COUNT,
     SRC,
     STATUS,
     STEP,
     TASK_RECEIPTS,
+    Counts,
+    CountsParam,
+    Tally,
     infer_schema,
     internal_schema,
     make_sampler,
@@ -111,6 +116,27 @@ class Plan:
         self._prepare_lock = threading.Lock()
         self.parallelism = max(1, parallelism)
         self.shipped = _pickle_parts(flow)
+        #: rows in, out and failed per step, added by tasks (set by executors asked to
+        #: count, for the status page; None: tasks count nothing)
+        self.tally: Tally | None = None
+
+    def row_counts(self) -> Counts:
+        """Rows in, out and failed per Python step and per sink so far (a snapshot).
+
+        Rows of every job count, a job that failed and its bisection jobs too: these are
+        rows processed, not messages (a message's outcome is in the run report)."""
+        return dict(self.tally.value) if self.tally is not None else {}
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Jobs run inside (the sampler, a poison message's locating) count no rows."""
+        from ackflow.spark.rows import LOCAL_TASK
+
+        LOCAL_TASK.nocount = True
+        try:
+            yield
+        finally:
+            LOCAL_TASK.nocount = False
 
     @property
     def step_order(self) -> list[str]:
@@ -217,10 +243,13 @@ class CompiledFlow(Plan):
     fails and is bisected like any other.
     """
 
-    def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False) -> None:
+    def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False,
+                 count_rows: bool = False) -> None:
         super().__init__(flow, parallelism=spark.sparkContext.defaultParallelism,
                          rows_input=rows_input)
         self.spark = spark
+        if count_rows:
+            self.tally = spark.sparkContext.accumulator({}, CountsParam())  # type: ignore[arg-type]
         self._persisted: dict[str, DataFrame] = {}
         if not spark.sparkContext.master.startswith("local"):
             check_executors_can_load(spark, self.shipped)
@@ -228,6 +257,16 @@ class CompiledFlow(Plan):
     def bind_thread(self, batch_id: str) -> None:
         self.spark.sparkContext.setJobGroup(batch_id, f"ackflow {batch_id}",
                                             interruptOnCancel=True)
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        sc = self.spark.sparkContext
+        before = sc.getLocalProperty(NO_COUNT)
+        sc.setLocalProperty(NO_COUNT, "1")  # this thread's jobs (local properties are per thread)
+        try:
+            yield
+        finally:
+            sc.setLocalProperty(NO_COUNT, before)  # type: ignore[arg-type]
 
     # -- the job ------------------------------------------------------------------------
 
@@ -266,7 +305,8 @@ class CompiledFlow(Plan):
             try:
                 out, _, _, alive = self._chain(self.segments[:k], (), df, data_cols, lineage,
                                                decode=not self.rows_input)
-                out.toArrow()  # every column evaluated
+                with self.uncounted():
+                    out.toArrow()  # every column evaluated
             except FlowError:
                 raise
             except Exception:  # noqa: BLE001 - this prefix is where it breaks
@@ -274,6 +314,11 @@ class CompiledFlow(Plan):
             if not alive:
                 break
         return self.sink.name if len(self.sinks) == 1 else "broadcast"
+
+    def _sample(self, df: DataFrame, sampler: Any) -> list[bytes]:
+        with self.uncounted():  # the steps before it run again here
+            out = df.mapInArrow(sampler, "rows binary").toArrow()
+        return out.column("rows").to_pylist()  # type: ignore[no-any-return]
 
     def release(self, batch_id: str) -> None:
         with self._lock:
@@ -289,14 +334,14 @@ class CompiledFlow(Plan):
         for index, seg in enumerate(segs):
             if seg.python:
                 data_in = None if decode and index == 0 else data_cols
-                schema = self._schema((*key, index), seg, functools.partial(_sample, df),
+                schema = self._schema((*key, index), seg, functools.partial(self._sample, df),
                                       data_in, lineage)
                 dead_end = schema is None  # no live row past this segment in this batch
                 if schema is None:
                     schema = pa.schema([])
                 out_schema = pa.schema([*schema, *internal_schema(lineage)])
                 fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
-                                  out_schema, lineage)
+                                  out_schema, lineage, self.tally)
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:
@@ -316,7 +361,8 @@ class CompiledFlow(Plan):
             fields = {f.name: f for f in df.schema.fields}
             schema = to_arrow_schema(StructType([fields[c] for c in data_cols]))
             self.prepare_sink(sink, schema)
-        return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage, self.step_order),
+        return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage, self.step_order,
+                                         self.tally),
                              from_arrow_schema(TASK_RECEIPTS))
 
     def _apply(self, step: Step, df: DataFrame, data_cols: list[str],
@@ -421,8 +467,6 @@ class CompiledFlow(Plan):
         return out, [c for c in out.columns if not c.startswith("__af_")], lineage
 
 
-def _sample(df: DataFrame, sampler: Any) -> list[bytes]:
-    return df.mapInArrow(sampler, "rows binary").toArrow().column("rows").to_pylist()  # type: ignore[no-any-return]
 
 
 def _spark_safe(schema: pa.Schema) -> pa.Schema:

@@ -42,6 +42,7 @@ from ackflow.spark.rows import (
     STATUS,
     STEP,
     TASK_RECEIPTS,
+    LocalTally,
     internal_schema,
     make_segment,
     make_writer,
@@ -70,8 +71,11 @@ class LocalFlow(Plan):
 
     spark = None
 
-    def __init__(self, flow: Flow, *, rows_input: bool = False, parallelism: int = 2) -> None:
+    def __init__(self, flow: Flow, *, rows_input: bool = False, parallelism: int = 2,
+                 count_rows: bool = False) -> None:
         super().__init__(flow, parallelism=parallelism, rows_input=rows_input)
+        if count_rows:
+            self.tally = LocalTally()
         fork = flow.forked
         steps = [*(flow.steps[:-1] if fork else flow.steps)]
         for b in fork.branches if fork is not None else ():
@@ -103,6 +107,7 @@ class LocalFlow(Plan):
         return out
 
     def _sample(self, parts: Partitions, sampler: TaskFn) -> list[bytes]:
+        # the steps before it do not run again here (the partitions are their output)
         return [blob for t in self._tasks(sampler, parts, None)
                 for blob in t.column("rows").to_pylist()]
 
@@ -141,7 +146,7 @@ class LocalFlow(Plan):
             schema = out if out is not None else pa.schema([])
             out_schema = pa.schema([*schema, *internal_schema(lineage)])
             fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
-                              out_schema, lineage)
+                              out_schema, lineage, self.tally)
             parts = self._tasks(fn, parts, out_schema)
             if dead_end:
                 return parts, schema, False
@@ -153,7 +158,7 @@ class LocalFlow(Plan):
         if type(sink).prepare is not Sink.prepare:
             self.prepare_sink(sink, schema)
         parts = [p.select([*cols, lineage, KEY, STATUS, STEP, ERR]) for p in parts]
-        writer = make_writer(sink, batch_id, cols, lineage, self.step_order)
+        writer = make_writer(sink, batch_id, cols, lineage, self.step_order, self.tally)
         out = self._tasks(writer, parts, TASK_RECEIPTS)
         return pa.concat_tables(out) if out else TASK_RECEIPTS.empty_table()
 
@@ -162,8 +167,9 @@ class LocalFlow(Plan):
         parts, schema, lineage = self._start(inputs)
         for k, seg in enumerate(self.segments, start=1):
             try:
-                _, _, alive = self._chain(self.segments[:k], (), parts, schema, lineage,
-                                          decode=not self.rows_input)
+                with self.uncounted():
+                    _, _, alive = self._chain(self.segments[:k], (), parts, schema, lineage,
+                                              decode=not self.rows_input)
             except TaskFailed:
                 return "+".join(s.name for s in seg.steps) or "decode"
             if not alive:

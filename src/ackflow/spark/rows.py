@@ -9,11 +9,13 @@ receipts carry the failure to the ledger.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +53,91 @@ def child_key(key: str, index: int) -> str:
 
 
 TASK_RECEIPTS = RECEIPT_SCHEMA.append(pa.field("token", pa.binary()))
+
+# -- rows in, out and failed per step (for the status page) -------------------------------
+
+#: step or sink name -> (rows in, rows out, rows failed), summed over tasks
+Counts = dict[str, tuple[int, int, int]]
+
+
+class Tally(Protocol):
+    """Where tasks add their row counts: a Spark accumulator (:class:`CountsParam`), or a
+    :class:`LocalTally` in the in-process executor. Tasks add once per Arrow batch."""
+
+    def add(self, term: Counts) -> None: ...
+
+    @property
+    def value(self) -> Counts: ...
+
+
+#: a Spark local property: "1" while a job runs that must not count rows (the sampler
+#: that infers columns, the prefixes run to locate a poison message)
+NO_COUNT = "ackflow.nocount"
+
+
+def counting() -> bool:
+    """Whether this task's rows count (see :data:`NO_COUNT`)."""
+    if getattr(LOCAL_TASK, "nocount", False):
+        return False
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx is None or ctx.getLocalProperty(NO_COUNT) != "1"
+
+
+def add_counts(a: Counts, b: Counts) -> Counts:
+    """``a`` plus ``b``, as a new dict (``a`` is never changed: a reader may hold it).
+
+    >>> add_counts({"parse": (3, 2, 1)}, {"parse": (1, 1, 0), "sink": (2, 2, 0)})
+    {'parse': (4, 3, 1), 'sink': (2, 2, 0)}
+    """
+    out = dict(a)
+    for name, (i, o, f) in b.items():
+        x = out.get(name, (0, 0, 0))
+        out[name] = (x[0] + i, x[1] + o, x[2] + f)
+    return out
+
+
+class CountsParam:
+    """The ``AccumulatorParam`` of row counts: merging makes a new dict, so the driver's
+    readers (the status page) never see one change under them."""
+
+    def zero(self, value: Counts) -> Counts:
+        return {}
+
+    def addInPlace(self, a: Counts, b: Counts) -> Counts:
+        return add_counts(a, b)
+
+
+_LOCAL_TALLIES: weakref.WeakValueDictionary[int, LocalTally] = weakref.WeakValueDictionary()
+_LOCAL_IDS = itertools.count(1)
+
+
+def _local_tally(token: int) -> LocalTally:
+    return _LOCAL_TALLIES[token]
+
+
+class LocalTally:
+    """Row counts of the in-process executor. Its tasks run on unpickled copies of the
+    task functions; a copy of this object is this object (it pickles as a reference
+    into this process), so what the tasks add is seen here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value: Counts = {}
+        self._token = next(_LOCAL_IDS)
+        _LOCAL_TALLIES[self._token] = self
+
+    def add(self, term: Counts) -> None:
+        with self._lock:
+            self._value = add_counts(self._value, term)
+
+    @property
+    def value(self) -> Counts:
+        return self._value
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _local_tally, (self._token,)
 
 Out = tuple[int, "dict[str, Any] | None", "str | None", "str | None", str]
 
@@ -125,18 +212,21 @@ def decode_batch(
     return rows, status, steps, errs
 
 
-def run_steps(row: dict[str, Any], steps: Sequence[Step], key: str = "") -> list[Out]:
+def run_steps(row: dict[str, Any], steps: Sequence[Step], key: str = "",
+              tally: dict[str, list[int]] | None = None) -> list[Out]:
     """Run ``row`` through the Python steps; return the rows out and the failures.
 
     Each row out carries its key: ``key`` itself through map and filter, and
     ``key#i`` for the i-th row a flat_map yields, so that a redelivered message gives
     its rows the same keys again (the position among the message's rows, not the
-    order of arrival, names a row).
+    order of arrival, names a row). ``tally`` (if given) gets each step's rows in, out
+    and failed added.
     """
     items = [(row, key)]
     outs: list[Out] = []
     for step in steps:
         nxt: list[tuple[dict[str, Any], str]] = []
+        failed = len(outs)
         for r, k in items:
             try:
                 if isinstance(step, Map):
@@ -160,6 +250,11 @@ def run_steps(row: dict[str, Any], steps: Sequence[Step], key: str = "") -> list
                     nxt.extend(children)
             except Exception as e:  # noqa: BLE001 - any user error fails only this row
                 outs.append((FAILED, None, step.name, describe(e), k))
+        if tally is not None:
+            t = tally.setdefault(step.name, [0, 0, 0])
+            t[0] += len(items)
+            t[1] += len(nxt)
+            t[2] += len(outs) - failed
         items = nxt
     outs.extend((LIVE, r, None, None, k) for r, k in items)
     if not outs:
@@ -175,6 +270,7 @@ def segment_rows(
     errs: Sequence[str | None],
     rows: Sequence[dict[str, Any] | None],
     steps: Sequence[Step],
+    tally: dict[str, list[int]] | None = None,
 ) -> tuple[list[int], list[str], list[int], list[str | None], list[str | None], list[dict[str, Any]]]:
     o_id: list[int] = []
     o_key: list[str] = []
@@ -187,7 +283,7 @@ def segment_rows(
         if status[i] != LIVE or row is None:
             outs: list[Out] = [(status[i], None, steps_[i], errs[i], keys[i])]
         else:
-            outs = run_steps(row, steps, keys[i])
+            outs = run_steps(row, steps, keys[i], tally)
         for st, r, sname, err, k in outs:
             o_id.append(mid)
             o_key.append(k)
@@ -230,13 +326,15 @@ def conform(
 
 def make_segment(
     steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None, data_schema: pa.Schema,
-    out_schema: pa.Schema, lineage: str = ID,
+    out_schema: pa.Schema, lineage: str = ID, tally: Tally | None = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None)."""
+    """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None);
+    with a ``tally``, it adds each step's rows in, out and failed once per batch."""
     last = steps[-1].name if steps else "decode"
     id_type = out_schema.field(lineage).type
 
     def segment(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        count = tally is not None and counting()
         for b in batches:
             ids = b.column(lineage).to_pylist()
             keys = b.column(KEY).to_pylist()
@@ -249,9 +347,26 @@ def make_segment(
                 sname = b.column(STEP).to_pylist()
                 errs = b.column(ERR).to_pylist()
                 rows = b.select(data_in).to_pylist() if data_in else [{} for _ in range(n)]
+            counts: dict[str, list[int]] | None = None
+            if count:
+                counts = {}
+                if data_in is None:
+                    bad = status.count(FAILED)
+                    counts["decode"] = [n, n - bad, bad]
             o_id, o_key, o_st, o_step, o_err, o_rows = segment_rows(ids, keys, status, sname,
-                                                                    errs, rows, steps)
-            data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
+                                                                    errs, rows, steps, counts)
+            if counts is not None and last in counts:
+                before = o_st.count(FAILED)
+                data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
+                misfit = o_st.count(FAILED) - before  # rows that do not fit the columns
+                if misfit:
+                    c = counts[last]
+                    c[1] -= misfit
+                    c[2] += misfit
+            else:
+                data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
+            if tally is not None and counts:
+                tally.add({k: (v[0], v[1], v[2]) for k, v in counts.items()})
             internal = [
                 pa.array(o_id, id_type),
                 pa.array(o_key, pa.string()),
@@ -296,11 +411,12 @@ def make_sampler(
 
 def make_writer(
     sink: Sink, batch_id: str, data_cols: list[str], lineage: str = ID,
-    order: Sequence[str] | None = None,
+    order: Sequence[str] | None = None, tally: Tally | None = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function that writes a partition's live rows and returns receipts.
 
-    A grouped row (lineage ``__af_ids``) gives one receipt line to each member id.
+    A grouped row (lineage ``__af_ids``) gives one receipt line to each member id. With
+    a ``tally``, it adds the sink's rows in (live), written by the task, and failed.
     """
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -360,6 +476,9 @@ def make_writer(
             members = table.column(lineage).combine_chunks()
             per_row = per_row.take(pc.list_parent_indices(members)).set_column(
                 0, "id", pc.list_flatten(members))
+        if tally is not None and len(live_idx) and counting():
+            done = int(written[live_idx].sum())
+            tally.add({sink.name: (len(live_idx), done, len(live_idx) - done)})
         receipts = compact_receipts(per_row, order)
         receipts = receipts.append_column("token", pa.nulls(receipts.num_rows, pa.binary()))
         yield from receipts.to_batches()

@@ -64,7 +64,9 @@ function nodeStats(node, s) {
     const written = s.rows_written[node.name];
     if (written !== undefined) lines.push([`rows written ${num(written)}`, ""]);
   } else {
+    const rows = (s.rows_by_step || {})[node.name];
     if (node.role === "sink") lines.push([`rows written ${num(s.rows_written[node.name] || 0)}`, ""]);
+    else if (rows) lines.push([`rows in ${num(rows.in)} · out ${num(rows.out)}`, ""]);
     lines.push([`failed: ${num(fails)}`, fails ? "bad" : ""]);
     if (fails && node.role !== "sink") {
       lines.push([`nacked ${num(failed.nacked)} · dead ${num(failed.dead_lettered)}`, "bad"]);
@@ -77,7 +79,7 @@ let graphKey = null;
 function drawGraph(s) {
   const g = $("graph");
   const flow = s.flow;
-  const key = JSON.stringify([flow, s.totals, s.rows_written, s.failed_by_step]);
+  const key = JSON.stringify([flow, s.totals, s.rows_written, s.failed_by_step, s.rows_by_step]);
   if (key === graphKey) return;
   graphKey = key;
   clear(g);
