@@ -16,7 +16,23 @@ over 100-byte JSON messages in the embedded queue:
 * ackflow_pg -- ackflow end to end into the Postgres sink (upserts on the row key);
 * rmq_limit  -- what RabbitMQ gives: raw pika consume with manual acks (multiple=True
                 every 1000) at the same prefetch as ackflow's window, no processing;
-* ackflow_rmq -- ackflow end to end from a RabbitMQ queue to Parquet.
+* ackflow_rmq -- ackflow end to end from a RabbitMQ classic queue to Parquet;
+* rmq_limit_quorum, ackflow_rmq_quorum -- the same on a quorum queue;
+* ss_files   -- Spark Structured Streaming on its own ground: ``readStream.json`` over
+                JSON-lines files, the same Python function as an Arrow UDF
+                (``mapInArrow``), the same SQL, ``writeStream.parquet`` with a checkpoint,
+                ``trigger(availableNow=True)``;
+* ackflow_files -- ackflow's Files source over the same files into Parquet;
+* latency    -- RabbitMQ at a low rate (``--latency-rate``, 200 msg/s, for
+                ``--latency-seconds``) with the engine's default settings: publish-to-ack
+                latency p50 / p99 (each body carries its publish time).
+
+Every phase reports the driver process's own CPU per message (``getrusage`` of the
+Python driver: the JVM and the Python workers are other processes and not counted).
+
+``--sweep 5000,10000,25000,50000`` runs ackflow_rmq at each batch size (window three
+batches) beside one rmq_limit and prints the spread; ``--repeat 3`` runs every phase
+three times and reports the median run (each run's rate is kept in the JSON).
 
 The Postgres and RabbitMQ phases run against throwaway servers (``ackflow.servers``)
 on loopback.
@@ -33,6 +49,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,19 +57,62 @@ import time
 from typing import Any
 
 QUEUE = "bench"
-PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq")
+PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq",
+          "rmq_limit_quorum", "ackflow_rmq_quorum", "ss_files", "ackflow_files", "latency")
 RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"),
-          ("ackflow_rmq", "rmq_limit"))
+          ("ackflow_rmq", "rmq_limit"), ("ackflow_rmq_quorum", "rmq_limit_quorum"),
+          ("ackflow_files", "ss_files"))
+FIELDS = "id BIGINT, sku STRING, qty BIGINT, price DOUBLE"
 
 
-def publish_rmq(url: str, queue: str, n: int) -> None:
+def cpu_s() -> float:
+    """This process's CPU seconds (all its threads; child processes are not counted)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def tree_cpu(pid: int | None) -> float:
+    """CPU seconds of process ``pid`` and its live descendants (and the children it
+    waited for): the JVM with its Python workers, or the broker."""
+    if pid is None:
+        return 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    kids: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            kids.setdefault(int(fields[1]), []).append(int(p))
+            cpu[int(p)] = sum(int(x) for x in fields[11:15]) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        q = todo.pop()
+        total += cpu.get(q, 0.0)
+        todo += kids.get(q, [])
+    return total
+
+
+def queue_args(qtype: str) -> dict[str, Any]:
+    """Benchmark queues have a dead-letter exchange (ackflow's reject_to_dlx checks it)."""
+    return {"x-queue-type": qtype, "x-dead-letter-exchange": "bench-dlx"}
+
+
+def rmq_queue(phase: str) -> str:
+    return QUEUE + ("-quorum" if phase.endswith("quorum") else "")
+
+
+def publish_rmq(url: str, queue: str, n: int, qtype: str = "classic") -> None:
     import pika
 
     from ackflow.sinks.rabbitmq import publish_confirmed
 
     conn = pika.BlockingConnection(pika.URLParameters(url))
     ch = conn.channel()
-    ch.queue_declare(queue, durable=True)
+    ch.queue_declare(queue, durable=True, arguments=queue_args(qtype))
     ch.queue_purge(queue)
     conn.close()
     props = pika.BasicProperties(delivery_mode=2)
@@ -62,7 +122,7 @@ def publish_rmq(url: str, queue: str, n: int) -> None:
             raise SystemExit("benchmark messages were not confirmed by the broker")
 
 
-def phase_rmq_limit(url: str, n: int, prefetch: int) -> dict[str, Any]:
+def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int) -> dict[str, Any]:
     import pika
 
     conn = pika.BlockingConnection(pika.URLParameters(url))
@@ -70,8 +130,9 @@ def phase_rmq_limit(url: str, n: int, prefetch: int) -> dict[str, Any]:
     ch.basic_qos(prefetch_count=min(prefetch, 65535))
     done = 0
     t0 = time.perf_counter()
+    c0 = cpu_s()
     last_tag = 0
-    for method, _, _ in ch.consume(QUEUE, inactivity_timeout=2):
+    for method, _, _ in ch.consume(queue, inactivity_timeout=2):
         if method is None:
             break
         done += 1
@@ -82,8 +143,10 @@ def phase_rmq_limit(url: str, n: int, prefetch: int) -> dict[str, Any]:
             break
     ch.basic_ack(last_tag, multiple=True)
     secs = time.perf_counter() - t0
+    cpu = cpu_s() - c0
     conn.close()
-    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb()}
+    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb(),
+            "driver_cpu_us": cpu / max(1, done) * 1e6}
 
 
 def body(i: int) -> bytes:
@@ -143,21 +206,46 @@ def pct(xs: list[float], q: float) -> float:
 # -- phases (each in its own process) --------------------------------------------------------
 
 
+def measured(done: int, secs: float, cpu: float, **extra: Any) -> dict[str, Any]:
+    return {"messages": done, "seconds": secs, "rate": done / secs if secs else 0.0,
+            "rss_mb": rss_mb(), "driver_cpu_us": cpu / max(1, done) * 1e6, **extra}
+
+
 def phase_limit(db: str, n: int, batch: int) -> dict[str, Any]:
     from ackflow.embedded import EmbeddedQueue
 
     q = EmbeddedQueue(db)
     q.claim_consumer(QUEUE)
     done = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     while done < n:
         leased = q.lease(QUEUE, batch, visibility_timeout=300)
         if not leased:
             break
         q.ack(QUEUE, [(m.row_id, m.deliveries) for m in leased])
         done += len(leased)
-    secs = time.perf_counter() - t0
-    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb()}
+    return measured(done, time.perf_counter() - t0, cpu_s() - c0)
+
+
+def arrow_parse(batches: Any) -> Any:
+    """``parse`` over Arrow batches of JSON bodies (the peer's Python step)."""
+    import pyarrow as pa
+
+    schema = pa.schema([("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()),
+                        ("price", pa.float64())])
+    for b in batches:
+        rows = [parse(json.loads(x)) for x in b.column("body").to_pylist()]
+        yield pa.RecordBatch.from_pylist(rows, schema=schema)
+
+
+def arrow_parse_rows(batches: Any) -> Any:
+    """``parse`` over Arrow batches of already-parsed rows (Structured Streaming's UDF)."""
+    import pyarrow as pa
+
+    schema = pa.schema([("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()),
+                        ("price", pa.float64())])
+    for b in batches:
+        yield pa.RecordBatch.from_pylist([parse(r) for r in b.to_pylist()], schema=schema)
 
 
 def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
@@ -169,22 +257,14 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
 
     spark = session("local[*]")
     q = EmbeddedQueue(db)
-    schema = "id BIGINT, sku STRING, qty BIGINT, price DOUBLE"
     parallelism = spark.sparkContext.defaultParallelism
-
-    def transform(batches):
-        for b in batches:
-            rows = [parse(json.loads(x)) for x in b.column("body").to_pylist()]
-            yield pa.RecordBatch.from_pylist(rows, schema=pa.schema(
-                [("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()),
-                 ("price", pa.float64())]))
 
     def one(bodies: list[bytes]) -> float:
         t = time.perf_counter()
         table = pa.table({"body": pa.array(bodies, pa.binary())})
         per = max(1, -(-len(bodies) // parallelism))
         table = pa.Table.from_batches(table.to_batches(max_chunksize=per))
-        df = spark.createDataFrame(table).mapInArrow(transform, schema)
+        df = spark.createDataFrame(table).mapInArrow(arrow_parse, FIELDS)
         df = df.withColumn("total", F.col("qty") * F.col("price"))
         df.write.mode("append").parquet(out)
         return time.perf_counter() - t
@@ -192,54 +272,186 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
     one([body(i) for i in range(batch)])  # warm-up: Python workers, JIT
     latencies = []
     done = 0
-    t0 = time.perf_counter()
+    jvm = jvm_pid()
+    t0, c0, s0 = time.perf_counter(), cpu_s(), tree_cpu(jvm)
     while done < n:
         leased = q.lease(QUEUE, batch, visibility_timeout=3600)
         if not leased:
             break
         latencies.append(one([m.body for m in leased]))
         done += len(leased)
-    secs = time.perf_counter() - t0
+    secs, cpu = time.perf_counter() - t0, cpu_s() - c0
+    return measured(done, secs, cpu, jvm_rss_mb=rss_mb(jvm) if jvm else None,
+                    spark_cpu_us=(tree_cpu(jvm) - s0) / max(1, done) * 1e6,
+                    batch_p50_s=pct(latencies, 0.5), batch_p99_s=pct(latencies, 0.99))
+
+
+def write_files(directory: str, n: int, per_file: int = 20_000) -> None:
+    """The messages as JSON-lines files (written aside, then renamed in)."""
+    os.makedirs(directory, exist_ok=True)
+    for k, start in enumerate(range(0, n, per_file)):
+        tmp = os.path.join(directory, f".part-{k:05d}.jsonl")
+        with open(tmp, "wb") as f:
+            f.write(b"\n".join(body(i) for i in range(start, min(n, start + per_file))) + b"\n")
+        os.rename(tmp, os.path.join(directory, f"part-{k:05d}.jsonl"))
+
+
+def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
+    """Structured Streaming over the same files: its file source, the same Python function
+    as an Arrow UDF, the same SQL, its Parquet sink with a checkpoint."""
+    from pyspark.sql import functions as F
+
+    from ackflow.spark.session import session
+
+    spark = session("local[*]")
+    schema = FIELDS + ", pad STRING"
+
+    def run(directory: str, target: str) -> float:
+        t = time.perf_counter()
+        df = (spark.readStream.schema(schema).option("maxFilesPerTrigger", max(
+            1, batch // 20_000)).json(directory).drop("pad")
+              .mapInArrow(arrow_parse_rows, FIELDS)
+              .withColumn("total", F.col("qty") * F.col("price")))
+        q = (df.writeStream.format("parquet").option("path", target)
+             .option("checkpointLocation", target + "-checkpoint")
+             .trigger(availableNow=True).start())
+        q.awaitTermination()
+        return time.perf_counter() - t
+
+    warm = src + "-warmup"
+    write_files(warm, batch)
+    run(warm, out + "-warmup")
     jvm = jvm_pid()
-    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb(),
-            "jvm_rss_mb": rss_mb(jvm) if jvm else None,
-            "batch_p50_s": pct(latencies, 0.5), "batch_p99_s": pct(latencies, 0.99)}
+    t0, c0, s0 = time.perf_counter(), cpu_s(), tree_cpu(jvm)
+    secs = run(src, out)
+    cpu, spark_cpu = cpu_s() - c0, tree_cpu(jvm) - s0
+    rows = spark.read.parquet(out).count()
+    if rows != n:
+        raise SystemExit(f"ss_files wrote {rows} rows of {n}")
+    assert time.perf_counter() - t0 >= secs
+    return measured(n, secs, cpu, spark_cpu_us=spark_cpu / n * 1e6)
 
 
-def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str,
-                  dsn: str | None = None, url: str | None = None) -> dict[str, Any]:
+def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
+                  dsn: str | None = None, url: str | None = None, queue: str = QUEUE,
+                  files: str | None = None) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
     from ackflow.sinks import Parquet, Postgres
-    from ackflow.sources import EmbeddedQueue, RabbitMQ
+    from ackflow.sources import EmbeddedQueue, Files, RabbitMQ
 
     spark = ackflow.session("local[*]")
 
-    def flow(queue: str, path: str) -> ackflow.Flow:
+    def flow(queue: str, path: str, files: str | None) -> ackflow.Flow:
         sink = (Postgres(dsn, f"bench_{queue}", create=True) if dsn is not None
                 else Parquet(path))
-        source = (RabbitMQ(url, queue, reject_to_dlx=True) if url is not None
-                  else EmbeddedQueue(db, queue))
+        if files is not None:
+            source: Any = Files(files, "jsonl", done="record")
+        elif url is not None:
+            source = RabbitMQ(url, queue, reject_to_dlx=True)
+        else:
+            source = EmbeddedQueue(db, queue)
         return (ackflow.Flow(source)
-                .map(parse, name="parse", schema="id BIGINT, sku STRING, qty BIGINT, price DOUBLE")
+                .map(parse, name="parse", schema=FIELDS)
                 .with_columns(total="qty * price")
                 .to(sink))
 
-    Engine(flow("warmup", out + "-warmup"), spark=spark, batch_size=batch, max_inflight=inflight,
-           until_idle=0.2, handle_signals=False).run()
+    warm = files + "-warmup" if files else None
+    if warm:
+        write_files(warm, batch)
+    Engine(flow("warmup", out + "-warmup", warm), spark=spark, batch_size=batch,
+           max_inflight=inflight, until_idle=0.2, handle_signals=False).run()
     peak = [0.0]
 
     def sample(report: Any, window: Any) -> None:
         peak[0] = max(peak[0], rss_mb())
 
-    report = Engine(flow(QUEUE, out), spark=spark, batch_size=batch, max_inflight=inflight,
-                    until_idle=0.5, handle_signals=False, progress=sample).run()
-    secs = report.elapsed_s - 0.5  # the idle wait at the end is not work
     jvm = jvm_pid()
-    return {"messages": report.acked, "seconds": secs, "rate": report.acked / secs,
-            "rss_mb": rss_mb(), "rss_peak_mb": peak[0], "jvm_rss_mb": rss_mb(jvm) if jvm else None,
-            "batch_p50_s": report.batch_p50_s, "batch_p99_s": report.batch_p99_s,
-            "nacked": report.nacked, "dead_lettered": report.dead_lettered}
+    c0, s0 = cpu_s(), tree_cpu(jvm)
+    report = Engine(flow(queue, out, files), spark=spark, batch_size=batch,
+                    max_inflight=inflight, until_idle=0.5, handle_signals=False,
+                    progress=sample).run()
+    cpu, spark_cpu = cpu_s() - c0, tree_cpu(jvm) - s0
+    secs = report.elapsed_s - 0.5  # the idle wait at the end is not work
+    if report.acked != n:
+        raise SystemExit(f"ackflow acked {report.acked} of {n} messages")
+    return measured(report.acked, secs, cpu, rss_peak_mb=peak[0],
+                    spark_cpu_us=spark_cpu / max(1, report.acked) * 1e6,
+                    jvm_rss_mb=rss_mb(jvm) if jvm else None,
+                    batch_p50_s=report.batch_p50_s, batch_p99_s=report.batch_p99_s,
+                    nacked=report.nacked, dead_lettered=report.dead_lettered)
+
+
+def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, Any]:
+    """Publish ``rate`` msg/s for ``seconds`` while ackflow runs with its default settings;
+    each body carries its publish time; the latency is taken when the broker is sent the
+    message's ack."""
+    import threading
+
+    import pika
+
+    import ackflow
+    from ackflow.engine import Engine
+    from ackflow.sinks import Parquet
+    from ackflow.sources import RabbitMQ
+
+    queue = "latency"
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    conn.channel().queue_declare(queue, durable=True, arguments=queue_args("classic"))
+    conn.close()
+    latencies: list[float] = []
+
+    class Timed(RabbitMQ):  # type: ignore[misc,valid-type]
+        def _ack_now(self, deliveries: Any) -> Any:
+            stale = super()._ack_now(deliveries)
+            now = time.time()
+            latencies.extend(now - json.loads(d.body)["ts"] for d in deliveries)
+            return stale
+
+    def timed_parse(r: dict[str, Any]) -> dict[str, Any]:
+        return parse(r["m"])
+
+    spark = ackflow.session("local[*]")
+    engine = Engine(ackflow.Flow(Timed(url, queue, reject_to_dlx=True))
+                    .map(timed_parse, name="parse", schema=FIELDS)
+                    .with_columns(total="qty * price").to(Parquet(out)),
+                    spark=spark, handle_signals=False)
+    published = [0]
+
+    def publisher() -> None:
+        c = pika.BlockingConnection(pika.URLParameters(url))
+        ch = c.channel()
+        props = pika.BasicProperties(delivery_mode=2)
+        warm_until = time.monotonic() + 15  # Spark's first jobs are not low-load latency
+        start = time.monotonic()
+        i = 0
+        while time.monotonic() - start < seconds + 15:
+            due = start + i / rate
+            pause = due - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            ts = time.time() if time.monotonic() >= warm_until else -1.0
+            ch.basic_publish("", queue, json.dumps({"ts": ts, "m": json.loads(body(i))}),
+                             props)
+            i += 1
+        published[0] = i
+        c.close()
+        time.sleep(5)
+        engine.request_stop()
+
+    t = threading.Thread(target=publisher, daemon=True)
+    t0, c0 = time.perf_counter(), cpu_s()
+    t.start()
+    report = engine.run()
+    cpu, secs = cpu_s() - c0, time.perf_counter() - t0
+    t.join()
+    lat = [x for x in latencies if x < 1e8]  # warm-up messages carry ts = -1
+    if report.acked != published[0]:
+        raise SystemExit(f"latency: acked {report.acked} of {published[0]}")
+    return measured(report.acked, secs, cpu, latency_p50_s=pct(lat, 0.5),
+                    latency_p99_s=pct(lat, 0.99), latency_max_s=max(lat, default=0.0),
+                    timed=len(lat), batches=report.batches, batch_p50_s=report.batch_p50_s,
+                    batch_p99_s=report.batch_p99_s)
 
 
 def pg_rows(bodies: list[bytes], keys: list[str]) -> list[tuple[Any, ...]]:
@@ -264,7 +476,7 @@ def phase_pg_limit(db: str, n: int, batch: int, dsn: str) -> dict[str, Any]:
         conn.execute(PG_TABLE.format("bench_limit"))
         conn.commit()
         done = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s()
         while done < n:
             leased = q.lease(QUEUE, batch, visibility_timeout=3600)
             if not leased:
@@ -282,16 +494,70 @@ def phase_pg_limit(db: str, n: int, batch: int, dsn: str) -> dict[str, Any]:
             conn.commit()
             q.ack(QUEUE, [(m.row_id, m.deliveries) for m in leased])
             done += len(leased)
-        secs = time.perf_counter() - t0
-    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb()}
+        return measured(done, time.perf_counter() - t0, cpu_s() - c0)
 
 
-def run_phase(name: str, args: list[str]) -> dict[str, Any]:
+def run_phase(name: str, args: list[str], broker: int | None = None) -> dict[str, Any]:
+    """Run one phase in a fresh process; ``broker``: the broker's pid, whose CPU during
+    the phase (its warm-up included) is reported per message."""
+    b0 = tree_cpu(broker)
     r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--phase", name, *args],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"phase {name} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    res: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    if broker is not None:
+        res["broker_cpu_us"] = (tree_cpu(broker) - b0) / max(1, res["messages"]) * 1e6
+    return res
+
+
+def one_phase(a: argparse.Namespace) -> dict[str, Any]:
+    """Run the phase ``a.phase`` in this process."""
+    name, out = a.phase, os.path.join(a.dir, a.phase)
+    if name == "limit":
+        return phase_limit(a.db, a.messages, a.batch_size)
+    if name == "peer":
+        return phase_peer(a.db, a.messages, a.batch_size, out)
+    if name == "pg_limit":
+        return phase_pg_limit(a.db, a.messages, a.batch_size, a.dsn)
+    if name.startswith("rmq_limit"):
+        return phase_rmq_limit(a.url, rmq_queue(name), a.messages, a.max_inflight)
+    if name == "ss_files":
+        return phase_ss_files(a.files, a.messages, a.batch_size, out)
+    if name == "latency":
+        return phase_latency(a.url, a.latency_rate, a.latency_seconds, out)
+    if name == "ackflow_files":
+        return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out,
+                             files=a.files)
+    if a.url:
+        publish_rmq(a.url, "warmup", a.batch_size)
+    else:
+        publish(a.db, a.batch_size, "warmup")
+    return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, dsn=a.dsn,
+                         url=a.url, queue=rmq_queue(name) if a.url else QUEUE)
+
+
+def prepare(name: str, n: int, tmp: str, url: str | None) -> list[str]:
+    """Load the phase's input; the arguments that point the phase at it."""
+    db = os.path.join(tmp, f"{name}.db")
+    if "rmq" in name:
+        publish_rmq(url or "", rmq_queue(name), n, "quorum" if name.endswith("quorum")
+                    else "classic")
+        return ["--db", db, "--url", url or ""]
+    if name == "latency":
+        return ["--db", db, "--url", url or ""]
+    if "files" in name:
+        files = os.path.join(tmp, f"{name}-in")
+        shutil.rmtree(files, ignore_errors=True)
+        write_files(files, n)
+        return ["--db", db, "--files", files]
+    publish(db, n)
+    return ["--db", db]
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    best = sorted(runs, key=lambda r: r["rate"])[len(runs) // 2]
+    return {**best, "runs": [round(r["rate"]) for r in runs]} if len(runs) > 1 else best
 
 
 def main() -> None:
@@ -301,40 +567,38 @@ def main() -> None:
     p.add_argument("--max-inflight", type=int, default=75_000)
     p.add_argument("--out", default="benchmarks/results/latest.json")
     p.add_argument("--rss", default=None, help="comma-separated message counts: ackflow RSS only")
+    p.add_argument("--sweep", default=None,
+                   help="comma-separated batch sizes: ackflow_rmq at each (and one rmq_limit)")
+    p.add_argument("--queue-type", default="classic", choices=("classic", "quorum"),
+                   help="the queue --sweep runs on")
+    p.add_argument("--repeat", type=int, default=1, help="runs per phase; the median is shown")
+    p.add_argument("--latency-rate", type=float, default=200.0)
+    p.add_argument("--latency-seconds", type=float, default=60.0)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--db", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
     p.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--files", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to run")
     a = p.parse_args()
 
     if a.phase:
-        if a.phase == "limit":
-            res = phase_limit(a.db, a.messages, a.batch_size)
-        elif a.phase == "peer":
-            res = phase_peer(a.db, a.messages, a.batch_size, os.path.join(a.dir, "peer"))
-        elif a.phase == "pg_limit":
-            res = phase_pg_limit(a.db, a.messages, a.batch_size, a.dsn)
-        elif a.phase == "rmq_limit":
-            res = phase_rmq_limit(a.url, a.messages, a.max_inflight)
-        else:
-            if a.url:
-                publish_rmq(a.url, "warmup", a.batch_size)
-            else:
-                publish(a.db, a.batch_size, "warmup")
-            res = phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight,
-                                os.path.join(a.dir, a.phase), a.dsn, a.url)
+        res = one_phase(a)
         res["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res))
         return
 
-    common = ["--batch-size", str(a.batch_size), "--max-inflight", str(a.max_inflight)]
+    common = ["--batch-size", str(a.batch_size), "--max-inflight", str(a.max_inflight),
+              "--latency-rate", str(a.latency_rate), "--latency-seconds", str(a.latency_seconds)]
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+                    "platform": platform.platform(),
+                    "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                                       / 2**30, 1)},
         "settings": {"messages": a.messages, "batch_size": a.batch_size,
-                     "max_inflight": a.max_inflight, "message_bytes": len(body(0))},
+                     "max_inflight": a.max_inflight, "message_bytes": len(body(0)),
+                     "repeat": a.repeat},
     }
     with tempfile.TemporaryDirectory(prefix="ackflow-bench-") as tmp:
         if a.rss:
@@ -351,6 +615,8 @@ def main() -> None:
             for r in rows:
                 print(f"{r['messages']:>10,} {r['rate']:>9,.0f} {r['max_rss_mb']:>19.0f} "
                       f"{r['max_rss_mb'] / base - 1:>+9.1%}")
+        elif a.sweep:
+            sweep(a, results, tmp)
         else:
             phases = [x for x in a.phases.split(",") if x]
             unknown = set(phases) - set(PHASES)
@@ -358,45 +624,98 @@ def main() -> None:
                 raise SystemExit(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
             with contextlib.ExitStack() as stack:
                 dsn = url = None
+                broker = None
                 if any("pg" in x for x in phases):
                     from ackflow.servers import PostgresServer
 
                     dsn = stack.enter_context(PostgresServer()).dsn
-                if any("rmq" in x for x in phases):
+                if any("rmq" in x or x == "latency" for x in phases):
                     from ackflow.servers import RabbitMQServer
 
-                    url = stack.enter_context(RabbitMQServer()).url
+                    server = stack.enter_context(RabbitMQServer())
+                    url, broker = server.url, server.proc.pid if server.proc else None
                 for name in phases:
-                    db = os.path.join(tmp, f"{name}.db")
-                    extra = []
-                    if "rmq" in name:
-                        publish_rmq(url, QUEUE, a.messages)
-                        extra = ["--url", url]
-                    else:
-                        publish(db, a.messages)
-                    if "pg" in name:
-                        extra = ["--dsn", dsn]
-                    results[name] = run_phase(name, ["--db", db, "--dir", tmp,
-                                                     "--messages", str(a.messages), *common,
-                                                     *extra])
+                    runs = []
+                    for _ in range(a.repeat):
+                        extra = prepare(name, a.messages, tmp, url)
+                        if "pg" in name:
+                            extra += ["--dsn", dsn or ""]
+                        runs.append(run_phase(name, ["--dir", tmp, "--messages",
+                                                     str(a.messages), *common, *extra],
+                                              broker if "rmq" in name else None))
+                        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+                    results[name] = median_run(runs)
+                    print(f"  {name}: {results[name]['rate']:,.0f} msg/s", file=sys.stderr)
             ratios = {}
             for a_name, b_name in RATIOS:
                 if a_name in results and b_name in results:
                     ratios[f"{a_name}_vs_{b_name}"] = (results[a_name]["rate"]
                                                         / results[b_name]["rate"])
             results["ratios"] = ratios
-            print(f"{'phase':<11} {'msg/s':>10} {'batch p50 s':>12} {'batch p99 s':>12} "
-                  f"{'driver RSS MB':>14}")
-            for name in phases:
-                r = results[name]
-                print(f"{name:<11} {r['rate']:>10,.0f} {r.get('batch_p50_s', 0):>12.3f} "
-                      f"{r.get('batch_p99_s', 0):>12.3f} {r['max_rss_mb']:>14.0f}")
-            for k, v in ratios.items():
-                print(f"{k.replace('_vs_', ' / ')} = {v:.2f}")
+            print_table(phases, results)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {a.out}")
+
+
+def print_table(phases: list[str], results: dict[str, Any]) -> None:
+    print(f"{'phase':<19} {'msg/s':>9} {'batch p50/p99 s':>16} {'CPU µs/msg: driver':>19} "
+          f"{'Spark':>6} {'broker':>7} {'driver RSS':>11}  runs")
+
+    def us(v: float | None) -> str:
+        return f"{v:.1f}" if v is not None else "-"
+
+    for name in phases:
+        r = results[name]
+        lat = (f"{r.get('batch_p50_s', 0):.2f}/{r.get('batch_p99_s', 0):.2f}"
+               if r.get("batch_p50_s") else "-")
+        print(f"{name:<19} {r['rate']:>9,.0f} {lat:>16} {us(r['driver_cpu_us']):>19} "
+              f"{us(r.get('spark_cpu_us')):>6} {us(r.get('broker_cpu_us')):>7} "
+              f"{r['max_rss_mb']:>8.0f} MB  {r.get('runs', '')}")
+    if "latency" in results:
+        r = results["latency"]
+        print(f"latency at {r['messages'] / r['seconds']:.0f} msg/s: publish-to-ack p50 "
+              f"{r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s, max "
+              f"{r['latency_max_s']:.2f} s ({r['timed']} timed messages)")
+    for k, v in results["ratios"].items():
+        print(f"{k.replace('_vs_', ' / ')} = {v:.2f}")
+
+
+def sweep(a: argparse.Namespace, results: dict[str, Any], tmp: str) -> None:
+    """ackflow_rmq at each batch size of ``--sweep`` (window: three batches)."""
+    from ackflow.servers import RabbitMQServer
+
+    name = "ackflow_rmq" + ("_quorum" if a.queue_type == "quorum" else "")
+    limit = "rmq_limit" + ("_quorum" if a.queue_type == "quorum" else "")
+    rows = {}
+    with RabbitMQServer() as server:
+        extra = prepare(limit, a.messages, tmp, server.url)
+        broker = server.proc.pid if server.proc else None
+        rows["limit"] = run_phase(limit, ["--dir", tmp, "--messages", str(a.messages),
+                                          "--max-inflight", "65535", *extra], broker)
+        for size in [int(x) for x in a.sweep.split(",")]:
+            runs = []
+            for _ in range(a.repeat):
+                extra = prepare(name, a.messages, tmp, server.url)
+                runs.append(run_phase(name, ["--dir", tmp, "--messages", str(a.messages),
+                                             "--batch-size", str(size),
+                                             "--max-inflight", str(3 * size), *extra],
+                                      broker))
+                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            rows[str(size)] = median_run(runs)
+            print(f"  batch {size}: {rows[str(size)]['rate']:,.0f} msg/s", file=sys.stderr)
+    results["sweep"] = rows
+    best = max(r["rate"] for k, r in rows.items() if k != "limit")
+    print(f"{'batch':>8} {'msg/s':>9} {'vs best':>8} {'vs limit':>9} "
+          f"{'CPU µs/msg: driver':>19} {'Spark':>6} {'broker':>7}")
+    for k, r in rows.items():
+        size = "limit" if k == "limit" else f"{int(k):,}"
+        vs = ("", "") if k == "limit" else (f"{r['rate'] / best:.2f}",
+                                            f"{r['rate'] / rows['limit']['rate']:.2f}")
+        print(f"{size:>8} {r['rate']:>9,.0f} {vs[0]:>8} {vs[1]:>9} {r['driver_cpu_us']:>19.1f} "
+              f"{r.get('spark_cpu_us', 0):>6.1f} {r.get('broker_cpu_us', 0):>7.1f}")
+    results["sweep_spread"] = min(r["rate"] for k, r in rows.items() if k != "limit") / best
 
 
 if __name__ == "__main__":

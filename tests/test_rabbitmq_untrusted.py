@@ -5,6 +5,7 @@ crash. Driver-side against a real broker (no Spark)."""
 import datetime
 import decimal
 import json
+import time
 
 import pika
 import pytest
@@ -118,9 +119,12 @@ def test_a_connection_lost_at_each_broker_call_is_a_lost_connection(rabbitmq, op
     got[1].delivery_count = 2  # given up if it fails now
     faults.arm(point, "raise")
     if point == "rabbitmq.ack":
-        stale = src.ack(got[2:])
-        assert {d.key for d in stale} == {"k2", "k3"}
+        # younger than k0 and k1: held until they are settled, so the broker call that
+        # loses the connection is the ack sent when fail() settles them, not this one
+        assert src.ack(got[2:]) == [] and faults.hits(point) == 0
     states = src.fail([(got[0], Failure("s", "e")), (got[1], Failure("s", "e"))])
+    if point == "rabbitmq.ack":
+        src.pull(1, 0.1)  # the due nack of k0 frees the held acks: they go now
     assert faults.hits(point) >= 1
     if point != "rabbitmq.ack":
         assert Settlement.RELEASED in states  # the dead channel's deliveries come back
@@ -184,3 +188,54 @@ def test_reject_to_dlx_on_a_queue_without_a_dead_letter_exchange_is_refused(rabb
     trusted.open()
     trusted.close()
     assert count(rabbitmq.url, plain) == 0  # the probe declared nothing new
+
+
+def test_acks_of_younger_messages_wait_for_the_older_then_go_in_one_frame(rabbitmq, opened):
+    """A younger batch finished first: before, each of its acks went as a frame of its
+    own (10 000 frames for a batch of 10 000). Now they wait for the older messages and
+    all go in one ``multiple=True`` frame."""
+    q = names("hold")
+    setup(rabbitmq.url, queue=q, arguments=DLX)
+    publish(rabbitmq.url, q, [{"n": i} for i in range(6)], ids=[f"k{i}" for i in range(6)])
+    src = opened(q, reject_to_dlx=True)
+    got = sorted(pull_all(src, 6), key=lambda d: d.key)
+    assert src.ack(got[2:]) == []
+    src.pull(1, 0.1)
+    assert src.stats["acks"] + src.stats["multiple_acks"] == 0  # held: k0 and k1 are not done
+    assert src.ack(got[:2]) == []
+    assert (src.stats["multiple_acks"], src.stats["acks"]) == (1, 0)
+    src.close()
+    assert count(rabbitmq.url, q) == 0
+
+
+def test_held_acks_go_one_by_one_once_the_hold_is_over(rabbitmq, opened, monkeypatch):
+    from ackflow.sources import rabbitmq as rmq
+
+    monkeypatch.setattr(rmq, "ACK_HOLD_S", 0.2)
+    q = names("hold1")
+    setup(rabbitmq.url, queue=q, arguments=DLX)
+    publish(rabbitmq.url, q, [{"n": i} for i in range(4)], ids=[f"k{i}" for i in range(4)])
+    src = opened(q, reject_to_dlx=True)
+    got = sorted(pull_all(src, 4), key=lambda d: d.key)
+    src.ack(got[2:])
+    time.sleep(0.3)
+    src.pull(1, 0.1)  # the owner's service sends them
+    assert src.stats["acks"] == 2 and src.stats["multiple_acks"] == 0
+    src.close()  # k0 and k1 were never acked: the broker has them again
+    assert count(rabbitmq.url, q) == 2
+
+
+def test_held_acks_of_a_dead_channel_are_delivered_again(rabbitmq, opened):
+    q = names("hold2")
+    setup(rabbitmq.url, queue=q, arguments=DLX)
+    publish(rabbitmq.url, q, [{"n": i} for i in range(3)], ids=[f"k{i}" for i in range(3)])
+    src = opened(q, reject_to_dlx=True)
+    got = sorted(pull_all(src, 3), key=lambda d: d.key)
+    src.ack(got[1:])
+    src._lose_connection(OSError("cut"))  # before k0 settles
+    assert src.stats["unsent_acks"] == 2
+    again = pull_all(src, 3, timeout=15)  # written, but the broker never heard: again
+    assert {d.key for d in again} == {"k0", "k1", "k2"}
+    src.ack(again)
+    src.close()
+    assert count(rabbitmq.url, q) == 0

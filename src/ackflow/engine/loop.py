@@ -4,6 +4,13 @@ One thread owns the source: it pulls while the in-flight window has credits,
 cuts batches by size or time, hands them to up to ``max_concurrent_batches``
 worker threads (one Spark job each), and settles each message when its batch
 comes back. Completions are read even when the window is full (law 3).
+
+Batch cutting adapts to the rate: a batch is cut when it is full (``batch_size``), when
+the source has nothing more right now, when the window is full, when it is
+``batch_timeout_s`` old, or as soon as no job is running and it is ``linger_s`` old. At
+a low rate Spark is idle most of the time, so messages go in small batches without
+waiting for the timeout; at a high rate jobs are always running, and batches grow
+with the time a job takes, up to ``batch_size``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Engine:
         max_inflight: int = 10000,
         max_concurrent_batches: int = 2,
         batch_timeout_s: float = 1.0,
+        linger_s: float = 0.05,
         until_idle: float | None = None,
         drain_timeout_s: float = 60.0,
         max_bisect_jobs: int = 64,
@@ -78,6 +86,8 @@ class Engine:
             raise ConfigError("until_idle must be >= 0 seconds")
         if batch_timeout_s <= 0:
             raise ConfigError("batch_timeout_s must be positive")
+        if not linger_s >= 0:
+            raise ConfigError(f"linger_s must be >= 0 seconds, got {linger_s!r}")
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0-65535), got {metrics_port}")
         if executor not in ("spark", "local"):
@@ -93,6 +103,7 @@ class Engine:
         self.window = InflightWindow(max_inflight)
         self.max_concurrent = max_concurrent_batches
         self.batch_timeout_s = batch_timeout_s
+        self.linger_s = min(linger_s, batch_timeout_s)
         self.until_idle = until_idle
         self.drain_timeout_s = drain_timeout_s
         self.max_bisect_jobs = max_bisect_jobs
@@ -615,6 +626,7 @@ class Engine:
                 or pulled == 0
                 or self.window.credits == 0
                 or now - batch_started >= self.batch_timeout_s
+                or (not self._running and now - batch_started >= self.linger_s)
             ):
                 self._submit(compiled, pool, pending)
                 pending = []
@@ -715,7 +727,8 @@ def run(flow: Flow, **options: Any) -> RunReport:
     """Run ``flow`` until idle (``until_idle=S``) or until SIGINT/SIGTERM.
 
     Options: ``batch_size`` (2000), ``max_inflight`` (10000), ``max_concurrent_batches``
-    (2), ``batch_timeout_s`` (1.0), ``until_idle`` (None: run until a signal),
+    (2), ``batch_timeout_s`` (1.0), ``linger_s`` (0.05: an idle engine waits this long
+    for more messages before it cuts a batch), ``until_idle`` (None: run until a signal),
     ``drain_timeout_s`` (60), ``max_bisect_jobs`` (64), ``spark`` (a SparkSession) or
     ``master`` (``local[*]`` by default), ``progress`` (a callback), ``metrics_port``
     and ``metrics_host`` (Prometheus), ``ui_port``, ``ui_host`` and ``ui_allow_replay``

@@ -10,12 +10,13 @@ from __future__ import annotations
 import collections
 import hashlib
 import heapq
+import itertools
 import logging
 import queue as queue_mod
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ackflow import faults
@@ -37,13 +38,20 @@ PROVENANCE = ("x-ackflow-step", "x-ackflow-error", "x-ackflow-deliveries", "x-ac
 UNNAMED = "delivery:"
 
 
-def message_key(message_id: Any) -> str:
+#: Acks of messages younger than an unsettled one are held this long, so that the
+#: older one's settlement lets them all go in one ``multiple=True`` frame; then they go
+#: one by one.
+ACK_HOLD_S = 1.0
+
+
+def message_key(message_id: Any, unnamed: Callable[[], str] | None = None) -> str:
     """A message's identity: its ``message_id`` property (the producer's promise that it
-    names this message alone), else an id unique to this delivery. Never derived from
-    the body: two distinct messages may carry the same bytes."""
+    names this message alone), else an id unique to this delivery (``unnamed()``, or a
+    random one). Never derived from the body: two distinct messages may carry the same
+    bytes."""
     if isinstance(message_id, str) and message_id:
         return message_id
-    return UNNAMED + uuid.uuid4().hex
+    return unnamed() if unnamed is not None else UNNAMED + uuid.uuid4().hex
 
 
 def retry_key(message_id: Any, body: bytes) -> str:
@@ -74,7 +82,11 @@ class RabbitMQSource(Source):
 
     * Prefetch follows the engine's in-flight window (``prefetch=`` overrides it).
     * Acks use ``multiple=True`` for runs of acked tags that are the oldest unsettled
-      ones on the channel, single acks otherwise.
+      ones on the channel. The acks of messages younger than an unsettled one (a younger
+      batch finished first) are held until the older one is settled, so that one frame
+      carries them all, and sent one by one after ``ACK_HOLD_S`` (1 s) at the latest, or
+      at close. A held ack is of a message already written: if the channel dies first,
+      the broker delivers it again (as after a crash between write and ack).
     * A failed message is nacked with ``requeue=True`` after the policy's backoff (it
       stays in flight meanwhile), and dead-lettered once the policy gives it up (or a
       quorum queue's ``delivery_limit`` is reached). Dead letters go, in this order of
@@ -140,6 +152,14 @@ class RabbitMQSource(Source):
         self._next_connect = 0.0
         self._backoff = 0.5
         self.stats = collections.Counter[str]()  # acks, multiple_acks, nacks, rejects, ...
+        # acks of deliveries younger than an unsettled one, not yet sent (see ACK_HOLD_S)
+        self._held_acks: set[int] = set()
+        self._held_since = 0.0
+        self._sent_before_loss: set[int] = set()
+        # delivery ids without a message_id: a random prefix of this source object and a
+        # count (a uuid4 per message cost the driver 4 µs a message)
+        self._unnamed_prefix = f"{UNNAMED}{uuid.uuid4().hex[:16]}-"
+        self._unnamed = itertools.count(1)
 
     # -- connection ------------------------------------------------------------------
 
@@ -239,27 +259,37 @@ class RabbitMQSource(Source):
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         raw = props.headers if isinstance(props.headers, dict) else {}
         headers = {_text(k): _text(v) for k, v in raw.items()}
-        key = message_key(props.message_id)
-        seen_key = retry_key(props.message_id, body)
+        key = message_key(props.message_id, self._next_unnamed)
         before = header_count(raw.get("x-delivery-count"))
         if before is not None:  # quorum queue: deliveries before this one
             count = before + 1
-        else:
+        else:  # a classic queue: counted here, by message id or body digest
+            seen_key = retry_key(props.message_id, body)
             count = self._seen.get(seen_key, 0) + 1
             if method.redelivered:
                 count = max(count, 2)
-        self._seen[seen_key] = count
-        self._seen.move_to_end(seen_key)
-        if len(self._seen) > 100_000:
-            self._seen.popitem(last=False)
+            self._seen[seen_key] = count
+            self._seen.move_to_end(seen_key)
+            if len(self._seen) > 100_000:
+                self._seen.popitem(last=False)
         d = Delivery(0, key, body, headers, count, handle=(self._gen, method.delivery_tag))
         self._outstanding[method.delivery_tag] = d
         self._buffer.append(d)
+
+    def _next_unnamed(self) -> str:
+        return f"{self._unnamed_prefix}{next(self._unnamed)}"
 
     def _lose_connection(self, why: BaseException) -> None:
         """The channel is gone: everything on it is the broker's again."""
         log.warning("source %r: lost the connection to %s (%s: %s); reconnecting",
                     self.name, self.where, type(why).__name__, redact(str(why)))
+        if self._held_acks:
+            # written and settled, but the broker never heard the ack: it delivers them
+            # again, and keyed sinks write their rows in place
+            log.warning("source %r: %d held acks were not sent before the channel died; "
+                        "those messages come again", self.name, len(self._held_acks))
+            self.stats["unsent_acks"] += len(self._held_acks)
+            self._held_acks.clear()
         buffered = {id(d) for d in self._buffer}
         handed = [d for d in self._outstanding.values() if id(d) not in buffered]
         self._lost.extend(d for d in handed if not d.settled)
@@ -318,6 +348,8 @@ class RabbitMQSource(Source):
                 break
             getattr(self, op)(items)
         now = time.monotonic()
+        if self._held_acks and now - self._held_since >= ACK_HOLD_S:
+            self._send_acks(force=True)
         while self._delayed and self._delayed[0][0] <= now:
             _, _, gen, tag = heapq.heappop(self._delayed)
             if gen == self._gen and self._ch is not None and tag in self._outstanding:
@@ -373,28 +405,15 @@ class RabbitMQSource(Source):
         channel that died meanwhile (the broker delivers them again)."""
         done: set[int] = set()
         if how == "ack":
-            wanted = set(tags)
-            head = []  # the oldest unsettled tags, as long as all of them are acked now
-            for tag in self._outstanding:  # oldest first
-                if tag not in wanted:
-                    break
-                head.append(tag)
-            if head:
-                if not self._call("rabbitmq.ack", "basic_ack", delivery_tag=head[-1],
-                                  multiple=True):
-                    return done
-                for tag in head:
-                    wanted.discard(tag)
-                    del self._outstanding[tag]
-                    done.add(tag)
-                self.stats["multiple_acks"] += 1
-            for tag in sorted(wanted):
-                if not self._call("rabbitmq.ack", "basic_ack", delivery_tag=tag):
-                    return done
-                self._outstanding.pop(tag, None)
-                done.add(tag)
-                self.stats["acks"] += 1
-            return done
+            wanted = {t for t in tags if t in self._outstanding}
+            if wanted and not self._held_acks:
+                self._held_since = time.monotonic()
+            self._held_acks |= wanted
+            sent = self._send_acks(force=False)
+            if sent is not None:
+                return wanted
+            # the channel died: of these, only what went out before is done
+            return wanted & self._sent_before_loss
         for tag in tags:
             if how == "nack":
                 ok = self._call("rabbitmq.nack", "basic_nack", delivery_tag=tag, requeue=True)
@@ -405,7 +424,41 @@ class RabbitMQSource(Source):
             self._outstanding.pop(tag, None)
             done.add(tag)
             self.stats[how + "s"] += 1
+        if self._held_acks:  # an older tag is settled: held acks may go now
+            self._send_acks(force=False)
         return done
+
+    def _send_acks(self, *, force: bool) -> set[int] | None:
+        """Send held acks: the run of the oldest unsettled tags in one ``multiple=True``
+        frame; with ``force``, the rest one by one. Returns the tags sent, or None if the
+        channel died meanwhile (then ``_sent_before_loss`` holds what went out)."""
+        held = self._held_acks
+        sent: set[int] = set()
+        self._sent_before_loss = sent
+        head = 0  # the oldest unsettled tags, as long as all of them are held
+        last = 0
+        for tag in self._outstanding:  # oldest first
+            if tag not in held:
+                break
+            head += 1
+            last = tag
+        if head:
+            if not self._call("rabbitmq.ack", "basic_ack", delivery_tag=last, multiple=True):
+                return None
+            for tag in list(itertools.islice(self._outstanding, head)):
+                del self._outstanding[tag]
+                held.discard(tag)
+                sent.add(tag)
+            self.stats["multiple_acks"] += 1
+        if force:
+            for tag in sorted(held):
+                if not self._call("rabbitmq.ack", "basic_ack", delivery_tag=tag):
+                    return None
+                self._outstanding.pop(tag, None)
+                held.discard(tag)
+                sent.add(tag)
+                self.stats["acks"] += 1
+        return sent
 
     def _call(self, point: str, method: str, **kw: Any) -> bool:
         """One call on the current channel; False (and the loss handled) if the channel is
@@ -431,9 +484,11 @@ class RabbitMQSource(Source):
         tags, stale = self._current(deliveries)
         if tags:
             done = self._settle_tags(tags, "ack")
-            # the connection died mid-way: what was not acked yet comes back from the broker
-            stale += [d for d in deliveries
-                      if d.handle[1] in tags and d.handle[1] not in done]  # type: ignore[index]
+            if len(done) < len(tags):
+                # the connection died mid-way: what was not acked comes back from the broker
+                live = {id(d) for d in stale}
+                stale += [d for d in deliveries if id(d) not in live
+                          and d.handle[1] not in done]  # type: ignore[index]
         return stale
 
     def exhausted(self, delivery: Delivery) -> bool:
@@ -537,6 +592,8 @@ class RabbitMQSource(Source):
 
     def close(self) -> None:
         self._service()
+        if self._held_acks and self._ch is not None:
+            self._send_acks(force=True)
         conn, self._conn, self._ch = self._conn, None, None
         if conn is not None:
             try:
