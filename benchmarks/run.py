@@ -574,6 +574,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs per phase; the median is shown")
     p.add_argument("--latency-rate", type=float, default=200.0)
     p.add_argument("--latency-seconds", type=float, default=60.0)
+    p.add_argument("--ack-hold", type=float, default=None,
+                   help="RabbitMQ source: seconds acks of a younger batch are held (1.0)")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--db", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -584,13 +586,18 @@ def main() -> None:
     a = p.parse_args()
 
     if a.phase:
+        if a.ack_hold is not None:
+            from ackflow.sources import rabbitmq
+
+            rabbitmq.ACK_HOLD_S = a.ack_hold
         res = one_phase(a)
         res["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res))
         return
 
     common = ["--batch-size", str(a.batch_size), "--max-inflight", str(a.max_inflight),
-              "--latency-rate", str(a.latency_rate), "--latency-seconds", str(a.latency_seconds)]
+              "--latency-rate", str(a.latency_rate), "--latency-seconds", str(a.latency_seconds),
+              *(["--ack-hold", str(a.ack_hold)] if a.ack_hold is not None else [])]
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(),
@@ -698,7 +705,8 @@ def sweep(a: argparse.Namespace, results: dict[str, Any], tmp: str) -> None:
             runs = []
             for _ in range(a.repeat):
                 extra = prepare(name, a.messages, tmp, server.url)
-                runs.append(run_phase(name, ["--dir", tmp, "--messages", str(a.messages),
+                hold = ["--ack-hold", str(a.ack_hold)] if a.ack_hold is not None else []
+                runs.append(run_phase(name, ["--dir", tmp, "--messages", str(a.messages), *hold,
                                              "--batch-size", str(size),
                                              "--max-inflight", str(3 * size), *extra],
                                       broker))
