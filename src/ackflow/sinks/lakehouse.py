@@ -61,8 +61,9 @@ class KeyManifest:
     """The row keys committed to one table, the batches and the last sequence number.
 
     SQLite (WAL, ``synchronous=FULL``) at ``path``; ~60 bytes per key, kept for good.
-    ``meta`` holds the application id (made once, the id the table's commits carry) and
-    ``seq``, the sequence number of the last batch whose keys are recorded."""
+    ``meta`` holds the application id (made once, the id the table's commits carry),
+    ``seq``, the sequence number of the last batch whose keys are recorded, and
+    ``dropped``, the rows left out so far because their keys were recorded."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -80,6 +81,7 @@ class KeyManifest:
         db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('app', ?)",
                    (f"ackflow-{uuid.uuid4().hex}",))
         db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('seq', '0')")
+        db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('dropped', '0')")
         return db
 
     @staticmethod
@@ -320,6 +322,9 @@ class TableSink(Sink):
         with self._manifest() as db:
             seq = self._catch_up(db) + 1
             files, fresh, dropped = self._drop_written(db, files)
+            if dropped:  # rows of messages delivered again, left out (the total, for checks)
+                db.execute("UPDATE meta SET v = CAST(v AS INTEGER) + ? WHERE k = 'dropped'",
+                           (dropped,))
             if not files:  # every row was written before (a redelivered batch): no commit
                 log.info("sink %r: batch %s holds only rows written before (%d); nothing to "
                          "commit", self.name, batch_id, dropped)
@@ -468,12 +473,12 @@ def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
             for i in range(n):
                 one = col.slice(i, 1)
                 try:
-                    values.append(one.cast(field.type, safe=True))
+                    values.append(one.cast(field.type, safe=True).combine_chunks())
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError) as e:
                     failed.setdefault(i, f"column {field.name!r}: cannot store "
                                       f"{_short(one[0].as_py())} as {field.type}: {e}")
                     values.append(pa.nulls(1, field.type))
-            arrays.append(pa.chunked_array([c for v in values for c in v.chunks], field.type))
+            arrays.append(pa.concat_arrays(values) if values else pa.nulls(0, field.type))
         if not field.nullable and arrays[-1].null_count:
             for i, v in enumerate(arrays[-1].is_null().to_pylist()):
                 if v:
