@@ -15,7 +15,7 @@ from ackflow.core.errors import ConfigError, FlowError
 from ackflow.sinks import Delta
 from ackflow.testing import ListSource
 from helpers import FAST, bodies, wait_until
-from lake import assert_exactly_once, delta_rows, publish_orders, queue_left, run_local
+from lake import assert_exactly_once, delta_rows, publish_orders, queue_left
 
 ITEMS = pa.schema([("order", pa.int64()), ("line", pa.int64()), ("sku", pa.string()),
                    ("qty", pa.int32()), ("ackflow_key", pa.string())])

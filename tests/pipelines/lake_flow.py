@@ -44,7 +44,7 @@ def sinks(env=os.environ):
 
 def flow(queue=None, name="orders"):
     source = EmbeddedQueue(queue or os.environ["AF_QUEUE"], name,
-                           policy=RetryPolicy(max_deliveries=5, backoff_s=0.05))
+                           policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
     return ackflow.Flow(source).map(check, name="check").flat_map(items, name="items").to(
         sinks())
 
