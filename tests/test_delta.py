@@ -175,3 +175,14 @@ def test_partitions_and_vacuum_of_files_no_version_references(tmp_path):
     assert not any(os.path.exists(os.path.join(path, p)) for p in stray)
     assert sorted(DeltaTable(path).to_pyarrow_table().column("n").to_pylist()) == before
     assert os.path.exists(os.path.join(path, "_ackflow", "keys.db"))
+
+
+@pytest.mark.spark
+def test_the_demo_into_a_delta_table_checks_out(spark, tmp_path, capsys):
+    from ackflow.cli import main
+
+    assert main(["demo", "--sink", "delta", "--messages", "600", "--workdir", str(tmp_path),
+                 "--master", "local[2]", "--until-idle", "0.5", "--json"]) == 0
+    check = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["check"]
+    assert check["ok"] and check["sink"] == "delta" and check["duplicate_rows"] == 0
+    assert DeltaTable(str(tmp_path / "orders.delta")).version() >= 1

@@ -109,3 +109,13 @@ def test_the_catalog_password_never_shows(tmp_path):
         Iceberg(f"sqlite:///{tmp_path / 'c.db'}", "ns.absent", create=False).open()
     with pytest.raises(ConfigError, match=r"namespace\.name"):
         Iceberg(f"sqlite:///{tmp_path / 'c.db'}", "plain")
+
+
+@pytest.mark.spark
+def test_the_demo_into_an_iceberg_table_checks_out(spark, tmp_path, capsys):
+    from ackflow.cli import main
+
+    assert main(["demo", "--sink", "iceberg", "--messages", "600", "--workdir", str(tmp_path),
+                 "--master", "local[2]", "--until-idle", "0.5", "--json"]) == 0
+    check = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["check"]
+    assert check["ok"] and check["sink"] == "iceberg" and check["duplicate_rows"] == 0
