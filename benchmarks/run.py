@@ -16,7 +16,11 @@ over 100-byte JSON messages in the embedded queue:
 * ackflow_pg -- ackflow end to end into the Postgres sink (upserts on the row key);
 * rmq_limit  -- what RabbitMQ gives: raw pika consume with manual acks (multiple=True
                 every 1000) at the same prefetch as ackflow's window, no processing;
-* ackflow_rmq -- ackflow end to end from a RabbitMQ queue to Parquet.
+* ackflow_rmq -- ackflow end to end from a RabbitMQ queue to Parquet;
+* ackflow_delta   -- ackflow end to end into a Delta Lake table (``sinks.Delta``);
+* ackflow_iceberg -- ackflow end to end into an Iceberg table (``sinks.Iceberg``, SQL
+                     catalog on SQLite). Both are compared with ``ackflow`` (the Parquet
+                     sink) in the same run.
 
 The Postgres and RabbitMQ phases run against throwaway servers (``ackflow.servers``)
 on loopback.
@@ -40,9 +44,11 @@ import time
 from typing import Any
 
 QUEUE = "bench"
-PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq")
+PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq",
+          "ackflow_delta", "ackflow_iceberg")
 RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"),
-          ("ackflow_rmq", "rmq_limit"))
+          ("ackflow_rmq", "rmq_limit"), ("ackflow_delta", "ackflow"),
+          ("ackflow_iceberg", "ackflow"))
 
 
 def publish_rmq(url: str, queue: str, n: int) -> None:
@@ -207,17 +213,26 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
 
 
 def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str,
-                  dsn: str | None = None, url: str | None = None) -> dict[str, Any]:
+                  dsn: str | None = None, url: str | None = None,
+                  table: str = "parquet") -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
-    from ackflow.sinks import Parquet, Postgres
+    from ackflow.sinks import Delta, Iceberg, Parquet, Postgres, Sink
     from ackflow.sources import EmbeddedQueue, RabbitMQ
 
     spark = ackflow.session("local[*]")
 
     def flow(queue: str, path: str) -> ackflow.Flow:
-        sink = (Postgres(dsn, f"bench_{queue}", create=True) if dsn is not None
-                else Parquet(path))
+        sink: Sink
+        if dsn is not None:
+            sink = Postgres(dsn, f"bench_{queue}", create=True)
+        elif table == "delta":
+            sink = Delta(path)
+        elif table == "iceberg":
+            os.makedirs(path, exist_ok=True)
+            sink = Iceberg(f"sqlite:///{path}/catalog.db", f"bench.{queue}")
+        else:
+            sink = Parquet(path)
         source = (RabbitMQ(url, queue, reject_to_dlx=True) if url is not None
                   else EmbeddedQueue(db, queue))
         return (ackflow.Flow(source)
@@ -323,8 +338,10 @@ def main() -> None:
                 publish_rmq(a.url, "warmup", a.batch_size)
             else:
                 publish(a.db, a.batch_size, "warmup")
+            table = a.phase.removeprefix("ackflow_") if a.phase in (
+                "ackflow_delta", "ackflow_iceberg") else "parquet"
             res = phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight,
-                                os.path.join(a.dir, a.phase), a.dsn, a.url)
+                                os.path.join(a.dir, a.phase), a.dsn, a.url, table)
         res["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(res))
         return
@@ -385,11 +402,11 @@ def main() -> None:
                     ratios[f"{a_name}_vs_{b_name}"] = (results[a_name]["rate"]
                                                         / results[b_name]["rate"])
             results["ratios"] = ratios
-            print(f"{'phase':<11} {'msg/s':>10} {'batch p50 s':>12} {'batch p99 s':>12} "
+            print(f"{'phase':<15} {'msg/s':>10} {'batch p50 s':>12} {'batch p99 s':>12} "
                   f"{'driver RSS MB':>14}")
             for name in phases:
                 r = results[name]
-                print(f"{name:<11} {r['rate']:>10,.0f} {r.get('batch_p50_s', 0):>12.3f} "
+                print(f"{name:<15} {r['rate']:>10,.0f} {r.get('batch_p50_s', 0):>12.3f} "
                       f"{r.get('batch_p99_s', 0):>12.3f} {r['max_rss_mb']:>14.0f}")
             for k, v in ratios.items():
                 print(f"{k.replace('_vs_', ' / ')} = {v:.2f}")
