@@ -154,3 +154,19 @@ def test_a_refused_value_fails_only_its_row_and_a_type_the_table_cannot_take_sto
         sink.prepare(pa.schema([("n", pa.int64()), ("city", pa.string()), ("zip", pa.int32())]))
     sink.close()
     narrow.close()
+
+
+def test_a_table_made_again_does_not_inherit_the_old_tables_keys(tmp_path):
+    """An Iceberg table dropped and created again at the same location finds the old key
+    manifest there: the sink refuses to start rather than leave rows out."""
+    from ackflow.core.errors import ConfigError
+
+    sink = make("iceberg", tmp_path)
+    sink.commit("b1", stage(sink, "b1", ["a"]))
+    sink.close()
+    catalog = sink._cat()
+    catalog.drop_table("ns.t")
+    again = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+    again.prepare(pa.schema([("n", pa.int64())]))  # created anew, at the same location
+    with pytest.raises(ConfigError, match="belongs to another table"):
+        again.commit("b2", stage(again, "b2", ["a"]))

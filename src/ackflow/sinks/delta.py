@@ -120,6 +120,11 @@ class DeltaSink(TableSink):
         if missing:
             raise FlowError(self.name, f"partition_by column(s) {', '.join(missing)} are not "
                             f"among the flow's columns {', '.join(schema.names)}")
+        odd = [f"{c} ({schema.field(c).type})" for c in self.wanted_partitions
+               if not _partition_type(schema.field(c).type)]
+        if odd:
+            raise FlowError(self.name, f"partition_by column(s) {', '.join(odd)} must be "
+                            "strings, integers, dates or booleans")
         bad = []
         for f in schema:
             try:
@@ -138,13 +143,14 @@ class DeltaSink(TableSink):
         log.info("sink %r: created the Delta table %s (%s)", self.name, self.path,
                  ", ".join(schema.names))
 
-    def committed_seq(self, app: str) -> int | None:
+    def table_state(self, app: str) -> tuple[str, int | None] | None:
         from deltalake import DeltaTable
 
         if not DeltaTable.is_deltatable(self.path):
             return None
-        version = self._dt().transaction_version(app)
-        return None if version is None else int(version)
+        dt = self._dt()
+        version = dt.transaction_version(app)
+        return str(dt.metadata().id), None if version is None else int(version)
 
     def files_of(self, app: str, seq: int) -> list[str]:
         dt = self._dt()
@@ -178,3 +184,10 @@ class DeltaSink(TableSink):
                                     commit_properties=properties)
         dt.update_incremental()
         return int(dt.version())
+
+
+def _partition_type(t: Any) -> bool:
+    import pyarrow.types as pt
+
+    return bool(pt.is_string(t) or pt.is_large_string(t) or pt.is_string_view(t)
+                or pt.is_integer(t) or pt.is_date32(t) or pt.is_boolean(t))

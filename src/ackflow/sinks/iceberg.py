@@ -111,7 +111,28 @@ class IcebergSink(TableSink):
         return self._catalog
 
     def _load(self) -> Any:
-        return self._cat().load_table(self.table)
+        """The table, read afresh (``NoSuchTableError`` if it does not exist; any other
+        failure as a ``ConnectionError`` whose text hides the password)."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            return self._cat().load_table(self.table)
+        except (NoSuchTableError, ConfigError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the catalog's database went away, ...
+            raise ConnectionError(self._hide(f"cannot load Iceberg table {self.table!r}: "
+                                             f"{_first(e)}")) from None
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        """See :meth:`TableSink.commit`; a failure's text never shows the password."""
+        from ackflow.faults import InjectedFault
+
+        try:
+            super().commit(batch_id, tokens)
+        except (InjectedFault, ConfigError, ConnectionError):
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the password hidden
+            raise RuntimeError(self._hide(_first(e))) from None
 
     @property
     def manifest_path(self) -> str:
@@ -204,14 +225,15 @@ class IcebergSink(TableSink):
             parent = snapshot.parent_snapshot_id
             snapshot = table.snapshot_by_id(parent) if parent is not None else None
 
-    def committed_seq(self, app: str) -> int | None:
+    def table_state(self, app: str) -> tuple[str, int | None] | None:
         from pyiceberg.exceptions import NoSuchTableError
 
         try:
             table = self._load()
         except NoSuchTableError:
             return None
-        return next((seq for seq, _ in self._ours(table, app)), None)
+        return str(table.metadata.table_uuid), next((seq for seq, _ in self._ours(table, app)),
+                                                    None)
 
     def files_of(self, app: str, seq: int) -> list[str]:
         for s, snapshot in self._ours(self._load(), app):

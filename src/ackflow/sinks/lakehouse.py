@@ -169,8 +169,9 @@ class TableSink(Sink):
         """Create the table with these columns (``create=True``)."""
 
     @abstractmethod
-    def committed_seq(self, app: str) -> int | None:
-        """The sequence number of this application's last commit in the table."""
+    def table_state(self, app: str) -> tuple[str, int | None] | None:
+        """The table's unique id and the sequence number of this application's last
+        commit in it (None: no commit yet); None if the table does not exist."""
 
     @abstractmethod
     def files_of(self, app: str, seq: int) -> list[str]:
@@ -342,7 +343,18 @@ class TableSink(Sink):
         """Record the keys of commits of ours the manifest missed (a crash between the
         table commit and the record). Returns the last sequence number."""
         app, seq = KeyManifest.get(db, "app"), int(KeyManifest.get(db, "seq"))
-        last = self.committed_seq(app)
+        state = self.table_state(app)
+        if state is None:
+            return seq
+        table_id, last = state
+        known = db.execute("SELECT v FROM meta WHERE k = 'table'").fetchone()
+        if known is None:
+            db.execute("INSERT INTO meta (k, v) VALUES ('table', ?)", (table_id,))
+        elif known[0] != table_id:  # its keys would leave out rows this table never had
+            raise ConfigError(f"sink {self.name!r}: the key manifest {self.manifest_path} "
+                              f"belongs to another table (id {known[0]}, this one is "
+                              f"{table_id}; was the table made again?): move it away, or "
+                              "give this table its own")
         if last is None or last <= seq:
             return seq
         for s in range(seq + 1, last + 1):
