@@ -51,7 +51,7 @@ def test_a_crash_at_each_commit_boundary_then_a_restart_ends_exact(tmp_path, kin
     by its sequence number and records its keys; after the record the redelivered rows
     are left out."""
     env, rows, manifest = tables(tmp_path, kind)
-    expected, poison = publish_orders(env["AF_QUEUE"], 300, seed=5)
+    expected, poison = publish_orders(env["AF_QUEUE"], 200, seed=5)
     point = f"{kind}.{moment}"
     crashed = run_local({**env, "ACKFLOW_FAULTS": f"{point}=exit@2"})
     assert crashed.returncode == 137, crashed.stderr[-2000:]

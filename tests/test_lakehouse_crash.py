@@ -39,13 +39,13 @@ def test_sigkill_at_a_random_moment_and_at_a_commit_then_exactly_once(tmp_path):
     env = {**os.environ, "AF_QUEUE": db, "AF_SINKS": "delta,iceberg",
            "AF_DELTA": str(tmp_path / "delta"),
            "AF_CATALOG": f"sqlite:///{tmp_path / 'catalog.db'}", "AF_TABLE": "shop.items"}
-    expected, poison = publish_orders(db, 800, seed=11)
+    expected, poison = publish_orders(db, 600, seed=11)
     cmd = [sys.executable, "-m", "ackflow.cli", "run", f"{PIPELINE}:flow", "--master",
-           "local[2]", "--json", "--batch-size", "160", "--max-inflight", "480",
+           "local[2]", "--json", "--batch-size", "120", "--max-inflight", "360",
            "--until-idle", "1"]
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     # 1. SIGKILL from outside after a random amount of work
-    threshold = rng.randint(80, 400)
+    threshold = rng.randint(60, 300)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         reached = wait_until(lambda: acked_total(db) >= threshold or proc.poll() is not None,
