@@ -98,7 +98,7 @@ def content(sink):
     else:
         t = sink._load().scan().to_arrow()
     return sorted(zip(t.column("ackflow_key").to_pylist(), t.column("n").to_pylist(),
-                      strict=True))
+                      strict=True), key=str)
 
 
 @pytest.mark.parametrize("kind", ["delta", "iceberg"])
@@ -170,3 +170,40 @@ def test_a_table_made_again_does_not_inherit_the_old_tables_keys(tmp_path):
     again.prepare(pa.schema([("n", pa.int64())]))  # created anew, at the same location
     with pytest.raises(ConfigError, match="belongs to another table"):
         again.commit("b2", stage(again, "b2", ["a"]))
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_commit_that_loses_the_race_to_another_writer_is_retried(tmp_path, kind,
+                                                                    monkeypatch):
+    """Another writer commits between the moment the sink read the table and its commit:
+    the commit conflicts, is retried on top of the winner, and both writes are kept."""
+    sink = make(kind, tmp_path)
+    sink.commit("b1", stage(sink, "b1", ["a"]))
+    other = pa.table({"n": pa.array([99], pa.int64()), "ackflow_key": pa.array([None], pa.string())})
+    if kind == "delta":
+        from deltalake import DeltaTable, write_deltalake
+
+        stale = DeltaTable(sink.path)  # read before the other writer's commit
+        write_deltalake(sink.path, other, mode="append")
+        monkeypatch.setattr(sink, "_dt", lambda: stale)
+        sink.commit("b2", stage(sink, "b2", ["b"], start=1))
+        assert DeltaTable(sink.path).version() == 3  # 0 create, 1 b1, 2 other, 3 b2 (retried)
+    else:
+        import ackflow.sinks.iceberg as iceberg_module
+
+        stale = sink._load()
+        sink._load().append(other.cast(sink.target))
+        real, calls, waits = type(sink)._load, [], []
+
+        def load_stale_once(self):
+            calls.append(1)
+            return stale if len(calls) == 2 else real(self)  # the commit's first read
+
+        monkeypatch.setattr(type(sink), "_load", load_stale_once)
+        monkeypatch.setattr(iceberg_module.time, "sleep", waits.append)
+        sink.commit("b2", stage(sink, "b2", ["b"], start=1))
+        monkeypatch.undo()
+        assert len(waits) == 1  # the first attempt lost (CommitFailedException), then retried
+        assert len(sink._load().snapshots()) == 3
+    keys = sorted(k for k, _ in content(sink) if k is not None)
+    assert keys == ["a", "b"] and len(content(sink)) == 3
