@@ -207,3 +207,34 @@ def test_a_commit_that_loses_the_race_to_another_writer_is_retried(tmp_path, kin
         assert len(sink._load().snapshots()) == 3
     keys = sorted(k for k, _ in content(sink) if k is not None)
     assert keys == ["a", "b"] and len(content(sink)) == 3
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_with_key_columns_the_first_write_of_a_key_wins(tmp_path, kind):
+    """``key=["sku"]``: those columns identify a row instead of ackflow's row key (no
+    ``ackflow_key`` column); a later row with a written key is left out, in the same
+    batch or a later one."""
+    if kind == "delta":
+        sink = Delta(tmp_path / "t", key="sku")
+    else:
+        sink = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t", key=["sku"])
+    sink.open()
+    sink.prepare(pa.schema([("sku", pa.string()), ("qty", pa.int64())]))
+
+    def stage_rows(batch, skus, qty):
+        rows = pa.table({"sku": skus, "qty": [qty] * len(skus),
+                         "__af_key": [f"{batch}-{i}" for i in range(len(skus))]})
+        return [sink.write_partition(batch, 0, rows).token]
+
+    sink.commit("b1", stage_rows("b1", ["x", "y", "x"], 1))
+    sink.commit("b2", stage_rows("b2", ["y", "z"], 2))
+    if kind == "delta":
+        from deltalake import DeltaTable
+
+        t = DeltaTable(sink.path).to_pyarrow_table()
+    else:
+        t = sink._load().scan().to_arrow()
+    assert t.column_names == ["sku", "qty"]
+    assert sorted(zip(t.column("sku").to_pylist(), t.column("qty").to_pylist(), strict=True)) \
+        == [("x", 1), ("y", 1), ("z", 2)]
+    sink.close()
