@@ -286,8 +286,7 @@ class TableSink(Sink):
             for values, part in groups:
                 files.append(self._write_file(part.drop_columns(self.partition_by), values,
                                               self.row_keys(part)))
-        return PartitionResult(failed={i: e for i, e in failed.items()},
-                               token=json.dumps({"files": files}).encode())
+        return PartitionResult(failed=dict(failed), token=json.dumps({"files": files}).encode())
 
     def row_keys(self, data: Any) -> list[str]:
         """The manifest's keys of these rows (ackflow's row key, or the ``key=`` values)."""
@@ -304,11 +303,15 @@ class TableSink(Sink):
         rel = "/".join([*(f"{c}={hive_escape(values[c])}" for c in self.partition_by),
                         f"part-ackflow-{uuid.uuid4().hex}.{self.compression}.parquet"])
         path = os.path.join(self.data_dir(), rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        folder = os.path.dirname(path)
+        made = not os.path.isdir(folder)
+        os.makedirs(folder, exist_ok=True)
         pq.write_table(data, path, compression=self.compression)
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        fsync_dir(os.path.dirname(path))
+        fsync_dir(folder)
+        if made:  # a new folder (a partition value, Iceberg's data/): its entry too
+            fsync_dir(os.path.dirname(folder))
         return {"path": rel, "size": os.path.getsize(path), "rows": data.num_rows,
                 "keys": keys, "partition": values, "stats": file_stats(data),
                 "mtime": int(os.path.getmtime(path) * 1000)}
