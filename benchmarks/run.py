@@ -23,6 +23,10 @@ over 100-byte JSON messages in the embedded queue:
                 (``mapInArrow``), the same SQL, ``writeStream.parquet`` with a checkpoint,
                 ``trigger(availableNow=True)``;
 * ackflow_files -- ackflow's Files source over the same files into Parquet;
+* ackflow_delta   -- ackflow end to end into a Delta Lake table (``sinks.Delta``);
+* ackflow_iceberg -- ackflow end to end into an Iceberg table (``sinks.Iceberg``, SQL
+                     catalog on SQLite). Both are compared with ``ackflow`` (the Parquet
+                     sink) in the same run;
 * latency    -- RabbitMQ at a low rate (``--latency-rate``, 200 msg/s, for
                 ``--latency-seconds``) with the engine's default settings: publish-to-ack
                 latency p50 / p99 (each body carries its publish time).
@@ -58,10 +62,12 @@ from typing import Any
 
 QUEUE = "bench"
 PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq",
-          "rmq_limit_quorum", "ackflow_rmq_quorum", "ss_files", "ackflow_files", "latency")
+          "rmq_limit_quorum", "ackflow_rmq_quorum", "ss_files", "ackflow_files", "latency",
+          "ackflow_delta", "ackflow_iceberg")
 RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"),
           ("ackflow_rmq", "rmq_limit"), ("ackflow_rmq_quorum", "rmq_limit_quorum"),
-          ("ackflow_files", "ss_files"))
+          ("ackflow_files", "ss_files"), ("ackflow_delta", "ackflow"),
+          ("ackflow_iceberg", "ackflow"))
 FIELDS = "id BIGINT, sku STRING, qty BIGINT, price DOUBLE"
 
 
@@ -334,17 +340,25 @@ def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
 
 def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                   dsn: str | None = None, url: str | None = None, queue: str = QUEUE,
-                  files: str | None = None) -> dict[str, Any]:
+                  files: str | None = None, table: str = "parquet") -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
-    from ackflow.sinks import Parquet, Postgres
+    from ackflow.sinks import Delta, Iceberg, Parquet, Postgres, Sink
     from ackflow.sources import EmbeddedQueue, Files, RabbitMQ
 
     spark = ackflow.session("local[*]")
 
     def flow(queue: str, path: str, files: str | None) -> ackflow.Flow:
-        sink = (Postgres(dsn, f"bench_{queue}", create=True) if dsn is not None
-                else Parquet(path))
+        sink: Sink
+        if dsn is not None:
+            sink = Postgres(dsn, f"bench_{queue}", create=True)
+        elif table == "delta":
+            sink = Delta(path)
+        elif table == "iceberg":
+            os.makedirs(path, exist_ok=True)
+            sink = Iceberg(f"sqlite:///{path}/catalog.db", f"bench.{queue}")
+        else:
+            sink = Parquet(path)
         if files is not None:
             source: Any = Files(files, "jsonl", done="record")
         elif url is not None:
@@ -533,8 +547,10 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
         publish_rmq(a.url, "warmup", a.batch_size)
     else:
         publish(a.db, a.batch_size, "warmup")
+    table = name.removeprefix("ackflow_") if name in ("ackflow_delta", "ackflow_iceberg") \
+        else "parquet"
     return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, dsn=a.dsn,
-                         url=a.url, queue=rmq_queue(name) if a.url else QUEUE)
+                         url=a.url, queue=rmq_queue(name) if a.url else QUEUE, table=table)
 
 
 def prepare(name: str, n: int, tmp: str, url: str | None) -> list[str]:

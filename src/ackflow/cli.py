@@ -76,12 +76,15 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--poison-rate", type=_rate, default=0.01,
                       help="share of malformed or invalid events (default 0.01)")
     demo.add_argument("--workdir", default="ackflow-demo",
-                      help="directory for the queue and the Parquet output (default ./ackflow-demo)")
+                      help="directory for the queue and the output (default ./ackflow-demo)")
     demo.add_argument("--resume", action="store_true",
                       help="process what is already queued in --workdir; publish nothing")
     demo.add_argument("--until-idle", type=_seconds, default=3.0,
                       help="stop after this many seconds without messages (default 3)")
     demo.add_argument("--seed", type=int, default=7, help="random seed of the events")
+    demo.add_argument("--sink", choices=("parquet", "delta", "iceberg"), default=None,
+                      help="where the line items go: Parquet (default), a Delta Lake table, or "
+                      "an Iceberg table (SQL catalog on SQLite); --resume keeps the demo's own")
     demo.add_argument("--source", choices=("embedded", "rabbitmq"), default="embedded",
                       help="where the orders are queued (default: the embedded queue)")
     demo.add_argument("--amqp-url", default=None,
@@ -147,7 +150,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ackflow.observe import ProgressBar
     from ackflow.spark.session import session
 
-    paths = demo.DemoPaths(os.path.abspath(args.workdir))
+    workdir = os.path.abspath(args.workdir)
+    sink = args.sink or "parquet"
+    if args.resume and not args.sink and os.path.exists(demo.DemoPaths(workdir).manifest):
+        with open(demo.DemoPaths(workdir).manifest) as f:
+            sink = json.load(f).get("sink", "parquet")
+    paths = demo.DemoPaths(workdir, sink)
     rabbit = None
     if args.source == "rabbitmq":
         if not args.amqp_url:
@@ -194,11 +202,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo_text(s: dict[str, Any], paths: Any) -> str:
     c = s["check"]
+    where = {"parquet": "Parquet", "delta": "Delta", "iceberg": "Iceberg"}[c["sink"]]
     lines = [
         "",
         f"ackflow demo — {s['elapsed_s']:.1f} s, {s['messages_per_s']:,.0f} messages/s",
         f"  published        {s['published']:>10,}",
-        f"  acked            {s['acked']:>10,}   (every row written to Parquet)",
+        f"  acked            {s['acked']:>10,}   (every row written to {where})",
         f"  dead-lettered    {s['dead_lettered']:>10,}   by step: {s['dead_lettered_by_step']}",
         f"  nacked (retried) {s['nacked']:>10,}",
         f"  rows written     {s['rows_written']:>10,}   in {s['batches']} batches",
@@ -208,9 +217,9 @@ def _demo_text(s: dict[str, Any], paths: Any) -> str:
                      "processed again (their rows may appear twice)")
     lines += [
         "check against what was published:",
-        f"  valid orders in Parquet   {c['valid_orders_in_parquet']:,} of "
+        f"  valid orders in {where:<9} {c['valid_orders_in_parquet']:,} of "
         f"{c['valid_orders_expected']:,}",
-        f"  line items in Parquet     {c['line_items_in_parquet']:,} of "
+        f"  line items in {where:<11} {c['line_items_in_parquet']:,} of "
         f"{c['line_items_expected']:,} ({c['duplicate_rows']:,} duplicate rows)",
         f"  poison dead-lettered      {c['poison_dead_lettered']:,} of {c['poison_expected']:,}"
         f" (wrongly: {c['dead_lettered_wrongly']})",

@@ -1,9 +1,10 @@
-"""The demo: synthetic orders through an embedded queue, Spark, and Parquet.
+"""The demo: synthetic orders through an embedded queue, Spark, and a table.
 
 ``ackflow demo`` publishes order events (a share of them poison: malformed JSON
 or invalid orders), runs the pipeline below on local Spark, and checks the result
-against what it published: every valid order's line items in Parquet, every poison
-message dead-lettered with the step and cause.
+against what it published: every valid order's line items in the output (Parquet by
+default; a Delta Lake table with ``--sink delta``, an Iceberg table with ``--sink
+iceberg``), every poison message dead-lettered with the step and cause.
 """
 
 from __future__ import annotations
@@ -18,17 +19,21 @@ from typing import Any
 from ackflow.core.policy import RetryPolicy
 from ackflow.embedded import EmbeddedQueue
 from ackflow.flow import Flow
+from ackflow.sinks.base import Sink
 from ackflow.sinks.parquet import ParquetSink
 from ackflow.sources.base import Source
 from ackflow.sources.embedded import EmbeddedQueueSource
 
 QUEUE = "orders"
+SINKS = ("parquet", "delta", "iceberg")
+ICEBERG_TABLE = "demo.orders"
 SKUS = [f"sku-{i:03d}" for i in range(200)]
 
 
 @dataclass(frozen=True)
 class DemoPaths:
     workdir: str
+    sink: str = "parquet"
 
     @property
     def db(self) -> str:
@@ -36,7 +41,54 @@ class DemoPaths:
 
     @property
     def output(self) -> str:
-        return os.path.join(self.workdir, "orders.parquet")
+        """The Parquet folder, the Delta table, or the Iceberg warehouse (with the
+        catalog ``catalog.db`` in it)."""
+        return os.path.join(self.workdir, {"parquet": "orders.parquet", "delta": "orders.delta",
+                                           "iceberg": "iceberg"}[self.sink])
+
+    @property
+    def catalog(self) -> str:
+        return "sqlite:///" + os.path.join(self.output, "catalog.db")
+
+    def make_sink(self) -> Sink:
+        if self.sink == "delta":
+            from ackflow.sinks.delta import DeltaSink
+
+            return DeltaSink(self.output, name="delta")
+        if self.sink == "iceberg":
+            from ackflow.sinks.iceberg import IcebergSink
+
+            os.makedirs(self.output, exist_ok=True)
+            return IcebergSink(self.catalog, ICEBERG_TABLE, name="iceberg")
+        return ParquetSink(self.output, name="parquet")
+
+    def read_keys(self) -> Any:
+        """The output's ``order_id`` and ``line`` columns (a ``pyarrow.Table``), or None if
+        nothing was written yet."""
+        import pyarrow.parquet as pq
+
+        cols = ["order_id", "line"]
+        if not os.path.isdir(self.output):
+            return None
+        if self.sink == "delta":
+            from deltalake import DeltaTable
+
+            if not DeltaTable.is_deltatable(self.output):
+                return None
+            return DeltaTable(self.output).to_pyarrow_table(columns=cols)
+        if self.sink == "iceberg":
+            from pyiceberg.exceptions import NoSuchTableError
+
+            from ackflow.sinks.iceberg import IcebergSink
+
+            try:
+                table = IcebergSink(self.catalog, ICEBERG_TABLE)._load()
+            except NoSuchTableError:
+                return None
+            return table.scan(selected_fields=tuple(cols)).to_arrow()
+        if not any(n.startswith("batch=") for n in os.listdir(self.output)):
+            return None
+        return pq.read_table(self.output, columns=cols)
 
     @property
     def manifest(self) -> str:
@@ -78,7 +130,8 @@ def publish(paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7,
     for p in (paths.db, paths.db + "-wal", paths.db + "-shm", paths.manifest, kept):
         if os.path.exists(p):
             os.remove(p)
-    shutil.rmtree(paths.output, ignore_errors=True)
+    for kind in SINKS:
+        shutil.rmtree(DemoPaths(paths.workdir, kind).output, ignore_errors=True)
     os.makedirs(paths.workdir, exist_ok=True)
     rng = random.Random(seed)
     bodies, ids, poison = [], [], {}
@@ -102,7 +155,8 @@ def publish(paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7,
             q.publish(QUEUE, bodies, msg_ids=ids)  # one transaction: all or nothing
         finally:
             q.close()
-    manifest = {"messages": messages, "poison": poison, "valid_items": valid_items}
+    manifest = {"messages": messages, "poison": poison, "valid_items": valid_items,
+                "sink": paths.sink}
     with open(paths.manifest + ".tmp", "w") as f:
         json.dump(manifest, f)
     os.replace(paths.manifest + ".tmp", paths.manifest)  # the demo exists once this is here
@@ -151,14 +205,12 @@ def build_flow(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> Flow:
         .flat_map(line_items, name="items")
         .with_columns(total="CAST(qty * price AS DECIMAL(12, 2))",
                       day="to_date(ts)", name="totals")
-        .to(ParquetSink(paths.output, name="parquet"))
+        .to(paths.make_sink())
     )
 
 
 def verify(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> dict[str, Any]:
-    """Compare the queue and the Parquet output with the manifest."""
-    import pyarrow.parquet as pq
-
+    """Compare the queue and the output (Parquet, Delta or Iceberg) with the manifest."""
     with open(paths.manifest) as f:
         manifest = json.load(f)
     if rabbit is not None:
@@ -173,8 +225,8 @@ def verify(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> dict[str, Any]
     poison: dict[str, str] = manifest["poison"]
     found_orders: set[str] = set()
     rows = 0
-    if os.path.isdir(paths.output) and any(n.startswith("batch=") for n in os.listdir(paths.output)):
-        table = pq.read_table(paths.output, columns=["order_id", "line"])
+    table = paths.read_keys()
+    if table is not None:
         rows = table.num_rows
         found_orders = set(table.column("order_id").to_pylist())
         distinct = len(set(zip(table.column("order_id").to_pylist(),
@@ -186,6 +238,7 @@ def verify(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> dict[str, Any]
     poison_missing = [m for m in poison if m not in dead_steps]
     bad_reason = [m for m, step in dead_steps.items() if m in poison and step != poison[m]]
     return {
+        "sink": paths.sink,
         "queue": stats,
         "valid_orders_expected": expected_orders,
         "valid_orders_in_parquet": len(found_orders),

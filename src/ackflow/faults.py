@@ -42,6 +42,13 @@ POINTS: dict[str, str] = {
     "parquet.before_record": "Parquet commit: files staged, batch not yet in the manifest",
     "parquet.after_record": "Parquet commit: batch recorded in the manifest, not renamed",
     "parquet.after_rename": "Parquet commit: batch directory renamed into place",
+    "delta.before_commit": "Delta commit: task files written, rows already written left out, "
+                           "no Delta version yet",
+    "delta.after_commit": "Delta commit: the version is in the log, its keys not yet recorded",
+    "delta.after_record": "Delta commit: version and keys recorded, nothing acked yet",
+    "iceberg.before_commit": "Iceberg commit: task files written, no snapshot yet",
+    "iceberg.after_commit": "Iceberg commit: the snapshot is committed, its keys not yet recorded",
+    "iceberg.after_record": "Iceberg commit: snapshot and keys recorded, nothing acked yet",
     "postgres.before_commit": "Postgres partition write: rows upserted, COMMIT not sent",
     "postgres.after_commit": "Postgres partition write: COMMIT done, task not returned",
     "source.reconnect": "a source is about to reconnect to its broker",

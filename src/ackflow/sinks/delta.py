@@ -1,0 +1,193 @@
+"""Delta Lake tables, one transaction per batch, each row once (``deltalake``, delta-rs)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.sinks.lakehouse import TableSink
+
+log = logging.getLogger("ackflow.sinks.delta")
+
+#: how often a commit is retried when another writer committed first (delta-rs re-checks
+#: the conflict and rebases an append on top of the winner)
+COMMIT_RETRIES = 15
+
+
+class DeltaSink(TableSink):
+    """Append each batch to the Delta table at ``path`` as one transaction.
+
+    Spark tasks write Parquet data files (new unique names, the table's columns, one file
+    per partition value) into the table's folder; the driver commits the batch as one
+    Delta transaction adding exactly those files, so a batch is visible whole or not at
+    all, and each batch is one table version (``DeltaTable(path).history()``, time
+    travel with ``load_as_version``). A row is written when that commit succeeded.
+
+    Effectively-once: the commit carries an application transaction ``(app id, sequence
+    number)`` (``DeltaTable.transaction_version``), and the key manifest
+    ``PATH/_ackflow/keys.db`` (SQLite) records every committed row key; rows whose keys
+    are recorded are left out of a commit, and a commit made just before a crash is found
+    by its sequence number and recorded at the next start (see
+    :mod:`ackflow.sinks.lakehouse`). A batch whose rows were all written before makes no
+    version. The row key is stored in the column ``key_column`` (``ackflow_key``); with
+    ``key=[...]`` those columns identify a row instead (first write wins).
+
+    Files of a batch that never committed (a crash, a failed job) are in no version:
+    readers never see them. ``DeltaTable(path).vacuum(retention_hours=H, dry_run=False,
+    full=True)`` deletes files no version references that are older than ``H`` hours (the
+    ``_ackflow`` folder starts with ``_`` and is kept); choose ``H`` longer than a batch
+    can take, never 0 while a pipeline writes.
+
+    Schema: with ``create=True`` a missing table is created from the flow's columns
+    (and ``partition_by``). An existing table is never changed: a column it lacks, or a
+    type it cannot take (a string into a number), stops the run at the first batch,
+    naming the columns. A value that does not fit (an integer too large for the column,
+    a null in a NOT NULL column) fails only its message.
+
+    Several processes may write one table: commits of processes that share the manifest
+    take turns; other writers' commits are retried over by delta-rs's optimistic
+    concurrency (``COMMIT_RETRIES``). The driver and the executors must see the same
+    ``path`` (local mode, or a shared file system).
+    """
+
+    POINTS = ("delta.before_commit", "delta.after_commit", "delta.after_record")
+
+    def __init__(self, path: str | os.PathLike[str], *, key: Sequence[str] | str | None = None,
+                 partition_by: Sequence[str] | str | None = None, create: bool = True,
+                 key_column: str = "ackflow_key", compression: str = "snappy",
+                 name: str = "delta") -> None:
+        super().__init__(name, key=key, key_column=key_column, create=create,
+                         compression=compression)
+        self.path = os.path.abspath(os.fspath(path))
+        if isinstance(partition_by, str):
+            partition_by = [partition_by]
+        self.wanted_partitions = list(partition_by or [])
+        self._table: Any = None
+
+    def _driver_only(self) -> Sequence[str]:
+        return ("_table",)
+
+    def describe(self) -> str:
+        return f"Delta table {self.path!r}"
+
+    @property
+    def manifest_path(self) -> str:
+        return os.path.join(self.path, "_ackflow", "keys.db")
+
+    def data_dir(self) -> str:
+        return self.path
+
+    def open(self) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ConfigError(f"sink {self.name!r}: {self.path!r} is a file, not a Delta table "
+                              "folder")
+        found = self.table_schema()
+        if found is None and not self.create:
+            raise ConfigError(f"sink {self.name!r}: no Delta table at {self.path!r}; create "
+                              "it, or pass create=True to create it from the flow's columns")
+        if found is not None and self.wanted_partitions and found[1] != self.wanted_partitions:
+            raise ConfigError(f"sink {self.name!r}: the Delta table at {self.path!r} is "
+                              f"partitioned by {found[1]}, not {self.wanted_partitions}")
+        super().open()
+
+    def _dt(self) -> Any:
+        from deltalake import DeltaTable
+
+        if self._table is None:
+            self._table = DeltaTable(self.path)
+        else:
+            self._table.update_incremental()
+        return self._table
+
+    def table_schema(self) -> tuple[Any, list[str]] | None:
+        import pyarrow as pa
+        from deltalake import DeltaTable
+
+        if not DeltaTable.is_deltatable(self.path):
+            return None
+        dt = DeltaTable(self.path)  # its own: prepare may run beside a commit
+        return pa.schema(dt.schema().to_arrow()), list(dt.metadata().partition_columns)
+
+    def create_table(self, schema: Any) -> None:
+        import pyarrow as pa
+        from deltalake import DeltaTable
+        from deltalake import Schema as DeltaSchema
+
+        missing = [c for c in self.wanted_partitions if c not in schema.names]
+        if missing:
+            raise FlowError(self.name, f"partition_by column(s) {', '.join(missing)} are not "
+                            f"among the flow's columns {', '.join(schema.names)}")
+        odd = [f"{c} ({schema.field(c).type})" for c in self.wanted_partitions
+               if not _partition_type(schema.field(c).type)]
+        if odd:
+            raise FlowError(self.name, f"partition_by column(s) {', '.join(odd)} must be "
+                            "strings, integers, dates or booleans")
+        bad = []
+        for f in schema:
+            try:
+                DeltaSchema.from_arrow(pa.schema([f]))
+            except Exception as e:  # noqa: BLE001 - reported as what to fix
+                bad.append(f"{f.name} ({f.type}: {str(e).splitlines()[0][:80]})")
+        if bad:
+            raise FlowError(self.name, f"Delta cannot hold column(s) {', '.join(bad)}; cast "
+                            "them in the flow")
+        try:
+            DeltaTable.create(self.path, schema, mode="ignore",
+                              partition_by=self.wanted_partitions or None)
+        except Exception as e:  # noqa: BLE001 - a path the library refuses
+            raise FlowError(self.name, f"cannot create a Delta table at {self.path!r}: "
+                            f"{str(e).splitlines()[0]}") from None
+        log.info("sink %r: created the Delta table %s (%s)", self.name, self.path,
+                 ", ".join(schema.names))
+
+    def table_state(self, app: str) -> tuple[str, int | None] | None:
+        from deltalake import DeltaTable
+
+        if not DeltaTable.is_deltatable(self.path):
+            return None
+        dt = self._dt()
+        version = dt.transaction_version(app)
+        return str(dt.metadata().id), None if version is None else int(version)
+
+    def files_of(self, app: str, seq: int) -> list[str]:
+        dt = self._dt()
+        limit = 16
+        while True:
+            history = dt.history(limit)
+            for commit in history:
+                if commit.get("ackflow.app") == app and commit.get("ackflow.seq") == str(seq):
+                    return [os.path.join(self.path, p)
+                            for p in commit.get("ackflow.files", [])]
+            if len(history) < limit:
+                raise RuntimeError(f"sink {self.name!r}: the Delta log has a transaction "
+                                   f"{app}/{seq} but no commit naming it; cannot record its "
+                                   "keys")
+            limit *= 8
+
+    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int,
+                     batch_id: str) -> int | None:
+        from deltalake.transaction import AddAction, CommitProperties, Transaction
+
+        dt = self._dt()
+        paths = [f["path"] for f in files]  # as on disk: delta-rs does not decode them
+        actions = [AddAction(p, f["size"], f["partition"], f["mtime"], True, f["stats"])
+                   for p, f in zip(paths, files, strict=True)]
+        properties = CommitProperties(
+            custom_metadata={"ackflow.app": app, "ackflow.seq": str(seq),
+                             "ackflow.batch": batch_id, "ackflow.files": paths},
+            app_transactions=[Transaction(app, seq)], max_commit_retries=COMMIT_RETRIES)
+        dt.create_write_transaction(actions, "append", dt.schema(),
+                                    partition_by=self.partition_by or None,
+                                    commit_properties=properties)
+        dt.update_incremental()
+        return int(dt.version())
+
+
+def _partition_type(t: Any) -> bool:
+    import pyarrow.types as pt
+
+    return bool(pt.is_string(t) or pt.is_large_string(t) or pt.is_string_view(t)
+                or pt.is_integer(t) or pt.is_date32(t) or pt.is_boolean(t))

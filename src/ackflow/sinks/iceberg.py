@@ -1,0 +1,273 @@
+"""Apache Iceberg tables, one snapshot per batch, each row once (``pyiceberg``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.secrets import hide, redact
+from ackflow.sinks.lakehouse import TableSink
+
+log = logging.getLogger("ackflow.sinks.iceberg")
+
+#: how often a commit is tried again when another writer committed first
+COMMIT_RETRIES = 10
+
+
+class IcebergSink(TableSink):
+    """Append each batch to the Iceberg table ``table`` (``"namespace.name"``) as one
+    snapshot.
+
+    ``catalog``: a SQLAlchemy URL of pyiceberg's SQL catalog (``"sqlite:///cat.db"``, the
+    default kind, no server; or ``"postgresql+psycopg://user:pw@host/db"``), or a mapping
+    of pyiceberg catalog properties (``{"type": "sql", "uri": ..., "warehouse": ...}``).
+    ``warehouse``: where new tables go (default: ``warehouse/`` beside a SQLite catalog
+    file). The table's data location must be a local (or shared) file system path.
+
+    Spark tasks write Parquet data files (new unique names, the table's columns) under
+    the table's ``data/`` folder; the driver adds them in one snapshot per batch
+    (``Transaction.add_files``), so a batch is visible whole or not at all. A row is
+    written when that snapshot is committed. The snapshot's properties
+    ``ackflow.app`` and ``ackflow.seq`` name the batch, so a batch committed just before
+    a crash is found at the next start and never committed twice; the key manifest
+    (``manifest=``, by default ``<table location>/_ackflow/keys.db``, SQLite) leaves out
+    the rows of redelivered messages (see :mod:`ackflow.sinks.lakehouse`). The row key is
+    stored in the column ``key_column`` (``ackflow_key``); ``key=[...]`` uses those
+    columns instead (first write wins).
+
+    Schema: with ``create=True`` a missing table (and namespace) is created from the
+    flow's columns; an existing table is never changed, and a column it lacks or a type
+    it cannot take stops the run naming the columns. A value that does not fit fails
+    only its message. A commit that loses the race to another writer is tried again
+    on the refreshed table (``COMMIT_RETRIES``). Files of a batch that never committed
+    are in no snapshot (remove them with an orphan-file clean-up that spares files
+    younger than a batch). Passwords in the catalog URL never appear in errors or logs.
+    """
+
+    POINTS = ("iceberg.before_commit", "iceberg.after_commit", "iceberg.after_record")
+
+    def __init__(self, catalog: str | Mapping[str, str], table: str, *,
+                 key: Sequence[str] | str | None = None, create: bool = True,
+                 warehouse: str | None = None, manifest: str | None = None,
+                 key_column: str = "ackflow_key", compression: str = "snappy",
+                 name: str = "iceberg") -> None:
+        super().__init__(name, key=key, key_column=key_column, create=create,
+                         compression=compression)
+        if not isinstance(table, str) or "." not in table.strip("."):
+            raise ConfigError(f"sink {name!r}: table must be 'namespace.name', got {table!r}")
+        props = {"uri": catalog} if isinstance(catalog, str) else dict(catalog)
+        props.setdefault("type", "sql")
+        uri = str(props.get("uri", ""))
+        if warehouse is None and "warehouse" not in props and uri.startswith("sqlite:///"):
+            warehouse = os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])),
+                                     "warehouse")
+        if warehouse is not None:
+            if "://" not in warehouse:
+                os.makedirs(warehouse, exist_ok=True)
+                warehouse = "file://" + os.path.abspath(warehouse)
+            props["warehouse"] = warehouse
+        self._props = props
+        self.table = table
+        self._manifest_arg = os.path.abspath(manifest) if manifest else None
+        self.location: str | None = None  # local folder of the table, known after open
+        self._catalog: Any = None
+
+    def _driver_only(self) -> Sequence[str]:
+        return ("_catalog", "_props")
+
+    def __repr__(self) -> str:
+        return f"IcebergSink({self.name!r}, table={self.table!r})"
+
+    def describe(self) -> str:
+        return f"Iceberg table {self.table!r}"
+
+    def _secret(self) -> str | None:
+        from urllib.parse import urlsplit
+
+        try:
+            return urlsplit(str(self._props.get("uri", ""))).password
+        except ValueError:
+            return None
+
+    def _hide(self, text: str) -> str:
+        return hide(redact(text), self._secret())
+
+    def _cat(self) -> Any:
+        if self._catalog is None:
+            from pyiceberg.catalog import load_catalog
+
+            props = dict(self._props)
+            try:
+                self._catalog = load_catalog("ackflow", **props)
+            except Exception as e:  # noqa: BLE001 - a bad URL or an unreachable server
+                raise ConfigError(f"sink {self.name!r}: cannot open the Iceberg catalog "
+                                  f"{self._hide(str(props.get('uri')))}: "
+                                  f"{self._hide(_first(e))}") from None
+        return self._catalog
+
+    def _load(self) -> Any:
+        """The table, read afresh (``NoSuchTableError`` if it does not exist; any other
+        failure as a ``ConnectionError`` whose text hides the password)."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            return self._cat().load_table(self.table)
+        except (NoSuchTableError, ConfigError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the catalog's database went away, ...
+            raise ConnectionError(self._hide(f"cannot load Iceberg table {self.table!r}: "
+                                             f"{_first(e)}")) from None
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        """See :meth:`TableSink.commit`; a failure's text never shows the password."""
+        from ackflow.faults import InjectedFault
+
+        try:
+            super().commit(batch_id, tokens)
+        except (InjectedFault, ConfigError, ConnectionError):
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the password hidden
+            raise RuntimeError(self._hide(_first(e))) from None
+
+    @property
+    def manifest_path(self) -> str:
+        if self._manifest_arg:
+            return self._manifest_arg
+        if self.location is None:
+            raise ConfigError(f"sink {self.name!r}: the table's location is not known yet")
+        return os.path.join(self.location, "_ackflow", "keys.db")
+
+    def data_dir(self) -> str:
+        assert self.location is not None
+        return os.path.join(self.location, "data")
+
+    def _set_location(self, table: Any) -> None:
+        loc = str(table.location())
+        if loc.startswith("file://"):
+            loc = loc[len("file://"):]
+        if "://" in loc:
+            raise ConfigError(f"sink {self.name!r}: the table's location {loc!r} is not a "
+                              "local path; ackflow's tasks write data files with the local "
+                              "(or a shared) file system")
+        self.location = loc
+
+    def open(self) -> None:
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            table = self._load()
+        except NoSuchTableError:
+            if not self.create:
+                raise ConfigError(f"sink {self.name!r}: Iceberg table {self.table!r} does not "
+                                  "exist; create it, or pass create=True") from None
+            return  # created at the first batch, from the flow's columns
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"sink {self.name!r}: cannot load Iceberg table {self.table!r}: "
+                              f"{self._hide(_first(e))}") from None
+        self._set_location(table)
+        super().open()
+
+    def table_schema(self) -> tuple[Any, list[str]] | None:
+        from pyiceberg.exceptions import NoSuchTableError
+        from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+        try:
+            table = self._load()
+        except NoSuchTableError:
+            return None
+        self._set_location(table)
+        if table.spec().fields:
+            raise FlowError(self.name, f"{self.describe()} is partitioned; ackflow's Iceberg "
+                            "sink writes unpartitioned tables only")
+        return schema_to_pyarrow(table.schema(), include_field_ids=False), []
+
+    def create_table(self, schema: Any) -> None:
+        import pyarrow as pa
+
+        catalog = self._cat()
+        namespace = self.table.rsplit(".", 1)[0]
+        bad = []
+        for f in schema:
+            try:
+                from pyiceberg.io.pyarrow import _ConvertToIcebergWithoutIDs, visit_pyarrow
+
+                visit_pyarrow(pa.schema([f]), _ConvertToIcebergWithoutIDs())
+            except Exception as e:  # noqa: BLE001 - reported as what to fix
+                bad.append(f"{f.name} ({f.type}: {_first(e)[:80]})")
+        if bad:
+            raise FlowError(self.name, f"Iceberg cannot hold column(s) {', '.join(bad)}; cast "
+                            "them in the flow")
+        try:
+            catalog.create_namespace_if_not_exists(namespace)
+            table = catalog.create_table_if_not_exists(self.table, schema=schema)
+        except Exception as e:  # noqa: BLE001
+            raise FlowError(self.name, f"cannot create Iceberg table {self.table!r}: "
+                            f"{self._hide(_first(e))}") from None
+        self._set_location(table)
+        os.makedirs(os.path.dirname(self.manifest_path), exist_ok=True)
+        log.info("sink %r: created Iceberg table %s (%s)", self.name, self.table,
+                 ", ".join(schema.names))
+
+    def _ours(self, table: Any, app: str) -> Iterator[tuple[int, Any]]:
+        """This application's snapshots, newest first, on the main branch's lineage."""
+        snapshot = table.current_snapshot()
+        while snapshot is not None:
+            props = snapshot.summary.additional_properties if snapshot.summary else {}
+            if props.get("ackflow.app") == app:
+                yield int(props["ackflow.seq"]), snapshot
+            parent = snapshot.parent_snapshot_id
+            snapshot = table.snapshot_by_id(parent) if parent is not None else None
+
+    def table_state(self, app: str) -> tuple[str, int | None] | None:
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            table = self._load()
+        except NoSuchTableError:
+            return None
+        return str(table.metadata.table_uuid), next((seq for seq, _ in self._ours(table, app)),
+                                                    None)
+
+    def files_of(self, app: str, seq: int) -> list[str]:
+        for s, snapshot in self._ours(self._load(), app):
+            if s == seq:
+                names = json.loads(snapshot.summary.additional_properties["ackflow.files"])
+                return [os.path.join(self.data_dir(), n) for n in names]
+            if s < seq:
+                break
+        raise RuntimeError(f"sink {self.name!r}: no snapshot of {app}/{seq} in "
+                           f"{self.table!r}; cannot record its keys")
+
+    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int,
+                     batch_id: str) -> int | None:
+        from pyiceberg.exceptions import CommitFailedException
+
+        paths = ["file://" + os.path.join(self.data_dir(), f["path"]) for f in files]
+        props = {"ackflow.app": app, "ackflow.seq": str(seq), "ackflow.batch": batch_id,
+                 "ackflow.files": json.dumps([f["path"] for f in files])}
+        for attempt in range(COMMIT_RETRIES + 1):
+            table = self._load()
+            try:
+                with table.transaction() as tx:
+                    tx.add_files(paths, snapshot_properties=props, check_duplicate_files=False)
+            except CommitFailedException as e:  # another writer won: nothing of ours landed
+                if attempt == COMMIT_RETRIES:
+                    raise RuntimeError(self._hide(f"Iceberg commit lost the race "
+                                                  f"{attempt + 1} times: {_first(e)}")) from None
+                time.sleep(min(1.0, 0.02 * 2 ** attempt))
+                continue
+            snapshot = self._load().current_snapshot()
+            return int(snapshot.snapshot_id) if snapshot is not None else None
+        return None
+
+
+def _first(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,563 @@
+"""What the Delta Lake and Iceberg sinks share: files written by tasks, one table commit
+per batch on the driver, and a key manifest that makes redelivered rows effectively-once.
+
+The protocol (:class:`TableSink`), per batch:
+
+1. **Tasks** cast their rows to the table's columns (a row that does not fit fails its
+   message only), write them as Parquet data files with new unique names into the
+   table's location (fsynced, with their folder), and return each file's name, size,
+   row count, statistics and row keys in their token. A file no commit names is not
+   part of the table: a batch whose tasks wrote files and that never committed leaves
+   only unreferenced files behind (see the sinks' ``vacuum`` notes).
+2. **The driver** commits, inside one write transaction of the key manifest (SQLite,
+   ``BEGIN IMMEDIATE``: one committer at a time across threads and processes that share
+   the manifest):
+
+   a. *catch up*: if the table holds a commit of ours the manifest does not (the process
+      died between the table commit and the manifest's COMMIT), record its keys now,
+      read from its files;
+   b. drop rows whose keys are recorded (a message delivered again): files holding such
+      rows are rewritten without them (new names), files left empty are not committed;
+   c. commit the files to the table in one transaction carrying this manifest's
+      application id and the batch's sequence number (Delta: an application
+      transaction; Iceberg: snapshot properties);
+   d. record the keys, the batch and its sequence number; COMMIT.
+
+   A crash before (c) leaves unreferenced files and no record; the messages come again.
+   A crash between (c) and (d) is repaired by (a) at the next commit or start: the
+   batch is recognised by its sequence number and never committed twice, and its keys
+   make the redelivered rows drop out. A crash after (d) is an ordinary redelivery of
+   committed rows: dropped by (b).
+
+Keys: by default ackflow's row key, stored in the table in column ``key_column``
+(``ackflow_key``) as well as in the manifest; with ``key=[...]`` the values of those
+columns (first write wins: a later row with the same values is not added).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from abc import abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ackflow import faults
+from ackflow.core.durable import WriteTx, fsync_dir
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.sinks.base import ROW_KEY as KEY
+from ackflow.sinks.base import PartitionResult, Sink
+
+log = logging.getLogger("ackflow.sinks.lakehouse")
+
+
+class KeyManifest:
+    """The row keys committed to one table, the batches and the last sequence number.
+
+    SQLite (WAL, ``synchronous=FULL``) at ``path``; ~60 bytes per key, kept for good.
+    ``meta`` holds the application id (made once, the id the table's commits carry),
+    ``seq``, the sequence number of the last batch whose keys are recorded, and
+    ``dropped``, the rows left out so far because their keys were recorded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=600)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(
+            "CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);"
+            "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY) WITHOUT ROWID;"
+            "CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY, batch TEXT,"
+            " version INTEGER, rows INTEGER NOT NULL, dropped INTEGER NOT NULL,"
+            " recovered INTEGER NOT NULL DEFAULT 0, committed_at REAL NOT NULL);")
+        db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('app', ?)",
+                   (f"ackflow-{uuid.uuid4().hex}",))
+        db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('seq', '0')")
+        db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('dropped', '0')")
+        return db
+
+    @staticmethod
+    def get(db: sqlite3.Connection, k: str) -> str:
+        return str(db.execute("SELECT v FROM meta WHERE k = ?", (k,)).fetchone()[0])
+
+    @staticmethod
+    def written(db: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
+        """Which of ``keys`` are recorded (a primary-key search per key: flat in the
+        manifest's size)."""
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS incoming (key TEXT PRIMARY KEY)")
+        db.execute("DELETE FROM incoming")
+        db.executemany("INSERT OR IGNORE INTO incoming (key) VALUES (?)", ((k,) for k in keys))
+        return {r[0] for r in db.execute(
+            "SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")}
+
+    @staticmethod
+    def record(db: sqlite3.Connection, seq: int, batch: str, version: int | None,
+               keys: Sequence[str], dropped: int, recovered: bool = False) -> None:
+        db.executemany("INSERT OR IGNORE INTO row_keys (key) VALUES (?)", ((k,) for k in keys))
+        db.execute("INSERT OR REPLACE INTO batches (seq, batch, version, rows, dropped, recovered,"
+                   " committed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   (seq, batch, version, len(keys), dropped, int(recovered), time.time()))
+        db.execute("UPDATE meta SET v = ? WHERE k = 'seq'", (str(seq),))
+
+
+class TableSink(Sink):
+    """Base of the table sinks (see the module docstring). Subclasses say where files
+    go, how the table's schema is read or created, and how a batch is committed and
+    found again by its sequence number."""
+
+    wants_keys = True
+    #: fault point names, in order: before the table commit, after it (keys not yet
+    #: recorded), after the record (nothing acked yet)
+    POINTS: tuple[str, str, str] = ("", "", "")
+
+    def __init__(self, name: str, *, key: Sequence[str] | str | None, key_column: str,
+                 create: bool, compression: str) -> None:
+        super().__init__(name)
+        if isinstance(key, str):
+            key = [key]
+        if key is not None and not key:
+            raise ConfigError(f"sink {name!r}: key= needs at least one column (or None for "
+                              "ackflow's row key)")
+        self.key = list(key) if key is not None else None
+        self.key_column = key_column
+        self.create = create
+        self.compression = compression
+        self.target: Any = None  # the data files' pyarrow schema, set by prepare
+        self.partition_by: list[str] = []
+        self._prepared: set[tuple[str, ...]] = set()
+        self._lock = threading.Lock()
+        self._state: dict[str, str] = {}  # batch id -> "committing" | "committed"
+
+    def __getstate__(self) -> dict[str, Any]:  # tasks get the configuration only
+        state = dict(self.__dict__)
+        state["_lock"] = None
+        state["_state"] = {}
+        state["_prepared"] = set()
+        for k in self._driver_only():
+            state[k] = None
+        return state
+
+    def _driver_only(self) -> Sequence[str]:
+        return ()
+
+    # -- what subclasses provide --------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def manifest_path(self) -> str:
+        """Where the key manifest lives (every writer of the table must use the same)."""
+
+    @abstractmethod
+    def data_dir(self) -> str:
+        """The local folder tasks write data files into (driver side, after prepare)."""
+
+    @abstractmethod
+    def table_schema(self) -> tuple[Any, list[str]] | None:
+        """The table's columns (``pyarrow.Schema``) and partition columns, or None if the
+        table does not exist."""
+
+    @abstractmethod
+    def create_table(self, schema: Any) -> None:
+        """Create the table with these columns (``create=True``)."""
+
+    @abstractmethod
+    def table_state(self, app: str) -> tuple[str, int | None] | None:
+        """The table's unique id and the sequence number of this application's last
+        commit in it (None: no commit yet); None if the table does not exist."""
+
+    @abstractmethod
+    def files_of(self, app: str, seq: int) -> list[str]:
+        """Local paths of the data files the commit ``seq`` of ``app`` added."""
+
+    @abstractmethod
+    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int,
+                     batch_id: str) -> int | None:
+        """Commit ``files`` as one table transaction carrying ``(app, seq)``; returns the
+        table version (or snapshot) made, if known."""
+
+    def fmt_type(self, t: Any) -> str:
+        return str(t)
+
+    # -- driver side: start and schema --------------------------------------------------
+
+    def open(self) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.manifest_path), exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"sink {self.name!r}: cannot create {self.manifest_path!r}: "
+                              f"{e}") from None
+        if self.table_schema() is not None:
+            with self._manifest() as db:
+                self._catch_up(db)
+
+    @contextmanager
+    def _manifest(self) -> Iterator[sqlite3.Connection]:
+        """The manifest, write-locked (this process's threads and other processes wait)."""
+        assert self._lock is not None
+        with self._lock:
+            db = KeyManifest(self.manifest_path).connect()
+            try:
+                with WriteTx(db):
+                    yield db
+            finally:
+                db.close()
+
+    def columns(self, schema: Any) -> Any:
+        """The table columns the flow writes: its own plus the key column (by default)."""
+        import pyarrow as pa
+
+        fields = [f for f in schema if f.name != KEY]
+        if self.key is None and self.key_column not in schema.names:
+            fields.append(pa.field(self.key_column, pa.string()))
+        return pa.schema(fields)
+
+    def prepare(self, schema: Any) -> None:
+        """Create the table (``create=True``) or check that it takes the flow's columns;
+        otherwise stop the run naming the columns (the table is never changed)."""
+        signature = tuple(f"{f.name}:{f.type}" for f in schema)
+        if signature in self._prepared:
+            return
+        incoming = self.columns(schema)
+        missing_key = [k for k in self.key or [] if k not in incoming.names]
+        if missing_key:
+            raise FlowError(self.name, f"the key column(s) {', '.join(missing_key)} are not "
+                            f"among the flow's columns {', '.join(incoming.names)}")
+        found = self.table_schema()
+        if found is None:
+            if not self.create:
+                raise FlowError(self.name, f"{self.describe()} does not exist; create it, or "
+                                "pass create=True to create it from the flow's columns")
+            self.create_table(incoming)
+            found = self.table_schema()
+            assert found is not None
+        table, partitions = found
+        lacking = [f.name for f in incoming if f.name not in table.names]
+        if lacking:
+            raise FlowError(self.name, f"{self.describe()} has no column(s) "
+                            f"{', '.join(lacking)} (the flow writes {', '.join(incoming.names)});"
+                            " add them to the table, or write to a new table")
+        wrong = [f"{f.name} ({self.fmt_type(f.type)} into {self.fmt_type(table.field(f.name).type)})"
+                 for f in incoming if not can_take(f.type, table.field(f.name).type)]
+        if wrong:
+            raise FlowError(self.name, f"{self.describe()} cannot take column(s) "
+                            f"{', '.join(wrong)}; cast them in the flow, or write to a new table")
+        required = [f.name for f in table if not f.nullable and f.name not in incoming.names]
+        if required:
+            raise FlowError(self.name, f"{self.describe()} requires column(s) "
+                            f"{', '.join(required)} (NOT NULL) that the flow does not write")
+        self.target = table
+        self.partition_by = partitions
+        self._prepared.add(signature)
+
+    def describe(self) -> str:
+        return f"table {self.name!r}"
+
+    # -- task side ----------------------------------------------------------------------
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        import pyarrow as pa
+
+        if rows.num_rows == 0:
+            return PartitionResult()
+        if self.target is None:
+            raise RuntimeError(f"sink {self.name!r} was not prepared")
+        keys = rows.column(KEY) if KEY in rows.column_names else None
+        data = rows.drop_columns([KEY]) if keys is not None else rows
+        if self.key is None:
+            data = data.append_column(self.key_column, keys if keys is not None
+                                      else pa.array([None] * rows.num_rows, pa.string()))
+        data, failed = conform(data, self.target)
+        if failed:
+            kept = pa.array([i not in failed for i in range(rows.num_rows)])
+            data = data.filter(kept)
+        files = []
+        if data.num_rows:
+            groups: list[tuple[dict[str, str | None], Any]] = [({}, data)]
+            if self.partition_by:
+                groups = split_partitions(data, self.partition_by)
+            for values, part in groups:
+                files.append(self._write_file(part.drop_columns(self.partition_by), values,
+                                              self.row_keys(part)))
+        return PartitionResult(failed=dict(failed), token=json.dumps({"files": files}).encode())
+
+    def row_keys(self, data: Any) -> list[str]:
+        """The manifest's keys of these rows (ackflow's row key, or the ``key=`` values)."""
+        if self.key is None:
+            return [str(k) for k in data.column(self.key_column).to_pylist()]
+        cols = [data.column(k).to_pylist() for k in self.key]
+        return [json.dumps(v, default=str, separators=(",", ":")) for v in zip(*cols, strict=True)]
+
+    def _write_file(self, data: Any, values: dict[str, str | None],
+                    keys: list[str]) -> dict[str, Any]:
+        """Write one data file (without the partition columns), fsynced with its folder."""
+        import pyarrow.parquet as pq
+
+        rel = "/".join([*(f"{c}={hive_escape(values[c])}" for c in self.partition_by),
+                        f"part-ackflow-{uuid.uuid4().hex}.{self.compression}.parquet"])
+        path = os.path.join(self.data_dir(), rel)
+        folder = os.path.dirname(path)
+        made = not os.path.isdir(folder)
+        os.makedirs(folder, exist_ok=True)
+        pq.write_table(data, path, compression=self.compression)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        fsync_dir(folder)
+        if made:  # a new folder (a partition value, Iceberg's data/): its entry too
+            fsync_dir(os.path.dirname(folder))
+        return {"path": rel, "size": os.path.getsize(path), "rows": data.num_rows,
+                "keys": keys, "partition": values, "stats": file_stats(data),
+                "mtime": int(os.path.getmtime(path) * 1000)}
+
+    # -- driver side: commit ------------------------------------------------------------
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        files = [f for t in tokens for f in json.loads(t)["files"]]
+        if not files:
+            return
+        before, after, recorded = self.POINTS
+        with self._manifest() as db:
+            seq = self._catch_up(db) + 1
+            files, fresh, dropped = self._drop_written(db, files)
+            if dropped:  # rows of messages delivered again, left out (the total, for checks)
+                db.execute("UPDATE meta SET v = CAST(v AS INTEGER) + ? WHERE k = 'dropped'",
+                           (dropped,))
+            if not files:  # every row was written before (a redelivered batch): no commit
+                log.info("sink %r: batch %s holds only rows written before (%d); nothing to "
+                         "commit", self.name, batch_id, dropped)
+                return
+            faults.point(before)
+            self._state[batch_id] = "committing"
+            version = self.commit_files(files, KeyManifest.get(db, "app"), seq, batch_id)
+            self._state[batch_id] = "committed"
+            faults.point(after)
+            KeyManifest.record(db, seq, batch_id, version, fresh, dropped)
+        faults.point(recorded)
+        self._state.pop(batch_id, None)
+
+    def _catch_up(self, db: sqlite3.Connection) -> int:
+        """Record the keys of commits of ours the manifest missed (a crash between the
+        table commit and the record). Returns the last sequence number."""
+        app, seq = KeyManifest.get(db, "app"), int(KeyManifest.get(db, "seq"))
+        state = self.table_state(app)
+        if state is None:
+            return seq
+        table_id, last = state
+        known = db.execute("SELECT v FROM meta WHERE k = 'table'").fetchone()
+        if known is None:
+            db.execute("INSERT INTO meta (k, v) VALUES ('table', ?)", (table_id,))
+        elif known[0] != table_id:  # its keys would leave out rows this table never had
+            raise ConfigError(f"sink {self.name!r}: the key manifest {self.manifest_path} "
+                              f"belongs to another table (id {known[0]}, this one is "
+                              f"{table_id}; was the table made again?): move it away, or "
+                              "give this table its own")
+        if last is None or last <= seq:
+            return seq
+        for s in range(seq + 1, last + 1):
+            keys: list[str] = []
+            for path in self.files_of(app, s):
+                keys.extend(self._keys_in_file(path))
+            KeyManifest.record(db, s, "", None, keys, 0, recovered=True)
+            log.warning("sink %r: batch %d was committed to the table before a crash but not "
+                        "recorded; recorded its %d keys now (its rows are not written again)",
+                        self.name, s, len(keys))
+        return last
+
+    def _keys_in_file(self, path: str) -> list[str]:
+        import pyarrow.parquet as pq
+
+        cols = [self.key_column] if self.key is None else list(self.key)
+        present = [c for c in cols if c not in self.partition_by]
+        data = pq.ParquetFile(path).read(columns=present)
+        if len(present) != len(cols):  # a key column is a partition column: from the path
+            import pyarrow as pa
+
+            for c in cols:
+                if c not in present:
+                    value = partition_value(path, c)
+                    data = data.append_column(c, pa.array([value] * data.num_rows))
+        return self.row_keys(data)
+
+    def _drop_written(self, db: sqlite3.Connection,
+                      files: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], int]:
+        """Leave out rows whose keys are recorded (and repeats within the batch): rewrite
+        files that hold some, skip files that hold only those. Returns the files to
+        commit, their keys and the number of rows left out."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        seen = KeyManifest.written(db, [k for f in files for k in f["keys"]])
+        out, fresh, dropped = [], [], 0
+        for f in files:
+            mask = []
+            for k in f["keys"]:
+                mask.append(k not in seen)
+                seen.add(k)
+            kept = sum(mask)
+            dropped += len(mask) - kept
+            path = os.path.join(self.data_dir(), f["path"])
+            if kept == len(mask):
+                out.append(f)
+                fresh.extend(f["keys"])
+                continue
+            if kept:
+                table = pq.ParquetFile(path).read().filter(pa.array(mask))
+                rewritten = self._write_file(table, f["partition"],
+                                             [k for k, m in zip(f["keys"], mask, strict=True) if m])
+                out.append(rewritten)
+                fresh.extend(rewritten["keys"])
+            _remove(path)
+        return out, fresh, dropped
+
+    def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        """Remove the files of a batch that certainly did not commit. Files of a batch
+        whose table commit was attempted stay (they may be in the table; unreferenced
+        ones are removed by ``vacuum``)."""
+        if self._state.pop(batch_id, None) is not None:
+            return
+        for t in tokens:
+            for f in json.loads(t)["files"]:
+                _remove(os.path.join(self.data_dir(), f["path"]))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def can_take(src: Any, dst: Any) -> bool:
+    """Whether a column of type ``src`` can be written into one of type ``dst`` (value by
+    value: an integer that does not fit fails its row; a string never becomes a number)."""
+    import pyarrow.types as t
+
+    if src.equals(dst) or t.is_null(src):
+        return True
+    if t.is_struct(src) and t.is_struct(dst):
+        names = {dst.field(i).name: dst.field(i).type for i in range(dst.num_fields)}
+        return all(src.field(i).name in names
+                   and can_take(src.field(i).type, names[src.field(i).name])
+                   for i in range(src.num_fields))
+    lists = (t.is_list, t.is_large_list, t.is_list_view, t.is_large_list_view)
+    if any(f(src) for f in lists) and any(f(dst) for f in lists):
+        return can_take(src.value_type, dst.value_type)
+    if t.is_map(src) and t.is_map(dst):
+        return can_take(src.key_type, dst.key_type) and can_take(src.item_type, dst.item_type)
+    a, b = _kind(src), _kind(dst)
+    return a is not None and (a == b or (a, b) in {("int", "float"), ("int", "decimal")})
+
+
+def _kind(x: Any) -> str | None:
+    import pyarrow.types as t
+
+    kinds = [("bool", t.is_boolean), ("int", t.is_integer), ("float", t.is_floating),
+             ("decimal", t.is_decimal), ("timestamp", t.is_timestamp), ("date", t.is_date),
+             ("time", t.is_time),
+             ("string", lambda y: t.is_string(y) or t.is_large_string(y) or t.is_string_view(y)),
+             ("binary", lambda y: t.is_binary(y) or t.is_large_binary(y) or t.is_binary_view(y)
+              or t.is_fixed_size_binary(y))]
+    return next((name for name, check in kinds if check(x)), None)
+
+
+def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
+    """``data`` with ``target``'s columns and types, and the rows that cannot have them
+    (row index -> why). Columns the flow lacks are null; a value that does not fit its
+    column's type, or a null in a NOT NULL column, fails that row only."""
+    import pyarrow as pa
+
+    n = data.num_rows
+    failed: dict[int, str] = {}
+    arrays = []
+    for field in target:
+        if field.name not in data.column_names:
+            arrays.append(pa.nulls(n, field.type))
+            continue
+        col = data.column(field.name)
+        try:
+            arrays.append(col.cast(field.type, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError):
+            values = []
+            for i in range(n):
+                one = col.slice(i, 1)
+                try:
+                    values.append(one.cast(field.type, safe=True).combine_chunks())
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError) as e:
+                    failed.setdefault(i, f"column {field.name!r}: cannot store "
+                                      f"{_short(one[0].as_py())} as {field.type}: {e}")
+                    values.append(pa.nulls(1, field.type))
+            arrays.append(pa.concat_arrays(values) if values else pa.nulls(0, field.type))
+        if not field.nullable and arrays[-1].null_count:
+            for i, v in enumerate(arrays[-1].is_null().to_pylist()):
+                if v:
+                    failed.setdefault(i, f"column {field.name!r} is NOT NULL and the row has "
+                                      "no value")
+    return pa.table(arrays, schema=target), failed
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def hive_escape(value: str | None) -> str:
+    """A partition value as a folder name: every byte outside ``[A-Za-z0-9._-]`` as
+    ``%XX`` (so no value can leave its folder)."""
+    if value is None:
+        return "__HIVE_DEFAULT_PARTITION__"
+    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else
+                   "".join(f"%{b:02X}" for b in c.encode()) for c in value)
+
+
+def partition_value(path: str, column: str) -> str | None:
+    from urllib.parse import unquote
+
+    for part in path.split(os.sep):
+        name, sep, value = part.partition("=")
+        if sep and name == column:
+            return None if value == "__HIVE_DEFAULT_PARTITION__" else unquote(value)
+    return None
+
+
+def split_partitions(data: Any, columns: list[str]) -> list[tuple[dict[str, str | None], Any]]:
+    """Rows grouped by their partition values (as Delta writes them: strings)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = [pc.cast(data.column(c), pa.string()).to_pylist() if not pa.types.is_boolean(
+        data.column(c).type) else [None if v is None else str(v).lower()
+                                   for v in data.column(c).to_pylist()] for c in columns]
+    groups: dict[tuple[str | None, ...], list[int]] = {}
+    for i, values in enumerate(zip(*text, strict=True)):
+        groups.setdefault(values, []).append(i)
+    return [(dict(zip(columns, values, strict=True)), data.take(pa.array(idx)))
+            for values, idx in groups.items()]
+
+
+def file_stats(data: Any) -> str:
+    """Delta-style statistics: row count, null counts, and min/max of numeric columns."""
+    import math
+
+    import pyarrow.compute as pc
+    import pyarrow.types as t
+
+    nulls, mins, maxs = {}, {}, {}
+    for name in data.column_names:
+        col = data.column(name)
+        if t.is_nested(col.type):
+            continue
+        nulls[name] = col.null_count
+        if (t.is_integer(col.type) or t.is_floating(col.type)) and col.null_count < len(col):
+            mm = pc.min_max(col).as_py()
+            if all(v is not None and not (isinstance(v, float) and not math.isfinite(v))
+                   for v in mm.values()):
+                mins[name], maxs[name] = mm["min"], mm["max"]
+    return json.dumps({"numRecords": data.num_rows, "minValues": mins, "maxValues": maxs,
+                       "nullCount": nulls})
