@@ -159,7 +159,7 @@ def test_a_refused_value_fails_only_its_row_and_a_type_the_table_cannot_take_sto
 def test_a_table_made_again_does_not_inherit_the_old_tables_keys(tmp_path):
     """An Iceberg table dropped and created again at the same location finds the old key
     manifest there: the sink refuses to start rather than leave rows out."""
-    from ackflow.core.errors import ConfigError
+    from ackflow.core.errors import FlowError
 
     sink = make("iceberg", tmp_path)
     sink.commit("b1", stage(sink, "b1", ["a"]))
@@ -168,7 +168,7 @@ def test_a_table_made_again_does_not_inherit_the_old_tables_keys(tmp_path):
     catalog.drop_table("ns.t")
     again = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
     again.prepare(pa.schema([("n", pa.int64())]))  # created anew, at the same location
-    with pytest.raises(ConfigError, match="belongs to another table"):
+    with pytest.raises(FlowError, match="belongs to another table"):  # stops the run
         again.commit("b2", stage(again, "b2", ["a"]))
 
 
@@ -238,3 +238,114 @@ def test_with_key_columns_the_first_write_of_a_key_wins(tmp_path, kind):
     assert sorted(zip(t.column("sku").to_pylist(), t.column("qty").to_pylist(), strict=True)) \
         == [("x", 1), ("y", 1), ("z", 2)]
     sink.close()
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_committed_batch_survives_the_abort_after_a_later_sink_failed(tmp_path, kind):
+    """Broadcast(Delta, Postgres): Delta commits, Postgres' commit fails, the engine aborts
+    every sink of the batch. Before, the abort deleted the committed batch's files: the
+    table pointed at missing files and the redelivered rows were left out as written."""
+    sink = make(kind, tmp_path)
+    try:
+        tokens = stage(sink, "b1", ["a", "b"])
+        sink.commit("b1", tokens)
+        sink.abort("b1", tokens)  # what abort_all does when a later sink's commit fails
+        assert content(sink) == [("a", 0), ("b", 1)]
+        sink.commit("b2", stage(sink, "b2", ["a", "b"], start=10))  # redelivered
+        assert content(sink) == [("a", 0), ("b", 1)]
+    finally:
+        sink.close()
+
+
+def test_keys_of_a_typed_partition_column_match_after_a_crash_between_commit_and_record(
+        tmp_path):
+    """key=["order", "line"] with partition_by="order" (an integer): keys recovered from
+    the files of an unrecorded commit take the partition value from the path; before,
+    as a string ("7" is not 7), so the redelivered rows were added again."""
+    sink = Delta(tmp_path / "t", key=["order", "line"], partition_by="order")
+    sink.open()
+    sink.prepare(pa.schema([("order", pa.int64()), ("line", pa.int64()), ("v", pa.string())]))
+
+    def staged(batch):
+        rows = pa.table({"order": [7, 7], "line": [0, 1], "v": ["x", "y"],
+                         "__af_key": ["k0", "k1"]})
+        return [sink.write_partition(batch, 0, rows).token]
+
+    try:
+        faults.arm(sink.POINTS[1], "raise")  # after the table commit, before the record
+        with pytest.raises(faults.InjectedFault):
+            sink.commit("b1", staged("b1"))
+        faults.disarm()
+        sink.commit("b2", staged("b2"))  # the messages come again
+        from deltalake import DeltaTable
+
+        t = DeltaTable(sink.path).to_pyarrow_table()
+        assert sorted(t.column("line").to_pylist()) == [0, 1]
+    finally:
+        faults.disarm()
+        sink.close()
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_hostile_values_fail_their_rows_only(tmp_path, kind):
+    """A timestamp Python cannot hold (year 33 658) used to raise while its error was
+    being written, failing every row of the partition; a null key value with key= would
+    have made every later null-keyed row count as written."""
+    if kind == "delta":
+        sink = Delta(tmp_path / "t", key="sku")
+    else:
+        sink = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t", key=["sku"])
+    sink.open()
+    schema = pa.schema([("sku", pa.string()), ("at", pa.timestamp("us"))])
+    sink.prepare(schema)
+    rows = pa.table({"sku": ["a", "b", None, "d"],
+                     "at": pa.array([1, 10**15, 2, 3], pa.timestamp("s")),
+                     "__af_key": ["k0", "k1", "k2", "k3"]})
+    sink.prepare(rows.schema.remove(2))
+    try:
+        result = sink.write_partition("b1", 0, rows)
+        assert sorted(result.failed) == [1, 2]
+        assert "cannot store" in result.failed[1] and "'sku' has no value" in result.failed[2]
+        sink.commit("b1", [result.token])
+    finally:
+        sink.close()
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_flow_column_named_like_the_key_column_stops_the_run_at_start(tmp_path, kind):
+    from ackflow.core.errors import FlowError
+
+    sink = Delta(tmp_path / "t") if kind == "delta" else \
+        Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+    sink.open()
+    with pytest.raises(FlowError, match="writes a column 'ackflow_key'"):
+        sink.prepare(pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))
+    sink.close()
+
+
+def test_a_sink_that_cannot_go_on_stops_the_run_from_its_commit():
+    """A FlowError from a commit (a key manifest of another table) is not this batch's
+    data: before, it became per-message failures, retried and then dead-lettered in
+    bulk; now the other sinks are aborted and the run stops with it."""
+    from types import SimpleNamespace
+
+    from ackflow.core.errors import FlowError
+    from ackflow.engine.batch import commit_all
+    from ackflow.sinks.base import Sink
+
+    aborted = []
+
+    class Stuck(Sink):
+        def write_partition(self, batch_id, partition, rows):
+            raise AssertionError("not used")
+
+        def commit(self, batch_id, tokens):
+            raise FlowError(self.name, "the key manifest belongs to another table")
+
+        def abort(self, batch_id, tokens):
+            aborted.append(self.name)
+
+    plan = SimpleNamespace(sinks=[Stuck("one"), Stuck("two")])
+    with pytest.raises(FlowError, match="another table"):
+        commit_all(plan, "b1", {})
+    assert aborted == ["one", "two"]

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow import faults
+from ackflow.core.errors import FlowError
 from ackflow.core.groups import Group
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.settlement import Delivery
@@ -207,6 +208,9 @@ def commit_all(compiled: Plan, batch_id: str,
     for sink in compiled.sinks:
         try:
             sink.commit(batch_id, tokens.get(sink.name, []))
+        except FlowError:  # the sink cannot go on (not this batch's data): stop the run
+            abort_all(compiled, batch_id, tokens)
+            raise
         except Exception as e:  # noqa: BLE001 - a failed commit fails the batch, never acks
             log.error("batch %s: sink %r commit failed: %s", batch_id, sink.name, e)
             abort_all(compiled, batch_id, tokens)

@@ -129,7 +129,7 @@ class IcebergSink(TableSink):
 
         try:
             super().commit(batch_id, tokens)
-        except (InjectedFault, ConfigError, ConnectionError):
+        except (InjectedFault, ConfigError, FlowError, ConnectionError):
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the password hidden
             raise RuntimeError(self._hide(_first(e))) from None

@@ -215,7 +215,11 @@ class TableSink(Sink):
         import pyarrow as pa
 
         fields = [f for f in schema if f.name != KEY]
-        if self.key is None and self.key_column not in schema.names:
+        if self.key is None and self.key_column in schema.names:
+            raise FlowError(self.name, f"the flow writes a column {self.key_column!r}, the "
+                            "sink's own key column: rename the flow's column, or give the "
+                            "sink another key_column=")
+        if self.key is None:
             fields.append(pa.field(self.key_column, pa.string()))
         return pa.schema(fields)
 
@@ -275,6 +279,10 @@ class TableSink(Sink):
             data = data.append_column(self.key_column, keys if keys is not None
                                       else pa.array([None] * rows.num_rows, pa.string()))
         data, failed = conform(data, self.target)
+        for k in self.key or ():
+            for i, null in enumerate(data.column(k).is_null().to_pylist()):
+                if null:  # a null key would make every later null-keyed row "written"
+                    failed.setdefault(i, f"key column {k!r} has no value")
         if failed:
             kept = pa.array([i not in failed for i in range(rows.num_rows)])
             data = data.filter(kept)
@@ -354,10 +362,9 @@ class TableSink(Sink):
         if known is None:
             db.execute("INSERT INTO meta (k, v) VALUES ('table', ?)", (table_id,))
         elif known[0] != table_id:  # its keys would leave out rows this table never had
-            raise ConfigError(f"sink {self.name!r}: the key manifest {self.manifest_path} "
-                              f"belongs to another table (id {known[0]}, this one is "
-                              f"{table_id}; was the table made again?): move it away, or "
-                              "give this table its own")
+            raise FlowError(self.name, f"the key manifest {self.manifest_path} belongs to "
+                            f"another table (id {known[0]}, this one is {table_id}; was the "
+                            "table made again?): move it away, or give this table its own")
         if last is None or last <= seq:
             return seq
         for s in range(seq + 1, last + 1):
@@ -379,10 +386,18 @@ class TableSink(Sink):
         if len(present) != len(cols):  # a key column is a partition column: from the path
             import pyarrow as pa
 
+            rel = os.path.relpath(path, self.data_dir())
             for c in cols:
                 if c not in present:
-                    value = partition_value(path, c)
-                    data = data.append_column(c, pa.array([value] * data.num_rows))
+                    value = partition_value(rel, c)
+                    column = pa.array([value] * data.num_rows, pa.string())
+                    kind = self.target.field(c).type if self.target is not None else None
+                    if kind is not None and pa.types.is_boolean(kind):
+                        column = pa.array([None if v is None else v == "true"
+                                           for v in column.to_pylist()], pa.bool_())
+                    elif kind is not None:  # typed as at write time, so the keys match
+                        column = column.cast(kind)
+                    data = data.append_column(c, column)
         return self.row_keys(data)
 
     def _drop_written(self, db: sqlite3.Connection,
@@ -416,12 +431,17 @@ class TableSink(Sink):
             _remove(path)
         return out, fresh, dropped
 
+    def _committed(self, batch_id: str) -> bool:
+        with self._manifest() as db:
+            return db.execute("SELECT 1 FROM batches WHERE batch = ?",
+                              (batch_id,)).fetchone() is not None
+
     def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
         """Remove the files of a batch that certainly did not commit. Files of a batch
         whose table commit was attempted stay (they may be in the table; unreferenced
         ones are removed by ``vacuum``)."""
-        if self._state.pop(batch_id, None) is not None:
-            return
+        if self._state.pop(batch_id, None) is not None or self._committed(batch_id):
+            return  # a later sink of the batch failed after this one committed: keep them
         for t in tokens:
             for f in json.loads(t)["files"]:
                 _remove(os.path.join(self.data_dir(), f["path"]))
@@ -491,7 +511,7 @@ def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
                     values.append(one.cast(field.type, safe=True).combine_chunks())
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError) as e:
                     failed.setdefault(i, f"column {field.name!r}: cannot store "
-                                      f"{_short(one[0].as_py())} as {field.type}: {e}")
+                                      f"{_value(one)} as {field.type}: {e}")
                     values.append(pa.nulls(1, field.type))
             arrays.append(pa.concat_arrays(values) if values else pa.nulls(0, field.type))
         if not field.nullable and arrays[-1].null_count:
@@ -500,6 +520,18 @@ def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
                     failed.setdefault(i, f"column {field.name!r} is NOT NULL and the row has "
                                       "no value")
     return pa.table(arrays, schema=target), failed
+
+
+def _value(one: Any) -> str:
+    """One value of an Arrow array, shown short; never raises (a date Python cannot
+    hold is shown as Arrow prints it)."""
+    try:
+        return _short(one[0].as_py())
+    except Exception:  # noqa: BLE001 - outside bytes: showing them must not fail the row set
+        try:
+            return _short(str(one[0]))
+        except Exception:  # noqa: BLE001
+            return f"a {one.type} value"
 
 
 def _short(v: Any) -> str:
