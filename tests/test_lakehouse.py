@@ -349,3 +349,28 @@ def test_a_sink_that_cannot_go_on_stops_the_run_from_its_commit():
     with pytest.raises(FlowError, match="another table"):
         commit_all(plan, "b1", {})
     assert aborted == ["one", "two"]
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_the_table_commit_is_fsynced_before_its_keys_are_recorded(tmp_path, kind, monkeypatch):
+    """delta-rs and pyiceberg write the log entry / metadata file without fsync; the keys
+    recorded next are fsynced, so a power cut could keep the keys and lose the commit
+    (the redelivered rows then left out for good). The sink fsyncs them itself."""
+    sink = make(kind, tmp_path)
+    synced = []
+    real = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    try:
+        sink.commit("b1", stage(sink, "b1", ["a"]))
+    finally:
+        monkeypatch.undo()
+        sink.close()
+    if kind == "delta":
+        assert os.path.join(sink.path, "_delta_log", f"{1:020d}.json") in synced
+    else:
+        assert any(p.endswith(".metadata.json") for p in synced)

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ackflow.core.durable import fsync_dir
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.sinks.lakehouse import TableSink
 
@@ -172,6 +173,7 @@ class DeltaSink(TableSink):
         from deltalake.transaction import AddAction, CommitProperties, Transaction
 
         dt = self._dt()
+        before = int(dt.version())
         paths = [f["path"] for f in files]  # as on disk: delta-rs does not decode them
         actions = [AddAction(p, f["size"], f["partition"], f["mtime"], True, f["stats"])
                    for p, f in zip(paths, files, strict=True)]
@@ -183,7 +185,25 @@ class DeltaSink(TableSink):
                                     partition_by=self.partition_by or None,
                                     commit_properties=properties)
         dt.update_incremental()
-        return int(dt.version())
+        version = int(dt.version())
+        self._sync_log(before, version)
+        return version
+
+    def _sync_log(self, after: int, upto: int) -> None:
+        """fsync the log entries written since version ``after`` and the log folder:
+        delta-rs writes them without fsync, and the keys recorded next (fsynced) must
+        never outlive the commit they stand for (a power cut would lose the rows)."""
+        log_dir = os.path.join(self.path, "_delta_log")
+        for v in range(after + 1, upto + 1):
+            try:
+                fd = os.open(os.path.join(log_dir, f"{v:020d}.json"), os.O_RDONLY)
+            except FileNotFoundError:  # another writer's checkpoint-only version
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(log_dir)
 
 
 def _partition_type(t: Any) -> bool:

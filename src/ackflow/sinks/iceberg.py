@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ackflow.core.durable import fsync_dir
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.secrets import hide, redact
 from ackflow.sinks.lakehouse import TableSink
@@ -263,9 +264,28 @@ class IcebergSink(TableSink):
                                                   f"{attempt + 1} times: {_first(e)}")) from None
                 time.sleep(min(1.0, 0.02 * 2 ** attempt))
                 continue
-            snapshot = self._load().current_snapshot()
+            table = self._load()
+            _sync_metadata(table.metadata_location)
+            snapshot = table.current_snapshot()
             return int(snapshot.snapshot_id) if snapshot is not None else None
         return None
+
+
+def _sync_metadata(location: str) -> None:
+    """fsync the table's new metadata file and its folder (pyiceberg writes it without
+    fsync; the SQL catalog's own commit is durable): the keys recorded next must never
+    outlive the snapshot they stand for."""
+    from urllib.parse import urlparse
+
+    if not location.startswith(("file:", "/")):
+        return
+    path = urlparse(location).path if location.startswith("file:") else location
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(path))
 
 
 def _first(e: BaseException) -> str:
