@@ -374,3 +374,21 @@ def test_the_table_commit_is_fsynced_before_its_keys_are_recorded(tmp_path, kind
         assert os.path.join(sink.path, "_delta_log", f"{1:020d}.json") in synced
     else:
         assert any(p.endswith(".metadata.json") for p in synced)
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_lost_key_manifest_stops_the_run_instead_of_writing_rows_twice(tmp_path, kind):
+    """The manifest was deleted (or manifest= changed): before, a new one was adopted and
+    every redelivered row written again. Now the table's commits of another application
+    id stop the run, naming the manifest."""
+    from ackflow.core.errors import FlowError
+
+    sink = make(kind, tmp_path)
+    sink.commit("b1", stage(sink, "b1", ["a"]))
+    sink.close()
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(sink.manifest_path + suffix):
+            os.remove(sink.manifest_path + suffix)
+    with pytest.raises(FlowError, match="another key manifest"):  # at start, or first commit
+        again = make(kind, tmp_path)
+        again.commit("b2", stage(again, "b2", ["a"]))

@@ -153,6 +153,10 @@ class DeltaSink(TableSink):
         version = dt.transaction_version(app)
         return str(dt.metadata().id), None if version is None else int(version)
 
+    def other_apps(self, app: str) -> set[str]:
+        return {str(c["ackflow.app"]) for c in self._dt().history()
+                if c.get("ackflow.app") not in (None, app)}
+
     def files_of(self, app: str, seq: int) -> list[str]:
         dt = self._dt()
         limit = 16

@@ -236,6 +236,14 @@ class IcebergSink(TableSink):
         return str(table.metadata.table_uuid), next((seq for seq, _ in self._ours(table, app)),
                                                     None)
 
+    def other_apps(self, app: str) -> set[str]:
+        apps = set()
+        for snapshot in self._load().snapshots():
+            props = snapshot.summary.additional_properties if snapshot.summary else {}
+            if props.get("ackflow.app") not in (None, app):
+                apps.add(str(props["ackflow.app"]))
+        return apps
+
     def files_of(self, app: str, seq: int) -> list[str]:
         for s, snapshot in self._ours(self._load(), app):
             if s == seq:

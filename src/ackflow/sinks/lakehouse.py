@@ -174,6 +174,10 @@ class TableSink(Sink):
         commit in it (None: no commit yet); None if the table does not exist."""
 
     @abstractmethod
+    def other_apps(self, app: str) -> set[str]:
+        """Application ids other than ``app`` that committed to the table."""
+
+    @abstractmethod
     def files_of(self, app: str, seq: int) -> list[str]:
         """Local paths of the data files the commit ``seq`` of ``app`` added."""
 
@@ -359,7 +363,14 @@ class TableSink(Sink):
             return seq
         table_id, last = state
         known = db.execute("SELECT v FROM meta WHERE k = 'table'").fetchone()
-        if known is None:
+        if known is None:  # a manifest new to this table: no other manifest's rows in it
+            others = sorted(self.other_apps(app))
+            if others:
+                raise FlowError(self.name, f"{self.describe()} holds rows committed through "
+                                f"another key manifest (application {others[0]}), but "
+                                f"{self.manifest_path} is new to it: their keys are unknown, "
+                                "so redelivered rows would be written twice. Restore that "
+                                "manifest (or point manifest= at it)")
             db.execute("INSERT INTO meta (k, v) VALUES ('table', ?)", (table_id,))
         elif known[0] != table_id:  # its keys would leave out rows this table never had
             raise FlowError(self.name, f"the key manifest {self.manifest_path} belongs to "
