@@ -8,7 +8,12 @@ import random
 import subprocess
 import sys
 
+import pyarrow as pa
+
+import ackflow
 from ackflow.embedded import EmbeddedQueue
+from ackflow.testing import ListSource
+from helpers import FAST, bodies
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PIPELINE = os.path.join(HERE, "pipelines", "lake_flow.py")
@@ -82,3 +87,36 @@ def dead_ids(db, queue="orders"):
         return {d.msg_id for d in q.dead_letters(queue)}
     finally:
         q.close()
+
+
+#: a table made beforehand: ``qty`` is int32, so a larger qty is refused by the sink
+ITEMS = pa.schema([("order", pa.int64()), ("line", pa.int64()), ("sku", pa.string()),
+                   ("qty", pa.int32()), ("ackflow_key", pa.string())])
+
+
+def items(order):
+    if order.get("poison"):
+        raise ValueError(f"order {order['order']} is poison")
+    return [{"order": order["order"], "line": j, "sku": f"s{j}", "qty": order["qty"]}
+            for j in range(order["items"])]
+
+
+def run_refusing_orders(spark, sink, n=240):
+    """``n`` orders through ``flat_map(items)`` into ``sink`` (a table with ``ITEMS``):
+    every 40th has a qty the table refuses, every 50th is poison. Checks that exactly
+    those fail (the refused ones in the sink's step) and the rest are acked; returns the
+    run's report and the (order, line) pairs the table must hold."""
+    orders = [{"order": i, "items": 1 + i % 3, "qty": 2**40 if i % 40 == 7 else i,
+               "poison": i % 50 == 13} for i in range(n)]
+    src = ListSource(bodies(orders))
+    report = ackflow.run(ackflow.Flow(src).flat_map(items, name="items").to(sink),
+                         spark=spark, **FAST)
+    refused = {f"m{i}" for i in range(n) if i % 40 == 7}
+    poison = {f"m{i}" for i in range(n) if i % 50 == 13}
+    assert set(src.dead_letters) == refused | poison
+    assert all(src.failures[m].step == sink.name and "cannot store" in src.failures[m].error
+               for m in refused), src.failures
+    assert report.acked == n - len(refused | poison)
+    expected = {(o["order"], j) for o in orders if f"m{o['order']}" not in refused | poison
+                for j in range(o["items"])}
+    return report, expected

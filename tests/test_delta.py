@@ -15,17 +15,7 @@ from ackflow.core.errors import ConfigError, FlowError
 from ackflow.sinks import Delta
 from ackflow.testing import ListSource
 from helpers import FAST, bodies, wait_until
-from lake import assert_exactly_once, delta_rows, publish_orders, queue_left
-
-ITEMS = pa.schema([("order", pa.int64()), ("line", pa.int64()), ("sku", pa.string()),
-                   ("qty", pa.int32()), ("ackflow_key", pa.string())])
-
-
-def items(order):
-    if order.get("poison"):
-        raise ValueError(f"order {order['order']} is poison")
-    return [{"order": order["order"], "line": j, "sku": f"s{j}", "qty": order["qty"]}
-            for j in range(order["items"])]
+from lake import ITEMS, assert_exactly_once, delta_rows, publish_orders, queue_left, run_refusing_orders
 
 
 @pytest.mark.spark
@@ -37,20 +27,7 @@ def test_a_run_is_exact_with_one_version_per_batch_and_refused_rows_fail_alone(s
     travel to version v shows exactly the batches up to v."""
     path = str(tmp_path / "items")
     DeltaTable.create(path, ITEMS)
-    n = 240
-    orders = [{"order": i, "items": 1 + i % 3, "qty": 2**40 if i % 40 == 7 else i,
-               "poison": i % 50 == 13} for i in range(n)]
-    src = ListSource(bodies(orders))
-    report = ackflow.run(ackflow.Flow(src).flat_map(items, name="items").to(Delta(path)),
-                         spark=spark, **FAST)
-    refused = {f"m{i}" for i in range(n) if i % 40 == 7}
-    poison = {f"m{i}" for i in range(n) if i % 50 == 13}
-    assert set(src.dead_letters) == refused | poison
-    assert all(src.failures[m].step == "delta" and "cannot store" in src.failures[m].error
-               for m in refused), src.failures
-    assert report.acked == n - len(refused | poison)
-    expected = {(o["order"], j) for o in orders if f"m{o['order']}" not in refused | poison
-                for j in range(o["items"])}
+    report, expected = run_refusing_orders(spark, Delta(path))
     assert_exactly_once(delta_rows(path), expected)
     dt = DeltaTable(path)
     commits = sorted((c for c in dt.history() if "ackflow.batch" in c),

@@ -4,7 +4,6 @@ is caught up, the table ends exact), and no password in errors or reprs."""
 
 import json
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -12,19 +11,7 @@ import ackflow
 from ackflow import faults
 from ackflow.core.errors import ConfigError
 from ackflow.sinks import Iceberg
-from ackflow.testing import ListSource
-from helpers import FAST, bodies
-from lake import assert_exactly_once, iceberg_rows, publish_orders, queue_left
-
-ITEMS = pa.schema([("order", pa.int64()), ("line", pa.int64()), ("sku", pa.string()),
-                   ("qty", pa.int32()), ("ackflow_key", pa.string())])
-
-
-def items(order):
-    if order.get("poison"):
-        raise ValueError(f"order {order['order']} is poison")
-    return [{"order": order["order"], "line": j, "sku": f"s{j}", "qty": order["qty"]}
-            for j in range(order["items"])]
+from lake import ITEMS, assert_exactly_once, iceberg_rows, publish_orders, queue_left, run_refusing_orders
 
 
 @pytest.mark.spark
@@ -34,21 +21,8 @@ def test_a_run_is_exact_with_one_snapshot_per_batch_and_refused_rows_fail_alone(
     made = Iceberg(catalog, "shop.items")
     made._cat().create_namespace("shop")
     made._cat().create_table("shop.items", schema=ITEMS)  # qty int32, made beforehand
-    n = 240
-    orders = [{"order": i, "items": 1 + i % 3, "qty": 2**40 if i % 40 == 7 else i,
-               "poison": i % 50 == 13} for i in range(n)]
-    src = ListSource(bodies(orders))
     sink = Iceberg(catalog, "shop.items")
-    report = ackflow.run(ackflow.Flow(src).flat_map(items, name="items").to(sink),
-                         spark=spark, **FAST)
-    refused = {f"m{i}" for i in range(n) if i % 40 == 7}
-    poison = {f"m{i}" for i in range(n) if i % 50 == 13}
-    assert set(src.dead_letters) == refused | poison
-    assert all(src.failures[m].step == "iceberg" and "cannot store" in src.failures[m].error
-               for m in refused), src.failures
-    assert report.acked == n - len(refused | poison)
-    expected = {(o["order"], j) for o in orders if f"m{o['order']}" not in refused | poison
-                for j in range(o["items"])}
+    report, expected = run_refusing_orders(spark, sink)
     assert_exactly_once(iceberg_rows(catalog, "shop.items"), expected)
     table = sink._load()
     ours = [s for s in table.snapshots()

@@ -190,15 +190,20 @@ def test_reject_to_dlx_on_a_queue_without_a_dead_letter_exchange_is_refused(rabb
     assert count(rabbitmq.url, plain) == 0  # the probe declared nothing new
 
 
+def pulled_in_order(rabbitmq, opened, prefix, n):
+    """A fresh queue of ``n`` messages k0..k(n-1), all pulled by a new source, in order."""
+    q = names(prefix)
+    setup(rabbitmq.url, queue=q, arguments=DLX)
+    publish(rabbitmq.url, q, [{"n": i} for i in range(n)], ids=[f"k{i}" for i in range(n)])
+    src = opened(q, reject_to_dlx=True)
+    return q, src, sorted(pull_all(src, n), key=lambda d: d.key)
+
+
 def test_acks_of_younger_messages_wait_for_the_older_then_go_in_one_frame(rabbitmq, opened):
     """A younger batch finished first: before, each of its acks went as a frame of its
     own (10 000 frames for a batch of 10 000). Now they wait for the older messages and
     all go in one ``multiple=True`` frame."""
-    q = names("hold")
-    setup(rabbitmq.url, queue=q, arguments=DLX)
-    publish(rabbitmq.url, q, [{"n": i} for i in range(6)], ids=[f"k{i}" for i in range(6)])
-    src = opened(q, reject_to_dlx=True)
-    got = sorted(pull_all(src, 6), key=lambda d: d.key)
+    q, src, got = pulled_in_order(rabbitmq, opened, "hold", 6)
     assert src.ack(got[2:]) == []
     src.pull(1, 0.1)
     assert src.stats["acks"] + src.stats["multiple_acks"] == 0  # held: k0 and k1 are not done
@@ -212,11 +217,7 @@ def test_held_acks_go_one_by_one_once_the_hold_is_over(rabbitmq, opened, monkeyp
     from ackflow.sources import rabbitmq as rmq
 
     monkeypatch.setattr(rmq, "ACK_HOLD_S", 0.2)
-    q = names("hold1")
-    setup(rabbitmq.url, queue=q, arguments=DLX)
-    publish(rabbitmq.url, q, [{"n": i} for i in range(4)], ids=[f"k{i}" for i in range(4)])
-    src = opened(q, reject_to_dlx=True)
-    got = sorted(pull_all(src, 4), key=lambda d: d.key)
+    q, src, got = pulled_in_order(rabbitmq, opened, "hold1", 4)
     src.ack(got[2:])
     time.sleep(0.3)
     src.pull(1, 0.1)  # the owner's service sends them
@@ -226,11 +227,7 @@ def test_held_acks_go_one_by_one_once_the_hold_is_over(rabbitmq, opened, monkeyp
 
 
 def test_held_acks_of_a_dead_channel_are_delivered_again(rabbitmq, opened):
-    q = names("hold2")
-    setup(rabbitmq.url, queue=q, arguments=DLX)
-    publish(rabbitmq.url, q, [{"n": i} for i in range(3)], ids=[f"k{i}" for i in range(3)])
-    src = opened(q, reject_to_dlx=True)
-    got = sorted(pull_all(src, 3), key=lambda d: d.key)
+    q, src, got = pulled_in_order(rabbitmq, opened, "hold2", 3)
     src.ack(got[1:])
     src._lose_connection(OSError("cut"))  # before k0 settles
     assert src.stats["unsent_acks"] == 2

@@ -10,6 +10,17 @@ import os
 import sqlite3
 
 
+def open_db(path: str, schema: str, *, timeout: float = 600) -> sqlite3.Connection:
+    """A SQLite file of durable bookkeeping (a key manifest): autocommit (transactions
+    through :class:`WriteTx`), WAL, fsynced at every commit (``synchronous=FULL``),
+    ``schema`` (a script of ``CREATE ... IF NOT EXISTS``) run."""
+    db = sqlite3.connect(path, isolation_level=None, timeout=timeout)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.executescript(schema)
+    return db
+
+
 class WriteTx:
     """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on any exception): the write
     lock is taken first, so checks made inside hold until the commit."""

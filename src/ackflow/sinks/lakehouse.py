@@ -49,7 +49,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.durable import WriteTx, fsync_dir
+from ackflow.core.durable import WriteTx, fsync_dir, open_db
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
@@ -69,10 +69,8 @@ class KeyManifest:
         self.path = path
 
     def connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=600)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(
+        db = open_db(
+            self.path,
             "CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);"
             "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY) WITHOUT ROWID;"
             "CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY, batch TEXT,"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.durable import WriteTx, fsync_dir, try_lock
+from ackflow.core.durable import WriteTx, fsync_dir, open_db, try_lock
 from ackflow.core.errors import ConfigError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
@@ -96,10 +96,8 @@ class ParquetSink(Sink):
         return os.path.join(self.path, "_manifest.db")
 
     def _db(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.manifest, isolation_level=None, timeout=600)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(
+        db = open_db(
+            self.manifest,
             "CREATE TABLE IF NOT EXISTS batches (batch TEXT PRIMARY KEY, rows INTEGER NOT NULL,"
             " dropped INTEGER NOT NULL, committed_at REAL NOT NULL);"
             "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL"
