@@ -236,3 +236,14 @@ def test_held_acks_of_a_dead_channel_are_delivered_again(rabbitmq, opened):
     src.ack(again)
     src.close()
     assert count(rabbitmq.url, q) == 0
+
+
+def test_held_acks_are_sent_at_close(rabbitmq, opened):
+    """A run that stops while acks are held (their older messages never settled) sends
+    them before the connection closes: the written messages do not come again."""
+    q, src, got = pulled_in_order(rabbitmq, opened, "hold3", 4)
+    src.ack(got[2:])
+    assert src.stats["acks"] + src.stats["multiple_acks"] == 0
+    src.close()
+    assert src.stats["acks"] == 2
+    assert count(rabbitmq.url, q) == 2  # only k0 and k1, never acked, are back in the queue
