@@ -7,7 +7,7 @@ import os
 
 import pika
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ackflow
@@ -41,6 +41,9 @@ def run(flow, spark, idle=0.5):
 
 @pytest.mark.parametrize("fmt", ["json", "text", "bytes"])
 @SETTINGS
+# found by CI: a key Spark cannot address made a column every later message failed on
+@example(bodies=[b'{"._-": 1}', b'{"a`b": 2, "n": 1}', b'{"n": 3, "N": 4}', b'{"": 5}',
+                 b'{"n": 6}'], hdrs=[{}] * 12)
 @given(bodies=batch, hdrs=st.lists(st.dictionaries(st.text(max_size=6), st.text(max_size=12),
                                                    max_size=3), min_size=12, max_size=12))
 def test_embedded_queue_formats(spark, tmp_path_factory, fmt, bodies, hdrs):

@@ -113,3 +113,66 @@ def test_outside_data_never_stops_the_run_through_column_inference(spark):
     assert sorted(r["qty"] for r in sink.rows) == sorted(
         [1, 2, 6] + ([5] if final["m4"] == "acked" else []))
     assert report.acked == len(sink.rows)
+
+
+def test_field_names_spark_cannot_address_fail_their_messages_not_the_run(spark):
+    """Regression (CI, test_hostile): a first batch with the JSON key "._-" made a column
+    that PySpark's own mapInArrow could not look up, so every later message failed the
+    job "on its own" and was dead-lettered. Now such a field (a dot, a backtick, empty,
+    or the same name in another case) fails only the rows holding it, with the reason."""
+    bodies_ = ['{"._-": 1}', '{"a.b": 2}', '{"`x": 3}', '{"": 4}', '{"n": 5, "N": 6}',
+               '{"n": 7}', '{"n": 8, "*": 9}']
+    src = ListSource(bodies_, policy=ackflow.RetryPolicy(max_deliveries=1))
+    sink = MemorySink()
+    report = ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same").to(sink), spark=spark,
+                         **{**FAST, "until_idle": 0.5})
+    final = src.final()
+    assert [final[f"m{i}"] for i in range(7)] == ["dead_lettered"] * 5 + ["acked", "dead_lettered"]
+    assert sink.rows == [{"n": 7}]
+    assert "'a.b'" in src.failures["m1"].error and "rename the field" in src.failures["m1"].error
+    assert "only in case" in src.failures["m4"].error
+    assert report.dead_lettered_by_step == {"same": 6}
+
+
+def test_a_field_outside_the_inferred_columns_fails_instead_of_vanishing(spark):
+    """Columns are inferred from the first batch; a later row with another field used to
+    lose that field silently. It fails its message, naming the field; with schema= given
+    the user chose the columns, and other fields are left out."""
+    first = [f'{{"n": {i}}}' for i in range(5)]
+    later = ['{"n": 5, "extra": "kept?"}', '{"n": 6}']
+    for schema, expect in ((None, "dead_lettered"), ("n BIGINT", "acked")):
+        src = ListSource(first + later, policy=ackflow.RetryPolicy(max_deliveries=1))
+        sink = MemorySink()
+        ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same", schema=schema).to(sink),
+                    spark=spark, **{**FAST, "batch_size": 5, "until_idle": 0.5})
+        assert src.final()["m5"] == expect and src.final()["m6"] == "acked"
+        if expect == "dead_lettered":
+            err = src.failures["m5"].error
+            assert "'extra'" in err and "inferred from the first batch" in err
+        assert sorted(r["n"] for r in sink.rows) == [i for i in range(7) if i != 5 or schema]
+
+
+@pytest.mark.parametrize("build", [
+    lambda f: f.map(lambda r: r, name="shape", schema="`a.b` BIGINT"),
+    lambda f: f.with_columns(**{"x.y": "1"}),
+    lambda f: f.map(lambda r: r, name="shape", schema="n BIGINT, N STRING"),
+])
+def test_configured_column_names_spark_cannot_address_stop_at_start(spark, build):
+    src = ListSource(['{"n": 1}'])
+    with pytest.raises(ackflow.FlowError, match=r"cannot be a Spark column|only in case"):
+        ackflow.run(build(ackflow.Flow(src)).to(MemorySink()), spark=spark, **FAST)
+    assert src.final() == {"m0": "released"}  # given back, not acked nor dead-lettered
+
+
+def test_a_step_the_local_workers_cannot_import_stops_at_start(spark, tmp_path, monkeypatch):
+    """On a local master too: the driver imports a module its Python workers cannot (here,
+    a folder only on the driver's sys.path). Before, every message failed its job alone
+    and was dead-lettered as if it were poison; now the run stops at start, naming it."""
+    (tmp_path / "driver_only_steps.py").write_text("def tag(r):\n    return {**r, 't': 1}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from driver_only_steps import tag
+
+    src = ListSource(['{"n": 1}'])
+    with pytest.raises(ackflow.FlowError, match="step 'tag': the executors cannot load it"):
+        ackflow.run(ackflow.Flow(src).map(tag, name="tag").to(MemorySink()), spark=spark, **FAST)
+    assert src.final() in ({}, {"m0": "released"})

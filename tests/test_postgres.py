@@ -103,14 +103,34 @@ def test_constraint_violations_fail_only_their_messages(spark, postgres, pg_tabl
     assert got == sorted(m["n"] for i, m in enumerate(msgs) if i not in (17, 101, 150))
 
 
-def test_a_missing_column_stops_the_run_and_names_it(spark, postgres, pg_table):
+def test_a_missing_column_the_flow_makes_stops_the_run_and_names_it(spark, postgres, pg_table):
     execute(postgres.dsn, sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int)")
             .format(sql.Identifier(pg_table)))
-    src = ListSource(bodies([{"n": 1, "city": "Oslo"}]))
+    src = ListSource(bodies([{"n": 1}]))
     with pytest.raises(FlowError) as e:
-        ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table)), spark=spark, **FAST)
+        ackflow.run(ackflow.Flow(src).with_columns(city="'Oslo'")
+                    .to(Postgres(postgres.dsn, pg_table)), spark=spark, **FAST)
     assert "city" in str(e.value) and pg_table in str(e.value)
     assert src.final() == {"m0": "released"}  # given back, not failed
+
+
+def test_a_missing_column_from_the_data_fails_only_the_messages_holding_it(
+        spark, postgres, pg_table):
+    """Before, the columns inferred from a first batch holding one message with a field
+    the table lacks stopped the run, and a restart met that message first again: a crash
+    loop on one bad message. Now that message fails, naming the column; the rest flow."""
+    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int)")
+            .format(sql.Identifier(pg_table)))
+    # m3 also tries to write over m1's row through the sink's own key column
+    src = ListSource(bodies([{"n": 1, "city": "Oslo"}, {"n": 2}, {"n": 3, "city": None},
+                             {"n": 4, "ackflow_key": "m1"}]), policy=RetryPolicy(max_deliveries=1))
+    report = ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table)), spark=spark,
+                         **FAST)
+    assert src.final() == {"m0": "dead_lettered", "m1": "acked", "m2": "acked",
+                           "m3": "dead_lettered"}
+    assert src.failures["m0"].step.startswith("postgres") and "column 'city'" in src.failures["m0"].error
+    assert "own key column" in src.failures["m3"].error
+    assert [r["n"] for r in rows_of(postgres.dsn, pg_table)] == [2, 3] and report.acked == 2
 
 
 def test_a_key_without_a_unique_index_is_a_clear_error(spark, postgres, pg_table):

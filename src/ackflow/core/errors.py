@@ -23,3 +23,15 @@ class FlowError(AckflowError):
 
 class AlreadySettled(AckflowError):
     """A delivery was settled a second time. Always a bug in the caller: never ignored."""
+
+
+class ColumnsRefused(FlowError):
+    """A sink's table cannot take some of the flow's columns (``columns``: name → why).
+
+    When those columns were inferred from outside data, the run does not stop: the
+    rows holding a value in them fail alone, with the reason, and the sink is prepared
+    without them. A column the flow configured stops the run, like any FlowError."""
+
+    def __init__(self, step: str, cause: str, columns: dict[str, str]) -> None:
+        super().__init__(step, cause)
+        self.columns = columns

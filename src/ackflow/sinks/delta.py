@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ackflow.core.durable import fsync_dir
-from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.sinks.lakehouse import TableSink
 
 log = logging.getLogger("ackflow.sinks.delta")
@@ -126,15 +126,17 @@ class DeltaSink(TableSink):
         if odd:
             raise FlowError(self.name, f"partition_by column(s) {', '.join(odd)} must be "
                             "strings, integers, dates or booleans")
-        bad = []
+        bad = {}
         for f in schema:
             try:
                 DeltaSchema.from_arrow(pa.schema([f]))
             except Exception as e:  # noqa: BLE001 - reported as what to fix
-                bad.append(f"{f.name} ({f.type}: {str(e).splitlines()[0][:80]})")
+                bad[f.name] = f"{f.type} ({str(e).splitlines()[0][:80]})"
         if bad:
-            raise FlowError(self.name, f"Delta cannot hold column(s) {', '.join(bad)}; cast "
-                            "them in the flow")
+            raise ColumnsRefused(self.name, f"Delta cannot hold column(s) "
+                                 f"{', '.join(f'{c} ({why})' for c, why in bad.items())}; "
+                                 "cast them in the flow",
+                                 {c: f"Delta cannot hold {why}" for c, why in bad.items()})
         try:
             DeltaTable.create(self.path, schema, mode="ignore",
                               partition_by=self.wanted_partitions or None)

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ackflow.core.durable import fsync_dir
-from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.core.secrets import hide, redact
 from ackflow.sinks.lakehouse import TableSink
 
@@ -194,17 +194,19 @@ class IcebergSink(TableSink):
 
         catalog = self._cat()
         namespace = self.table.rsplit(".", 1)[0]
-        bad = []
+        bad = {}
         for f in schema:
             try:
                 from pyiceberg.io.pyarrow import _ConvertToIcebergWithoutIDs, visit_pyarrow
 
                 visit_pyarrow(pa.schema([f]), _ConvertToIcebergWithoutIDs())
             except Exception as e:  # noqa: BLE001 - reported as what to fix
-                bad.append(f"{f.name} ({f.type}: {_first(e)[:80]})")
+                bad[f.name] = f"{f.type} ({_first(e)[:80]})"
         if bad:
-            raise FlowError(self.name, f"Iceberg cannot hold column(s) {', '.join(bad)}; cast "
-                            "them in the flow")
+            raise ColumnsRefused(self.name, f"Iceberg cannot hold column(s) "
+                                 f"{', '.join(f'{c} ({why})' for c, why in bad.items())}; "
+                                 "cast them in the flow",
+                                 {c: f"Iceberg cannot hold {why}" for c, why in bad.items()})
         try:
             catalog.create_namespace_if_not_exists(namespace)
             table = catalog.create_table_if_not_exists(self.table, schema=schema)

@@ -50,7 +50,7 @@ from typing import Any
 
 from ackflow import faults
 from ackflow.core.durable import WriteTx, fsync_dir, open_db
-from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
 
@@ -218,9 +218,10 @@ class TableSink(Sink):
 
         fields = [f for f in schema if f.name != KEY]
         if self.key is None and self.key_column in schema.names:
-            raise FlowError(self.name, f"the flow writes a column {self.key_column!r}, the "
-                            "sink's own key column: rename the flow's column, or give the "
-                            "sink another key_column=")
+            raise ColumnsRefused(
+                self.name, f"the flow writes a column {self.key_column!r}, the sink's own key "
+                "column: rename the flow's column, or give the sink another key_column=",
+                {self.key_column: "the sink's own key column (key_column=) has this name"})
         if self.key is None:
             fields.append(pa.field(self.key_column, pa.string()))
         return pa.schema(fields)
@@ -247,14 +248,18 @@ class TableSink(Sink):
         table, partitions = found
         lacking = [f.name for f in incoming if f.name not in table.names]
         if lacking:
-            raise FlowError(self.name, f"{self.describe()} has no column(s) "
-                            f"{', '.join(lacking)} (the flow writes {', '.join(incoming.names)});"
-                            " add them to the table, or write to a new table")
-        wrong = [f"{f.name} ({self.fmt_type(f.type)} into {self.fmt_type(table.field(f.name).type)})"
-                 for f in incoming if not can_take(f.type, table.field(f.name).type)]
+            raise ColumnsRefused(
+                self.name, f"{self.describe()} has no column(s) {', '.join(lacking)} (the flow "
+                f"writes {', '.join(incoming.names)}); add them to the table, or write to a "
+                "new table", {c: f"{self.describe()} has no such column" for c in lacking})
+        wrong = {f.name: f"{self.fmt_type(f.type)} into {self.fmt_type(table.field(f.name).type)}"
+                 for f in incoming if not can_take(f.type, table.field(f.name).type)}
         if wrong:
-            raise FlowError(self.name, f"{self.describe()} cannot take column(s) "
-                            f"{', '.join(wrong)}; cast them in the flow, or write to a new table")
+            raise ColumnsRefused(
+                self.name, f"{self.describe()} cannot take column(s) "
+                f"{', '.join(f'{c} ({t})' for c, t in wrong.items())}; cast them in the flow, "
+                "or write to a new table",
+                {c: f"{self.describe()} cannot take {t}" for c, t in wrong.items()})
         required = [f.name for f in table if not f.nullable and f.name not in incoming.names]
         if required:
             raise FlowError(self.name, f"{self.describe()} requires column(s) "

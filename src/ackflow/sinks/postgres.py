@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.core.secrets import hide
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
@@ -154,6 +154,11 @@ class PostgresSink(Sink):
         signature = tuple(f"{f.name}:{f.type}" for f in schema)
         if signature in self._prepared:
             return
+        if self.key is None and self.key_column in schema.names:
+            raise ColumnsRefused(
+                self.name, f"the flow writes a column {self.key_column!r}, the sink's own key "
+                "column: rename the flow's column, or give the sink another key_column=",
+                {self.key_column: "the sink's own key column (key_column=) has this name"})
         columns = self.columns(schema.names)
         missing_key = [k for k in self.conflict_key if k not in columns]
         if missing_key:
@@ -185,10 +190,11 @@ class PostgresSink(Sink):
                                 "or pass create=True")
             missing = [c for c in columns if c not in have]
             if missing:
-                raise FlowError(self.name, f"table {self.table!r} has no column(s) "
-                                f"{', '.join(missing)} (the flow writes {', '.join(columns)}); "
-                                "add them with ALTER TABLE, or write to a new table with "
-                                "create=True")
+                raise ColumnsRefused(
+                    self.name, f"table {self.table!r} has no column(s) {', '.join(missing)} "
+                    f"(the flow writes {', '.join(columns)}); add them with ALTER TABLE, or "
+                    "write to a new table with create=True",
+                    {c: f"table {self.table!r} has no such column" for c in missing})
             try:  # checks the key has a unique index, without writing anything
                 conn.execute(sql.SQL("EXPLAIN ") + self._insert_sql(columns, source=ident,
                                                                      where_false=True))

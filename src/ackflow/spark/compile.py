@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -18,12 +19,12 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark.errors import AnalysisException
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType, _parse_datatype_string
 
-from ackflow.core.errors import FlowError
+from ackflow.core.errors import ColumnsRefused, FlowError
 from ackflow.core.settlement import Delivery
 from ackflow.flow import (
     PYTHON_STEPS,
@@ -60,7 +61,10 @@ from ackflow.spark.rows import (
     make_sampler,
     make_segment,
     make_writer,
+    unaddressable,
 )
+
+log = logging.getLogger("ackflow.engine")
 
 SAMPLE_ROWS = 200
 INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
@@ -112,6 +116,12 @@ class Plan:
             assert b.sink is not None
             self.branches.append((segments(b, decode=False), b.sink))
         self._schemas: dict[tuple[int, ...], pa.Schema] = {}
+        #: segments whose columns were inferred from data: a row with a field outside
+        #: them fails (with ``schema=`` given, the user chose the columns)
+        self._inferred: set[tuple[int, ...]] = set()
+        self._data_columns: set[str] = set()  # every column name inferred from data
+        #: (sink, schema signature) -> columns its table refused: name -> why
+        self._refusals: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.parallelism = max(1, parallelism)
@@ -160,11 +170,29 @@ class Plan:
     def release(self, batch_id: str) -> None:
         """Drop what :meth:`job` cached for ``batch_id`` (after its job ran)."""
 
-    def prepare_sink(self, sink: Sink, schema: Any) -> None:
+    def prepare_sink(self, sink: Sink, schema: pa.Schema) -> dict[str, str]:
         """``sink.prepare(schema)``, one at a time: two batches' threads must not create
-        a table at once."""
+        a table at once. Returns the columns the sink's table refused (name -> why):
+        columns inferred from outside data never stop the run; the rows that hold a value
+        in them fail alone (see :func:`~ackflow.spark.rows.make_writer`)."""
+        signature = (sink.name, tuple(f"{f.name}:{f.type}" for f in schema))
         with self._prepare_lock:
-            sink.prepare(schema)
+            refused = self._refusals.get(signature, {})
+            while True:  # each round leaves out at least one column: it ends
+                try:
+                    sink.prepare(pa.schema([f for f in schema if f.name not in refused]))
+                    break
+                except ColumnsRefused as e:
+                    if not e.columns or any(c not in self._data_columns or c in refused
+                                            for c in e.columns):
+                        raise  # a column the flow itself makes: configuration, stop
+                    refused = {**refused, **e.columns}
+            if refused and signature not in self._refusals:
+                log.warning("sink %r: column(s) %s come from the data and its table cannot "
+                            "take them; rows with a value there fail alone", sink.name,
+                            ", ".join(map(repr, refused)))
+            self._refusals[signature] = refused
+            return refused
 
     # -- schemas -----------------------------------------------------------------------
 
@@ -175,15 +203,16 @@ class Plan:
         step = shaping[-1]
         schema: Any = step.schema
         try:
-            if isinstance(schema, pa.Schema):
-                return schema
             if isinstance(schema, str):
                 schema = _parse_datatype_string(schema)
-            if not isinstance(schema, StructType):
+            if isinstance(schema, StructType):
+                schema = to_arrow_schema(schema)
+            if not isinstance(schema, pa.Schema):
                 raise TypeError(f"expected a DDL string, StructType or pyarrow schema, got {schema!r}")
-            return to_arrow_schema(schema)
         except Exception as e:
             raise FlowError(step.name, f"bad schema=: {e}") from e
+        check_names(step.name, schema.names, "schema=")
+        return schema
 
     def _schema(self, index: tuple[int, ...], seg: Segment,
                 sample: Callable[[Any], list[bytes]], data_in: list[str] | None,
@@ -207,6 +236,8 @@ class Plan:
                 schema = infer_schema(good, seg.name)
             if explicit is None:  # inferred from outside data: never a reason to stop
                 schema = _spark_safe(schema)
+                self._inferred.add(index)
+                self._data_columns.update(schema.names)
             try:
                 # round-trip through Spark's types, so tasks produce exactly what Spark expects
                 schema = to_arrow_schema(from_arrow_schema(schema))
@@ -251,8 +282,9 @@ class CompiledFlow(Plan):
         if count_rows:
             self.tally = spark.sparkContext.accumulator({}, CountsParam())  # type: ignore[arg-type]
         self._persisted: dict[str, DataFrame] = {}
-        if not spark.sparkContext.master.startswith("local"):
-            check_executors_can_load(spark, self.shipped)
+        # local masters too: their Python workers may lack a module the driver has (another
+        # interpreter, another sys.path), and then every message would fail as if poison
+        check_executors_can_load(spark, self.shipped)
 
     def bind_thread(self, batch_id: str) -> None:
         self.spark.sparkContext.setJobGroup(batch_id, f"ackflow {batch_id}",
@@ -341,7 +373,8 @@ class CompiledFlow(Plan):
                     schema = pa.schema([])
                 out_schema = pa.schema([*schema, *internal_schema(lineage)])
                 fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
-                                  out_schema, lineage, self.tally)
+                                  out_schema, lineage, self.tally,
+                                  strict=(*key, index) in self._inferred)
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:
@@ -356,13 +389,15 @@ class CompiledFlow(Plan):
 
     def _write(self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str,
                batch_id: str) -> DataFrame:
-        df = df.select(*[F.col(f"`{c}`") for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
+        df = df.select(*[quoted(c) for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
         if type(sink).prepare is not Sink.prepare:  # resolving the schema costs a JVM call
             fields = {f.name: f for f in df.schema.fields}
             schema = to_arrow_schema(StructType([fields[c] for c in data_cols]))
-            self.prepare_sink(sink, schema)
+            refused = self.prepare_sink(sink, schema)
+        else:
+            refused = {}
         return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage, self.step_order,
-                                         self.tally),
+                                         self.tally, refused),
                              from_arrow_schema(TASK_RECEIPTS))
 
     def _apply(self, step: Step, df: DataFrame, data_cols: list[str],
@@ -378,6 +413,7 @@ class CompiledFlow(Plan):
             )
             return df, data_cols, lineage
         if isinstance(step, WithColumns):
+            check_names(step.name, [c for c, _ in step.columns], "with_columns")
             df = df.withColumns({c: F.when(live, _column(e)) for c, e in step.columns})
             return df, data_cols + [c for c, _ in step.columns if c not in data_cols], lineage
         if isinstance(step, GroupBy):
@@ -425,6 +461,7 @@ class CompiledFlow(Plan):
             raise FlowError(step.name, f"join column(s) {missing} must exist on both sides")
         if any(c.startswith("__af_") for c in other.columns):
             raise FlowError(step.name, "the static DataFrame has __af_ columns (reserved)")
+        check_names(step.name, other.columns, "the static DataFrame's")
         extra = [c for c in other.columns if c not in step.on]
         if step.how in ("inner", "left"):
             clash = [c for c in extra if c in data_cols]
@@ -464,16 +501,43 @@ class CompiledFlow(Plan):
         want = from_arrow_schema(expected)[lineage].dataType
         if types[lineage].simpleString() != want.simpleString():  # nullability aside
             raise FlowError(step.name, f"column {lineage} changed type to {types[lineage]}")
-        return out, [c for c in out.columns if not c.startswith("__af_")], lineage
+        cols = [c for c in out.columns if not c.startswith("__af_")]
+        check_names(step.name, cols, "the returned DataFrame's")
+        return out, cols, lineage
 
 
+
+
+def check_names(step: str, names: Sequence[str], what: str) -> None:
+    """Columns named by configuration must be addressable by Spark: stop at start."""
+    seen: dict[str, str] = {}
+    for n in names:
+        why = unaddressable(n)
+        if why is not None:
+            raise FlowError(step, f"{what} column {n!r}: {why}")
+        if n.lower() in seen and seen[n.lower()] != n:
+            raise FlowError(step, f"{what} columns {seen[n.lower()]!r} and {n!r} differ only "
+                            "in case, and Spark does not tell column names apart by case")
+        seen[n.lower()] = n
+
+
+def quoted(name: str) -> Column:
+    """A column by its exact name: dots, backticks and spaces in it are not syntax."""
+    return F.col("`" + name.replace("`", "``") + "`")
 
 
 def _spark_safe(schema: pa.Schema) -> pa.Schema:
     """An inferred column whose type Spark cannot hold (a list of nulls, say) becomes a
-    string column: the rows whose values do not fit it then fail alone."""
+    string column: the rows whose values do not fit it then fail alone. A name Spark
+    cannot address (:func:`unaddressable`) or that differs from an earlier one only in
+    case (Spark, case-insensitive, could not tell the two apart) makes no column: the
+    rows holding it fail alone, in ``conform``."""
     fields = []
+    seen: set[str] = set()
     for f in schema:
+        if f.name.lower() in seen or unaddressable(f.name) is not None:
+            continue
+        seen.add(f.name.lower())
         try:
             to_arrow_schema(from_arrow_schema(pa.schema([f])))
             fields.append(f)
@@ -521,6 +585,9 @@ def check_executors_can_load(spark: SparkSession, shipped: dict[str, bytes]) -> 
     items = list(shipped.items())
     results = spark.sparkContext.parallelize(items, 1).map(load).collect()
     for name, error in results:
+        if error is not None and "No module named 'ackflow'" in error:
+            raise FlowError(name, "the executors' Python has no ackflow installed: install it "
+                            "there, or point PYSPARK_PYTHON at the interpreter that has it")
         if error is not None:
             raise FlowError(name, f"the executors cannot load it ({error}). Make its module "
                             "importable there: run the flow with `ackflow run file.py:flow` "

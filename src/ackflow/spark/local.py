@@ -146,7 +146,8 @@ class LocalFlow(Plan):
             schema = out if out is not None else pa.schema([])
             out_schema = pa.schema([*schema, *internal_schema(lineage)])
             fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
-                              out_schema, lineage, self.tally)
+                              out_schema, lineage, self.tally,
+                              strict=(*key, index) in self._inferred)
             parts = self._tasks(fn, parts, out_schema)
             if dead_end:
                 return parts, schema, False
@@ -155,10 +156,11 @@ class LocalFlow(Plan):
     def _write(self, sink: Sink, parts: Partitions, schema: pa.Schema, lineage: str,
                batch_id: str) -> pa.Table:
         cols = list(schema.names)
+        refused = {}
         if type(sink).prepare is not Sink.prepare:
-            self.prepare_sink(sink, schema)
+            refused = self.prepare_sink(sink, schema)
         parts = [p.select([*cols, lineage, KEY, STATUS, STEP, ERR]) for p in parts]
-        writer = make_writer(sink, batch_id, cols, lineage, self.step_order, self.tally)
+        writer = make_writer(sink, batch_id, cols, lineage, self.step_order, self.tally, refused)
         out = self._tasks(writer, parts, TASK_RECEIPTS)
         return pa.concat_tables(out) if out else TASK_RECEIPTS.empty_table()
 

@@ -296,17 +296,26 @@ def segment_rows(
 
 def conform(
     rows: list[dict[str, Any]], data_schema: pa.Schema, status: list[int],
-    step: list[str | None], err: list[str | None], step_name: str,
+    step: list[str | None], err: list[str | None], step_name: str, strict: bool = False,
 ) -> pa.Table:
     """Rows → Arrow with ``data_schema``; a row that does not fit fails on its own, and so
-    does a row with a field named like ackflow's own columns (``__af_...``)."""
-    reserved = [i for i, r in enumerate(rows)
-                if status[i] == LIVE and any(str(k).startswith(RESERVED) for k in r)]
-    for i in reserved:
-        name = next(str(k) for k in rows[i] if str(k).startswith(RESERVED))
+    does a row with a field named like ackflow's own columns (``__af_...``). ``strict``
+    (columns inferred from data): a row with a field outside the columns fails too,
+    rather than losing that field silently."""
+    names = set(data_schema.names)
+    for i, r in enumerate(rows):
+        if status[i] != LIVE or names.issuperset(r):
+            continue
+        bad = next(str(k) for k in r if k not in names)
+        if bad.startswith(RESERVED):
+            reason = f"names starting with {RESERVED} are reserved for ackflow"
+        elif not strict:
+            continue
+        else:
+            reason = _outside(bad, data_schema.names)
         rows[i] = {}
         status[i], step[i] = FAILED, step_name
-        err[i] = f"field {name!r}: names starting with {RESERVED} are reserved for ackflow"
+        err[i] = f"field {bad!r}: {reason}"
     try:
         return pa.Table.from_pylist(rows, schema=data_schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
@@ -324,12 +333,38 @@ def conform(
     return pa.Table.from_pylist(rows, schema=data_schema)
 
 
+def unaddressable(name: str) -> str | None:
+    """Why Spark cannot address a column of this name (PySpark's own ``mapInArrow``
+    looks every column up by name), or None."""
+    if name == "" or name == "*":
+        return "an empty name or '*' cannot be a Spark column"
+    if "." in name or "`" in name:
+        return "a name with '.' or '`' cannot be a Spark column (Spark reads it as a path)"
+    return None
+
+
+def _outside(name: str, columns: list[str]) -> str:
+    """Why a field outside the inferred columns fails its row."""
+    why = unaddressable(name)
+    if why is not None:
+        return f"{why}; rename the field in a map step"
+    same = [c for c in columns if c.lower() == name.lower()]
+    if same:
+        return (f"differs from the column {same[0]!r} only in case, and Spark does not tell "
+                "column names apart by case")
+    shown = columns if len(columns) <= 20 else [*columns[:20], "..."]
+    return (f"not among the columns {shown} inferred from the first batch; give the step "
+            "schema= to choose its columns (fields outside a given schema are left out)")
+
+
 def make_segment(
     steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None, data_schema: pa.Schema,
-    out_schema: pa.Schema, lineage: str = ID, tally: Tally | None = None,
+    out_schema: pa.Schema, lineage: str = ID, tally: Tally | None = None, *,
+    strict: bool = False,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None);
-    with a ``tally``, it adds each step's rows in, out and failed once per batch."""
+    with a ``tally``, it adds each step's rows in, out and failed once per batch.
+    ``strict``: the columns were inferred, so a row with another field fails."""
     last = steps[-1].name if steps else "decode"
     id_type = out_schema.field(lineage).type
 
@@ -357,14 +392,14 @@ def make_segment(
                                                                     errs, rows, steps, counts)
             if counts is not None and last in counts:
                 before = o_st.count(FAILED)
-                data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
+                data = conform(o_rows, data_schema, o_st, o_step, o_err, last, strict)
                 misfit = o_st.count(FAILED) - before  # rows that do not fit the columns
                 if misfit:
                     c = counts[last]
                     c[1] -= misfit
                     c[2] += misfit
             else:
-                data = conform(o_rows, data_schema, o_st, o_step, o_err, last)
+                data = conform(o_rows, data_schema, o_st, o_step, o_err, last, strict)
             if tally is not None and counts:
                 tally.add({k: (v[0], v[1], v[2]) for k, v in counts.items()})
             internal = [
@@ -412,12 +447,17 @@ def make_sampler(
 def make_writer(
     sink: Sink, batch_id: str, data_cols: list[str], lineage: str = ID,
     order: Sequence[str] | None = None, tally: Tally | None = None,
+    refused: dict[str, str] | None = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function that writes a partition's live rows and returns receipts.
 
     A grouped row (lineage ``__af_ids``) gives one receipt line to each member id. With
     a ``tally``, it adds the sink's rows in (live), written by the task, and failed.
+    ``refused``: columns (from the data) the sink's table cannot take, name -> why; they
+    are not written, and a row with a value in one of them fails with the reason.
     """
+    refused = {c: why for c, why in (refused or {}).items() if c in data_cols}
+    data_cols = [c for c in data_cols if c not in refused]
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -430,6 +470,15 @@ def make_writer(
         partition = ctx.partitionId() if ctx is not None else local_partition()
         status = table.column(STATUS)
         live_mask = pc.equal(status, LIVE)
+        misfit = None  # live rows holding a value in a refused column, and why
+        for c, why in refused.items():
+            hit = pc.and_(live_mask, pc.is_valid(table.column(c)))
+            if pc.any(hit).as_py():
+                rows = np.flatnonzero(hit.to_numpy(zero_copy_only=False))
+                misfit = misfit or {}
+                for j in rows:
+                    misfit.setdefault(int(j), f"column {c!r}: {why}")
+                live_mask = pc.and_(live_mask, pc.invert(hit))
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
         keep = [*data_cols, lineage] if getattr(sink, "wants_lineage", False) else list(data_cols)
         live = table.filter(live_mask).select(keep)
@@ -441,6 +490,11 @@ def make_writer(
         emitted[live_idx] = 1
         err_step = table.column(STEP)
         err = table.column(ERR)
+        if misfit:
+            steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
+            for j, why in misfit.items():
+                steps_l[j], errs_l[j] = sink.name, why
+            err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
         token = None
         counts = None
         try:
@@ -476,9 +530,10 @@ def make_writer(
             members = table.column(lineage).combine_chunks()
             per_row = per_row.take(pc.list_parent_indices(members)).set_column(
                 0, "id", pc.list_flatten(members))
-        if tally is not None and len(live_idx) and counting():
+        if tally is not None and (len(live_idx) or misfit) and counting():
             done = int(written[live_idx].sum())
-            tally.add({sink.name: (len(live_idx), done, len(live_idx) - done)})
+            came = len(live_idx) + len(misfit or ())
+            tally.add({sink.name: (came, done, came - done)})
         receipts = compact_receipts(per_row, order)
         receipts = receipts.append_column("token", pa.nulls(receipts.num_rows, pa.binary()))
         yield from receipts.to_batches()
