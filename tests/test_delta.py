@@ -62,6 +62,24 @@ def test_a_column_the_table_lacks_fails_its_rows_when_it_came_from_the_data(spar
 
 
 @pytest.mark.spark
+def test_a_type_from_the_data_is_written_value_by_value_in_the_tables_type(spark, tmp_path):
+    """One 1.5 in the first batch makes the inferred column a double; the table's is a
+    long. That stopped the run (a crash loop), and refusing the column would fail every
+    later integer: the values are cast one by one, and only 1.5 fails. A data field
+    named like the sink's key column in another case fails alone too."""
+    path = str(tmp_path / "t")
+    DeltaTable.create(path, pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))
+    src = ListSource(bodies([{"n": 1.5}, {"n": 2}, {"n": 3, "Ackflow_Key": "m1"}]),
+                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    ackflow.run(ackflow.Flow(src).to(Delta(path)), spark=spark, **FAST)
+    assert src.final() == {"m0": "dead_lettered", "m1": "acked", "m2": "dead_lettered"}
+    assert "cannot store 1.5" in src.failures["m0"].error
+    assert "own key column" in src.failures["m2"].error
+    table = DeltaTable(path).to_pyarrow_table()
+    assert table.column("n").to_pylist() == [2] and table.column("ackflow_key").to_pylist() == ["m1"]
+
+
+@pytest.mark.spark
 def test_a_column_the_flow_makes_and_the_table_lacks_stops_the_run_and_names_it(spark, tmp_path):
     path = str(tmp_path / "t")
     DeltaTable.create(path, pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))

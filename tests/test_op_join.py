@@ -53,3 +53,33 @@ def test_joins_that_fabricate_rows_are_refused(spark, skus):
         ackflow.Flow(ListSource([])).join(skus, "sku", "right")
     with pytest.raises(ConfigError, match="static Spark DataFrame"):
         ackflow.Flow(ListSource([])).join({"sku": "a"}, "sku")
+
+
+def test_data_columns_that_clash_with_the_static_side_fail_their_rows_not_the_run(spark, skus):
+    """The stream's columns come from the data. A field named like a static column
+    ("Price", Spark's case-insensitive twin of "price") used to stop the run at the
+    first batch (a crash loop), or make every job fail on an ambiguous reference; a
+    first batch without the join column at all stopped it too. Now the rows holding the
+    clashing field fail alone, and a missing join column is null (matches nothing)."""
+    policy = ackflow.RetryPolicy(max_deliveries=1)
+    src = ListSource(bodies([{"sku": "a", "qty": 1}, {"sku": "b", "Price": 9.0},
+                             {"sku": "a", "Price": None}]), policy=policy)
+    sink = MemorySink()
+    run(spark, ackflow.Flow(src).join(skus, "sku", name="prices").to(sink))
+    assert src.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "acked"}
+    assert src.failures["m1"].step == "prices" and "'Price'" in src.failures["m1"].error
+    assert sorted(r["price"] for r in sink.rows) == [1.5, 1.5]
+    assert all("Price" not in r for r in sink.rows)
+
+    src = ListSource(bodies([{"qty": 1}, {"qty": 2}]), policy=policy)  # no "sku" anywhere
+    sink = MemorySink()
+    report = run(spark, ackflow.Flow(src).join(skus, "sku", "left", name="prices").to(sink))
+    assert report.acked == 2 and sorted((r["qty"], r["price"]) for r in sink.rows) == [
+        (1, None), (2, None)]
+
+
+def test_a_static_column_the_flow_itself_makes_twice_still_stops(spark, skus):
+    src = ListSource(bodies([{"sku": "a"}]))
+    with pytest.raises(ackflow.FlowError, match="exist on both sides"):
+        run(spark, ackflow.Flow(src).with_columns(price="1.0").join(skus, "sku").to(MemorySink()))
+    assert src.final() == {"m0": "released"}

@@ -120,18 +120,23 @@ def test_field_names_spark_cannot_address_fail_their_messages_not_the_run(spark)
     that PySpark's own mapInArrow could not look up, so every later message failed the
     job "on its own" and was dead-lettered. Now such a field (a dot, a backtick, empty,
     or the same name in another case) fails only the rows holding it, with the reason."""
+    # Spark compares names like Java's equalsIgnoreCase: the dotless i twins "i", and an
+    # upper-case "__AF_ID" twins ackflow's own "__af_id"
     bodies_ = ['{"._-": 1}', '{"a.b": 2}', '{"`x": 3}', '{"": 4}', '{"n": 5, "N": 6}',
-               '{"n": 7}', '{"n": 8, "*": 9}']
+               '{"n": 7}', '{"n": 8, "*": 9}', '{"n": 10, "id": 2, "\u0131d": 1}',
+               '{"n": 11, "__AF_ID": 3}']
     src = ListSource(bodies_, policy=ackflow.RetryPolicy(max_deliveries=1))
     sink = MemorySink()
     report = ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same").to(sink), spark=spark,
                          **{**FAST, "until_idle": 0.5})
     final = src.final()
-    assert [final[f"m{i}"] for i in range(7)] == ["dead_lettered"] * 5 + ["acked", "dead_lettered"]
-    assert sink.rows == [{"n": 7}]
+    assert [final[f"m{i}"] for i in range(9)] == ["dead_lettered"] * 5 + ["acked"] + \
+        ["dead_lettered"] * 3
+    assert sink.rows == [{"n": 7, "id": None}]
     assert "'a.b'" in src.failures["m1"].error and "rename the field" in src.failures["m1"].error
-    assert "only in case" in src.failures["m4"].error
-    assert report.dead_lettered_by_step == {"same": 6}
+    assert "only in case" in src.failures["m4"].error and "only in case" in src.failures["m7"].error
+    assert "reserved" in src.failures["m8"].error
+    assert report.dead_lettered_by_step == {"same": 8}
 
 
 def test_a_field_outside_the_inferred_columns_fails_instead_of_vanishing(spark):

@@ -128,9 +128,23 @@ def test_a_missing_column_from_the_data_fails_only_the_messages_holding_it(
                          **FAST)
     assert src.final() == {"m0": "dead_lettered", "m1": "acked", "m2": "acked",
                            "m3": "dead_lettered"}
-    assert src.failures["m0"].step.startswith("postgres") and "column 'city'" in src.failures["m0"].error
+    f = src.failures["m0"]
+    assert f.step.startswith("postgres") and "column 'city'" in f.error
     assert "own key column" in src.failures["m3"].error
     assert [r["n"] for r in rows_of(postgres.dsn, pg_table)] == [2, 3] and report.acked == 2
+
+
+def test_field_names_longer_than_postgres_allows_fail_their_rows(spark, postgres, pg_table):
+    """PostgreSQL cuts names at 63 bytes: two data fields sharing their first 63 bytes made
+    CREATE TABLE fail, and every job with it (every message dead-lettered as poison)."""
+    long_a, long_b = "x" * 63 + "a", "x" * 63 + "b"
+    src = ListSource(bodies([{"n": 1}, {"n": 2, long_a: 1}, {"n": 3, long_b: 2}]),
+                     policy=RetryPolicy(max_deliveries=1))
+    ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, create=True)),
+                spark=spark, **FAST)
+    assert src.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "dead_lettered"}
+    assert "longer than PostgreSQL's 63 bytes" in src.failures["m1"].error
+    assert [r["n"] for r in rows_of(postgres.dsn, pg_table)] == [1]
 
 
 def test_a_key_without_a_unique_index_is_a_clear_error(spark, postgres, pg_table):

@@ -30,8 +30,13 @@ class ColumnsRefused(FlowError):
 
     When those columns were inferred from outside data, the run does not stop: the
     rows holding a value in them fail alone, with the reason, and the sink is prepared
-    without them. A column the flow configured stops the run, like any FlowError."""
+    without them. A column the flow configured stops the run, like any FlowError.
+    ``retype`` (name -> the table's type): columns the sink can still take value by
+    value in the table's type, when they come from the data (a first batch's ``1.5``
+    must not make every later integer fail)."""
 
-    def __init__(self, step: str, cause: str, columns: dict[str, str]) -> None:
+    def __init__(self, step: str, cause: str, columns: dict[str, str],
+                 retype: dict[str, object] | None = None) -> None:
         super().__init__(step, cause)
         self.columns = columns
+        self.retype = retype or {}

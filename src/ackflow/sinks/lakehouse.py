@@ -217,11 +217,12 @@ class TableSink(Sink):
         import pyarrow as pa
 
         fields = [f for f in schema if f.name != KEY]
-        if self.key is None and self.key_column in schema.names:
+        twin = [n for n in schema.names if n != KEY and n.lower() == self.key_column.lower()]
+        if self.key is None and twin:  # Delta does not tell column names apart by case
             raise ColumnsRefused(
                 self.name, f"the flow writes a column {self.key_column!r}, the sink's own key "
                 "column: rename the flow's column, or give the sink another key_column=",
-                {self.key_column: "the sink's own key column (key_column=) has this name"})
+                {n: "the sink's own key column (key_column=) has this name" for n in twin})
         if self.key is None:
             fields.append(pa.field(self.key_column, pa.string()))
         return pa.schema(fields)
@@ -259,7 +260,8 @@ class TableSink(Sink):
                 self.name, f"{self.describe()} cannot take column(s) "
                 f"{', '.join(f'{c} ({t})' for c, t in wrong.items())}; cast them in the flow, "
                 "or write to a new table",
-                {c: f"{self.describe()} cannot take {t}" for c, t in wrong.items()})
+                {c: f"{self.describe()} cannot take {t}" for c, t in wrong.items()},
+                retype={c: table.field(c).type for c in wrong})
         required = [f.name for f in table if not f.nullable and f.name not in incoming.names]
         if required:
             raise FlowError(self.name, f"{self.describe()} requires column(s) "

@@ -26,6 +26,9 @@ log = logging.getLogger("ackflow.sinks.postgres")
 MODES = ("upsert", "insert")
 
 
+PG_NAME_BYTES = 63  # longer identifiers are cut by the server (NAMEDATALEN - 1)
+
+
 def pg_type(t: Any) -> str:
     """The PostgreSQL column type for an Arrow type (``create=True``)."""
     import pyarrow as pa
@@ -154,6 +157,12 @@ class PostgresSink(Sink):
         signature = tuple(f"{f.name}:{f.type}" for f in schema)
         if signature in self._prepared:
             return
+        long = [n for n in schema.names if len(n.encode()) > PG_NAME_BYTES]
+        if long:  # PostgreSQL would cut them, and two could become one
+            raise ColumnsRefused(
+                self.name, f"column name(s) {', '.join(map(repr, long))} are longer than "
+                f"PostgreSQL's {PG_NAME_BYTES} bytes; rename them in the flow",
+                {n: f"the name is longer than PostgreSQL's {PG_NAME_BYTES} bytes" for n in long})
         if self.key is None and self.key_column in schema.names:
             raise ColumnsRefused(
                 self.name, f"the flow writes a column {self.key_column!r}, the sink's own key "

@@ -42,6 +42,7 @@ from ackflow.sinks.base import Sink
 from ackflow.spark.rows import (
     BODY,
     ERR,
+    FAILED,
     FILTERED,
     HDR,
     ID,
@@ -56,11 +57,13 @@ from ackflow.spark.rows import (
     Counts,
     CountsParam,
     Tally,
+    fold,
     infer_schema,
     internal_schema,
     make_sampler,
     make_segment,
     make_writer,
+    reserved,
     unaddressable,
 )
 
@@ -120,8 +123,10 @@ class Plan:
         #: them fails (with ``schema=`` given, the user chose the columns)
         self._inferred: set[tuple[int, ...]] = set()
         self._data_columns: set[str] = set()  # every column name inferred from data
-        #: (sink, schema signature) -> columns its table refused: name -> why
-        self._refusals: dict[tuple[str, tuple[str, ...]], dict[str, str]] = {}
+        #: (sink, schema signature) -> columns its table refused (name -> why), and
+        #: columns it takes value by value in its own type (name -> type)
+        self._refusals: dict[tuple[str, tuple[str, ...]],
+                             tuple[dict[str, str], dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.parallelism = max(1, parallelism)
@@ -177,21 +182,28 @@ class Plan:
         in them fail alone (see :func:`~ackflow.spark.rows.make_writer`)."""
         signature = (sink.name, tuple(f"{f.name}:{f.type}" for f in schema))
         with self._prepare_lock:
-            refused = self._refusals.get(signature, {})
-            while True:  # each round leaves out at least one column: it ends
+            refused, retyped = self._refusals.get(signature, ({}, {}))
+            while True:  # each round settles at least one more column: it ends
+                use = pa.schema([f.with_type(retyped[f.name]) if f.name in retyped else f
+                                 for f in schema if f.name not in refused])
                 try:
-                    sink.prepare(pa.schema([f for f in schema if f.name not in refused]))
+                    sink.prepare(use)
                     break
                 except ColumnsRefused as e:
-                    if not e.columns or any(c not in self._data_columns or c in refused
-                                            for c in e.columns):
+                    names = set(e.columns) | set(e.retype)
+                    if not names or names & {*refused, *retyped} or any(
+                            c not in self._data_columns for c in names):
                         raise  # a column the flow itself makes: configuration, stop
-                    refused = {**refused, **e.columns}
-            if refused and signature not in self._refusals:
-                log.warning("sink %r: column(s) %s come from the data and its table cannot "
-                            "take them; rows with a value there fail alone", sink.name,
-                            ", ".join(map(repr, refused)))
-            self._refusals[signature] = refused
+                    retyped = {**retyped, **e.retype}
+                    refused = {**refused, **{c: why for c, why in e.columns.items()
+                                             if c not in e.retype}}
+            if signature not in self._refusals and (refused or retyped):
+                log.warning("sink %r: column(s) %s come from the data; its table cannot take "
+                            "them, and rows with a value there fail alone. Column(s) %s are "
+                            "written value by value in the table's type", sink.name,
+                            ", ".join(map(repr, refused)) or "-",
+                            ", ".join(map(repr, retyped)) or "-")
+            self._refusals[signature] = (refused, retyped)
             return refused
 
     # -- schemas -----------------------------------------------------------------------
@@ -415,7 +427,8 @@ class CompiledFlow(Plan):
         if isinstance(step, WithColumns):
             check_names(step.name, [c for c, _ in step.columns], "with_columns")
             df = df.withColumns({c: F.when(live, _column(e)) for c, e in step.columns})
-            return df, data_cols + [c for c, _ in step.columns if c not in data_cols], lineage
+            # read back: a new name that a data column has in another case replaces it
+            return df, [c for c in df.columns if not c.startswith("__af_")], lineage
         if isinstance(step, GroupBy):
             return self._group(step, df, lineage)
         if isinstance(step, Join):
@@ -456,17 +469,28 @@ class CompiledFlow(Plan):
               lineage: str) -> tuple[DataFrame, list[str], str]:
         live = F.col(STATUS) == LIVE
         other = step.other
-        missing = [c for c in step.on if c not in other.columns or c not in data_cols]
+        missing = [c for c in step.on if c not in other.columns]
         if missing:
             raise FlowError(step.name, f"join column(s) {missing} must exist on both sides")
         if any(c.startswith("__af_") for c in other.columns):
             raise FlowError(step.name, "the static DataFrame has __af_ columns (reserved)")
         check_names(step.name, other.columns, "the static DataFrame's")
         extra = [c for c in other.columns if c not in step.on]
+        taken = {fold(c) for c in (extra if step.how in ("inner", "left") else [])}
+        taken |= {fold(c) for c in step.on}
+        clash = [c for c in data_cols if fold(c) in taken and c not in step.on]
+        if any(c not in self._data_columns for c in clash):
+            raise FlowError(step.name, f"column(s) {clash} exist on both sides; rename them")
+        df, data_cols = self._refuse(df, data_cols, clash, step.name,
+                                     "the join's static side has a column of this name")
+        # a join column the data never had (in the batch the columns came from) is null:
+        # its rows match nothing, as a row without the field would
+        types = {f.name: f.dataType for f in other.schema.fields}
+        absent = [c for c in step.on if c not in data_cols]
+        if absent:
+            df = df.withColumns({c: F.lit(None).cast(types[c]) for c in absent})
+            data_cols = data_cols + absent
         if step.how in ("inner", "left"):
-            clash = [c for c in extra if c in data_cols]
-            if clash:
-                raise FlowError(step.name, f"column(s) {clash} exist on both sides; rename them")
             right = other.withColumn("__af_match", F.lit(True))
         else:  # semi/anti: only whether a match exists
             right = other.select(*step.on).dropDuplicates().withColumn("__af_match", F.lit(True))
@@ -480,6 +504,23 @@ class CompiledFlow(Plan):
             out = out.withColumn(STATUS, F.when(live & drop, F.lit(FILTERED))
                                  .otherwise(F.col(STATUS)))
         return out.drop("__af_match"), data_cols + extra, lineage
+
+    def _refuse(self, df: DataFrame, data_cols: list[str], cols: list[str], step: str,
+                why: str) -> tuple[DataFrame, list[str]]:
+        """Columns from the data that a step cannot take: each live row with a value in
+        one of them fails (naming the field), and the columns are dropped."""
+        if not cols:
+            return df, data_cols
+        live = F.col(STATUS) == LIVE
+        for c in cols:
+            hit = live & quoted(c).isNotNull()
+            df = df.withColumns({STATUS: F.when(hit, F.lit(FAILED)).otherwise(F.col(STATUS)),
+                                 STEP: F.when(hit, F.lit(step)).otherwise(F.col(STEP)),
+                                 ERR: F.when(hit, F.lit(f"field {c!r}: {why}"))
+                                 .otherwise(F.col(ERR))})
+        keep = [c for c in data_cols if c not in cols]
+        internal = [c for c in df.columns if c.startswith("__af_")]
+        return df.select(*[quoted(c) for c in keep], *internal), keep
 
     def _transform(self, step: Transform, df: DataFrame,
                    lineage: str) -> tuple[DataFrame, list[str], str]:
@@ -515,10 +556,10 @@ def check_names(step: str, names: Sequence[str], what: str) -> None:
         why = unaddressable(n)
         if why is not None:
             raise FlowError(step, f"{what} column {n!r}: {why}")
-        if n.lower() in seen and seen[n.lower()] != n:
-            raise FlowError(step, f"{what} columns {seen[n.lower()]!r} and {n!r} differ only "
+        if fold(n) in seen and seen[fold(n)] != n:
+            raise FlowError(step, f"{what} columns {seen[fold(n)]!r} and {n!r} differ only "
                             "in case, and Spark does not tell column names apart by case")
-        seen[n.lower()] = n
+        seen[fold(n)] = n
 
 
 def quoted(name: str) -> Column:
@@ -535,9 +576,9 @@ def _spark_safe(schema: pa.Schema) -> pa.Schema:
     fields = []
     seen: set[str] = set()
     for f in schema:
-        if f.name.lower() in seen or unaddressable(f.name) is not None:
+        if fold(f.name) in seen or unaddressable(f.name) is not None or reserved(f.name):
             continue
-        seen.add(f.name.lower())
+        seen.add(fold(f.name))
         try:
             to_arrow_schema(from_arrow_schema(pa.schema([f])))
             fields.append(f)

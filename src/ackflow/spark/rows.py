@@ -307,8 +307,9 @@ def conform(
         if status[i] != LIVE or names.issuperset(r):
             continue
         bad = next(str(k) for k in r if k not in names)
-        if bad.startswith(RESERVED):
-            reason = f"names starting with {RESERVED} are reserved for ackflow"
+        if reserved(bad):
+            reason = (f"names starting with {RESERVED} (in any case) are reserved for "
+                      "ackflow")
         elif not strict:
             continue
         else:
@@ -333,6 +334,24 @@ def conform(
     return pa.Table.from_pylist(rows, schema=data_schema)
 
 
+def fold(name: str) -> str:
+    """A name as Spark's case-insensitive resolution sees it: Java's ``equalsIgnoreCase``
+    matches two chars when the lower case of their upper cases agree (so the dotless i and
+    ``i``, the long s and ``s``, the final and the plain sigma match). Names with one fold
+    are one column to Spark."""
+    out = []
+    for c in name:
+        u = c.upper()
+        low = (u if len(u) == 1 else c).lower()
+        out.append(low[0] if low else c)
+    return "".join(out)
+
+
+def reserved(name: str) -> bool:
+    """Whether a name is (a case variant of) one of ackflow's own column names."""
+    return fold(name).startswith(RESERVED)
+
+
 def unaddressable(name: str) -> str | None:
     """Why Spark cannot address a column of this name (PySpark's own ``mapInArrow``
     looks every column up by name), or None."""
@@ -348,7 +367,7 @@ def _outside(name: str, columns: list[str]) -> str:
     why = unaddressable(name)
     if why is not None:
         return f"{why}; rename the field in a map step"
-    same = [c for c in columns if c.lower() == name.lower()]
+    same = [c for c in columns if fold(c) == fold(name)]
     if same:
         return (f"differs from the column {same[0]!r} only in case, and Spark does not tell "
                 "column names apart by case")
@@ -580,7 +599,7 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
         keys.update(dict.fromkeys(r))
     fields = []
     for k in keys:
-        if k.startswith(RESERVED):
+        if reserved(k):
             continue
         values = [r.get(k) for r in rows]
         try:
