@@ -442,13 +442,14 @@ def reasons(ex: Example, fate: Fate) -> set[str]:
     return first | fate.may | transient
 
 
-def settle_all(ex: Example, sources: list[ModelSource], run: Any) -> tuple[int, list[str]]:
+def settle_all(ex: Example, sources: list[ModelSource], run: Any,
+               within_s: float = 60) -> tuple[int, list[str]]:
     """Run until every message is finally settled, restarting after every crash (an
     armed fault point that raised); returns the number of crashes and their texts."""
     from ackflow import faults
 
     crashes: list[str] = []
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + within_s
     for s in sources:  # every crash may release a message once; then it must end
         s.limit = ex.max_deliveries + len(ex.engine_faults) + 2
     for name, nth in ex.engine_faults:
@@ -462,6 +463,7 @@ def settle_all(ex: Example, sources: list[ModelSource], run: Any) -> tuple[int, 
                 continue
             if all(s.pending() == 0 for s in sources):
                 return len(crashes), crashes
-        raise AssertionError(f"not settled within 60 s: {[s.pending() for s in sources]}")
+        raise AssertionError(f"not settled within {within_s:.0f} s: "
+                             f"{[s.pending() for s in sources]}")
     finally:
         faults.disarm()

@@ -4,10 +4,23 @@ A message taken from a source is acked only when every row derived from it was
 durably written; otherwise it is nacked, dead-lettered, or left to redelivery.
 """
 
+from typing import TYPE_CHECKING
+
+from ackflow._lazy import lazy
 from ackflow.core.errors import AckflowError, AlreadySettled, ConfigError, FlowError
 from ackflow.core.policy import RetryPolicy
-from ackflow.engine import RunReport, run
-from ackflow.flow import Flow, branch, merge
+
+if TYPE_CHECKING:  # imported on first use (ackflow/_lazy.py): Spark's workers skip them
+    from ackflow.engine import RunReport, run
+    from ackflow.flow import Flow, branch, merge
+
+__getattr__, __dir__ = lazy(__name__, {
+    "RunReport": "ackflow.engine:RunReport",
+    "run": "ackflow.engine:run",
+    "Flow": "ackflow.flow:Flow",
+    "branch": "ackflow.flow:branch",
+    "merge": "ackflow.flow:merge",
+})
 
 
 def session(master: str | None = None, conf: dict[str, object] | None = None) -> object:

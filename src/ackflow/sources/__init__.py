@@ -1,26 +1,36 @@
-"""Sources: where messages come from. They run on the driver."""
+"""Sources: where messages come from. They run on the driver. Imported on first use
+(ackflow/_lazy.py)."""
 
-from ackflow.sources.base import Source
-from ackflow.sources.embedded import EmbeddedQueueSource
-from ackflow.sources.files import FilesSource
-from ackflow.sources.merge import MergedSource
-from ackflow.sources.rabbitmq import RabbitMQSource
-from ackflow.sources.stream import RabbitMQStreamSource
+from typing import TYPE_CHECKING
 
-EmbeddedQueue = EmbeddedQueueSource
-Files = FilesSource
-RabbitMQ = RabbitMQSource
-RabbitMQStream = RabbitMQStreamSource
+from ackflow._lazy import lazy
+
+if TYPE_CHECKING:
+    from ackflow.sources.base import Source
+    from ackflow.sources.embedded import EmbeddedQueueSource
+    from ackflow.sources.embedded import EmbeddedQueueSource as EmbeddedQueue
+    from ackflow.sources.files import FilesSource
+    from ackflow.sources.files import FilesSource as Files
+    from ackflow.sources.merge import MergedSource
+    from ackflow.sources.rabbitmq import RabbitMQSource
+    from ackflow.sources.rabbitmq import RabbitMQSource as RabbitMQ
+    from ackflow.sources.stream import RabbitMQStreamSource
+    from ackflow.sources.stream import RabbitMQStreamSource as RabbitMQStream
+
+__getattr__, __dir__ = lazy(__name__, {
+    "Source": "ackflow.sources.base:Source",
+    "EmbeddedQueue": "ackflow.sources.embedded:EmbeddedQueueSource",
+    "EmbeddedQueueSource": "ackflow.sources.embedded:EmbeddedQueueSource",
+    "Files": "ackflow.sources.files:FilesSource",
+    "FilesSource": "ackflow.sources.files:FilesSource",
+    "MergedSource": "ackflow.sources.merge:MergedSource",
+    "RabbitMQ": "ackflow.sources.rabbitmq:RabbitMQSource",
+    "RabbitMQSource": "ackflow.sources.rabbitmq:RabbitMQSource",
+    "RabbitMQStream": "ackflow.sources.stream:RabbitMQStreamSource",
+    "RabbitMQStreamSource": "ackflow.sources.stream:RabbitMQStreamSource",
+})
 
 __all__ = [
-    "EmbeddedQueue",
-    "EmbeddedQueueSource",
-    "Files",
-    "FilesSource",
-    "MergedSource",
-    "RabbitMQ",
-    "RabbitMQSource",
-    "RabbitMQStream",
-    "RabbitMQStreamSource",
-    "Source",
+    "EmbeddedQueue", "EmbeddedQueueSource", "Files", "FilesSource", "MergedSource",
+    "RabbitMQ", "RabbitMQSource", "RabbitMQStream", "RabbitMQStreamSource", "Source",
 ]
