@@ -105,3 +105,14 @@ def test_a_failed_build_leaves_no_archive(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="building the class archive failed"):
         build(str(target), timeout=120)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_daemon_left_with_threads_after_preloading_starts_again_without():
+    """jemalloc's background thread kept on: the daemon must not fork from that process."""
+    env = {**os.environ, "JE_ARROW_MALLOC_CONF": "background_thread:true"}
+    env.pop("ACKFLOW_DAEMON_PRELOAD", None)
+    done = subprocess.run([sys.executable, "-m", "ackflow_daemon", "pyspark.worker"], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert b"threads after preloading; starting again without preloading" in done.stderr
+    assert done.stderr.count(b"starting again") == 1, done.stderr  # once, then it ran
+    assert len(done.stdout) >= 4, done  # Spark's daemon started and told its port
