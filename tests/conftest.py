@@ -11,21 +11,36 @@ import pytest
 
 def pytest_configure(config: pytest.Config) -> None:
     """Every Spark driver the tests start (the fixture's and those of the ``ackflow run``
-    children) maps one class-data archive, built once per virtualenv: each start is
-    ~7 s shorter (ackflow/spark/classes.py). ``ACKFLOW_CLASS_ARCHIVE=`` (empty) turns
-    it off; a failed build only costs the speed."""
+    children) maps one class-data archive, built once per virtualenv, Spark version and
+    Java: each start is ~7 s shorter (ackflow/spark/classes.py). A failed build is not
+    tried again (its marker file stays); ``ACKFLOW_CLASS_ARCHIVE=`` (empty) turns it
+    off. Only start-up speed depends on it."""
     if "ACKFLOW_CLASS_ARCHIVE" in os.environ or hasattr(config, "workerinput"):
         return
+    if config.option.collectonly or config.option.help:
+        return
+    import hashlib
+    import shutil
+
+    import pyspark
+
     from ackflow.spark.classes import ARCHIVE_ENV, build
 
-    path = os.path.join(sys.prefix, "ackflow-spark-classes.jsa")
+    java = os.path.realpath(shutil.which("java") or "java")
+    tag = hashlib.sha256(f"{pyspark.__version__} {java}".encode()).hexdigest()[:12]
+    path = os.path.join(sys.prefix, f"ackflow-spark-classes-{tag}.jsa")
+    failed = path + ".failed"
     if not os.path.isfile(path):
+        if os.path.exists(failed):
+            return
         started = time.monotonic()
         try:
             build(path)
             print(f"\nclass archive built in {time.monotonic() - started:.0f} s: {path}")
         except Exception as e:  # noqa: BLE001 - only start-up speed depends on it
             print(f"\nclass archive not built ({e}); Spark starts the slow way")
+            with open(failed, "w") as f:
+                f.write(f"{e}\n")
             return
     os.environ[ARCHIVE_ENV] = path
 

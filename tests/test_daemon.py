@@ -116,3 +116,13 @@ def test_a_daemon_left_with_threads_after_preloading_starts_again_without():
     assert b"threads after preloading; starting again without preloading" in done.stderr
     assert done.stderr.count(b"starting again") == 1, done.stderr  # once, then it ran
     assert len(done.stdout) >= 4, done  # Spark's daemon started and told its port
+
+
+def test_the_daemon_is_chosen_only_where_it_runs_here_on_this_interpreter():
+    import importlib
+
+    session_module = importlib.import_module("ackflow.spark.session")
+    chosen = {"spark.python.daemon.module": "ackflow_daemon"}
+    assert session_module._daemon("local[2]", sys.executable) == chosen
+    assert session_module._daemon("spark://127.0.0.1:7077", sys.executable) == {}
+    assert session_module._daemon("local[2]", "/usr/bin/python3-elsewhere") == {}

@@ -20,6 +20,9 @@ __getattr__, __dir__ = lazy(__name__, {
     "Flow": "ackflow.flow:Flow",
     "branch": "ackflow.flow:branch",
     "merge": "ackflow.flow:merge",
+    # submodules the eager imports used to load as a side effect: ``ackflow.sinks.X``
+    **{m: f"ackflow.{m}" for m in ("core", "embedded", "engine", "faults", "flow",
+                                   "observe", "sinks", "sources", "spark", "testing")},
 })
 
 

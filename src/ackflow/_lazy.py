@@ -16,14 +16,16 @@ from typing import Any
 def lazy(package: str, names: dict[str, str]) -> tuple[Callable[[str], Any],
                                                         Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for ``package``: ``names`` maps each attribute
-    to ``"module:attribute"``."""
+    to ``"module:attribute"``, or to ``"module"`` for a submodule."""
 
     def __getattr__(name: str) -> Any:
         where = names.get(name)
         if where is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        module, attr = where.split(":")
-        value = getattr(importlib.import_module(module), attr)
+        module, _, attr = where.partition(":")
+        value = importlib.import_module(module)
+        if attr:
+            value = getattr(value, attr)
         setattr(importlib.import_module(package), name, value)
         return value
 

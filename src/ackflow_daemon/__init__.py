@@ -83,11 +83,21 @@ def preload() -> None:
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     if "OPENBLAS_NUM_THREADS" not in os.environ:
         os.environ["OPENBLAS_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a worker imports what it needs anyway
-            continue
+    # the daemon's stdout is Spark's channel (its port goes there first): anything an
+    # import prints goes to stderr
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - a worker imports what it needs anyway
+                continue
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         os.register_at_fork(after_in_child=lambda: numpy.random.seed())

@@ -10,7 +10,8 @@ sys.path[:] = cleaned(sys.path)
 for _entry in [e for e in sys.path_importer_cache if e not in sys.path]:
     del sys.path_importer_cache[_entry]  # invalidate_caches() walks these, not sys.path
 
-if os.environ.get("ACKFLOW_DAEMON_PRELOAD", "1") == "1":
+# without /proc the thread count cannot be checked: nothing is preloaded then
+if os.environ.get("ACKFLOW_DAEMON_PRELOAD", "1") == "1" and threads() == 1:
     preload()
     if threads() != 1:  # forking a threaded process is unsafe: start again without
         print(f"ackflow_daemon: {threads()} threads after preloading; starting again "

@@ -51,9 +51,14 @@ def build(path: str, timeout: float = 300) -> str:
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    env = {k: v for k, v in os.environ.items() if k != ARCHIVE_ENV}
-    opts = env.get("SPARK_SUBMIT_OPTS", "")
-    env["SPARK_SUBMIT_OPTS"] = f"{opts} -XX:ArchiveClassesAtExit={shlex.quote(tmp)} {_QUIET}"
+    # a child of its own: not attached to a JVM this process may run (PYSPARK_GATEWAY_*),
+    # and not started from another archive
+    env = {k: v for k, v in os.environ.items()
+           if k != ARCHIVE_ENV and not k.startswith("PYSPARK_GATEWAY_")}
+    opts = " ".join(o for o in shlex.split(env.get("SPARK_SUBMIT_OPTS", ""))
+                    if "SharedArchiveFile" not in o and not o.startswith("-Xlog:cds"))
+    env["SPARK_SUBMIT_OPTS"] = (f"{shlex.join(shlex.split(opts))} "
+                                f"-XX:ArchiveClassesAtExit={shlex.quote(tmp)} {_QUIET}")
     try:
         done = subprocess.run([sys.executable, "-m", "ackflow.spark.classes", "--workload"],
                               env=env, capture_output=True, text=True, timeout=timeout)

@@ -22,9 +22,15 @@ def _daemon(master: str, python: str) -> dict[str, str]:
     """Python workers that import pyspark from its installed package, not from the zip
     Spark puts first on their path (ackflow_daemon: 4 s sooner at the first job, 0.4 s
     per worker forked). Only for local masters (the daemon runs here, on the driver's
-    import path) whose workers run this interpreter; elsewhere Spark's own daemon."""
+    import path) whose workers run this interpreter, and only when the daemon is a file
+    in a directory on that path (not inside a zip or pex); elsewhere Spark's own daemon."""
+    import importlib.util
+
     if not master.startswith("local") or (
             os.path.realpath(python) != os.path.realpath(sys.executable)):
+        return {}
+    spec = importlib.util.find_spec("ackflow_daemon")
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return {}
     return {"spark.python.daemon.module": "ackflow_daemon"}
 
@@ -61,9 +67,11 @@ def session(master: str | None = None, conf: dict[str, Any] | None = None,
         "spark.sql.session.timeZone": "UTC",
         # executors run this interpreter (set PYSPARK_PYTHON where workers differ)
         "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
-        **_daemon(master or "local[*]", os.environ["PYSPARK_PYTHON"]),
     }
     defaults.update(conf or {})
+    if "spark.python.daemon.module" not in defaults:  # decided on the merged conf
+        defaults.update(_daemon(str(defaults.get("spark.master", master or "local[*]")),
+                                str(defaults["spark.pyspark.python"])))
     for k, v in defaults.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
