@@ -6,7 +6,8 @@ most of its start-up. Java 17 can dump the classes a run loaded into an archive
 (``-XX:SharedArchiveFile``). Measured here: session 9.0 s -> 4.9 s, first Arrow job
 5.5 s -> 2.9 s.
 
-Build one (about 30 s; it runs a small Spark workload and keeps what it loaded)::
+Build one (53-88 s measured on 2 cores; it runs a small Spark workload and keeps what
+it loaded)::
 
     python -m ackflow.spark.classes ~/.cache/ackflow/spark-classes.jsa
     export ACKFLOW_CLASS_ARCHIVE=~/.cache/ackflow/spark-classes.jsa
