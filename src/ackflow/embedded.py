@@ -87,7 +87,21 @@ class Leased:
 
     @property
     def key(self) -> str:
-        return self.msg_id if self.msg_id is not None else f"#{self.row_id}"
+        return message_key(self.row_id, self.msg_id)
+
+
+def message_key(row_id: int, msg_id: str | None) -> str:
+    """A message's identity in its queue file: its publisher's ``msg_id``, else ``#``
+    and its row id (never reused in the file). A ``msg_id`` that itself starts with
+    ``#`` gets one more (``#7`` is keyed ``##7``), so that no publisher's id names the
+    key of a message published without one (keyed sinks would take them for one).
+
+    >>> message_key(7, None), message_key(7, "#7"), message_key(7, "order-1")
+    ('#7', '##7', 'order-1')
+    """
+    if msg_id is None:
+        return f"#{row_id}"
+    return "#" + msg_id if msg_id.startswith("#") else msg_id
 
 
 @dataclass(frozen=True)
@@ -277,6 +291,13 @@ class EmbeddedQueue:
 
     def lease(self, queue: str, n: int, *, visibility_timeout: float) -> list[Leased]:
         """Lease up to ``n`` visible messages, oldest first, for ``visibility_timeout`` s."""
+        return [Leased(r[0], r[1], bytes(r[2]), json.loads(r[3]) if r[3] else {}, r[4], r[5])
+                for r in self.lease_rows(queue, n, visibility_timeout=visibility_timeout)]
+
+    def lease_rows(self, queue: str, n: int, *,
+                   visibility_timeout: float) -> list[tuple[Any, ...]]:
+        """:meth:`lease`, as the rows ``(row_id, msg_id, body, headers_json, deliveries,
+        published_at)``, oldest first: no objects made for the caller to copy again."""
         if n <= 0:
             return []
         now = time.time()
@@ -291,10 +312,7 @@ class EmbeddedQueue:
             if rows:
                 self._bump(queue, "delivered_total", len(rows))
         rows.sort(key=lambda r: r[0])
-        return [
-            Leased(r[0], r[1], bytes(r[2]), json.loads(r[3]) if r[3] else {}, r[4], r[5])
-            for r in rows
-        ]
+        return rows
 
     def ack(self, queue: str, deliveries: Sequence[tuple[int, int]]) -> int:
         """Delete the given ``(row_id, deliveries)``; return how many were still held.

@@ -8,9 +8,13 @@ A :class:`Delivery` starts ``PENDING`` and moves exactly once to ``ACKED``,
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
 from ackflow.core.errors import AlreadySettled
+
+#: What a merged flow's origin prefix looks like (see :attr:`Delivery.identity`).
+_PREFIXED = re.compile(r"[0-9]+\|")
 
 
 class Settlement(enum.Enum):
@@ -21,7 +25,7 @@ class Settlement(enum.Enum):
     RELEASED = "released"  # not processed (shutdown); given back without counting a failure
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Delivery:
     """One message as pulled from a source, and how it was settled.
 
@@ -45,8 +49,18 @@ class Delivery:
     def identity(self) -> str:
         """The message's identity within its flow: its key, prefixed with its origin in a
         merged flow (two sources may use the same keys). Row keys, group keys and dead
-        letters derive from it, never from ``key`` alone."""
-        return self.key if not self.origin else f"{self.origin}|{self.key}"
+        letters derive from it, never from ``key`` alone. The first source's keys are
+        kept as they are unless they look prefixed (``2|x``): those get ``0|``, so that
+        no key of one source names a message of another.
+
+        >>> Delivery(0, "x", b"").identity, Delivery(0, "x", b"", origin=2).identity
+        ('x', '2|x')
+        >>> Delivery(0, "2|x", b"").identity
+        '0|2|x'
+        """
+        if self.origin:
+            return f"{self.origin}|{self.key}"
+        return "0|" + self.key if _PREFIXED.match(self.key) else self.key
 
     @property
     def settled(self) -> bool:

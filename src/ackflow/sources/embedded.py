@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
-from ackflow.embedded import EmbeddedQueue, Leased
+from ackflow.embedded import EmbeddedQueue, message_key
 from ackflow.sources.base import Source
 
 
@@ -71,21 +72,14 @@ class EmbeddedQueueSource(Source):
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout
         while True:
-            leased = self.q.lease(self.queue, max_messages, visibility_timeout=self.visibility_timeout)
-            if leased or time.monotonic() >= deadline:
-                return [self._delivery(m) for m in leased]
+            rows = self.q.lease_rows(self.queue, max_messages,
+                                     visibility_timeout=self.visibility_timeout)
+            if rows or time.monotonic() >= deadline:
+                # (row_id, msg_id, body, headers_json, deliveries, published_at)
+                return [Delivery(0, message_key(r[0], r[1]), bytes(r[2]),
+                                 json.loads(r[3]) if r[3] else {}, r[4], (r[0], r[4]))
+                        for r in rows]
             time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
-
-    @staticmethod
-    def _delivery(m: Leased) -> Delivery:
-        return Delivery(
-            lineage_id=0,
-            key=m.key,
-            body=m.body,
-            headers=m.headers,
-            delivery_count=m.deliveries,
-            handle=(m.row_id, m.deliveries),
-        )
 
     @staticmethod
     def _handles(deliveries: Sequence[Delivery]) -> list[tuple[int, int]]:

@@ -48,8 +48,16 @@ def message_key(message_id: Any, unnamed: Callable[[], str] | None = None) -> st
     """A message's identity: its ``message_id`` property (the producer's promise that it
     names this message alone), else an id unique to this delivery (``unnamed()``, or a
     random one). Never derived from the body: two distinct messages may carry the same
-    bytes."""
+    bytes. A ``message_id`` that starts like an unnamed key (``delivery:``) or like this
+    escape (``id:``) gets ``id:`` before it, so that no producer can name the key of an
+    unnamed delivery (the keys are visible in keyed sinks).
+
+    >>> message_key("order-1"), message_key("delivery:x-1"), message_key("id:7")
+    ('order-1', 'id:delivery:x-1', 'id:id:7')
+    """
     if isinstance(message_id, str) and message_id:
+        if message_id.startswith((UNNAMED, "id:")):
+            return "id:" + message_id
         return message_id
     return unnamed() if unnamed is not None else UNNAMED + uuid.uuid4().hex
 

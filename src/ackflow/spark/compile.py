@@ -64,6 +64,7 @@ from ackflow.spark.rows import (
     make_segment,
     make_writer,
     reserved,
+    row_key,
     unaddressable,
 )
 
@@ -262,11 +263,12 @@ class Plan:
         """One Arrow table, chunked so the executor makes ``parallelism`` partitions of it.
 
         A message's key is its source's stable identity (prefixed with its origin in
-        a merged flow, where two sources may use the same identities)."""
+        a merged flow, where two sources may use the same identities), marked where it
+        ends like a key suffix (:func:`~ackflow.spark.rows.row_key`)."""
         fields = self.flow.source.header_fields
         table = pa.table({
             ID: pa.array([d.lineage_id for d in deliveries], pa.int64()),
-            KEY: pa.array([d.identity for d in deliveries], pa.string()),
+            KEY: pa.array([row_key(d.identity) for d in deliveries], pa.string()),
             BODY: pa.array([d.body for d in deliveries], pa.binary()),
             SRC: pa.array([d.origin for d in deliveries], pa.int32()),
             HDR: pa.array([_headers(fields[d.origin], d.headers) for d in deliveries],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,28 @@ def internal_schema(lineage: str = ID) -> pa.Schema:
     id_type = pa.int64() if lineage == ID else pa.list_(pa.int64())
     return pa.schema([(lineage, id_type), (KEY, pa.string()), (STATUS, pa.int32()),
                       (STEP, pa.string()), (ERR, pa.string())])
+
+
+#: What a row key's own suffixes look like (a flat_map child ``#n``, a repeat ``~n``), or
+#: the escape mark: a message identity that ends like one is marked (see :func:`row_key`).
+_SUFFIX_LIKE = re.compile(r"(?:[#~][0-9]+|!)\Z")
+
+
+def row_key(identity: str) -> str:
+    """The key of a message's first row: its identity, unless the identity ends like a
+    suffix ackflow adds (``#n`` for a flat_map child, ``~n`` for a repeat) or like the
+    mark itself (``!``): then with a ``!`` after it.
+
+    So no message's key is the key of another message's child or repeat (message
+    ``a#1`` and the second child of message ``a`` would otherwise both be ``a#1``, and
+    a keyed sink would keep one row of the two): a row key is ``row_key(identity)``,
+    then any number of ``#n``, then at most one ``~n``, and read from the right it
+    names one message and one position.
+
+    >>> row_key("a"), row_key("a#1"), row_key("#7"), row_key("b~2"), row_key("c!")
+    ('a', 'a#1!', '#7!', 'b~2!', 'c!!')
+    """
+    return identity + "!" if _SUFFIX_LIKE.search(identity) else identity
 
 
 def child_key(key: str, index: int) -> str:

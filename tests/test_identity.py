@@ -1,0 +1,93 @@
+"""A message's identity is unique to it, and so is every row key derived from it.
+
+Keyed sinks (Parquet's manifest, PostgreSQL's upsert, Delta and Iceberg) keep one row
+per key: two messages whose rows share a key lose one of them, acked. These tests name
+messages after other messages' keys, children and repeats, and check both are written.
+"""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import ackflow
+from ackflow.core.settlement import Delivery
+from ackflow.embedded import EmbeddedQueue, message_key
+from ackflow.sinks import ParquetSink
+from ackflow.sources import EmbeddedQueueSource
+from ackflow.sources.rabbitmq import message_key as amqp_key
+from ackflow.spark.rows import child_key, row_key, unique_keys
+from helpers import FAST
+
+
+def written(path):
+    rows = pq.read_table(path).drop_columns(["batch"]).to_pylist()  # the batch folder
+    return sorted(json.dumps(r, sort_keys=True) for r in rows)
+
+
+def run_local(db, out, flow_steps=lambda f: f):
+    flow = flow_steps(ackflow.Flow(EmbeddedQueueSource(db, "q")))
+    return ackflow.run(flow.to(ParquetSink(out)), executor="local", handle_signals=False, **FAST)
+
+
+def test_a_publishers_id_never_names_a_message_published_without_one(tmp_path):
+    db, out = str(tmp_path / "q.db"), str(tmp_path / "out")
+    q = EmbeddedQueue(db)
+    q.publish("q", [b'{"n": 1}'])  # no msg_id: keyed by its row id, "#1"
+    first = run_local(db, out)
+    # another publisher's id is that very key; before, its row was taken for the first
+    # message's (already written) and left out, and the message was acked
+    q.publish("q", [b'{"n": 2}'], msg_ids=["#1"])
+    second = run_local(db, out)
+    assert (first.acked, second.acked) == (1, 1)
+    assert written(out) == ['{"n": 1}', '{"n": 2}']
+    assert message_key(1, None) != message_key(2, "#1")
+
+
+def test_unique_keys_of_marked_identities_stay_unique():
+    # a join repeats message k's row: k~1; a message named "k~1" must not get that key
+    keys = unique_keys(pa.array([row_key("k"), row_key("k"), row_key("k~1")])).to_pylist()
+    assert len(set(keys)) == 3
+
+
+#: identities built of the pieces keys are made of, so that look-alikes come up often
+names = st.lists(st.sampled_from(["a", "#1", "~1", "#", "~", "!", "1", "1|", "|"]),
+                 max_size=4).map("".join)
+paths = st.lists(st.integers(0, 12), max_size=3).map(tuple)
+
+
+@settings(max_examples=400)
+@given(st.lists(st.tuples(names, paths, st.integers(0, 3)), min_size=2, max_size=6,
+                unique=True))
+@example([("a~1", (), 0), ("a", (), 1)])  # a message named like a join repeat
+@example([("a#1", (), 0), ("a", (1,), 0)])  # ... like a flat_map child
+@example([("a#1", (2,), 0), ("a", (1, 2), 0)])
+def test_row_keys_name_one_message_and_one_position(rows):
+    """Distinct (identity, flat_map path, repeat) give distinct keys, whatever the
+    identities hold."""
+    keys = set()
+    for identity, path, repeat in rows:
+        k = row_key(identity)
+        for i in path:
+            k = child_key(k, i)
+        keys.add(k if repeat == 0 else f"{k}~{repeat}")  # as unique_keys writes a repeat
+    assert len(keys) == len(rows)
+
+
+@settings(max_examples=400)
+@given(st.lists(st.tuples(st.integers(0, 3), names), min_size=2, max_size=6, unique=True))
+@example([(0, "1|a"), (1, "a")])
+def test_merged_identities_name_one_source_and_one_key(pairs):
+    """Source 0 keeps its keys; a key of it that looks prefixed ("1|x") must not be the
+    identity of source 1's "x"."""
+    ids = {Delivery(0, key, b"", origin=origin).identity for origin, key in pairs}
+    assert len(ids) == len(pairs)
+
+
+def test_an_amqp_message_id_never_names_an_unnamed_delivery():
+    unnamed = iter(["delivery:abc-1"])
+    assert amqp_key(None, lambda: next(unnamed)) == "delivery:abc-1"
+    assert amqp_key("delivery:abc-1") != "delivery:abc-1"
+    assert len({amqp_key(m) for m in ("id:x", "x", "id:id:x", "delivery:x")}) == 4
