@@ -69,6 +69,10 @@ RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"),
           ("ackflow_files", "ss_files"), ("ackflow_delta", "ackflow"),
           ("ackflow_iceberg", "ackflow"))
 FIELDS = "id BIGINT, sku STRING, qty BIGINT, price DOUBLE"
+#: How long a measured run waits idle before it ends (not counted as its time). A quorum
+#: queue with 200 000 messages sends the first delivery of a 65 535 prefetch after ~1.3 s
+#: (measured): a shorter wait ended the run before any message came (acked 0).
+IDLE_S = 3.0
 
 
 def cpu_s() -> float:
@@ -383,12 +387,15 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
     jvm = jvm_pid()
     c0, s0 = cpu_s(), tree_cpu(jvm)
     report = Engine(flow(queue, out, files), spark=spark, batch_size=batch,
-                    max_inflight=inflight, until_idle=0.5, handle_signals=False,
+                    max_inflight=inflight, until_idle=IDLE_S, handle_signals=False,
                     progress=sample).run()
     cpu, spark_cpu = cpu_s() - c0, tree_cpu(jvm) - s0
-    secs = report.elapsed_s - 0.5  # the idle wait at the end is not work
+    secs = report.elapsed_s - IDLE_S  # the idle wait at the end is not work
     if report.acked != n:
-        raise SystemExit(f"ackflow acked {report.acked} of {n} messages")
+        raise SystemExit(f"ackflow acked {report.acked} of {n} messages (pulled "
+                         f"{report.pulled}, nacked {report.nacked}, dead-lettered "
+                         f"{report.dead_lettered}, redelivered {report.redelivered}, "
+                         f"{report.elapsed_s:.1f} s)")
     return measured(report.acked, secs, cpu, rss_peak_mb=peak[0],
                     spark_cpu_us=spark_cpu / max(1, report.acked) * 1e6,
                     jvm_rss_mb=rss_mb(jvm) if jvm else None,

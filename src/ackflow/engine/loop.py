@@ -16,7 +16,6 @@ with the time a job takes, up to ``batch_size``.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import queue
@@ -509,7 +508,6 @@ class Engine:
             pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="ackflow-batch")
             started = time.monotonic()
             self._publish("running")
-            stack.enter_context(_gc_for_the_window())
             try:
                 self._loop(compiled, pool)
             finally:
@@ -687,32 +685,6 @@ class Engine:
                     sc.cancelJobGroup(batch_id)
         except Exception as e:  # noqa: BLE001
             log.error("could not cancel Spark jobs: %s", e)
-
-
-#: The youngest generation's threshold while the engine runs (Python's default is 700).
-GC_YOUNG_THRESHOLD = 50_000
-
-
-@contextlib.contextmanager
-def _gc_for_the_window() -> Any:
-    """Python's cyclic garbage collector, tuned for a window of many live objects.
-
-    The window holds up to ``max_inflight`` deliveries, each a handful of tracked
-    objects, and every pull allocates thousands more. With the default thresholds the
-    collector ran every 700 allocations and its older generations walked the whole
-    window and every module loaded before the run (Spark, Arrow): measured, 7 of the
-    driver's 19 us per message of pulling from the embedded queue went to collecting.
-    For the run, what exists at its start is frozen (never walked; reference counting
-    still frees it) and the youngest generation is collected every 50 000 allocations.
-    Everything is put back as it was at the end of the run."""
-    before = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-        gc.unfreeze()
 
 
 def _quietly(what: str, fn: Callable[[], Any]) -> None:
