@@ -9,16 +9,32 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ackflow
+from ackflow.core.errors import ConfigError
 from ackflow.core.settlement import Delivery
 from ackflow.embedded import EmbeddedQueue, message_key
-from ackflow.sinks import ParquetSink
+from ackflow.sinks import EmbeddedQueueSink, ParquetSink
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 from ackflow.sources import EmbeddedQueueSource
+from ackflow.sources.merge import MergedSource
 from ackflow.sources.rabbitmq import message_key as amqp_key
-from ackflow.spark.rows import child_key, row_key, unique_keys
+from ackflow.spark.rows import (
+    ERR,
+    FAILED,
+    ID,
+    LIVE,
+    STATUS,
+    STEP,
+    child_key,
+    make_writer,
+    row_key,
+    unique_keys,
+)
+from ackflow.testing import ListSource
 from helpers import FAST
 
 
@@ -91,3 +107,56 @@ def test_an_amqp_message_id_never_names_an_unnamed_delivery():
     assert amqp_key(None, lambda: next(unnamed)) == "delivery:abc-1"
     assert amqp_key("delivery:abc-1") != "delivery:abc-1"
     assert len({amqp_key(m) for m in ("id:x", "x", "id:id:x", "delivery:x")}) == 4
+
+
+class Keys(Sink):
+    """A sink that keeps the row keys it is given."""
+
+    wants_keys = True
+
+    def __init__(self):
+        super().__init__("keys")
+        self.keys = []
+
+    def write_partition(self, batch_id, partition, rows):
+        self.keys += rows.column(ROW_KEY).to_pylist()
+        return PartitionResult()
+
+    def commit(self, batch_id, tokens):
+        pass
+
+
+def test_a_join_repeat_keeps_its_number_when_an_earlier_repeat_failed():
+    """Message m matched three static rows; a step after the join failed the first. The
+    other two keep the keys they get when none fails (m~1, m~2): numbered among the
+    live rows only they were m and m~1, and the retry, writing all three, put the first
+    under m: a first-write-wins sink kept the old row there and lost that one."""
+    sink = Keys()
+    write = make_writer(sink, "b1", ["n"])
+    batch = pa.RecordBatch.from_pydict(
+        {"n": [0, 1, 2], ID: [1, 1, 1], ROW_KEY: ["m", "m", "m"], STATUS: [FAILED, LIVE, LIVE],
+         STEP: ["check", None, None], ERR: ["timeout", None, None]},
+        schema=pa.schema([("n", pa.int64()), (ID, pa.int64()), (ROW_KEY, pa.string()),
+                          (STATUS, pa.int32()), (STEP, pa.string()), (ERR, pa.string())]))
+    list(write(iter([batch])))
+    assert sink.keys == ["m~1", "m~2"]
+
+
+def test_a_merged_source_cannot_be_merged_again():
+    a, b, c = (ListSource([], name=n) for n in "abc")
+    with pytest.raises(ConfigError, match="cannot be merged again"):
+        MergedSource(MergedSource(a, b), c)
+
+
+def test_an_embedded_sink_fails_a_row_without_its_id_rather_than_use_the_row_key(tmp_path):
+    """Falling back to the row key shared a namespace with the id column: message m2's
+    row (no order id) and message m1's row with order id "m2" both published id m2, and
+    the second was taken for the first (remembered ids are never queued again)."""
+    db = str(tmp_path / "out.db")
+    sink = EmbeddedQueueSink(db, "out", id_column="order_id")
+    sink.open()
+    rows = pa.table({"order_id": ["m2", None, ""], "n": [1, 2, 3], ROW_KEY: ["m1", "m2", "m3"]})
+    result = sink.write_partition("b1", 0, rows)
+    assert sorted(result.failed) == [1, 2] and "id_column 'order_id' is empty" in result.failed[1]
+    leased = EmbeddedQueue(db).lease("out", 10, visibility_timeout=5)
+    assert [(m.msg_id, json.loads(m.body)["n"]) for m in leased] == [("m2", 1)]

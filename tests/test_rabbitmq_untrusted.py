@@ -15,7 +15,7 @@ from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Settlement
 from ackflow.sources import RabbitMQ
-from amqp import connect, count, names, publish, setup
+from amqp import connect, count, drain, names, publish, setup
 
 DLX = {"x-dead-letter-exchange": "ackflow-tests-dlx"}  # reject_to_dlx needs one
 
@@ -247,3 +247,34 @@ def test_held_acks_are_sent_at_close(rabbitmq, opened):
     src.close()
     assert src.stats["acks"] == 2
     assert count(rabbitmq.url, q) == 2  # only k0 and k1, never acked, are back in the queue
+
+
+def test_a_dead_letter_carries_the_producers_message_id(rabbitmq, opened):
+    """Keys escape producer ids that look like ackflow's ("id:7" is keyed "id:id:7");
+    the dead letter must carry the id the producer gave, or a replay is a new message."""
+    q, dlx, dead = names("ids"), names("dlx"), names("dead")
+    setup(rabbitmq.url, queue=q, dlx=dlx, dead_queue=dead)
+    publish(rabbitmq.url, q, [{"n": 1}, {"n": 2}, {"n": 3}], ids=["id:7", "delivery:x", "o-1"])
+    src = opened(q, dead_letter_exchange=dlx, policy=RetryPolicy(max_deliveries=1))
+    got = pull_all(src, 3)
+    assert sorted(d.key for d in got) == ["id:delivery:x", "id:id:7", "o-1"]
+    src.fail([(d, Failure("check", "no")) for d in got])
+    assert sorted(m for m, _, _ in drain(rabbitmq.url, dead)) == ["delivery:x", "id:7", "o-1"]
+
+
+def test_the_sink_fails_a_row_without_its_message_id(rabbitmq):
+    """A null message_id_column value was published as the id "None", shared by every
+    such row (a consumer dropping repeated ids kept one)."""
+    import pyarrow as pa
+
+    from ackflow.sinks import RabbitMQ as RabbitMQSink
+    from ackflow.sinks.base import ROW_KEY
+
+    q = names("out")
+    setup(rabbitmq.url, queue=q, arguments=DLX)
+    sink = RabbitMQSink(rabbitmq.url, "", routing_key=q, message_id_column="order_id")
+    rows = pa.table({"order_id": ["a", None, "", "b"], ROW_KEY: ["k0", "k1", "k2", "k3"]})
+    result = sink.write_partition("b1", 0, rows)
+    assert sorted(result.failed) == [1, 2]
+    assert "message_id_column 'order_id' is empty" in result.failed[1]
+    assert sorted(m for m, _, _ in drain(rabbitmq.url, q)) == ["a", "b"]

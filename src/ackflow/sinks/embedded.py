@@ -72,17 +72,22 @@ class EmbeddedQueueSink(Sink):
         keys = rows.column(ROW_KEY).to_pylist()
         records = rows.drop_columns([ROW_KEY]).to_pylist()
         ids = keys
-        if self.id_column is not None:
-            ids = [k if r.get(self.id_column) is None else str(r[self.id_column])
-                   for r, k in zip(records, keys, strict=True)]
+        failed: dict[int, str] = {}
+        if self.id_column is not None:  # a row without one fails: falling back to its row
+            # key would share a namespace with the column's ids (one could hide the other)
+            ids = [None if r.get(self.id_column) in (None, "") else str(r[self.id_column])
+                   for r in records]
+            failed = {i: f"id_column {self.id_column!r} is empty: the row has no message id"
+                      for i, mid in enumerate(ids) if mid is None}
         q = EmbeddedQueue(self.path)
         try:
             q.publish(
                 self.queue,
-                [json.dumps(r, default=str).encode() for r in records],
-                msg_ids=ids,
+                [json.dumps(r, default=str).encode()
+                 for i, r in enumerate(records) if i not in failed],
+                msg_ids=[mid for i, mid in enumerate(ids) if i not in failed],
                 remember=True,
             )
         finally:
             q.close()
-        return PartitionResult()
+        return PartitionResult(failed=failed)

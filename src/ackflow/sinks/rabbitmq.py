@@ -98,9 +98,15 @@ class RabbitMQSink(Sink):
             data = data.drop_columns([self.headers_column])
         records = data.to_pylist()
         messages = []
+        sent: list[int] = []  # row index of each message
+        empty: dict[int, str] = {}
         for i, r in enumerate(records):
             rk = self.routing_key if self.routing_key is not None else r[self.routing_key_column]
             mid = keys[i] if self.message_id_column is None else r[self.message_id_column]
+            if mid is None or mid == "":  # no id: "None" would be every such row's id
+                empty[i] = (f"message_id_column {self.message_id_column!r} is empty: the row "
+                            "has no message id")
+                continue
             h = headers[i] if headers is not None else None
             if isinstance(h, list):  # an Arrow map arrives as [(key, value), ...]
                 h = dict(h)
@@ -108,9 +114,10 @@ class RabbitMQSink(Sink):
                 delivery_mode=2 if self.persistent else 1, message_id=str(mid),
                 content_type="application/json", headers=h or None)
             messages.append((str(rk), json.dumps(r, default=str).encode(), props))
+            sent.append(i)
         failed = publish_confirmed(self.url, self.exchange, messages, mandatory=self.mandatory,
                                    window=self.confirm_window, timeout_s=self.timeout_s)
-        return PartitionResult(failed=failed)
+        return PartitionResult(failed={**empty, **{sent[j]: e for j, e in failed.items()}})
 
 
 def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, bytes, Any]], *,

@@ -21,6 +21,9 @@ class MergedSource(Source):
     def __init__(self, *sources: Source) -> None:
         if len(sources) < 2 or not all(isinstance(s, Source) for s in sources):
             raise ConfigError("merge: give two or more sources")
+        if any(isinstance(s, MergedSource) for s in sources):  # its origins would be lost
+            raise ConfigError("merge: a merged source cannot be merged again; give its "
+                              "sources directly (ackflow.merge flattens flows)")
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
             raise ConfigError(f"merge: source names must be unique, got {names}; "

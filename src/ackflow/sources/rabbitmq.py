@@ -62,6 +62,20 @@ def message_key(message_id: Any, unnamed: Callable[[], str] | None = None) -> st
     return unnamed() if unnamed is not None else UNNAMED + uuid.uuid4().hex
 
 
+def producer_id(key: str) -> str | None:
+    """The ``message_id`` the producer gave the message keyed ``key`` (None for an
+    unnamed delivery): what a dead letter carries on, so that it is the same message.
+
+    >>> [producer_id(message_key(m)) for m in ("order-1", "id:7", "delivery:x")]
+    ['order-1', 'id:7', 'delivery:x']
+    >>> producer_id(message_key(None, lambda: "delivery:abc-1")) is None
+    True
+    """
+    if key.startswith("id:"):
+        return key[3:]
+    return None if key.startswith(UNNAMED) else key
+
+
 def retry_key(message_id: Any, body: bytes) -> str:
     """What delivery counts of a classic queue are remembered by: the message id, else a
     digest of the body (identical bodies share a count; they fail alike)."""
@@ -555,8 +569,7 @@ class RabbitMQSource(Source):
                 headers = {**d.headers, "x-ackflow-step": f.step, "x-ackflow-error": f.error[:1000],
                            "x-ackflow-deliveries": d.delivery_count, "x-ackflow-queue": self.queue}
                 props = pika.BasicProperties(delivery_mode=2, headers=headers,
-                                             message_id=None if d.key.startswith(UNNAMED)
-                                             else d.key)
+                                             message_id=producer_id(d.key))
                 rk = self.dead_letter_routing_key or self.queue
                 try:
                     if self._ch is None:

@@ -524,8 +524,11 @@ def make_writer(
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
         keep = [*data_cols, lineage] if getattr(sink, "wants_lineage", False) else list(data_cols)
         live = table.filter(live_mask).select(keep)
-        if getattr(sink, "wants_keys", False):
-            live = live.append_column(KEY, unique_keys(table.column(KEY).take(live_idx)))
+        if getattr(sink, "wants_keys", False):  # repeats numbered among all the rows, so
+            # that a repeat failed in this attempt does not renumber the others (a retry
+            # would then write a row under a key another row of it was written under)
+            keys = unique_keys(table.column(KEY)).take(pa.array(live_idx, pa.int64()))
+            live = live.append_column(KEY, keys)
         n = table.num_rows
         written = np.zeros(n, dtype=np.int64)
         emitted = np.zeros(n, dtype=np.int64)
@@ -599,6 +602,7 @@ def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
 
     Repeats come from a join that matched several rows of the static side; they keep
     their order (the static side's), so a redelivered message repeats the same keys.
+    The writer numbers them among all of the partition's rows, failed ones too.
     """
     seen: dict[str, int] = {}
     out = []
