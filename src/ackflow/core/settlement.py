@@ -60,7 +60,9 @@ class Delivery:
         """
         if self.origin:
             return f"{self.origin}|{self.key}"
-        return "0|" + self.key if _PREFIXED.match(self.key) else self.key
+        if self.key[:1].isdigit() and _PREFIXED.match(self.key):
+            return "0|" + self.key
+        return self.key
 
     @property
     def settled(self) -> bool:

@@ -210,8 +210,10 @@ class ParquetSink(Sink):
                     if os.path.isdir(folder):
                         fsync_dir(folder)
                 now = time.time()
-                db.executemany("INSERT INTO row_keys (key, at) VALUES (?, ?)",
-                               ((k, now) for k in dict.fromkeys(fresh_keys)))
+                # the batch's keys are in the temporary table already: the fresh ones are
+                # those the manifest lacks (one statement, no Python row per key)
+                db.execute("INSERT OR IGNORE INTO row_keys (key, at) SELECT key, ? FROM incoming",
+                           (now,))
                 self._sweep(db, now)
                 db.execute("INSERT INTO batches (batch, rows, dropped, committed_at) VALUES "
                            "(?, ?, ?, julianday('now'))",
@@ -271,7 +273,7 @@ class ParquetSink(Sink):
             "SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")}
         total = 0
         for part in parts:
-            if not part["keys"]:
+            if not part["keys"] or not seen:  # nothing of it was written before
                 total += part["rows"]
                 continue
             mask = [k not in seen for k in part["keys"]]

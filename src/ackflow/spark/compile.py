@@ -266,13 +266,14 @@ class Plan:
         a merged flow, where two sources may use the same identities), marked where it
         ends like a key suffix (:func:`~ackflow.spark.rows.row_key`)."""
         fields = self.flow.source.header_fields
+        n = len(deliveries)
         table = pa.table({
             ID: pa.array([d.lineage_id for d in deliveries], pa.int64()),
             KEY: pa.array([row_key(d.identity) for d in deliveries], pa.string()),
             BODY: pa.array([d.body for d in deliveries], pa.binary()),
             SRC: pa.array([d.origin for d in deliveries], pa.int32()),
-            HDR: pa.array([_headers(fields[d.origin], d.headers) for d in deliveries],
-                          pa.string())},
+            HDR: pa.nulls(n, pa.string()) if all(f is None for f in fields) else
+            pa.array([_headers(fields[d.origin], d.headers) for d in deliveries], pa.string())},
             schema=INPUT_SCHEMA)
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)

@@ -51,6 +51,7 @@ def internal_schema(lineage: str = ID) -> pa.Schema:
 #: What a row key's own suffixes look like (a flat_map child ``#n``, a repeat ``~n``), or
 #: the escape mark: a message identity that ends like one is marked (see :func:`row_key`).
 _SUFFIX_LIKE = re.compile(r"(?:[#~][0-9]+|!)\Z")
+_LAST_OF_SUFFIX = frozenset("0123456789!")
 
 
 def row_key(identity: str) -> str:
@@ -67,6 +68,8 @@ def row_key(identity: str) -> str:
     >>> row_key("a"), row_key("a#1"), row_key("#7"), row_key("b~2"), row_key("c!")
     ('a', 'a#1!', '#7!', 'b~2!', 'c!!')
     """
+    if identity[-1:] not in _LAST_OF_SUFFIX:  # the common case, without the expression
+        return identity
     return identity + "!" if _SUFFIX_LIKE.search(identity) else identity
 
 
