@@ -6,6 +6,7 @@ messages after other messages' keys, children and repeats, and check both are wr
 """
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -71,25 +72,38 @@ def test_unique_keys_of_marked_identities_stay_unique():
 #: identities built of the pieces keys are made of, so that look-alikes come up often
 names = st.lists(st.sampled_from(["a", "#1", "~1", "#", "~", "!", "1", "1|", "|"]),
                  max_size=4).map("".join)
-paths = st.lists(st.integers(0, 12), max_size=3).map(tuple)
+#: flat_map children (#n) and join repeats (~n), in any order
+paths = st.lists(st.tuples(st.sampled_from("#~"), st.integers(0, 12)), max_size=3).map(tuple)
+
+
+def message_of(key):
+    """Read a row key from the right: drop its #n and ~n, then the mark."""
+    while (m := re.search(r"[#~][0-9]+\Z", key)) is not None:
+        key = key[:m.start()]
+    return key[:-1] if key.endswith("!") and row_key(key[:-1]) == key else key
 
 
 @settings(max_examples=400)
-@given(st.lists(st.tuples(names, paths, st.integers(0, 3)), min_size=2, max_size=6,
-                unique=True))
-@example([("a~1", (), 0), ("a", (), 1)])  # a message named like a join repeat
-@example([("a#1", (), 0), ("a", (1,), 0)])  # ... like a flat_map child
-@example([("a#1", (2,), 0), ("a", (1, 2), 0)])
+@given(st.lists(st.tuples(names, paths, st.integers(1, 3)), min_size=2, max_size=6,
+                unique_by=lambda t: t[:2]))
+@example([("a~1", (), 1), ("a", (), 2)])  # a message named like a repeat
+@example([("a#1", (), 1), ("a", (("#", 1),), 1)])  # ... like a flat_map child
+@example([("a#1", (("#", 2),), 1), ("a", (("#", 1), ("#", 2)), 1)])
+@example([("", (), 2), ("", (("~", 1),), 1)])  # a join's repeat and a transform's
 def test_row_keys_name_one_message_and_one_position(rows):
-    """Distinct (identity, flat_map path, repeat) give distinct keys, whatever the
-    identities hold."""
-    keys = set()
-    for identity, path, repeat in rows:
+    """Rows of messages (identity), at positions (flat_map #n and join ~n steps), some
+    repeated by a transform (numbered by unique_keys): every key is distinct and reads
+    back to its message, whatever the identities hold."""
+    base, owners = [], []
+    for identity, path, times in rows:
         k = row_key(identity)
-        for i in path:
-            k = child_key(k, i)
-        keys.add(k if repeat == 0 else f"{k}~{repeat}")  # as unique_keys writes a repeat
-    assert len(keys) == len(rows)
+        for sep, i in path:
+            k = child_key(k, i) if sep == "#" else f"{k}~{i}"  # as the join writes a repeat
+        base += [k] * times
+        owners += [identity] * times
+    keys = unique_keys(pa.array(base)).to_pylist()
+    assert len(set(keys)) == len(keys)
+    assert [message_of(k) for k in keys] == owners
 
 
 @settings(max_examples=400)
@@ -160,3 +174,11 @@ def test_an_embedded_sink_fails_a_row_without_its_id_rather_than_use_the_row_key
     assert sorted(result.failed) == [1, 2] and "id_column 'order_id' is empty" in result.failed[1]
     leased = EmbeddedQueue(db).lease("out", 10, visibility_timeout=5)
     assert [(m.msg_id, json.loads(m.body)["n"]) for m in leased] == [("m2", 1)]
+
+
+def test_an_embedded_sink_id_column_missing_from_the_columns_stops_at_start(tmp_path):
+    from ackflow.core.errors import FlowError
+
+    sink = EmbeddedQueueSink(str(tmp_path / "out.db"), "out", id_column="order_id")
+    with pytest.raises(FlowError, match="id_column 'order_id' is not among"):
+        sink.prepare(pa.schema([("n", pa.int64())]))

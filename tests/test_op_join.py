@@ -83,3 +83,39 @@ def test_a_static_column_the_flow_itself_makes_twice_still_stops(spark, skus):
     with pytest.raises(ackflow.FlowError, match="exist on both sides"):
         run(spark, ackflow.Flow(src).with_columns(price="1.0").join(skus, "sku").to(MemorySink()))
     assert src.final() == {"m0": "released"}
+
+
+def test_a_repeat_failed_in_one_attempt_keeps_the_keys_of_the_others(spark, tmp_path):
+    """A message matches three static rows and a flat_map makes two rows of each. The
+    flat_map of the first repeat met fails in the first attempt (one failed row, not two):
+    the other repeats' rows are written, the message retried. Numbered after the steps,
+    the retry renumbered the repeats, and a sink that keeps the first write of a key
+    (Parquet's manifest) took rows of one repeat for another's: lost, and acked."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    from ackflow.core.policy import RetryPolicy
+    from ackflow.sinks import ParquetSink
+
+    stock = spark.createDataFrame([("k", "north"), ("k", "south"), ("k", "west")],
+                                  "sku STRING, wh STRING")
+    marker = str(tmp_path / "failed-once")
+
+    def pair(r):
+        if not os.path.exists(marker):  # the first repeat this job meets fails, once
+            open(marker, "w").close()
+            raise TimeoutError("the first attempt times out")
+        return [{**r, "i": i} for i in range(2)]
+
+    src = ListSource(bodies([{"sku": "k", "n": 1}]),
+                     policy=RetryPolicy(max_deliveries=3, backoff_s=0.05))
+    out = str(tmp_path / "out")
+    flow = (ackflow.Flow(src).join(stock, "sku")  # the columns given: no sampling run
+            .flat_map(pair, name="pair", schema="sku STRING, n BIGINT, wh STRING, i BIGINT")
+            .to(ParquetSink(out)))
+    report = run(spark, flow)
+    assert report.acked == 1 and src.deliveries["m0"] == 2
+    rows = pq.read_table(out).to_pylist()
+    assert sorted((r["wh"], r["i"]) for r in rows) == [
+        (w, i) for w in ("north", "south", "west") for i in (0, 1)]

@@ -171,3 +171,13 @@ def test_retention_forgets_old_keys_and_says_what_that_costs(tmp_path, monkeypat
         s.close()
     with pytest.raises(ConfigError, match="dedupe_retention_s must be positive"):
         ParquetSink(tmp_path / "x", dedupe_retention_s=0)
+
+
+def test_a_row_without_a_key_is_not_committed(sink, tmp_path):
+    """A null row key (a transform that nulled it) cannot be recorded: the batch fails
+    rather than being written with a key a redelivery could not find."""
+    with pytest.raises(ValueError, match="no row key"):
+        sink.commit("b1", stage(sink, "b1", ["k1", None]))
+    assert written(tmp_path / "out") == []
+    sink.commit("b2", stage(sink, "b2", ["k1", "k2"]))
+    assert written(tmp_path / "out") == [0, 1]

@@ -64,6 +64,13 @@ class EmbeddedQueueSink(Sink):
             raise ConfigError(f"sink {self.name!r}: directory of {self.path!r} does not exist")
         EmbeddedQueue(self.path).close()  # creates the file and the tables
 
+    def prepare(self, schema: Any) -> None:
+        from ackflow.core.errors import FlowError
+
+        if self.id_column is not None and self.id_column not in schema.names:
+            raise FlowError(self.name, f"id_column {self.id_column!r} is not among the flow's "
+                            f"columns {list(schema.names)}")
+
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         from ackflow.embedded import EmbeddedQueue
 
@@ -75,7 +82,7 @@ class EmbeddedQueueSink(Sink):
         failed: dict[int, str] = {}
         if self.id_column is not None:  # a row without one fails: falling back to its row
             # key would share a namespace with the column's ids (one could hide the other)
-            ids = [None if r.get(self.id_column) in (None, "") else str(r[self.id_column])
+            ids = [None if r.get(self.id_column) in (None, "", b"") else str(r[self.id_column])
                    for r in records]
             failed = {i: f"id_column {self.id_column!r} is empty: the row has no message id"
                       for i, mid in enumerate(ids) if mid is None}

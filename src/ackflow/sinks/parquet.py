@@ -206,6 +206,9 @@ class ParquetSink(Sink):
                 staged_total = sum(part["rows"] for part in parts)
                 fresh_total = self._drop_written_rows(db, parts)
                 fresh_keys = [k for part in parts for k in part["keys"]]
+                if None in fresh_keys:  # (a transform nulled the key column) never recorded
+                    raise ValueError("a row has no row key (null); its rows cannot be told "
+                                     "apart from a redelivery's: not committing")
                 for folder in {os.path.dirname(part["file"]) for part in parts}:
                     if os.path.isdir(folder):
                         fsync_dir(folder)

@@ -103,7 +103,7 @@ class RabbitMQSink(Sink):
         for i, r in enumerate(records):
             rk = self.routing_key if self.routing_key is not None else r[self.routing_key_column]
             mid = keys[i] if self.message_id_column is None else r[self.message_id_column]
-            if mid is None or mid == "":  # no id: "None" would be every such row's id
+            if mid is None or mid in ("", b""):  # no id: "None" would be every such row's
                 empty[i] = (f"message_id_column {self.message_id_column!r} is empty: the row "
                             "has no message id")
                 continue

@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark.errors import AnalysisException
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType, _parse_datatype_string
@@ -494,7 +494,16 @@ class CompiledFlow(Plan):
             df = df.withColumns({c: F.lit(None).cast(types[c]) for c in absent})
             data_cols = data_cols + absent
         if step.how in ("inner", "left"):
-            right = other.withColumn("__af_match", F.lit(True))
+            # A stream row's matches are the static rows with its join values: numbered
+            # here, within those (in the order of their content), they are the row's
+            # repeats, and the second on gets `~n` on its key. Numbered at the join, a
+            # repeat keeps its key whatever later steps do to the others (numbered at the
+            # writer, a repeat a later step failed, or whose flat_map failed into one
+            # row, renumbered the rest on a retry: a row went under another's key).
+            order = Window.partitionBy(*[quoted(c) for c in step.on]).orderBy(
+                F.to_json(F.struct(*[quoted(c) for c in other.columns])))
+            right = (other.withColumn("__af_match", F.lit(True))
+                     .withColumn("__af_rep", F.row_number().over(order) - 1))
         else:  # semi/anti: only whether a match exists
             right = other.select(*step.on).dropDuplicates().withColumn("__af_match", F.lit(True))
             extra = []
@@ -506,7 +515,10 @@ class CompiledFlow(Plan):
         if drop is not None:
             out = out.withColumn(STATUS, F.when(live & drop, F.lit(FILTERED))
                                  .otherwise(F.col(STATUS)))
-        return out.drop("__af_match"), data_cols + extra, lineage
+        if "__af_rep" in out.columns:
+            out = out.withColumn(KEY, F.when(F.col("__af_rep") > 0, F.concat(
+                F.col(KEY), F.lit("~"), F.col("__af_rep").cast("string"))).otherwise(F.col(KEY)))
+        return out.drop("__af_match", "__af_rep"), data_cols + extra, lineage
 
     def _refuse(self, df: DataFrame, data_cols: list[str], cols: list[str], step: str,
                 why: str) -> tuple[DataFrame, list[str]]:

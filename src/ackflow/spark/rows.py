@@ -62,8 +62,8 @@ def row_key(identity: str) -> str:
     So no message's key is the key of another message's child or repeat (message
     ``a#1`` and the second child of message ``a`` would otherwise both be ``a#1``, and
     a keyed sink would keep one row of the two): a row key is ``row_key(identity)``,
-    then any number of ``#n``, then at most one ``~n``, and read from the right it
-    names one message and one position.
+    then any number of ``#n`` and ``~n``, and read from the right it names one message
+    and one position.
 
     >>> row_key("a"), row_key("a#1"), row_key("#7"), row_key("b~2"), row_key("c!")
     ('a', 'a#1!', '#7!', 'b~2!', 'c!!')
@@ -529,7 +529,8 @@ def make_writer(
         live = table.filter(live_mask).select(keep)
         if getattr(sink, "wants_keys", False):  # repeats numbered among all the rows, so
             # that a repeat failed in this attempt does not renumber the others (a retry
-            # would then write a row under a key another row of it was written under)
+            # would then write a row under a key another row of it was written under);
+            # join repeats are numbered at the join already
             keys = unique_keys(table.column(KEY)).take(pa.array(live_idx, pa.int64()))
             live = live.append_column(KEY, keys)
         n = table.num_rows
@@ -601,18 +602,32 @@ def make_writer(
 
 
 def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
-    """Keys made unique within a partition: the n-th repeat of a key gets ``~n``.
+    """Keys made unique within a partition: the n-th repeat of a key gets ``~n`` (the
+    next ``n`` that names no other row).
 
-    Repeats come from a join that matched several rows of the static side; they keep
-    their order (the static side's), so a redelivered message repeats the same keys.
-    The writer numbers them among all of the partition's rows, failed ones too.
+    A join numbers its own repeats (see ``CompiledFlow._join``); what is left to number
+    here are rows a ``transform`` repeated. The writer numbers them among all of the
+    partition's rows, failed ones too, so a repeat that failed in one attempt does not
+    renumber the others in the next.
+
+    >>> unique_keys(pa.array(["k", "k", "k~1", "k"])).to_pylist()
+    ['k', 'k~2', 'k~1', 'k~3']
     """
+    given = keys.to_pylist()
+    taken = set(given)
     seen: dict[str, int] = {}
     out = []
-    for k in keys.to_pylist():
+    for k in given:
         n = seen.get(k, 0)
+        if n == 0:
+            seen[k] = 1
+            out.append(k)
+            continue
+        while f"{k}~{n}" in taken:
+            n += 1
         seen[k] = n + 1
-        out.append(k if n == 0 else f"{k}~{n}")
+        taken.add(f"{k}~{n}")
+        out.append(f"{k}~{n}")
     return pa.array(out, pa.string())
 
 
