@@ -97,8 +97,8 @@ def test_two_batch_threads_with_the_same_key_write_it_once(sink, tmp_path, monke
     a_checked, b_done = threading.Event(), threading.Event()
     real = ParquetSink._drop_written_rows
 
-    def slow_check(self, db, parts):
-        total = real(self, db, parts)
+    def slow_check(self, db, parts, keys):
+        total = real(self, db, parts, keys)
         if threading.current_thread().name == "A":
             a_checked.set()
             b_done.wait(2.0)  # with the fix B is blocked until A recorded: this times out

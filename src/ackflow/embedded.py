@@ -104,6 +104,11 @@ def message_key(row_id: int, msg_id: str | None) -> str:
     return "#" + msg_id if msg_id.startswith("#") else msg_id
 
 
+def stored_headers(text: str | None) -> dict[str, str]:
+    """A message's headers as the queue file keeps them (JSON text, or nothing)."""
+    return json.loads(text) if text else {}
+
+
 @dataclass(frozen=True)
 class DeadLetter:
     row_id: int
@@ -291,7 +296,7 @@ class EmbeddedQueue:
 
     def lease(self, queue: str, n: int, *, visibility_timeout: float) -> list[Leased]:
         """Lease up to ``n`` visible messages, oldest first, for ``visibility_timeout`` s."""
-        return [Leased(r[0], r[1], bytes(r[2]), json.loads(r[3]) if r[3] else {}, r[4], r[5])
+        return [Leased(r[0], r[1], bytes(r[2]), stored_headers(r[3]), r[4], r[5])
                 for r in self.lease_rows(queue, n, visibility_timeout=visibility_timeout)]
 
     def lease_rows(self, queue: str, n: int, *,
@@ -451,7 +456,7 @@ class EmbeddedQueue:
                 "id": r[0],
                 "msg_id": r[1],
                 "body": bytes(r[2]).decode("utf-8", "replace"),
-                "headers": json.loads(r[3]) if r[3] else {},
+                "headers": stored_headers(r[3]),
                 "deliveries": r[4],
                 "visible_at": r[5],
                 "leased": bool(r[6]),
@@ -467,7 +472,7 @@ class EmbeddedQueue:
             (queue, -1 if n is None else n),
         ).fetchall()
         return [
-            DeadLetter(r[0], r[1], bytes(r[2]), json.loads(r[3]) if r[3] else {}, *r[4:])
+            DeadLetter(r[0], r[1], bytes(r[2]), stored_headers(r[3]), *r[4:])
             for r in rows
         ]
 

@@ -83,3 +83,23 @@ class Sink(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def require_columns(sink: str, schema: Any, **columns: str | None) -> None:
+    """``prepare``'s check that every configured column (``option=name``; None: not
+    set) is among the flow's columns: a FlowError naming the option and the columns."""
+    from ackflow.core.errors import FlowError
+
+    for option, col in columns.items():
+        if col is not None and col not in schema.names:
+            raise FlowError(sink, f"{option} {col!r} is not among the flow's columns "
+                            f"{list(schema.names)}")
+
+
+def missing_id(value: Any, option: str, column: str | None) -> str | None:
+    """Why a row's message id (the value of the ``option`` column) cannot be used, or
+    None. Null and empty ids fail their row: a stand-in (``"None"``, the row key) would
+    be one id for many rows, or one namespace with the column's own ids."""
+    if value is None or value in ("", b""):
+        return f"{option} {column!r} is empty: the row has no message id"
+    return None

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from ackflow.core.errors import ConfigError
-from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, missing_id, require_columns
 
 
 class EmbeddedQueueSink(Sink):
@@ -65,11 +65,7 @@ class EmbeddedQueueSink(Sink):
         EmbeddedQueue(self.path).close()  # creates the file and the tables
 
     def prepare(self, schema: Any) -> None:
-        from ackflow.core.errors import FlowError
-
-        if self.id_column is not None and self.id_column not in schema.names:
-            raise FlowError(self.name, f"id_column {self.id_column!r} is not among the flow's "
-                            f"columns {list(schema.names)}")
+        require_columns(self.name, schema, id_column=self.id_column)
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         from ackflow.embedded import EmbeddedQueue
@@ -80,12 +76,13 @@ class EmbeddedQueueSink(Sink):
         records = rows.drop_columns([ROW_KEY]).to_pylist()
         ids = keys
         failed: dict[int, str] = {}
-        if self.id_column is not None:  # a row without one fails: falling back to its row
-            # key would share a namespace with the column's ids (one could hide the other)
-            ids = [None if r.get(self.id_column) in (None, "", b"") else str(r[self.id_column])
-                   for r in records]
-            failed = {i: f"id_column {self.id_column!r} is empty: the row has no message id"
-                      for i, mid in enumerate(ids) if mid is None}
+        if self.id_column is not None:  # a row without one fails (see missing_id)
+            ids = []
+            for i, r in enumerate(records):
+                why = missing_id(r.get(self.id_column), "id_column", self.id_column)
+                if why is not None:
+                    failed[i] = why
+                ids.append(str(r[self.id_column]) if why is None else "")
         q = EmbeddedQueue(self.path)
         try:
             q.publish(

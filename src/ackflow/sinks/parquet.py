@@ -204,11 +204,13 @@ class ParquetSink(Sink):
         try:
             with WriteTx(db):
                 staged_total = sum(part["rows"] for part in parts)
-                fresh_total = self._drop_written_rows(db, parts)
                 fresh_keys = [k for part in parts for k in part["keys"]]
-                if None in fresh_keys:  # (a transform nulled the key column) never recorded
+                if None in fresh_keys:  # (a transform nulled the key column) never recorded;
+                    # checked here, before any staged file is touched (the temporary table's
+                    # INSERT OR IGNORE would skip a null silently, even under NOT NULL)
                     raise ValueError("a row has no row key (null); its rows cannot be told "
                                      "apart from a redelivery's: not committing")
+                fresh_total = self._drop_written_rows(db, parts, fresh_keys)
                 for folder in {os.path.dirname(part["file"]) for part in parts}:
                     if os.path.isdir(folder):
                         fsync_dir(folder)
@@ -259,13 +261,13 @@ class ParquetSink(Sink):
                       "(%s); the staged batch is kept and finished at the next start",
                       self.name, batch_id, cause, e)
 
-    def _drop_written_rows(self, db: sqlite3.Connection, parts: list[dict[str, Any]]) -> int:
-        """Remove rows whose keys are committed already from the staged files (inside the
-        caller's write transaction)."""
+    def _drop_written_rows(self, db: sqlite3.Connection, parts: list[dict[str, Any]],
+                           keys: list[str]) -> int:
+        """Remove rows whose keys (``keys``: every part's) are committed already from the
+        staged files (inside the caller's write transaction)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        keys = [k for part in parts for k in part["keys"]]
         db.execute("CREATE TEMP TABLE IF NOT EXISTS incoming (key TEXT PRIMARY KEY)")
         db.execute("DELETE FROM incoming")
         db.executemany("INSERT OR IGNORE INTO incoming (key) VALUES (?)", ((k,) for k in keys))

@@ -9,7 +9,7 @@ from typing import Any
 
 from ackflow.core.errors import ConfigError
 from ackflow.core.secrets import redact
-from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, missing_id, require_columns
 
 
 class RabbitMQSink(Sink):
@@ -76,14 +76,9 @@ class RabbitMQSink(Sink):
                 conn.close()
 
     def prepare(self, schema: Any) -> None:
-        from ackflow.core.errors import FlowError
-
-        for what, col in (("routing_key_column", self.routing_key_column),
-                          ("message_id_column", self.message_id_column),
-                          ("headers_column", self.headers_column)):
-            if col is not None and col not in schema.names:
-                raise FlowError(self.name, f"{what} {col!r} is not among the flow's columns "
-                                f"{list(schema.names)}")
+        require_columns(self.name, schema, routing_key_column=self.routing_key_column,
+                        message_id_column=self.message_id_column,
+                        headers_column=self.headers_column)
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         import pika
@@ -103,9 +98,9 @@ class RabbitMQSink(Sink):
         for i, r in enumerate(records):
             rk = self.routing_key if self.routing_key is not None else r[self.routing_key_column]
             mid = keys[i] if self.message_id_column is None else r[self.message_id_column]
-            if mid is None or mid in ("", b""):  # no id: "None" would be every such row's
-                empty[i] = (f"message_id_column {self.message_id_column!r} is empty: the row "
-                            "has no message id")
+            why = missing_id(mid, "message_id_column", self.message_id_column)
+            if why is not None:
+                empty[i] = why
                 continue
             h = headers[i] if headers is not None else None
             if isinstance(h, list):  # an Arrow map arrives as [(key, value), ...]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -11,7 +10,7 @@ from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
-from ackflow.embedded import EmbeddedQueue, message_key
+from ackflow.embedded import EmbeddedQueue, message_key, stored_headers
 from ackflow.sources.base import Source
 
 
@@ -77,7 +76,7 @@ class EmbeddedQueueSource(Source):
             if rows or time.monotonic() >= deadline:
                 # (row_id, msg_id, body, headers_json, deliveries, published_at)
                 return [Delivery(0, message_key(r[0], r[1]), bytes(r[2]),
-                                 json.loads(r[3]) if r[3] else {}, r[4], (r[0], r[4]))
+                                 stored_headers(r[3]), r[4], (r[0], r[4]))
                         for r in rows]
             time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
 
