@@ -106,6 +106,18 @@ def tree_cpu(pid: int | None) -> float:
     return total
 
 
+def own_cpu(pid: int | None) -> float:
+    """CPU seconds of process ``pid`` alone (the JVM without its Python workers)."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def queue_args(qtype: str) -> dict[str, Any]:
     """Benchmark queues have a dead-letter exchange (ackflow's reject_to_dlx checks it)."""
     return {"x-queue-type": qtype, "x-dead-letter-exchange": "bench-dlx"}
@@ -283,7 +295,7 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
     latencies = []
     done = 0
     jvm = jvm_pid()
-    t0, c0, s0 = time.perf_counter(), cpu_s(), tree_cpu(jvm)
+    t0, c0, s0, j0 = time.perf_counter(), cpu_s(), tree_cpu(jvm), own_cpu(jvm)
     while done < n:
         leased = q.lease(QUEUE, batch, visibility_timeout=3600)
         if not leased:
@@ -293,6 +305,7 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
     secs, cpu = time.perf_counter() - t0, cpu_s() - c0
     return measured(done, secs, cpu, jvm_rss_mb=rss_mb(jvm) if jvm else None,
                     spark_cpu_us=(tree_cpu(jvm) - s0) / max(1, done) * 1e6,
+                    jvm_cpu_us=(own_cpu(jvm) - j0) / max(1, done) * 1e6,
                     batch_p50_s=pct(latencies, 0.5), batch_p99_s=pct(latencies, 0.99))
 
 
@@ -332,14 +345,15 @@ def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
     write_files(warm, batch)
     run(warm, out + "-warmup")
     jvm = jvm_pid()
-    t0, c0, s0 = time.perf_counter(), cpu_s(), tree_cpu(jvm)
+    t0, c0, s0, j0 = time.perf_counter(), cpu_s(), tree_cpu(jvm), own_cpu(jvm)
     secs = run(src, out)
-    cpu, spark_cpu = cpu_s() - c0, tree_cpu(jvm) - s0
+    cpu, spark_cpu, jvm_cpu = cpu_s() - c0, tree_cpu(jvm) - s0, own_cpu(jvm) - j0
     rows = spark.read.parquet(out).count()
     if rows != n:
         raise SystemExit(f"ss_files wrote {rows} rows of {n}")
     assert time.perf_counter() - t0 >= secs
-    return measured(n, secs, cpu, spark_cpu_us=spark_cpu / n * 1e6)
+    return measured(n, secs, cpu, spark_cpu_us=spark_cpu / n * 1e6,
+                    jvm_cpu_us=jvm_cpu / n * 1e6)
 
 
 def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
@@ -385,11 +399,11 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
         peak[0] = max(peak[0], rss_mb())
 
     jvm = jvm_pid()
-    c0, s0 = cpu_s(), tree_cpu(jvm)
+    c0, s0, j0 = cpu_s(), tree_cpu(jvm), own_cpu(jvm)
     report = Engine(flow(queue, out, files), spark=spark, batch_size=batch,
                     max_inflight=inflight, until_idle=IDLE_S, handle_signals=False,
                     progress=sample).run()
-    cpu, spark_cpu = cpu_s() - c0, tree_cpu(jvm) - s0
+    cpu, spark_cpu, jvm_cpu = cpu_s() - c0, tree_cpu(jvm) - s0, own_cpu(jvm) - j0
     secs = report.elapsed_s - IDLE_S  # the idle wait at the end is not work
     if report.acked != n:
         raise SystemExit(f"ackflow acked {report.acked} of {n} messages (pulled "
@@ -398,6 +412,7 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                          f"{report.elapsed_s:.1f} s)")
     return measured(report.acked, secs, cpu, rss_peak_mb=peak[0],
                     spark_cpu_us=spark_cpu / max(1, report.acked) * 1e6,
+                    jvm_cpu_us=jvm_cpu / max(1, report.acked) * 1e6,
                     jvm_rss_mb=rss_mb(jvm) if jvm else None,
                     batch_p50_s=report.batch_p50_s, batch_p99_s=report.batch_p99_s,
                     nacked=report.nacked, dead_lettered=report.dead_lettered)
@@ -578,6 +593,22 @@ def prepare(name: str, n: int, tmp: str, url: str | None) -> list[str]:
     return ["--db", db]
 
 
+def clean(tmp: str, name: str) -> None:
+    """Remove what a run of phase ``name`` left (output, warm-up output, checkpoints,
+    input), so that the next run starts from nothing (a Structured Streaming checkpoint
+    left behind would make it read nothing)."""
+    import glob
+
+    for path in glob.glob(os.path.join(glob.escape(tmp), glob.escape(name) + "*")):
+        rest = os.path.basename(path)[len(name):]
+        if rest and rest[0] not in "-.":  # a longer phase name's
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     best = sorted(runs, key=lambda r: r["rate"])[len(runs) // 2]
     return {**best, "runs": [round(r["rate"]) for r in runs]} if len(runs) > 1 else best
@@ -673,7 +704,7 @@ def main() -> None:
                         runs.append(run_phase(name, ["--dir", tmp, "--messages",
                                                      str(a.messages), *common, *extra],
                                               broker if "rmq" in name else None))
-                        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+                        clean(tmp, name)
                     results[name] = median_run(runs)
                     print(f"  {name}: {results[name]['rate']:,.0f} msg/s", file=sys.stderr)
             ratios = {}

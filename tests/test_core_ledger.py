@@ -89,3 +89,19 @@ def test_a_sink_over_reporting_rows_fails_the_message_never_acks_it():
     out = settle_receipts([1, 2], table)
     assert out.acked == [2] and out.over_reported == [1]
     assert "more rows written than were emitted" in out.failed[1].error
+
+
+def test_compacting_one_row_per_message_gives_what_grouping_gives():
+    """The shortcut for unique ids (a map's rows) keeps grouping's every rule: an error
+    without a step ranks as '?', a step without an error is no failure, and error text
+    with the separator in it is kept whole."""
+    from ackflow.core.ledger import _SEP, _compact_grouped
+
+    rows = [_r(1, "s", 1, 1), _r(2, "s", 1, 0, "s", "refused"), _r(3, "s", 0, 0, None, "odd"),
+            _r(4, "s", 1, 1, "parse", None), _r(5, "s", 0, 0, "parse", f"a{_SEP}b{_SEP}c"),
+            _r(6, "s", 3, 2, "decode", "")]
+    table = pa.Table.from_pylist(rows, schema=RECEIPT_SCHEMA)
+    order = ["decode", "parse", "s"]
+    assert compact_receipts(table, order).to_pylist() == _compact_grouped(table, order).to_pylist()
+    twice = pa.Table.from_pylist(rows + rows[:1], schema=RECEIPT_SCHEMA)  # id 1 twice: grouped
+    assert compact_receipts(twice, order).num_rows == len(rows)

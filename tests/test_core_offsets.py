@@ -44,6 +44,13 @@ def test_an_offset_never_pulled_blocks_until_declared_a_gap():
     assert t.committed == 104
 
 
+def test_settling_many_an_offset_never_pulled_raises():
+    t = OffsetTracker()
+    t.pulled(0)
+    with pytest.raises(KeyError, match="offset 1 was never pulled"):
+        t.settled_many([0, 1])
+
+
 def test_bounded_to_the_window_and_below_committed_is_ignored():
     t = OffsetTracker()
     for o in range(10_000):
@@ -102,6 +109,16 @@ class Log(RuleBasedStateMachine):
         self.tracker.settled(o)
         self.done.add(o)
         self.settled_ever.add(o)
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def settle_many(self, data):  # a batch settled at once (the Files source's ack)
+        some = data.draw(st.lists(st.sampled_from(sorted(self.pending)), min_size=1,
+                                  unique=True))
+        self.pending.difference_update(some)
+        self.tracker.settled_many(some)
+        self.done.update(some)
+        self.settled_ever.update(some)
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())

@@ -69,3 +69,21 @@ def test_hostile_json_fails_alone_with_its_reason_and_the_rest_flows():
     for i, (name, (_, reason)) in enumerate(HOSTILE_JSON.items(), start=1):
         assert status[i] == FAILED and steps[i] == "decode", name
         assert reason in errs[i], (name, errs[i])
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le",
+                                      "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_json_bodies_are_read_in_every_encoding_json_loads_reads(encoding):
+    """The shared decoder reads bytes as json.loads does (its fast path is UTF-8 only)."""
+    import json
+
+    from ackflow.spark.rows import decode
+
+    for text in ['{"a": "h\u00e9", "b": [1.5, 2]}', ' {"a": 1}', '{}', '[1]']:
+        body = text.encode(encoding)
+        expected = json.loads(body)
+        if isinstance(expected, dict):
+            assert decode(body, "json") == expected, (encoding, text)
+        else:
+            with pytest.raises(ValueError, match="expected a JSON object"):
+                decode(body, "json")

@@ -80,6 +80,17 @@ class OffsetTracker:
         self._state[offset] = _DONE
         self._advance()
 
+    def settled_many(self, offsets: Iterable[int]) -> None:
+        """:meth:`settled` for each of ``offsets``, the commit advanced once."""
+        state, base = self._state, self._base
+        for offset in offsets:
+            if offset < base:
+                continue
+            if offset not in state:
+                raise KeyError(f"offset {offset} was never pulled")
+            state[offset] = _DONE
+        self._advance()
+
     def failed(self, offset: int) -> None:
         """``offset`` failed and will be delivered again: it stays unsettled."""
         if offset >= self._base and offset not in self._state:

@@ -56,6 +56,10 @@ class _File:
     header: list[str] | None = None
     dead_lettered: int = 0
     bodies: dict[int, bytes] = field(default_factory=dict)  # in flight: line -> body
+    key_prefix: str = ""  # a line's message key is this and the line's number (from 1)
+
+    def __post_init__(self) -> None:
+        self.key_prefix = f"{self.name}@{self.id}:"
 
 
 class FilesSource(Source):
@@ -195,8 +199,9 @@ class FilesSource(Source):
     # -- pulling ---------------------------------------------------------------------------
 
     def _delivery(self, f: _File, line: int, body: bytes, count: int) -> Delivery:
-        return Delivery(0, f"{f.name}@{f.id}:{line + 1}", body,
-                        {"file": f.name, "file_id": f.id, "line": str(line + 1)},
+        number = str(line + 1)
+        return Delivery(0, f.key_prefix + number, body,
+                        {"file": f.name, "file_id": f.id, "line": number},
                         count, handle=(f.id, line))
 
     def _body(self, f: _File, raw: bytes) -> bytes:
@@ -229,22 +234,26 @@ class FilesSource(Source):
             # only while in-flight and waiting lines together stay within the window.
             room = self._window - sum(len(f.bodies) for f in self._files.values())
             for f in list(self._files.values()):
-                while (len(out) < max_messages and room > 0 and not f.eof
-                       and f.handle is not None):
-                    raw = f.handle.readline()
+                if f.eof or f.handle is None:
+                    continue
+                readline, pulled, bodies = f.handle.readline, f.tracker.pulled, f.bodies
+                take = min(max_messages - len(out), room)
+                while take > 0:
+                    raw = readline()
                     if not raw:
                         f.eof = True
                         self._maybe_finish(f)
                         break
                     line = f.next_line
                     f.next_line += 1
-                    if not raw.strip():
+                    if raw.isspace():
                         f.tracker.gap(line, line + 1)  # an empty line is no message
                         continue
                     body = self._body(f, raw)
-                    f.tracker.pulled(line)
-                    f.bodies[line] = body
+                    pulled(line)
+                    bodies[line] = body
                     room -= 1
+                    take -= 1
                     out.append(self._delivery(f, line, body, 1))
             if out or now >= deadline:
                 break
@@ -265,14 +274,18 @@ class FilesSource(Source):
     # -- settling ----------------------------------------------------------------------------
 
     def _settled(self, deliveries: Sequence[Delivery]) -> None:
-        touched = set()
+        lines: dict[str, list[int]] = {}
         for d in deliveries:
             fid, line = d.handle  # type: ignore[misc]
+            lines.setdefault(fid, []).append(line)
+        touched = set()
+        for fid, settled in lines.items():
             f = self._files.get(fid)
             if f is None:
                 continue
-            f.bodies.pop(line, None)
-            f.tracker.settled(line)
+            for line in settled:
+                f.bodies.pop(line, None)
+            f.tracker.settled_many(settled)
             touched.add(fid)
         self._save(touched)
         for fid in touched:
