@@ -32,7 +32,9 @@ over 100-byte JSON messages in the embedded queue:
                 latency p50 / p99 (each body carries its publish time).
 
 Every phase reports the driver process's own CPU per message (``getrusage`` of the
-Python driver: the JVM and the Python workers are other processes and not counted).
+Python driver: the JVM and the Python workers are other processes and not counted),
+and Spark's (the JVM and its Python workers, from ``/proc``), split into the JVM's own
+and its Python workers'.
 
 ``--sweep 5000,10000,25000,50000`` runs ackflow_rmq at each batch size (window three
 batches) beside one rmq_limit and prints the spread; ``--repeat 3`` runs every phase
@@ -720,9 +722,16 @@ def main() -> None:
     print(f"wrote {a.out}")
 
 
+def workers_cpu(r: dict[str, Any]) -> float | None:
+    """CPU per message of Spark's Python workers: the JVM's tree without the JVM."""
+    if r.get("spark_cpu_us") is None or r.get("jvm_cpu_us") is None:
+        return None
+    return float(r["spark_cpu_us"] - r["jvm_cpu_us"])
+
+
 def print_table(phases: list[str], results: dict[str, Any]) -> None:
     print(f"{'phase':<19} {'msg/s':>9} {'batch p50/p99 s':>16} {'CPU µs/msg: driver':>19} "
-          f"{'Spark':>6} {'broker':>7} {'driver RSS':>11}  runs")
+          f"{'Spark':>6} {'(JVM':>6} {'Python)':>7} {'broker':>7} {'driver RSS':>11}  runs")
 
     def us(v: float | None) -> str:
         return f"{v:.1f}" if v is not None else "-"
@@ -732,7 +741,8 @@ def print_table(phases: list[str], results: dict[str, Any]) -> None:
         lat = (f"{r.get('batch_p50_s', 0):.2f}/{r.get('batch_p99_s', 0):.2f}"
                if r.get("batch_p50_s") else "-")
         print(f"{name:<19} {r['rate']:>9,.0f} {lat:>16} {us(r['driver_cpu_us']):>19} "
-              f"{us(r.get('spark_cpu_us')):>6} {us(r.get('broker_cpu_us')):>7} "
+              f"{us(r.get('spark_cpu_us')):>6} {us(r.get('jvm_cpu_us')):>6} "
+              f"{us(workers_cpu(r)):>7} {us(r.get('broker_cpu_us')):>7} "
               f"{r['max_rss_mb']:>8.0f} MB  {r.get('runs', '')}")
     if "latency" in results:
         r = results["latency"]
