@@ -417,7 +417,8 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                     jvm_cpu_us=jvm_cpu / max(1, report.acked) * 1e6,
                     jvm_rss_mb=rss_mb(jvm) if jvm else None,
                     batch_p50_s=report.batch_p50_s, batch_p99_s=report.batch_p99_s,
-                    nacked=report.nacked, dead_lettered=report.dead_lettered)
+                    nacked=report.nacked, dead_lettered=report.dead_lettered,
+                    batches=report.batches, jobs=report.jobs)
 
 
 def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, Any]:
