@@ -87,3 +87,36 @@ def test_json_bodies_are_read_in_every_encoding_json_loads_reads(encoding):
         else:
             with pytest.raises(ValueError, match="expected a JSON object"):
                 decode(body, "json")
+
+
+def test_the_shared_decoder_gives_each_thread_its_own_result():
+    """The local executor decodes in several threads at once, through one decoder whose
+    hooks call back into Python (where threads switch)."""
+    import json
+    import random
+    import sys
+    import threading
+
+    from ackflow.spark.rows import decode
+
+    bodies = [json.dumps({f"k{j}_{i % 7}": 1.5 * i if j % 2 else {"n": [i, 2.25, "x" * j]}
+                          for j in range(6)}).encode() for i in range(1000)]
+    expected = [json.loads(b) for b in bodies]
+    wrong: list[int] = []
+
+    def work(seed: int) -> None:
+        order = list(range(len(bodies)))
+        random.Random(seed).shuffle(order)
+        wrong.extend(i for i in order if decode(bodies[i], "json") != expected[i])
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert wrong == []
