@@ -278,3 +278,38 @@ def test_the_sink_fails_a_row_without_its_message_id(rabbitmq):
     assert sorted(result.failed) == [1, 2]
     assert "message_id_column 'order_id' is empty" in result.failed[1]
     assert sorted(m for m, _, _ in drain(rabbitmq.url, q)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_a_window_past_the_prefetch_cap_is_all_in_flight_and_no_more(rabbitmq, queue_type):
+    """AMQP's prefetch count stops at 65 535: with one consumer a window of 70 000 was
+    filled to 65 535 (and batches were cut smaller). The source splits it over two
+    consumers of 35 000: all 70 000 arrive unacked, the 10 past the window do not."""
+    from ackflow.sources.rabbitmq import consumer_prefetch
+    from amqp import publish_many
+
+    assert consumer_prefetch(65_535) == (1, 65_535)
+    assert consumer_prefetch(70_000) == (2, 35_000)
+    assert consumer_prefetch(200_001) == (4, 50_000)
+    assert consumer_prefetch(10**9)[0] == 16
+    window, q = 70_000, names(f"wide-{queue_type}")
+    args = {**DLX, "x-queue-type": queue_type}
+    setup(rabbitmq.url, queue=q, arguments=args)
+    publish_many(rabbitmq.url, q, [{"n": i} for i in range(window + 10)],
+                 [f"m{i}" for i in range(window + 10)])
+    src = RabbitMQ(rabbitmq.url, q, reject_to_dlx=True)
+    src.configure(max_inflight=window, error_sink=False)
+    src.open()
+    try:
+        got = pull_all(src, window, timeout=30)  # one consumer stopped at 65 535
+        assert len(got) == window
+        assert len({d.key for d in got}) == window
+        time.sleep(0.5)
+        assert src.pull(10, 0.5) == []  # the broker holds the rest: the window is full
+        assert src.ack(got) == []
+        rest = pull_all(src, 10)  # acks made room
+        assert {d.key for d in got + rest} == {f"m{i}" for i in range(window + 10)}
+        assert src.ack(rest) == []
+    finally:
+        src.close()
+    assert count(rabbitmq.url, q) == 0

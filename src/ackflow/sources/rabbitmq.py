@@ -42,6 +42,17 @@ UNNAMED = "delivery:"
 #: older one's settlement lets them all go in one ``multiple=True`` frame; then they go
 #: one by one.
 ACK_HOLD_S = 1.0
+# AMQP's prefetch count is 16 bits: a window past it is split over several consumers
+PREFETCH_MAX = 65535
+MAX_CONSUMERS = 16
+
+
+def consumer_prefetch(window: int) -> tuple[int, int]:
+    """``(consumers, prefetch each)`` that keep up to ``window`` deliveries in flight:
+    one consumer while the window fits one prefetch count, else the fewest that hold it
+    (at most ``MAX_CONSUMERS``), each with an equal share, their sum never over it."""
+    consumers = min(MAX_CONSUMERS, max(1, -(-window // PREFETCH_MAX)))
+    return consumers, max(1, min(PREFETCH_MAX, window // consumers))
 
 
 def message_key(message_id: Any, unnamed: Callable[[], str] | None = None) -> str:
@@ -102,7 +113,11 @@ def header_count(value: Any) -> int | None:
 class RabbitMQSource(Source):
     """Consume ``queue`` with manual acks; ack only what the flow wrote.
 
-    * Prefetch follows the engine's in-flight window (``prefetch=`` overrides it).
+    * Prefetch follows the engine's in-flight window (``prefetch=`` overrides it). A
+      window past AMQP's prefetch cap of 65 535 is split over several consumers on the
+      one channel (``consumer_prefetch``), so that the broker keeps the whole window
+      coming (with one consumer, a window of 75 000 was filled to 65 535 and the batches
+      were cut smaller).
     * Acks use ``multiple=True`` for runs of acked tags that are the oldest unsettled
       ones on the channel. The acks of messages younger than an unsettled one (a younger
       batch finished first) are held until the older one is settled, so that one frame
@@ -141,7 +156,7 @@ class RabbitMQSource(Source):
         super().__init__(format=format, name=name or f"rabbitmq:{queue}")
         if not queue:
             raise ConfigError("RabbitMQ source: queue name is empty")
-        if prefetch is not None and not 0 < prefetch <= 65535:
+        if prefetch is not None and not 0 < prefetch <= PREFETCH_MAX:
             raise ConfigError(f"RabbitMQ source: prefetch must be 1..65535, got {prefetch}")
         self.url = url
         self.queue = queue
@@ -237,8 +252,11 @@ class RabbitMQSource(Source):
                 self._check_queue_dlx(conn)
             if self.dead_letter_exchange:
                 ch.confirm_delivery()
-            ch.basic_qos(prefetch_count=min(65535, self.prefetch or self._window))
-            ch.basic_consume(self.queue, self._on_message, auto_ack=False)
+            consumers, prefetch = (1, self.prefetch) if self.prefetch else consumer_prefetch(
+                self._window)
+            ch.basic_qos(prefetch_count=prefetch)  # per consumer (AMQP's global=False)
+            for _ in range(consumers):  # one channel: one space of delivery tags
+                ch.basic_consume(self.queue, self._on_message, auto_ack=False)
         except BaseException:
             conn.close()
             raise
