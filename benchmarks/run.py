@@ -146,7 +146,8 @@ def publish_rmq(url: str, queue: str, n: int, qtype: str = "classic") -> None:
             raise SystemExit("benchmark messages were not confirmed by the broker")
 
 
-def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int) -> dict[str, Any]:
+def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int,
+                    broker: int | None = None) -> dict[str, Any]:
     import pika
 
     conn = pika.BlockingConnection(pika.URLParameters(url))
@@ -154,7 +155,7 @@ def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int) -> dict[str, An
     ch.basic_qos(prefetch_count=min(prefetch, 65535))
     done = 0
     t0 = time.perf_counter()
-    c0 = cpu_s()
+    c0, b0 = cpu_s(), tree_cpu(broker)
     last_tag = 0
     for method, _, _ in ch.consume(queue, inactivity_timeout=2):
         if method is None:
@@ -167,10 +168,11 @@ def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int) -> dict[str, An
             break
     ch.basic_ack(last_tag, multiple=True)
     secs = time.perf_counter() - t0
-    cpu = cpu_s() - c0
+    cpu, broker_cpu = cpu_s() - c0, tree_cpu(broker) - b0
     conn.close()
     return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb(),
-            "driver_cpu_us": cpu / max(1, done) * 1e6}
+            "driver_cpu_us": cpu / max(1, done) * 1e6,
+            **({"broker_cpu_us": broker_cpu / max(1, done) * 1e6} if broker else {})}
 
 
 def body(i: int) -> bytes:
@@ -360,7 +362,8 @@ def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
 
 def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                   dsn: str | None = None, url: str | None = None, queue: str = QUEUE,
-                  files: str | None = None, table: str = "parquet") -> dict[str, Any]:
+                  files: str | None = None, table: str = "parquet",
+                  broker: int | None = None) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
     from ackflow.sinks import Delta, Iceberg, Parquet, Postgres, Sink
@@ -401,11 +404,12 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
         peak[0] = max(peak[0], rss_mb())
 
     jvm = jvm_pid()
-    c0, s0, j0 = cpu_s(), tree_cpu(jvm), own_cpu(jvm)
+    c0, s0, j0, b0 = cpu_s(), tree_cpu(jvm), own_cpu(jvm), tree_cpu(broker)
     report = Engine(flow(queue, out, files), spark=spark, batch_size=batch,
                     max_inflight=inflight, until_idle=IDLE_S, handle_signals=False,
                     progress=sample).run()
     cpu, spark_cpu, jvm_cpu = cpu_s() - c0, tree_cpu(jvm) - s0, own_cpu(jvm) - j0
+    broker_cpu = tree_cpu(broker) - b0
     secs = report.elapsed_s - IDLE_S  # the idle wait at the end is not work
     if report.acked != n:
         raise SystemExit(f"ackflow acked {report.acked} of {n} messages (pulled "
@@ -418,7 +422,9 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                     jvm_rss_mb=rss_mb(jvm) if jvm else None,
                     batch_p50_s=report.batch_p50_s, batch_p99_s=report.batch_p99_s,
                     nacked=report.nacked, dead_lettered=report.dead_lettered,
-                    batches=report.batches, jobs=report.jobs)
+                    batches=report.batches, jobs=report.jobs,
+                    **({"broker_cpu_us": broker_cpu / max(1, report.acked) * 1e6}
+                       if broker else {}))
 
 
 def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, Any]:
@@ -537,16 +543,19 @@ def phase_pg_limit(db: str, n: int, batch: int, dsn: str) -> dict[str, Any]:
 
 
 def run_phase(name: str, args: list[str], broker: int | None = None) -> dict[str, Any]:
-    """Run one phase in a fresh process; ``broker``: the broker's pid, whose CPU during
-    the phase (its warm-up included) is reported per message."""
+    """Run one phase in a fresh process; ``broker``: the broker's pid. The phase reports
+    the broker's CPU over its measured section (``broker_cpu_us``, per message); the CPU
+    over the whole process (Spark's start, the warm-up batch, the idle wait at the end
+    included) is ``broker_total_cpu_us``."""
     b0 = tree_cpu(broker)
-    r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--phase", name, *args],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--phase", name, *args,
+                        *(["--broker-pid", str(broker)] if broker else [])],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"phase {name} failed:\n{r.stderr[-3000:]}")
     res: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
     if broker is not None:
-        res["broker_cpu_us"] = (tree_cpu(broker) - b0) / max(1, res["messages"]) * 1e6
+        res["broker_total_cpu_us"] = (tree_cpu(broker) - b0) / max(1, res["messages"]) * 1e6
     return res
 
 
@@ -560,7 +569,8 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     if name == "pg_limit":
         return phase_pg_limit(a.db, a.messages, a.batch_size, a.dsn)
     if name.startswith("rmq_limit"):
-        return phase_rmq_limit(a.url, rmq_queue(name), a.messages, a.max_inflight)
+        return phase_rmq_limit(a.url, rmq_queue(name), a.messages, a.max_inflight,
+                               a.broker_pid)
     if name == "ss_files":
         return phase_ss_files(a.files, a.messages, a.batch_size, out)
     if name == "latency":
@@ -575,7 +585,8 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     table = name.removeprefix("ackflow_") if name in ("ackflow_delta", "ackflow_iceberg") \
         else "parquet"
     return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, dsn=a.dsn,
-                         url=a.url, queue=rmq_queue(name) if a.url else QUEUE, table=table)
+                         url=a.url, queue=rmq_queue(name) if a.url else QUEUE, table=table,
+                         broker=a.broker_pid)
 
 
 def prepare(name: str, n: int, tmp: str, url: str | None) -> list[str]:
@@ -639,6 +650,7 @@ def main() -> None:
     p.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
     p.add_argument("--url", default=None, help=argparse.SUPPRESS)
     p.add_argument("--files", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--broker-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to run")
     a = p.parse_args()
 
