@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from ackflow.core.errors import ConfigError
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, missing_id, require_columns
+from ackflow.sinks.jsonrows import json_records
 
 
 class EmbeddedQueueSink(Sink):
@@ -73,22 +73,22 @@ class EmbeddedQueueSink(Sink):
         if rows.num_rows == 0:
             return PartitionResult()
         keys = rows.column(ROW_KEY).to_pylist()
-        records = rows.drop_columns([ROW_KEY]).to_pylist()
+        data = rows.drop_columns([ROW_KEY])
+        bodies = json_records(data)  # a row JSON cannot hold fails alone
+        failed: dict[int, str] = {i: b for i, b in enumerate(bodies) if isinstance(b, str)}
         ids = keys
-        failed: dict[int, str] = {}
         if self.id_column is not None:  # a row without one fails (see missing_id)
             ids = []
-            for i, r in enumerate(records):
-                why = missing_id(r.get(self.id_column), "id_column", self.id_column)
+            for i, v in enumerate(data.column(self.id_column).to_pylist()):
+                why = missing_id(v, "id_column", self.id_column)
                 if why is not None:
-                    failed[i] = why
-                ids.append(str(r[self.id_column]) if why is None else "")
+                    failed.setdefault(i, why)
+                ids.append(str(v) if why is None else "")
         q = EmbeddedQueue(self.path)
         try:
             q.publish(
                 self.queue,
-                [json.dumps(r, default=str).encode()
-                 for i, r in enumerate(records) if i not in failed],
+                [b for i, b in enumerate(bodies) if i not in failed],  # type: ignore[misc]
                 msg_ids=[mid for i, mid in enumerate(ids) if i not in failed],
                 remember=True,
             )

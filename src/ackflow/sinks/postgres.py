@@ -307,12 +307,14 @@ def _column_values(rows: Any, names: list[str]) -> list[list[Any]]:
     import pyarrow as pa
     from psycopg.types.json import Jsonb
 
+    from ackflow.sinks.jsonrows import json_ready
+
     out = []
     for name in names:
         col = rows.column(name)
         vals = col.to_pylist()
-        if pa.types.is_nested(col.type):
-            vals = [None if v is None else Jsonb(v) for v in vals]
+        if pa.types.is_nested(col.type):  # in the JSON form every JSON sink writes
+            vals = [None if v is None else Jsonb(json_ready(v, col.type)) for v in vals]
         out.append(vals)
     return out
 

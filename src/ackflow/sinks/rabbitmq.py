@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from ackflow.core.errors import ConfigError
 from ackflow.core.secrets import redact
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, missing_id, require_columns
+from ackflow.sinks.jsonrows import json_records
 
 
 class RabbitMQSink(Sink):
@@ -92,10 +92,13 @@ class RabbitMQSink(Sink):
             headers = data.column(self.headers_column).to_pylist()
             data = data.drop_columns([self.headers_column])
         records = data.to_pylist()
+        bodies = json_records(data)  # a row JSON cannot hold fails alone
         messages = []
         sent: list[int] = []  # row index of each message
-        empty: dict[int, str] = {}
+        empty: dict[int, str] = {i: b for i, b in enumerate(bodies) if isinstance(b, str)}
         for i, r in enumerate(records):
+            if i in empty:
+                continue
             rk = self.routing_key if self.routing_key is not None else r[self.routing_key_column]
             mid = keys[i] if self.message_id_column is None else r[self.message_id_column]
             why = missing_id(mid, "message_id_column", self.message_id_column)
@@ -108,7 +111,7 @@ class RabbitMQSink(Sink):
             props = pika.BasicProperties(
                 delivery_mode=2 if self.persistent else 1, message_id=str(mid),
                 content_type="application/json", headers=h or None)
-            messages.append((str(rk), json.dumps(r, default=str).encode(), props))
+            messages.append((str(rk), bodies[i], props))
             sent.append(i)
         failed = publish_confirmed(self.url, self.exchange, messages, mandatory=self.mandatory,
                                    window=self.confirm_window, timeout_s=self.timeout_s)

@@ -131,6 +131,10 @@ class Plan:
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.parallelism = max(1, parallelism)
+        #: the session time zone: Spark's tasks hand timestamps to Arrow in it, so every
+        #: Arrow schema made here from Spark's types must name it (the local executor
+        #: and ackflow's own session use UTC)
+        self.timezone = "UTC"
         self.shipped = _pickle_parts(flow)
         #: rows in, out and failed per step, added by tasks (set by executors asked to
         #: count, for the status page; None: tasks count nothing)
@@ -219,7 +223,7 @@ class Plan:
             if isinstance(schema, str):
                 schema = _parse_datatype_string(schema)
             if isinstance(schema, StructType):
-                schema = to_arrow_schema(schema)
+                schema = to_arrow_schema(schema, timezone=self.timezone)
             if not isinstance(schema, pa.Schema):
                 raise TypeError(f"expected a DDL string, StructType or pyarrow schema, got {schema!r}")
         except Exception as e:
@@ -253,7 +257,7 @@ class Plan:
                 self._data_columns.update(schema.names)
             try:
                 # round-trip through Spark's types, so tasks produce exactly what Spark expects
-                schema = to_arrow_schema(from_arrow_schema(schema))
+                schema = to_arrow_schema(from_arrow_schema(schema), timezone=self.timezone)
             except Exception as e:
                 raise FlowError(seg.name, f"the rows' columns cannot be Spark columns: {e}") from e
             self._schemas[index] = schema
@@ -294,6 +298,7 @@ class CompiledFlow(Plan):
         super().__init__(flow, parallelism=spark.sparkContext.defaultParallelism,
                          rows_input=rows_input)
         self.spark = spark
+        self.timezone = spark.conf.get("spark.sql.session.timeZone") or "UTC"
         if count_rows:
             self.tally = spark.sparkContext.accumulator({}, CountsParam())  # type: ignore[arg-type]
         self._persisted: dict[str, DataFrame] = {}
@@ -407,7 +412,8 @@ class CompiledFlow(Plan):
         df = df.select(*[quoted(c) for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
         if type(sink).prepare is not Sink.prepare:  # resolving the schema costs a JVM call
             fields = {f.name: f for f in df.schema.fields}
-            schema = to_arrow_schema(StructType([fields[c] for c in data_cols]))
+            schema = to_arrow_schema(StructType([fields[c] for c in data_cols]),
+                                     timezone=self.timezone)
             refused = self.prepare_sink(sink, schema)
         else:
             refused = {}
@@ -595,7 +601,7 @@ def _spark_safe(schema: pa.Schema) -> pa.Schema:
             continue
         seen.add(fold(f.name))
         try:
-            to_arrow_schema(from_arrow_schema(pa.schema([f])))
+            to_arrow_schema(from_arrow_schema(pa.schema([f])), timezone="UTC")
             fields.append(f)
         except Exception:  # noqa: BLE001 - any refusal by Spark's type mapping
             fields.append(pa.field(f.name, pa.string()))
