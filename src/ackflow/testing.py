@@ -97,8 +97,10 @@ class ListSource(Source):
             )
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
+        """Give back without spending a delivery (as the embedded queue does)."""
         for d in deliveries:
             self._record(d, "released")
+            self.deliveries[d.key] -= 1
             self._ready.append(int(d.handle))  # type: ignore[call-overload]
 
     def final(self) -> dict[str, str]:

@@ -40,3 +40,18 @@ class ColumnsRefused(FlowError):
         super().__init__(step, cause)
         self.columns = columns
         self.retype = retype or {}
+
+
+class SystemicFailure(FlowError):
+    """Every message failed the same way at one step for longer than the run allows
+    (``systemic_stop_after_s``): not the messages' fault (a sink down, a type it
+    refuses, a permission, a bug). The messages were given back, none dead-lettered.
+    ``detail`` holds the longest error text seen (a traceback where one came back)."""
+
+    def __init__(self, step: str, cause: str, *, messages: int, seconds: float,
+                 detail: str = "") -> None:
+        super().__init__(step, f"every message fails here the same way, for {seconds:.0f} s "
+                         f"({messages} deliveries given back, none dead-lettered): {cause}")
+        self.messages = messages
+        self.seconds = seconds
+        self.detail = detail

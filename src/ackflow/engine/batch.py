@@ -41,6 +41,13 @@ class BatchResult:
     seconds: float = 0.0
     collected: list[pa.Table] = field(default_factory=list)  # rows for grouped_within
     member_rows: dict[int, int] = field(default_factory=dict)  # group job: id -> memberships
+    #: failed ids whose failure was inferred (their set failed the same way as probes
+    #: tried alone), not seen on a job of their own
+    untested: set[int] = field(default_factory=set)
+    #: (step, error) of a failure -> the whole error text behind it (a traceback, when
+    #: Spark sent one), for a systemic failure's last words
+    details: dict[tuple[str, str], str] = field(default_factory=dict)
+    full_errors: dict[str, str] = field(default_factory=dict)  # job error -> its cause's text
 
 
 def execute(
@@ -51,11 +58,22 @@ def execute(
     max_jobs: int,
     cancelled: threading.Event,
     phase: Callable[[str], None] | None = None,
+    count: Callable[[bool], None] | None = None,
+    uniform_probes: int = 3,
 ) -> BatchResult:
     """Run ``deliveries`` through the flow; every lineage id gets an outcome or is released.
 
     ``phase`` (optional) is told ``"job"`` before each Spark job and ``"commit"`` before
-    the sinks commit (the status page shows what the window waits on)."""
+    the sinks commit (the status page shows what the window waits on); ``count(bisection)``
+    is told of each Spark job (False) and each split (True) as it happens.
+
+    A job that fails as a whole is split in halves. When both halves fail with the very
+    error of the whole, the failure may not be the messages' (a sink that refuses
+    every row, a bug): up to ``uniform_probes`` messages are then tried alone, and if
+    each fails with that same error, the rest of the set gets that failure without a job
+    of its own and is marked *untested* (the engine gives untested messages back unless
+    the failure is judged systemic: it never dead-letters a message on inference). A
+    probe that passes, or fails otherwise, resumes the bisection."""
     result = BatchResult(batch_id, len(deliveries))
     sink = compiled.sink
 
@@ -65,50 +83,42 @@ def execute(
 
     last_error: list[str] = []
 
-    def attempt(ds: list[Delivery], bid: str) -> None:
+    def run_once(ds: list[Delivery], bid: str) -> str | None:
+        """One job over ``ds``: None when it ran (its outcomes recorded, or released when
+        cancelled, or failed by the budget), else the error that failed it as a whole."""
         if cancelled.is_set():
             result.released.extend(d.lineage_id for d in ds)
-            return
-        if result.jobs >= max_jobs:  # the budget went to an earlier half
+            return None
+        if result.jobs >= max_jobs:  # the budget went to earlier jobs
             fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
                                  f"after {max_jobs} jobs: {last_error[-1]}"))
-            return
+            return None
         result.jobs += 1
+        if count is not None:
+            count(False)
         ids = [d.lineage_id for d in ds]
         if phase is not None:
             phase("job")
         try:
             job = run_job(compiled, ds, bid)
         except JobFailed as e:
-            last_error.append(str(e))
+            text = str(e)
+            last_error.append(text)
             abort_all(compiled, bid, {})
             if cancelled.is_set():
                 result.released.extend(ids)
-            elif len(ds) == 1:
-                step = _locate(compiled, ds)
-                log.warning("batch %s: message %s fails the Spark job on its own in step %r: %s",
-                            batch_id, ds[0].key, step, e)
-                fail_all(ds, Failure(step, f"the Spark job failed on this message: {e}"))
-            elif result.jobs + 2 > max_jobs:
-                log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
-                          "failing %d messages: %s", batch_id, max_jobs, len(ds), e)
-                fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
-                                     f"after {max_jobs} jobs: {e}"))
-            else:
-                half = len(ds) // 2
-                result.bisections += 1
-                log.warning("batch %s: Spark job over %d messages failed (%s); retrying as %d + %d",
-                            batch_id, len(ds), e, half, len(ds) - half)
-                attempt(ds[:half], f"{bid}a")
-                attempt(ds[half:], f"{bid}b")
-            return
+                return None
+            cause = e.__cause__
+            if cause is not None and text not in result.full_errors:
+                result.full_errors[text] = str(cause)[:8000]
+            return text
         faults.point("batch.after_job")
         if phase is not None:
             phase("commit")
         failed_sink = commit_all(compiled, bid, job.tokens)
         if failed_sink is not None:
             fail_all(ds, failed_sink)
-            return
+            return None
         faults.point("batch.after_commit")
         if isinstance(sink, CollectSink):
             result.collected.extend(sink.take(bid))
@@ -120,7 +130,7 @@ def execute(
                       batch_id, stray)
             fail_all(ds, Failure(culprit, f"the job returned receipts for {stray} lineage ids "
                                  "that no message of this batch has (fabricated ids); not acked"))
-            return
+            return None
         part = settle_receipts(ids, job.receipts, required_sinks=compiled.required_sinks,
                                order=compiled.step_order)
         if part.over_reported:
@@ -133,13 +143,84 @@ def execute(
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
+        return None
 
-    attempt(deliveries, batch_id)
+    def alone(d: Delivery, error: str) -> Failure:
+        """The failure of a message whose job failed with it alone."""
+        step = _locate(compiled, [d])
+        log.warning("batch %s: message %s fails the Spark job on its own in step %r: %s",
+                    batch_id, d.key, step, error)
+        failure = Failure(step, f"the Spark job failed on this message: {error}")
+        result.details[(failure.step, failure.error)] = result.full_errors.get(error, "")
+        result.outcomes.failed[d.lineage_id] = failure
+        return failure
+
+    def split(ds: list[Delivery], bid: str, error: str, probe: bool) -> None:
+        """``ds`` (two or more messages) failed as a whole with ``error``: isolate."""
+        if result.jobs + 2 > max_jobs:
+            log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
+                      "failing %d messages: %s", batch_id, max_jobs, len(ds), error)
+            fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
+                                 f"after {max_jobs} jobs: {error}"))
+            return
+        half = len(ds) // 2
+        result.bisections += 1
+        if count is not None:
+            count(True)
+        log.warning("batch %s: Spark job over %d messages failed (%s); retrying as %d + %d",
+                    batch_id, len(ds), error, half, len(ds) - half)
+        halves = [(ds[:half], f"{bid}a"), (ds[half:], f"{bid}b")]
+        errors = [run_once(h, b) for h, b in halves]
+        if probe and uniform_probes and errors[0] == error and errors[1] == error:
+            probe_each(ds, bid, error)
+            return
+        for (h, b), e in zip(halves, errors, strict=True):
+            if e is None:
+                continue
+            if len(h) == 1:
+                alone(h[0], e)
+            else:
+                split(h, b, e, probe)
+
+    def probe_each(ds: list[Delivery], bid: str, error: str) -> None:
+        """Both halves failed as the whole did: try a few messages alone."""
+        failure: Failure | None = None
+        for i, d in enumerate(ds[:uniform_probes]):
+            e = run_once([d], f"{bid}p{i}")
+            if e is not None:
+                f = alone(d, e)
+                if e == error:
+                    failure = failure or f
+                    continue
+            rest = ds[i + 1:]  # this one passed, or failed otherwise: not uniform
+            e = run_once(rest, f"{bid}r") if rest else None
+            if e is not None:
+                if len(rest) == 1:
+                    alone(rest[0], e)
+                else:
+                    split(rest, f"{bid}r", e, probe=False)
+            return
+        assert failure is not None
+        rest = ds[uniform_probes:]
+        if rest:
+            log.error("batch %s: %d messages alone each failed the Spark job the same way as "
+                      "the whole (%s); the other %d get that failure untested", batch_id,
+                      uniform_probes, error, len(rest))
+            fail_all(rest, failure)
+            result.untested.update(d.lineage_id for d in rest)
+
+    error = run_once(deliveries, batch_id)
+    if error is not None:
+        if len(deliveries) == 1:
+            alone(deliveries[0], error)
+        else:
+            split(deliveries, batch_id, error, probe=True)
     return result
 
 
 def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
-                   batch_id: str, row_keys: list[str]) -> BatchResult:
+                   batch_id: str, row_keys: list[str],
+                   count: Callable[[bool], None] | None = None) -> BatchResult:
     """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
     one row per group (keyed by ``row_keys``). If the job fails as a whole, every member
     of every group fails (no bisection here: the groups' messages are retried by their
@@ -163,6 +244,8 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
              .append_column(STEP, pa.nulls(n, pa.string()))
              .append_column(ERR, pa.nulls(n, pa.string())))
     result.jobs = 1
+    if count is not None:
+        count(False)
     try:
         job = run_rows_job(compiled, table, batch_id)
     except JobFailed as e:

@@ -29,10 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.errors import ConfigError, FlowError, SystemicFailure
 from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
 from ackflow.core.settlement import Delivery, Settlement
+from ackflow.core.systemic import ANY_STEP, SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.report import RunReport
@@ -71,6 +72,10 @@ class Engine:
         ui_port: int | None = None,
         ui_host: str = "127.0.0.1",
         ui_allow_replay: bool = False,
+        systemic_after: int = 3,
+        systemic_stop_after_s: float = 300.0,
+        systemic_backoff_s: float = 1.0,
+        systemic_max_backoff_s: float = 30.0,
     ) -> None:
         for name, value in (("batch_size", batch_size), ("max_inflight", max_inflight),
                             ("max_concurrent_batches", max_concurrent_batches),
@@ -97,6 +102,15 @@ class Engine:
         if ui_allow_replay and ui_port is None:
             raise ConfigError("ui_allow_replay needs the status page (ui_port)")
         flow.validate()
+        # poison or systemic (ackflow/core/systemic.py): a failure every message meets the
+        # same way gives the messages back, never dead-letters them
+        self.systemic = SystemicDetector(
+            sinks=[s.name for s in flow.sinks], after=systemic_after,
+            stop_after_s=systemic_stop_after_s, backoff_s=systemic_backoff_s,
+            max_backoff_s=systemic_max_backoff_s)
+        self._idle_since: float | None = None  # when the closing until_idle wait began
+        self._pause_until = 0.0  # no pulling before this (a systemic failure's backoff)
+        self._counts_lock = threading.Lock()
         self.flow = flow
         self.executor = executor
         self.batch_size = batch_size
@@ -239,6 +253,7 @@ class Engine:
         acked = [by_id[i] for i in result.outcomes.acked if i not in held and i in by_id]
         self._ack(acked)
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
+        failures = self._give_back_systemic(result, failures, acked=bool(acked))
         self._fail(result.batch_id, failures)
         self._release([by_id[i] for i in result.released if i in by_id])
 
@@ -257,9 +272,7 @@ class Engine:
                   result.batch_id, result.size, len(acked), len(failures), len(held),
                   result.jobs, result.seconds)
 
-    def _account(self, result: BatchResult) -> None:
-        self.report.jobs += result.jobs
-        self.report.bisections += result.bisections
+    def _account(self, result: BatchResult) -> None:  # jobs and bisections: _count_job
         for name, n in result.outcomes.rows_written.items():
             if self.groups is not None and name == self.flow.steps[self._gw_index].name:
                 continue  # rows handed to grouped_within are not written anywhere yet
@@ -270,7 +283,6 @@ class Engine:
             self.board.batch(result.seconds)
         self.metrics.batch_seconds.observe(result.seconds)
         self.metrics.batch_size.observe(result.size)
-        self.metrics.bisections.inc(result.bisections)
         self._window_metrics()
 
     # -- grouped_within ------------------------------------------------------------------
@@ -314,7 +326,8 @@ class Engine:
         # rows differ) and its values
         row_keys = [group_key(g.row_keys, g.key) for g in groups]
         self._launch(pool, suffix, "g", None,
-                     lambda bid: execute_groups(suffix, groups, step.keys, bid, row_keys))
+                     lambda bid: execute_groups(suffix, groups, step.keys, bid, row_keys,
+                                                count=self._count_job))
 
     def _settle_groups(self, result: BatchResult) -> None:
         """A group job finished: fail members of failed groups, ack members whose
@@ -326,6 +339,7 @@ class Engine:
             if d is not None and not d.settled:
                 failures.append((d, failure))
                 touched.append(d)
+        failures = self._give_back_systemic(result, failures, acked=False)
         self._fail(result.batch_id, failures)
         done = []
         for mid, n in result.member_rows.items():
@@ -339,6 +353,67 @@ class Engine:
         self._ack(done)
         self._forget(touched + done)
         self._account(result)
+
+    def _give_back_systemic(self, result: BatchResult,
+                            failures: list[tuple[Delivery, Failure]], *,
+                            acked: bool) -> list[tuple[Delivery, Failure]]:
+        """Give back (release) failures the detector judges systemic; return the rest,
+        to be nacked or dead-lettered as usual. Raises :class:`SystemicFailure` once an
+        episode has lasted ``systemic_stop_after_s``."""
+        working = {name for name, n in result.outcomes.rows_written.items() if n > 0}
+        if acked:
+            working.add(ANY_STEP)
+        detector = self.systemic
+        was = detector.episode
+        systemic = detector.judge(
+            [(d.lineage_id, f.step, f.error) for d, f in failures], working=working,
+            detail=lambda step, error: result.details.get((step, error), ""))
+        if was is not None and detector.episode is None:
+            log.warning("step %r works again: the systemic failure is over (%d deliveries "
+                        "were given back)", was.step, was.messages)
+            self.metrics.systemic.labels(step=was.step).set(0)
+        self.report.systemic = (detector.episode.as_json()
+                                if detector.episode is not None else None)
+        self.report.systemic_episodes = detector.episodes
+        rest = [(d, f) for d, f in failures if d.lineage_id not in systemic]
+        untested = [d for d, _ in rest if d.lineage_id in result.untested]
+        if untested:  # never dead-letter (nor spend a delivery) on an inferred failure
+            log.warning("batch %s: %d messages whose failure was inferred, not seen alone, "
+                        "are given back", result.batch_id, len(untested))
+            self._release(untested)
+            rest = [(d, f) for d, f in rest if d.lineage_id not in result.untested]
+        if not systemic:
+            return rest
+        episode = detector.episode
+        assert episode is not None
+        back = [d for d, _ in failures if d.lineage_id in systemic]
+        self._release(back)
+        self.report.given_back_systemic += len(back)
+        self.metrics.given_back_systemic.inc(len(back))
+        self.metrics.systemic.labels(step=episode.step).set(1)
+        pause = detector.backoff_s()
+        self._pause_until = time.monotonic() + pause
+        left = detector.stop_after_s - (time.monotonic() - episode.since)
+        log.error("batch %s: systemic failure at step %r: %d messages failed the same way "
+                  "(%s); given back, not dead-lettered; pulling paused %.1f s; the run stops "
+                  "in %.0f s if it persists", result.batch_id, episode.step, len(back),
+                  episode.error, pause, max(left, 0))
+        if detector.overdue():
+            if episode.detail:
+                log.error("the systemic failure in full:\n%s", episode.detail)
+            raise SystemicFailure(episode.step, episode.error, messages=episode.messages,
+                                  seconds=detector.stop_after_s, detail=episode.detail)
+        return rest
+
+    def _count_job(self, bisection: bool) -> None:
+        """A Spark job started (a worker thread calls this): live counts for the page."""
+        with self._counts_lock:
+            if bisection:
+                self.report.bisections += 1
+                self.metrics.bisections.inc()
+            else:
+                self.report.jobs += 1
+                self.metrics.jobs.inc()
 
     def _dead_letter_to_sink(self, batch_id: str,
                              failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
@@ -396,6 +471,7 @@ class Engine:
             ref = (self.flow.source.dead_letter_ref(d)
                    if kept_by == "source" and state is Settlement.DEAD_LETTERED else None)
             self.board.failed(d, f, state.value, kept_by=kept_by, ref=ref)
+        self.report.failures_total += 1
         if len(self.report.failures) < 20:
             self.report.failures.append(
                 {"message": d.key, "step": f.step, "error": f.error, "outcome": state.value}
@@ -521,6 +597,9 @@ class Engine:
 
     def _finish_report(self, started: float) -> None:
         self.report.elapsed_s = time.monotonic() - started
+        idle = self._idle_since
+        self.report.active_s = (max(idle - started, 0.0) if idle is not None
+                                else self.report.elapsed_s)
         self.report.throttle_episodes = self.window.throttle_episodes
         if self.batch_seconds:
             ordered = sorted(self.batch_seconds)
@@ -533,7 +612,9 @@ class Engine:
 
         self._launch(pool, compiled, "", batch,
                      lambda bid: execute(compiled, batch, bid, max_jobs=self.max_bisect_jobs,
-                                         cancelled=self._cancel, phase=phase(bid)))
+                                         cancelled=self._cancel, phase=phase(bid),
+                                         count=self._count_job,
+                                         uniform_probes=self.systemic.after))
 
     def _launch(self, pool: ThreadPoolExecutor, compiled: Any, suffix: str,
                 batch: list[Delivery] | None, run: Callable[[str], BatchResult]) -> None:
@@ -599,6 +680,8 @@ class Engine:
                 return
             pulled = 0
             want = min(self.window.credits, self.batch_size - len(pending))
+            if now < self._pause_until:  # a systemic failure's backoff: settle, don't pull
+                want = 0
             if want > 0:
                 timeout = 0.02 if (pending or self._running) else 0.2
                 got = source.pull(want, timeout)
@@ -618,7 +701,8 @@ class Engine:
                     self.metrics.pulled.inc(pulled)
                     self._window_metrics()
                     last_message = time.monotonic()
-            if not source.connected:  # reconnecting: not idle, the broker holds messages
+            if not source.connected or self.systemic.episode is not None:
+                # reconnecting, or a systemic failure gave messages back: not idle
                 last_message = time.monotonic()
             now = time.monotonic()
             if pending and len(self._running) < self.max_concurrent and (
@@ -635,6 +719,7 @@ class Engine:
             if (self.until_idle is not None and not pending and not self._running
                     and not self.held and not (self.groups and len(self.groups))
                     and now - last_message >= self.until_idle):
+                self._idle_since = last_message
                 return
             if self.progress is not None and now - last_progress >= 0.5:
                 last_progress = now

@@ -15,6 +15,13 @@ class RunReport:
     ``released`` counts messages given back unprocessed at shutdown.
     ``redelivered`` counts deliveries the source could no longer settle (a broker
     connection or channel died under them): the broker delivers them again.
+    ``given_back_systemic`` counts failed deliveries given back (not nacked, never
+    dead-lettered) because every message failed the same way at one step (a systemic
+    failure, :mod:`ackflow.core.systemic`); ``systemic`` is the episode in progress (its
+    step, error, start, deliveries and batches) or None, ``systemic_episodes`` how many
+    began. ``failures`` holds the first few failures (``failures_total`` counts them all).
+    ``messages_per_s`` is over ``active_s``: the run's time without the final
+    ``until_idle`` wait.
     """
 
     acked: int = 0
@@ -34,6 +41,11 @@ class RunReport:
     batch_p99_s: float = 0.0
     dead_lettered_by_step: dict[str, int] = field(default_factory=dict)
     failures: list[dict[str, str]] = field(default_factory=list)  # the first few, for people
+    failures_total: int = 0
+    given_back_systemic: int = 0
+    systemic_episodes: int = 0
+    systemic: dict[str, Any] | None = None
+    active_s: float = 0.0  # elapsed_s without the closing until_idle wait
 
     @property
     def settled(self) -> int:
@@ -41,10 +53,15 @@ class RunReport:
 
     @property
     def messages_per_s(self) -> float:
-        return self.settled / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        span = self.active_s if self.active_s > 0 else self.elapsed_s
+        return self.settled / span if span > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["messages_per_s"] = round(self.messages_per_s, 1)
         d["elapsed_s"] = round(self.elapsed_s, 3)
+        d["active_s"] = round(self.active_s, 3)
+        if self.failures_total > len(self.failures):
+            d["failures_cut"] = (f"the first {len(self.failures)} of {self.failures_total} "
+                                 "failures are listed")
         return d

@@ -51,6 +51,14 @@ class Metrics:
             buckets=(1, 10, 100, 500, 1000, 2000, 5000, 10000, 50000), registry=r)
         self.bisections = Counter("ackflow_bisections", "Failed Spark jobs split in halves",
                                   registry=r)
+        self.systemic = Gauge("ackflow_systemic_failure",
+                              "1 while every message fails the same way at a step (messages "
+                              "are given back, never dead-lettered)", ["step"], registry=r)
+        self.given_back_systemic = Counter(
+            "ackflow_messages_given_back_systemic",
+            "Failed deliveries given back because the failure was systemic", registry=r)
+        self.jobs = Counter("ackflow_spark_jobs", "Spark jobs run (bisection jobs included)",
+                            registry=r)
         self.max_inflight.set(max_inflight)
         self._episodes_seen = 0
         self._server: Any = None

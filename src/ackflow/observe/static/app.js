@@ -342,6 +342,17 @@ async function replaySelected() {
   updateReplayButton();
 }
 
+function drawSystemic(s) {
+  const box = $("systemic"), e = s.systemic;
+  box.hidden = !e;
+  if (!e) return;
+  setText("systemic-step", e.step);
+  setText("systemic-since", new Date(e.since * 1000).toLocaleTimeString());
+  setText("systemic-error", e.error);
+  setText("systemic-messages", num(e.messages));
+  setText("systemic-batches", num(e.batches));
+}
+
 // -- the whole page ----------------------------------------------------------------------
 
 function render(s) {
@@ -361,6 +372,8 @@ function render(s) {
   setText("c-redelivered", num(t.redelivered));
   setText("c-released", `${num(t.released)} / ${num(t.recovered)}`);
   setText("c-batches", num(t.batches));
+  setText("c-jobs", `${num(t.jobs)} / ${num(t.bisections)}`);
+  drawSystemic(s);
   drawGraph(s);
   legend("legend-rates", ["pulled", "acked", "nacked", "dead_lettered"]);
   legend("legend-window", ["in_flight", "max_inflight"]);

@@ -1,0 +1,159 @@
+"""Poison or systemic? A failure every message hits is not the messages' fault.
+
+Bisection isolates bad messages; it cannot tell a bad message from a failure that every
+message meets the same way (a sink that is down or refuses a type, a missing
+permission, a full disk, a bug). Dead-lettering on such a failure would turn good data
+into dead letters. The rule (README, "Systemic failures"):
+
+* A failure's *signature* is its step and its error text. A step *works* in a batch if
+  the batch gives proof of it: rows written by that sink, or, for any other step, an
+  acked message.
+* When ``after`` distinct messages (3 by default) have failed with one signature, and
+  its step has not worked since the first of them, the failure is **systemic**: those
+  messages, and every later one failing the same way, are given back to their source
+  (released: no delivery spent, never dead-lettered); the engine stops pulling for a
+  backoff that doubles from ``backoff_s`` up to ``max_backoff_s`` and shows the episode
+  on the status page and in metrics.
+* As soon as the step works again the episode ends (the messages flow, and a message
+  that is really bad is dead-lettered as before). If the episode lasts ``stop_after_s``,
+  the run stops with :class:`~ackflow.core.errors.SystemicFailure`, naming the step and
+  the error.
+
+A stream in which, for ``stop_after_s``, every message fails identically cannot be
+told from a broken pipeline: the run stops and says so rather than dead-letter it.
+
+>>> t = [0.0]
+>>> d = SystemicDetector(sinks={"sink"}, after=3, stop_after_s=60, clock=lambda: t[0])
+>>> d.judge([("m1", "sink", "write failed: disk full")], working=set())
+set()
+>>> sorted(d.judge([("m2", "sink", "write failed: disk full"),
+...                 ("m3", "sink", "write failed: disk full")], working=set()))
+['m2', 'm3']
+>>> d.episode is not None, d.backoff_s()
+(True, 1.0)
+>>> t[0] = 61.0; d.overdue()
+True
+>>> _ = d.judge([], working={"sink"}); d.episode is None
+True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+
+from ackflow.core.errors import ConfigError
+
+#: the step of failures with no better name (a Spark job, the ledger): any acked
+#: message proves it works
+ANY_STEP = "*"
+
+
+@dataclass
+class Episode:
+    """A systemic failure in progress: where, what, since when, how many given back."""
+
+    step: str
+    error: str
+    since: float  # the detector's clock
+    started_at: float  # wall clock (for the page and the report)
+    messages: int = 0  # deliveries given back during the episode
+    batches: int = 0
+    detail: str = ""  # the longest error text seen (a traceback, when one came back)
+
+    def as_json(self) -> dict[str, object]:
+        return {"step": self.step, "error": self.error, "since": self.started_at,
+                "messages": self.messages, "batches": self.batches}
+
+
+@dataclass
+class _Streak:
+    keys: set[Hashable] = field(default_factory=set)
+
+
+class SystemicDetector:
+    """Decides which failures are systemic (see the module docstring). Not thread-safe:
+    the engine's thread owns it."""
+
+    def __init__(self, *, sinks: Iterable[str] = (), after: int = 3, stop_after_s: float = 300.0,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(after, int) or after < 2:
+            raise ConfigError(f"systemic_after must be an integer >= 2, got {after!r}")
+        for name, value in (("systemic_stop_after_s", stop_after_s),
+                            ("systemic backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
+            if not (isinstance(value, int | float) and value == value and 0 <= value < float("inf")):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        self.after = after
+        self.sinks = frozenset(sinks)
+        self.stop_after_s = float(stop_after_s)
+        self._backoff = float(backoff_s)
+        self._max_backoff = float(max_backoff_s)
+        self._clock = clock
+        self._streaks: dict[tuple[str, str], _Streak] = {}
+        self.episode: Episode | None = None
+        self.episodes = 0  # episodes begun in this run
+        self.given_back = 0  # deliveries given back as systemic in this run
+        self._strikes = 0  # batches of the current episode (for the backoff)
+
+    def judge(self, failures: Iterable[tuple[Hashable, str, str]], *,
+              working: set[str], detail: Callable[[str, str], str] | None = None
+              ) -> set[Hashable]:
+        """``failures``: (key, step, error) of one batch's failed messages (before any is
+        settled); ``working``: the steps the batch proved work (sink names that wrote rows,
+        and :data:`ANY_STEP` if a message was acked). Returns the keys to give back."""
+        self._evidence(working)
+        by_sig: dict[tuple[str, str], list[Hashable]] = {}
+        for key, step, error in failures:
+            by_sig.setdefault((step, error), []).append(key)
+        systemic: set[Hashable] = set()
+        for sig, keys in by_sig.items():
+            if self._works(sig[0], working):
+                continue  # the step worked in this very batch: these messages are the cause
+            streak = self._streaks.setdefault(sig, _Streak())
+            if len(streak.keys) < self.after:
+                streak.keys.update(keys[: self.after])
+            if len(streak.keys) >= self.after:
+                systemic.update(keys)
+                self._enter(sig, len(keys), detail(*sig) if detail else "")
+        if len(self._streaks) > 10_000:  # bounded: forget the oldest signatures
+            for sig in list(self._streaks)[:5_000]:
+                del self._streaks[sig]
+        self.given_back += len(systemic)
+        return systemic
+
+    def _works(self, step: str, working: set[str]) -> bool:
+        """A failing step works if the batch proved it: that sink wrote rows, or (a step
+        that is not a sink) a message was acked."""
+        return step in working or (step not in self.sinks and ANY_STEP in working)
+
+    def _evidence(self, working: set[str]) -> None:
+        if not working:
+            return
+        for sig in [s for s in self._streaks if self._works(s[0], working)]:
+            del self._streaks[sig]
+        if self.episode is not None and self._works(self.episode.step, working):
+            self.episode = None
+            self._strikes = 0
+
+    def _enter(self, sig: tuple[str, str], n: int, detail: str) -> None:
+        if self.episode is None:
+            self.episode = Episode(sig[0], sig[1], self._clock(), time.time())
+            self.episodes += 1
+        self.episode.messages += n
+        self.episode.batches += 1
+        if len(detail) > len(self.episode.detail):
+            self.episode.detail = detail
+        self._strikes += 1
+
+    def backoff_s(self) -> float:
+        """How long to stop pulling after a batch of the current episode."""
+        if self.episode is None:
+            return 0.0
+        return min(self._backoff * 2 ** max(self._strikes - 1, 0), self._max_backoff)
+
+    def overdue(self) -> bool:
+        """True once the current episode has lasted ``stop_after_s``."""
+        return (self.episode is not None
+                and self._clock() - self.episode.since >= self.stop_after_s)

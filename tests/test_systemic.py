@@ -1,0 +1,205 @@
+"""Poison or systemic: a failure every message meets the same way never dead-letters them.
+
+A sink that raises for every message, a Column expression that fails every row the same
+way, a commit that always fails: the messages are given back (no delivery spent), the
+episode shows in the report, the metrics and the status page within one batch, and the
+run stops with SystemicFailure after ``systemic_stop_after_s``. A step that works again
+ends the episode; real poison is still isolated and dead-lettered.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+import ackflow
+from ackflow.core.errors import ConfigError, SystemicFailure
+from ackflow.core.systemic import ANY_STEP, SystemicDetector
+from ackflow.engine.loop import Engine
+from ackflow.sinks import MemorySink
+from ackflow.testing import FailingSink, ListSource
+from helpers import FAST, bodies
+
+
+# -- the detector, without Spark -----------------------------------------------------------
+
+def test_a_streak_across_batches_becomes_systemic_and_evidence_ends_it():
+    t = [0.0]
+    d = SystemicDetector(sinks={"pg"}, after=3, stop_after_s=10, clock=lambda: t[0])
+    assert d.judge([(1, "pg", "down")], working=set()) == set()
+    assert d.judge([(2, "pg", "down")], working=set()) == set()
+    assert d.judge([(3, "pg", "down"), (4, "pg", "down")], working=set()) == {3, 4}
+    assert d.episode is not None and d.episode.step == "pg" and d.episodes == 1
+    assert d.backoff_s() == 1.0
+    assert d.judge([(5, "pg", "down")], working=set()) == {5}
+    assert d.backoff_s() == 2.0
+    t[0] = 10.0
+    assert d.overdue()
+    # another sink writing rows is no proof for "pg"; an acked message is none either
+    assert d.judge([(6, "pg", "down")], working={"other", ANY_STEP}) == {6}
+    # "pg" wrote rows: it works; the same error now is the message's own
+    assert d.judge([(7, "pg", "down")], working={"pg"}) == set()
+    assert d.episode is None and not d.overdue()
+
+
+def test_one_message_failing_again_and_again_is_poison_not_systemic():
+    d = SystemicDetector(after=3)
+    for _ in range(10):  # the same message, redelivered: one distinct key
+        assert d.judge([("m1", "parse", "ValueError: bad")], working=set()) == set()
+    assert d.episode is None
+
+
+def test_different_errors_are_different_signatures():
+    d = SystemicDetector(after=3)
+    fails = [(i, "parse", f"ValueError: bad value {i}") for i in range(10)]
+    assert d.judge(fails, working=set()) == set()
+
+
+def test_a_step_that_is_not_a_sink_works_when_a_message_is_acked():
+    d = SystemicDetector(sinks={"pg"}, after=2)
+    assert d.judge([(1, "parse", "KeyError: 'x'")], working={ANY_STEP}) == set()
+    assert d.judge([(2, "parse", "KeyError: 'x'")], working={ANY_STEP}) == set()
+    assert d.episode is None
+
+
+@pytest.mark.parametrize("kwargs", [{"after": 1}, {"after": 2.5}, {"stop_after_s": float("nan")},
+                                    {"stop_after_s": -1}, {"max_backoff_s": float("inf")}])
+def test_bad_settings_fail_at_start(kwargs):
+    with pytest.raises(ConfigError):
+        SystemicDetector(**kwargs)
+
+
+# -- end to end, on Spark ------------------------------------------------------------------
+
+def engine_for(flow, spark, **options):
+    opts = {**FAST, "until_idle": 0.5, "systemic_stop_after_s": 3.0, "systemic_backoff_s": 0.1,
+            "systemic_max_backoff_s": 0.2, **options}
+    return Engine(flow, spark=spark, handle_signals=False, **opts)
+
+
+def only_released(src):
+    """Every settlement of every message was a give-back: none nacked, none dead."""
+    return all(set(v) == {"released"} for v in src.settled.values()) and not src.dead_letters
+
+
+@pytest.mark.spark
+def test_a_sink_that_raises_for_every_message_never_makes_a_dead_letter(spark):
+    src = ListSource(bodies([{"n": i} for i in range(30)]),
+                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    sink = FailingSink(raise_if=lambda r: True, name="broken")
+    engine = engine_for(ackflow.Flow(src).to(sink), spark, ui_port=0)
+    seen: dict[str, object] = {}
+
+    def watch():  # the page and the metrics show it while the run goes on
+        from helpers import wait_until
+
+        def shown():
+            page = engine.board.current()[1] if engine.board is not None else None
+            if page and page.get("systemic"):
+                seen["page"] = page["systemic"]
+                seen["metric"] = engine.metrics.systemic.labels(step="broken")._value.get()
+                return True
+            return False
+
+        wait_until(shown, timeout=60)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with pytest.raises(SystemicFailure) as info:
+        engine.run()
+    watcher.join(5)
+    e = info.value
+    assert e.step == "broken" and "sink exploded mid-write" in str(e), str(e)
+    assert only_released(src), src.settled
+    report = engine.report
+    assert report.dead_lettered == 0 and report.nacked == 0 and report.acked == 0
+    assert report.given_back_systemic >= 30 and report.systemic_episodes == 1
+    assert report.systemic is not None and report.systemic["step"] == "broken"
+    assert seen.get("metric") == 1.0 and seen["page"]["step"] == "broken", seen
+    # no delivery was spent: every message can still be delivered max_deliveries times
+    assert all(n <= 1 for n in src.deliveries.values()), src.deliveries
+
+
+@pytest.mark.spark
+def test_a_column_that_fails_every_row_is_probed_not_bisected_to_the_end(spark):
+    """``cast('x' as int)`` fails every job with one error: after one split and three
+    messages tried alone, the rest gets the failure untested and all are given back."""
+    from pyspark.sql import functions as F
+
+    src = ListSource(bodies([{"n": i} for i in range(64)]),
+                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    flow = ackflow.Flow(src).with_columns(bad=F.lit("x").cast("int")).to(MemorySink())
+    engine = engine_for(flow, spark, batch_size=64, max_inflight=64)
+    with pytest.raises(SystemicFailure) as info:
+        engine.run()
+    assert "CAST_INVALID_INPUT" in str(info.value)
+    assert only_released(src), src.settled
+    r = engine.report
+    assert r.dead_lettered == 0 and r.given_back_systemic >= 64
+    # per batch: the whole, two halves, three probes (never 2 x 64 bisection jobs)
+    batches = -(-r.pulled // 64)
+    assert r.jobs <= 6 * batches, (r.jobs, r.pulled)
+
+
+@pytest.mark.spark
+def test_two_poison_messages_with_one_error_in_both_halves_are_still_isolated(spark):
+    """Both halves fail with the same error (the same bad value in each): the probes
+    pass, bisection resumes, the two are dead-lettered and the rest acked."""
+    from pyspark.sql import functions as F
+
+    rows = [{"v": "1"} for _ in range(16)]
+    rows[2] = rows[13] = {"v": "abc"}
+    src = ListSource(bodies(rows), policy=ackflow.RetryPolicy(max_deliveries=1))
+    flow = ackflow.Flow(src).with_columns(n=F.col("v").cast("int")).to(MemorySink())
+    report = ackflow.run(flow, spark=spark, **{**FAST, "batch_size": 16})
+    assert report.acked == 14 and report.dead_lettered == 2, report.failures
+    assert sorted(src.dead_letters) == ["m13", "m2"]
+    assert report.given_back_systemic == 0
+
+
+@pytest.mark.spark
+def test_a_sink_that_comes_back_ends_the_episode_and_every_message_lands(spark, tmp_path):
+    heal = tmp_path / "up"
+    sink = MemorySink(name="flaky")
+    real = sink.write_partition
+
+    def write(batch_id, partition, rows, _path=str(heal), _real=real):
+        import os
+
+        if not os.path.exists(_path):
+            raise ConnectionError("connection refused")
+        return _real(batch_id, partition, rows)
+
+    sink.write_partition = write  # pickled with the sink: the tasks see the file
+    src = ListSource(bodies([{"n": i} for i in range(20)]),
+                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    engine = engine_for(ackflow.Flow(src).to(sink), spark, systemic_stop_after_s=120)
+
+    def heal_later():
+        from helpers import wait_until
+
+        wait_until(lambda: engine.report.given_back_systemic >= 20, timeout=60)
+        heal.write_text("1")
+
+    threading.Thread(target=heal_later, daemon=True).start()
+    report = engine.run()
+    assert report.acked == 20 and report.dead_lettered == 0, report.failures
+    assert report.given_back_systemic >= 20 and report.systemic is None
+    assert sorted(json.loads(json.dumps(r["n"])) for r in sink.rows) == list(range(20))
+
+
+@pytest.mark.spark
+def test_a_commit_that_always_fails_is_systemic(spark):
+    class NoCommit(MemorySink):
+        def commit(self, batch_id, tokens):
+            raise PermissionError("permission denied for table orders")
+
+    src = ListSource(bodies([{"n": i} for i in range(10)]),
+                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    engine = engine_for(ackflow.Flow(src).to(NoCommit(name="orders")), spark)
+    with pytest.raises(SystemicFailure) as info:
+        engine.run()
+    assert info.value.step == "orders" and "permission denied" in str(info.value)
+    assert only_released(src) and engine.report.dead_lettered == 0
