@@ -167,7 +167,13 @@ def test_missing_table_and_unreachable_server_fail_at_start_without_the_password
         Postgres(postgres.dsn, "t", mode="merge")
 
 
-def test_an_unreachable_database_fails_the_rows_never_acks_and_hides_the_password(spark):
+def test_an_unreachable_database_never_acks_never_dead_letters_and_hides_the_password(spark):
+    """A database gone after the start fails every message the same way: a systemic
+    failure (tests/test_systemic.py). Nothing acked, nothing dead-lettered, every message
+    given back, and the run stops with an error that names the sink, not the password."""
+    from ackflow.core.errors import SystemicFailure
+    from ackflow.engine.loop import Engine
+
     class Unreachable(Postgres):  # as if the server went away after the start
         def open(self):
             pass
@@ -179,12 +185,14 @@ def test_an_unreachable_database_fails_the_rows_never_acks_and_hides_the_passwor
                      policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
     sink = Unreachable("postgresql://app:hunter2secret@127.0.0.1:1/db", "t", name="pg",
                        connect_timeout=1)
-    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark, **FAST)
-    assert report.acked == 0 and report.dead_lettered == 30
-    assert src.settled["m0"] == ["nacked", "dead_lettered"]
-    failure = src.failures["m0"]
-    assert failure.step == "pg" and "cannot connect to PostgreSQL" in failure.error
-    assert "hunter2secret" not in failure.error
+    engine = Engine(ackflow.Flow(src).to(sink), spark=spark, handle_signals=False,
+                    systemic_stop_after_s=2, systemic_backoff_s=0.1, **FAST)
+    with pytest.raises(SystemicFailure) as e:
+        engine.run()
+    assert e.value.step == "pg" and "cannot connect to PostgreSQL" in str(e.value)
+    assert "hunter2secret" not in str(e.value) + e.value.detail
+    assert engine.report.acked == 0 and engine.report.dead_lettered == 0
+    assert not src.dead_letters and set(src.settled["m0"]) == {"released"}
 
 
 def test_join_matches_and_groups_get_stable_keys_so_a_rerun_changes_nothing(

@@ -203,3 +203,33 @@ def test_a_commit_that_always_fails_is_systemic(spark):
         engine.run()
     assert info.value.step == "orders" and "permission denied" in str(info.value)
     assert only_released(src) and engine.report.dead_lettered == 0
+
+
+@pytest.mark.spark
+def test_postgres_refusing_every_write_for_privilege_is_systemic_not_poison(
+        spark, postgres, pg_table):
+    """The table refuses every insert with SQLSTATE 42501 (insufficient privilege, raised
+    by a trigger: the start-up check passes, the writes do not). A SQLSTATE no row's
+    values cause fails the write as a whole: given back, never dead-lettered. A
+    constraint violation (class 23) stays the row's own (tests/test_postgres.py)."""
+    import psycopg
+    from psycopg import sql
+
+    from ackflow.sinks import Postgres
+
+    table = sql.Identifier(pg_table)
+    with psycopg.connect(postgres.dsn, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n bigint)").format(table))
+        c.execute("CREATE OR REPLACE FUNCTION af_deny() RETURNS trigger LANGUAGE plpgsql AS "
+                  "$$ BEGIN RAISE EXCEPTION 'permission denied for table orders' "
+                  "USING ERRCODE = '42501'; END $$")
+        c.execute(sql.SQL("CREATE TRIGGER deny BEFORE INSERT ON {} FOR EACH ROW "
+                          "EXECUTE FUNCTION af_deny()").format(table))
+    src = ListSource(bodies([{"n": i} for i in range(12)]),
+                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    engine = engine_for(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, name="orders")),
+                        spark)
+    with pytest.raises(SystemicFailure) as info:
+        engine.run()
+    assert info.value.step == "orders" and "permission denied" in str(info.value)
+    assert only_released(src) and engine.report.dead_lettered == 0

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ackflow.core.errors import AckflowError, ConfigError
+from ackflow.core.secrets import redact
 
 log = logging.getLogger("ackflow")
 
@@ -48,6 +49,9 @@ def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> No
                    help="Spark jobs in flight at once (default 2)")
     p.add_argument("--drain-timeout", type=_seconds, default=60.0,
                    help="on SIGINT/SIGTERM, seconds to let running batches finish (default 60)")
+    p.add_argument("--systemic-stop-after", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="stop the run when every message has failed the same way at one step "
+                        "for this long; they are given back, never dead-lettered (default 300)")
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (off by default)")
@@ -135,6 +139,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_inflight": args.max_inflight,
         "max_concurrent_batches": args.max_concurrent_batches,
         "drain_timeout_s": args.drain_timeout,
+        "systemic_stop_after_s": args.systemic_stop_after,
         "until_idle": args.until_idle,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
@@ -298,8 +303,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_queue(args: argparse.Namespace) -> int:
     from ackflow.embedded import EmbeddedQueue
 
+    if "://" in args.db or ("=" in args.db and not os.path.exists(args.db)):  # URL or DSN
+        raise ConfigError(
+            f"--db {redact(args.db)!r} is a URL, not a queue file: `ackflow queue` works on "
+            "the embedded queue's SQLite file (a path). RabbitMQ keeps dead letters in the "
+            "queue its dead-letter exchange routes to: read them with the broker's tools")
     if not os.path.exists(args.db):
-        raise ConfigError(f"queue file {args.db!r} does not exist")
+        raise ConfigError(f"queue file {redact(args.db)!r} does not exist")
     EmbeddedQueue(args.db, readonly=True).close()  # a foreign file is refused, unchanged
     q = EmbeddedQueue(args.db, readonly=args.action != "replay")
     try:
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         return cmd_queue(args)
     except AckflowError as e:
-        print(f"ackflow: error: {e}", file=sys.stderr)
+        print(f"ackflow: error: {redact(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -53,12 +53,23 @@ def _ranked_errors(receipts: pa.Table, order: Sequence[str] | None) -> pa.Array:
     )
 
 
+#: how a task's receipt starts the error of a sink write that raised for its whole
+#: partition (not a row's own failure): ``write failed: <error>``
+WHOLE_WRITE = "write failed: "
+
+
 @dataclass(frozen=True)
 class Failure:
-    """Why a message failed: the step that failed and the error, as text."""
+    """Why a message failed: the step that failed and the error, as text.
+
+    ``whole``: the failure hit a write or a job as a whole (a sink's write that raised
+    for a partition, a commit, a job whose messages each fail it alone the same way, a
+    lost lineage), not something the step attributed to this message's own row: such
+    failures are candidates for a *systemic* failure (:mod:`ackflow.core.systemic`)."""
 
     step: str
     error: str
+    whole: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
         return f"step {self.step!r}: {self.error}"
@@ -74,7 +85,8 @@ class Outcomes:
     over_reported: list[int] = field(default_factory=list)  # ids a sink over-reported (a bug)
 
 
-NO_RECEIPT = Failure("ledger", "no receipt came back for this message (lineage lost); not acked")
+NO_RECEIPT = Failure("ledger", "no receipt came back for this message (lineage lost); not acked",
+                     whole=True)
 
 
 def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
@@ -135,7 +147,7 @@ def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
                 "this message (a bug in the sink or the plan); not acked")
         elif err is not None:
             _, step, text = err.split(_SEP, 2)
-            outcomes.failed[mid] = Failure(step, text)
+            outcomes.failed[mid] = Failure(step, text, whole=text.startswith(WHOLE_WRITE))
         elif not short:
             outcomes.failed[mid] = Failure(
                 "ledger", "a branch returned no receipt for this message (lineage lost)")

@@ -91,7 +91,7 @@ def execute(
             return None
         if result.jobs >= max_jobs:  # the budget went to earlier jobs
             fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
-                                 f"after {max_jobs} jobs: {last_error[-1]}"))
+                                 f"after {max_jobs} jobs: {last_error[-1]}", whole=True))
             return None
         result.jobs += 1
         if count is not None:
@@ -145,12 +145,13 @@ def execute(
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
         return None
 
-    def alone(d: Delivery, error: str) -> Failure:
-        """The failure of a message whose job failed with it alone."""
+    def alone(d: Delivery, error: str, whole: bool = False) -> Failure:
+        """The failure of a message whose job failed with it alone (``whole``: as the
+        whole batch's did, a probe of :func:`probe_each`)."""
         step = _locate(compiled, [d])
         log.warning("batch %s: message %s fails the Spark job on its own in step %r: %s",
                     batch_id, d.key, step, error)
-        failure = Failure(step, f"the Spark job failed on this message: {error}")
+        failure = Failure(step, f"the Spark job failed on this message: {error}", whole=whole)
         result.details[(failure.step, failure.error)] = result.full_errors.get(error, "")
         result.outcomes.failed[d.lineage_id] = failure
         return failure
@@ -161,7 +162,7 @@ def execute(
             log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
                       "failing %d messages: %s", batch_id, max_jobs, len(ds), error)
             fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
-                                 f"after {max_jobs} jobs: {error}"))
+                                 f"after {max_jobs} jobs: {error}", whole=True))
             return
         half = len(ds) // 2
         result.bisections += 1
@@ -188,7 +189,7 @@ def execute(
         for i, d in enumerate(ds[:uniform_probes]):
             e = run_once([d], f"{bid}p{i}")
             if e is not None:
-                f = alone(d, e)
+                f = alone(d, e, whole=e == error)
                 if e == error:
                     failure = failure or f
                     continue
@@ -251,8 +252,8 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
     except JobFailed as e:
         abort_all(compiled, batch_id, {})
         log.error("groups %s: Spark job over %d groups failed: %s", batch_id, n, e)
-        result.outcomes.failed = {m: Failure("spark", f"the group's Spark job failed: {e}")
-                                  for m in expected}
+        result.outcomes.failed = {m: Failure("spark", f"the group's Spark job failed: {e}",
+                                             whole=True) for m in expected}
         return result
     failed_sink = commit_all(compiled, batch_id, job.tokens)
     if failed_sink is not None:
@@ -297,7 +298,7 @@ def commit_all(compiled: Plan, batch_id: str,
         except Exception as e:  # noqa: BLE001 - a failed commit fails the batch, never acks
             log.error("batch %s: sink %r commit failed: %s", batch_id, sink.name, e)
             abort_all(compiled, batch_id, tokens)
-            return Failure(sink.name, f"commit failed: {describe(e)}")
+            return Failure(sink.name, f"commit failed: {describe(e)}", whole=True)
     return None
 
 

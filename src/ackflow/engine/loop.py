@@ -262,7 +262,7 @@ class Engine:
         if missing:  # cannot happen by construction; never ack what has no outcome
             log.error("batch %s: %d messages got no outcome; failing them", result.batch_id,
                       len(missing))
-            lost = Failure("engine", "no outcome for this message; not acked")
+            lost = Failure("engine", "no outcome for this message; not acked", whole=True)
             self._fail(result.batch_id, [(d, lost) for d in missing])
 
         self._forget(deliveries)
@@ -365,8 +365,8 @@ class Engine:
             working.add(ANY_STEP)
         detector = self.systemic
         was = detector.episode
-        systemic = detector.judge(
-            [(d.lineage_id, f.step, f.error) for d, f in failures], working=working,
+        systemic = detector.judge(  # only failures of a write or job as a whole
+            [(d.lineage_id, f.step, f.error) for d, f in failures if f.whole], working=working,
             detail=lambda step, error: result.details.get((step, error), ""))
         if was is not None and detector.episode is None:
             log.warning("step %r works again: the systemic failure is over (%d deliveries "

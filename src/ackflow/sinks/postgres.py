@@ -28,6 +28,13 @@ MODES = ("upsert", "insert")
 
 PG_NAME_BYTES = 63  # longer identifiers are cut by the server (NAMEDATALEN - 1)
 
+#: SQLSTATE classes a row's own values can cause (data exception, integrity constraint,
+#: check option, program limit such as an index row too large, a trigger's RAISE): such
+#: an error is bisected down to the rows that cause it. Any other class (42: no
+#: privilege or a missing object, 53: disk full, 40: a deadlock, XX: internal) fails
+#: the partition's write as a whole.
+ROW_SQLSTATE_CLASSES = frozenset({"22", "23", "44", "54", "P0"})
+
 
 def pg_type(t: Any) -> str:
     """The PostgreSQL column type for an Arrow type (``create=True``)."""
@@ -294,6 +301,11 @@ class PostgresSink(Sink):
             raise
         except psycopg.Error as e:
             conn.rollback()
+            state = getattr(e, "sqlstate", None) or ""
+            if state[:2] not in ROW_SQLSTATE_CLASSES:
+                # not the data's fault (no privilege, disk full, a lock, a server error):
+                # the whole write fails, and every message alike (a systemic failure)
+                raise RuntimeError(self._hide(_describe_pg(e))) from None
             if len(idx) == 1:
                 failed[idx[0]] = self._hide(_describe_pg(e))
                 return
