@@ -3,7 +3,9 @@ plain-Python model of what must happen to every message (tests/test_model.py).
 
 A generated example is a flow over one or two sources (merged), Python steps (map,
 filter, flat_map, a step that crashes its task), optionally Column steps (a cast that
-fails, group_by, join, transform: Spark only), optionally ``grouped_within``, and one to
+fails, group_by, join, transform, and a last step making a column of every Spark SQL type
+with nulls, whose values the sinks must hold: Spark only), optionally ``grouped_within``,
+and one to
 three keyed sinks (broadcast ``all``, with sub-flow branches, or ``primary`` with
 fallbacks) that refuse rows, raise, or fail a commit before or after applying it;
 ``on_error`` dead letters; retries; batch size, window and concurrency; and fault points
@@ -40,7 +42,7 @@ ENGINE_FAULTS = ("batch.after_job", "batch.after_commit", "engine.mid_ack",
 
 @dataclass(frozen=True)
 class Branch:
-    sink: str  # "ok" | "refuse" | "raise"
+    sink: str  # "ok" | "refuse" | "raise" | "down" (raises for every partition)
     mod: int
     rest: int
     steps: tuple[tuple[str, int], ...] = ()  # sub-flow steps: ("bmap", m) | ("bfilter", m)
@@ -110,11 +112,27 @@ def examples(draw: Any, spark: bool = False, max_messages: int = 30) -> Example:
     engine_faults = tuple(draw(st.lists(
         st.tuples(st.sampled_from(ENGINE_FAULTS), st.integers(1, 3)), max_size=2,
         unique_by=lambda f: f[0])))
+    if spark and not any(br.steps for br in branches) and draw(st.booleans()):
+        steps = (*steps, ("types", 0))  # last: later Python steps would rebuild the rows
     batch_size = draw(st.integers(1, 16))
     window = draw(st.integers(batch_size, 40))
     return Example(ns, draw(st.sampled_from([1, 1, 2])), steps, grouped, mode,
                    tuple(branches), on_error, commit_faults, engine_faults, batch_size,
                    window, draw(st.integers(1, 3)))
+
+
+@st.composite
+def down_examples(draw: Any, spark: bool = False) -> Example:
+    """Examples whose every sink is down (raises for every partition): no commit or
+    engine faults, no crash or failing-cast steps (a job that fails alike for several
+    messages is itself judged systemic), no grouped_within, broadcast ``all``."""
+    from dataclasses import replace
+
+    ex = draw(examples(spark=spark, max_messages=16))
+    steps = tuple(s for s in ex.steps if s[0] not in ("crash", "cast"))
+    branches = tuple(Branch("down", b.mod, b.rest, b.steps) for b in ex.branches)
+    return replace(ex, steps=steps, branches=branches, mode="all", grouped=False,
+                   commit_faults=(), engine_faults=())
 
 
 # -- the source: a broker that redelivers what a dead consumer held ----------------------
@@ -194,7 +212,12 @@ class ModelSource(ListSource):
         ListSource.nack(self, [(d, f) for d, f in failures if self._settled(d)])
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
-        ListSource.release(self, [d for d in deliveries if self._settled(d)])
+        """Give back; the next delivery counts anew, as a broker's redelivery does (so
+        every delivery of the model keeps a number of its own)."""
+        for d in deliveries:
+            if self._settled(d):
+                self._record(d, "released")
+                self._ready.append(int(d.handle))  # type: ignore[call-overload]
 
     def pending(self) -> int:
         """Messages not yet finally settled (ready, delayed or outstanding)."""
@@ -207,6 +230,41 @@ def _sink_pred(b: Branch) -> Any:
     def pred(r: dict[str, Any], m: int = b.mod, x: int = b.rest) -> bool:
         return r["n"] % m == x % m
     return pred
+
+
+def _always(r: dict[str, Any]) -> bool:
+    return True
+
+
+#: the "types" step: a column of every Spark SQL type, from n (nulls where n % 3 == 0)
+TYPE_COLUMNS = {
+    "ts": "CASE WHEN n % 3 = 0 THEN NULL ELSE timestamp_seconds(n) END",
+    "ntz": "CAST(timestamp_seconds(n) AS TIMESTAMP_NTZ)",
+    "day": "date_from_unix_date(CAST(n AS INT))",
+    "dec": "CASE WHEN n % 3 = 0 THEN NULL ELSE CAST(n / 4 AS DECIMAL(10,2)) END",
+    "bin": "CAST(CAST(n AS STRING) AS BINARY)",
+    "arr": "array(n, c)",
+    "mp": "map('n', n)",
+    "st": "named_struct('n', n, 'at', timestamp_seconds(n))",
+    "ok": "n % 2 = 0",
+    "f32": "CAST(n AS FLOAT) / 2",
+    "i16": "CAST(n AS SMALLINT)",
+}
+
+
+def type_values(n: int, c: int) -> dict[str, Any]:
+    """The values of :data:`TYPE_COLUMNS` as a sink's Arrow rows give them back."""
+    import datetime as dt
+    from decimal import Decimal
+
+    at = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=n)
+    return {
+        "ts": None if n % 3 == 0 else at, "ntz": at.replace(tzinfo=None),
+        "day": dt.date(1970, 1, 1) + dt.timedelta(days=n),
+        "dec": None if n % 3 == 0 else Decimal(n) / 4, "bin": str(n).encode(),
+        "arr": [n, c], "mp": [("n", n)], "st": {"n": n, "at": at}, "ok": n % 2 == 0,
+        "f32": n / 2, "i16": n,
+    }
 
 
 def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSource],
@@ -231,7 +289,7 @@ def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSourc
     for b, br in enumerate(ex.branches):
         pred = _sink_pred(br)
         kw = {"fail_if": pred} if br.sink == "refuse" else {"raise_if": pred} \
-            if br.sink == "raise" else {}
+            if br.sink == "raise" else {"raise_if": _always} if br.sink == "down" else {}
         sinks.append(KeyedSink(f"b{b}", fail_commits=commit_faults.get(b), **kw))
     if ex.mode == "primary":
         flow = flow.broadcast(sinks[0], mode="primary", fallback=sinks[1:])
@@ -292,6 +350,8 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
         return flow.transform(lambda df: df.drop("tag"), name=f"{name}drop")
     if kind == "transform":
         return flow.transform(lambda df: df.withColumn("c", df["c"] + 0), name=name)
+    if kind == "types":
+        return flow.with_columns(TYPE_COLUMNS, name=name)
     raise AssertionError(kind)
 
 
@@ -384,6 +444,8 @@ def model(ex: Example) -> list[Fate]:
             elif kind == "join":
                 if r["n"] % arg != 0:
                     out.append((i, key, r))
+            elif kind == "types":
+                out.append((i, key, {**r, **type_values(r["n"], r["c"])}))
             else:
                 out.append((i, key, r))
         rows = out
@@ -411,7 +473,7 @@ def model(ex: Example) -> list[Fate]:
         if ex.mode == "all":
             for b, br in enumerate(ex.branches):
                 hit = [r for r in fate.rows.get(b, {}).values() if pred[b](r)]
-                if hit and br.sink in ("refuse", "raise"):
+                if hit and br.sink in ("refuse", "raise", "down"):
                     fate.must.append(f"b{b}")
                 if any_raise and fate.rows.get(b):  # its rows share partitions with others
                     fate.may.update(f"b{x}" for x in any_raise)

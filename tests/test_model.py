@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from ackflow.engine.loop import Engine
-from model import Branch, Example, build, examples, model, reasons, settle_all
+from model import Branch, Example, build, down_examples, examples, model, reasons, settle_all
 
 LOCAL_EXAMPLES = int(os.environ.get("ACKFLOW_MODEL_EXAMPLES", "1000"))
 SPARK_EXAMPLES = int(os.environ.get("ACKFLOW_MODEL_SPARK_EXAMPLES", "50"))
@@ -41,9 +41,14 @@ def run_example(ex: Example, **engine: object) -> None:
     fates = model(ex)
 
     def run() -> None:
+        # The model's poison fails by value with one error text ("poison row", a sink that
+        # raises for a partition holding a chosen row): by construction it cannot be told
+        # from a systemic failure, so these examples run without that rule; the examples
+        # of test_model_down_* below test it.
         Engine(flow, batch_size=ex.batch_size, max_inflight=ex.window,
                max_concurrent_batches=ex.concurrency, batch_timeout_s=0.01, until_idle=0.02,
-               max_bisect_jobs=1000, handle_signals=False, **engine).run()
+               max_bisect_jobs=1000, handle_signals=False, systemic_after=10**9,
+               **engine).run()
 
     # on Spark a failed job kills its tasks' Python workers, and the next job forks and
     # imports new ones: an example that bisects three batches took 65 s on 2 cores
@@ -141,3 +146,71 @@ def test_model_local(ex: Example) -> None:
 @example(ex=CAST_READ)
 def test_model_spark(spark: object, ex: Example) -> None:
     run_example(ex, spark=spark)
+
+
+# -- a sink that fails for every message: systemic, never dead letters --------------------
+
+def run_down_example(ex: Example, **engine: object) -> None:
+    """Every sink raises for every partition. Messages failing in a step before it are
+    dead-lettered with that step as usual; of the messages reaching a sink, at most
+    ``systemic_after - 1`` (2) can be dead-lettered there (before three distinct ones
+    have shown the failure), none is acked, and once three have reached it the run
+    stops with SystemicFailure. Nothing is lost: every message is finally settled or
+    still at its source, every delivery settled at most once."""
+    from ackflow.core.errors import SystemicFailure
+
+    flow, sources, _sinks, dlq = build(ex, engine.get("spark"))
+    fates = model(ex)
+    reaching = [f for f in fates if f.rows and f.crash is None
+                and not [s for s in f.must if not (s.startswith("b") and "s" not in s[1:])]]
+    stopped = None
+    try:
+        Engine(flow, batch_size=ex.batch_size, max_inflight=ex.window,
+               max_concurrent_batches=ex.concurrency, batch_timeout_s=0.01, until_idle=0.3,
+               max_bisect_jobs=1000, handle_signals=False, systemic_stop_after_s=0.3,
+               systemic_backoff_s=0.01, systemic_max_backoff_s=0.05, **engine).run()
+    except SystemicFailure as e:
+        stopped = e
+    for s in sources:
+        twice = {k: n for k, n in s.per_delivery.items() if n != 1}
+        assert not twice, f"deliveries settled more than once: {twice}"
+    at_sink = 0
+    for fate in fates:
+        src = sources[fate.source]
+        history = src.settled.get(fate.local_key, [])
+        final = [h for h in history if h in ("acked", "dead_lettered")]
+        assert len(final) <= 1, f"{fate.key}: settled finally more than once: {history}"
+        if dlq is not None:
+            dead = fate.key in dlq.rows
+            step = dlq.rows[fate.key]["step"] if dead else None
+        else:
+            dead = "dead_lettered" in final
+            step = src.dead_letters[fate.local_key].step if dead else None
+        if fate.rows and "acked" in final and not dead:
+            raise AssertionError(f"{fate.key} acked, but its rows could not be written")
+        if dead and step.startswith("b") and "s" not in step[1:]:
+            at_sink += 1
+        if not final:  # not settled: still at its source, never lost
+            assert src.pending() > 0, f"{fate.key} is neither settled nor at its source"
+    assert at_sink <= 2, f"{at_sink} messages dead-lettered at a sink that fails every write"
+    if len(reaching) >= 3 and stopped is None:
+        raise AssertionError(f"{len(reaching)} messages reach a sink that is down, and the run "
+                             "ended without SystemicFailure")
+    if stopped is not None:
+        assert stopped.step.startswith("b"), str(stopped)
+
+
+@settings(max_examples=max(LOCAL_EXAMPLES // 10, 20), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ex=down_examples())
+def test_model_down_local(ex: Example) -> None:
+    run_down_example(ex, executor="local")
+
+
+@pytest.mark.spark
+@settings(max_examples=max(SPARK_EXAMPLES // 5, 5), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(ex=down_examples(spark=True))
+def test_model_down_spark(spark: object, ex: Example) -> None:
+    run_down_example(ex, spark=spark)

@@ -22,7 +22,6 @@ from ackflow.sinks import MemorySink
 from ackflow.testing import FailingSink, ListSource
 from helpers import FAST, bodies
 
-
 # -- the detector, without Spark -----------------------------------------------------------
 
 def test_a_streak_across_batches_becomes_systemic_and_evidence_ends_it():
@@ -233,3 +232,15 @@ def test_postgres_refusing_every_write_for_privilege_is_systemic_not_poison(
         engine.run()
     assert info.value.step == "orders" and "permission denied" in str(info.value)
     assert only_released(src) and engine.report.dead_lettered == 0
+
+
+@pytest.mark.spark
+def test_one_message_whose_write_always_raises_is_poison_not_systemic(spark):
+    """Its deliveries are one message however often it comes: below the three distinct
+    messages a systemic failure needs, so it is retried and dead-lettered as before."""
+    src = ListSource(bodies([{"n": 1}]),
+                     policy=ackflow.RetryPolicy(max_deliveries=3, backoff_s=0.01))
+    report = ackflow.run(ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)),
+                         spark=spark, **FAST)
+    assert report.dead_lettered == 1 and report.given_back_systemic == 0
+    assert src.settled["m0"] == ["nacked", "nacked", "dead_lettered"]

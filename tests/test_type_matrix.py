@@ -27,7 +27,7 @@ from helpers import FAST
 
 pytestmark = pytest.mark.spark
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 AT = dt.datetime(2024, 1, 2, 3, 4, 5, 678000)
 MESSAGES = [
     {"id": 1, "ts": "2024-01-02 03:04:05.678", "d": "2024-01-02", "amt": "12.34",
@@ -195,8 +195,8 @@ def test_embedded_queue(spark, tmp_path):
         q.close()
     compare(rows, all_json=True)
     # ackflow reads its own output back: the next stage decodes every body
-    from ackflow.sources import EmbeddedQueue as EmbeddedSource
     from ackflow.sinks import MemorySink
+    from ackflow.sources import EmbeddedQueue as EmbeddedSource
 
     out = MemorySink()
     report = ackflow.run(ackflow.Flow(EmbeddedSource(db, "out")).to(out), spark=spark, **FAST)
@@ -233,7 +233,8 @@ def test_a_nan_fails_only_its_message_in_a_json_sink(spark, tmp_path):
     assert failure["message"] == "m2" and "field 'r'" in failure["error"], failure
     q = EmbeddedQueue(db)
     try:
-        assert sorted(json.loads(m.body)["x"] for m in q.lease("out", 10, visibility_timeout=30)) == [0.0, 1.0]
+        leased = q.lease("out", 10, visibility_timeout=30)
+        assert sorted(json.loads(m.body)["x"] for m in leased) == [0.0, 1.0]
     finally:
         q.close()
 
@@ -273,7 +274,8 @@ def test_error_sinks_keep_the_dead_letter_in_every_store(spark, tmp_path, postgr
     from psycopg import sql
 
     from ackflow.embedded import EmbeddedQueue
-    from ackflow.sinks import Delta, EmbeddedQueue as EmbeddedSink, Iceberg, Parquet, Postgres
+    from ackflow.sinks import Delta, Iceberg, Parquet, Postgres
+    from ackflow.sinks import EmbeddedQueue as EmbeddedSink
 
     run_poison(spark, tmp_path, Parquet(tmp_path / "dlq-parquet", name="dlq"))
     (row,) = pq.read_table(tmp_path / "dlq-parquet").to_pylist()

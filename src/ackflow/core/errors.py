@@ -1,6 +1,16 @@
 """Named errors. Each says what failed and, where it can, what to do about it."""
 
 
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` (an exception's text can run to many lines).
+
+    >>> describe(ValueError("bad\\nmore"))
+    'ValueError: bad'
+    """
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class AckflowError(Exception):
     """Base class of every error ackflow raises on purpose."""
 

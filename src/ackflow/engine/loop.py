@@ -105,7 +105,9 @@ class Engine:
         # poison or systemic (ackflow/core/systemic.py): a failure every message meets the
         # same way gives the messages back, never dead-letters them
         self.systemic = SystemicDetector(
-            sinks=[s.name for s in flow.sinks], after=systemic_after,
+            sinks=[s.name for s in flow.sinks]
+            + [b.name for s in flow.sinks for b in getattr(s, "branches", ())],
+            after=systemic_after,
             stop_after_s=systemic_stop_after_s, backoff_s=systemic_backoff_s,
             max_backoff_s=systemic_max_backoff_s)
         self._idle_since: float | None = None  # when the closing until_idle wait began
@@ -365,9 +367,13 @@ class Engine:
             working.add(ANY_STEP)
         detector = self.systemic
         was = detector.episode
-        systemic = detector.judge(  # only failures of a write or job as a whole
-            [(d.lineage_id, f.step, f.error) for d, f in failures if f.whole], working=working,
+        # only failures of a write or job as a whole; a message counts once however often
+        # it is delivered (its identity), a delivery is given back by its lineage id
+        whole = [(d, f) for d, f in failures if f.whole]
+        judged = detector.judge(
+            [(d.identity, f.step, f.error) for d, f in whole], working=working,
             detail=lambda step, error: result.details.get((step, error), ""))
+        systemic = {d.lineage_id for d, _ in whole if d.identity in judged}
         if was is not None and detector.episode is None:
             log.warning("step %r works again: the systemic failure is over (%d deliveries "
                         "were given back)", was.step, was.messages)

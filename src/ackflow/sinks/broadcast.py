@@ -6,7 +6,8 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from ackflow.core.errors import ConfigError
+from ackflow.core.errors import ConfigError, describe
+from ackflow.core.ledger import WHOLE_WRITE
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
 
@@ -71,11 +72,13 @@ class Broadcast(Sink):
                 try:
                     res = b.write_partition(batch_id, partition, self._rows_for(b, rows))
                 except Exception as e:  # noqa: BLE001 - a branch failure fails its rows
-                    res = PartitionResult(failed={i: f"{type(e).__name__}: {e}"
-                                                  for i in range(n)})
+                    whole = f"{WHOLE_WRITE}branch {b.name!r}: {describe(e)}"
+                    res = PartitionResult(failed={i: (b.name, whole) for i in range(n)})
                 for i, err in res.failed.items():
                     text = err[1] if isinstance(err, tuple) else err
-                    failed.setdefault(i, (b.name, f"branch {b.name!r}: {text}"))
+                    if not text.startswith(WHOLE_WRITE):
+                        text = f"branch {b.name!r}: {text}"
+                    failed.setdefault(i, (b.name, text))
                 tokens[b.name] = res.token
                 counts[b.name] = n - len(res.failed)
             return PartitionResult(failed=failed, token=pickle.dumps(tokens), counts=counts)
@@ -90,7 +93,7 @@ class Broadcast(Sink):
                 bad: dict[int, Any] = dict(res.failed)
             except Exception as e:  # noqa: BLE001
                 res = PartitionResult()
-                bad = {i: f"{type(e).__name__}: {e}" for i in range(len(remaining))}
+                bad = {i: f"{WHOLE_WRITE}{describe(e)}" for i in range(len(remaining))}
             tokens[b.name] = res.token
             counts[b.name] = len(remaining) - len(bad)
             for i, err in bad.items():
@@ -98,8 +101,14 @@ class Broadcast(Sink):
                 errors.setdefault(remaining[i], []).append(f"branch {b.name!r}: {text}")
             remaining = [remaining[i] for i in sorted(bad)]
         primary = self.branches[0].name
+
+        def joined(texts: list[str]) -> str:  # a write as a whole only if every branch's was
+            text = "; ".join(t.replace(WHOLE_WRITE, "", 1) for t in texts)
+            whole = all(WHOLE_WRITE in t for t in texts)
+            return f"{WHOLE_WRITE}{text}" if whole else text
+
         failed: dict[int, str | tuple[str, str]] = {
-            i: (primary, "; ".join(errors[i])) for i in remaining}
+            i: (primary, joined(errors[i])) for i in remaining}
         return PartitionResult(failed=failed, token=pickle.dumps(tokens), counts=counts)
 
     def _split(self, tokens: Sequence[bytes]) -> dict[str, list[bytes]]:

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ackflow.core.errors import describe
 from ackflow.core.ledger import RECEIPT_SCHEMA, WHOLE_WRITE, compact_receipts
 from ackflow.flow import Filter, FlatMap, Map, Step
 from ackflow.sinks.base import ROW_KEY, Sink
@@ -162,11 +163,6 @@ class LocalTally:
         return _local_tally, (self._token,)
 
 Out = tuple[int, "dict[str, Any] | None", "str | None", "str | None", str]
-
-
-def describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _no_constants(name: str) -> Any:
