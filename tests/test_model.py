@@ -127,6 +127,10 @@ CAST_UNREAD = Example((0,), 1, (("cast", 5), ("group", 0)), False, "all", OK, Fa
 CAST_READ = Example((0, 1), 1, (("cast", 5), ("filter", 7), ("group", 0)), False, "all", OK,
                     False, (), (), 2, 2, 1)
 
+# a column of every Spark SQL type (nulls too) through a refusing sink and an on_error sink
+EVERY_TYPE = Example((0, 1, 2, 3, 4, 5), 1, (("filter", 5), ("types", 0)), False, "all",
+                     (Branch("ok", 2, 0), Branch("refuse", 3, 1)), True, (), (), 3, 6, 1)
+
 
 @settings(max_examples=LOCAL_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -144,6 +148,7 @@ def test_model_local(ex: Example) -> None:
 @given(ex=examples(spark=True, max_messages=16))
 @example(ex=CAST_UNREAD)
 @example(ex=CAST_READ)
+@example(ex=EVERY_TYPE)
 def test_model_spark(spark: object, ex: Example) -> None:
     run_example(ex, spark=spark)
 
