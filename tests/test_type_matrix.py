@@ -267,7 +267,8 @@ def run_poison(spark, tmp_path, error_sink):
     return report
 
 
-def test_error_sinks_keep_the_dead_letter_in_every_store(spark, tmp_path, postgres, pg_table):
+def test_error_sinks_keep_the_dead_letter_in_every_store(spark, tmp_path, postgres, pg_table,
+                                                         rabbitmq):
     import psycopg
     import pyarrow.parquet as pq
     from deltalake import DeltaTable
@@ -295,6 +296,15 @@ def test_error_sinks_keep_the_dead_letter_in_every_store(spark, tmp_path, postgr
         cur = c.execute(sql.SQL("SELECT * FROM {}").format(sql.Identifier(pg_table)))
         names = [d.name for d in cur.description]
         (row,) = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+    check_dead_letter(row)
+
+    from ackflow.sinks import RabbitMQ
+    from amqp import drain, names, setup
+
+    ex, q = names("dlq-x"), names("dlq-q")
+    setup(rabbitmq.url, queue=names("unused"), out_exchange=ex, out_queue=q)
+    run_poison(spark, tmp_path, RabbitMQ(rabbitmq.url, ex, routing_key=q, name="dlq"))
+    ((_, row, _),) = drain(rabbitmq.url, q)
     check_dead_letter(row)
 
     db = str(tmp_path / "dlq.db")
