@@ -96,6 +96,8 @@ class FilesSource(Source):
         self._last_scan = 0.0
         self._error_sink = False
         self._window = 10_000
+        self._move_tried: set[str] = set()  # instances whose move was tried in this run
+        self._unmovable: dict[str, str] = {}  # instance id -> "name: cause" (this run)
 
     # -- places ----------------------------------------------------------------------
 
@@ -164,7 +166,9 @@ class FilesSource(Source):
                 continue
             fid, entry = self._instance(name, fingerprint, known)
             if entry.get("done"):
-                if self.done == "move":  # finished, then the process died before the move
+                # finished, then the process died before the move, or the move failed:
+                # tried once per run, never in a loop and never fatal
+                if self.done == "move" and fid not in self._move_tried:
                     self._move_done(fid, full)
                 continue
             try:
@@ -269,6 +273,9 @@ class FilesSource(Source):
                                   "retries_waiting": len(self._retry)}
         for f in files[:5]:  # bounded: the first few instances
             out[f"committed line of {f.name}"] = f.tracker.committed
+        if self._unmovable:
+            out["files_unmovable"] = len(self._unmovable)
+            out["unmovable"] = "; ".join(list(self._unmovable.values())[:5])
         return out
 
     # -- settling ----------------------------------------------------------------------------
@@ -367,17 +374,33 @@ class FilesSource(Source):
     def _move_done(self, fid: str, full: str | None) -> None:
         """Move a finished instance (if ``full`` is still that file) and its dead letters
         to ``done/``, never over an earlier file; then forget it."""
-        name = self._state[fid]["name"]
+        self._move_tried.add(fid)
+        entry = self._state[fid]
+        name = entry["name"]
         target = _free(os.path.join(self.path, "done", name), fid)
-        if full is not None:
-            try:
-                same = _fingerprint(os.stat(full)) == self._state[fid].get("fingerprint")
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.replace(full, target)
-        if os.path.exists(self._dead_path(fid)):
-            os.replace(self._dead_path(fid), _free(target, fid, ".dead.jsonl"))
+        try:
+            if full is not None:
+                try:
+                    same = _fingerprint(os.stat(full)) == entry.get("fingerprint")
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    os.replace(full, target)
+            if os.path.exists(self._dead_path(fid)):
+                os.replace(self._dead_path(fid), _free(target, fid, ".dead.jsonl"))
+        except OSError as e:
+            # e.g. EXDEV (done/ on another file system), EPERM (a sticky drop folder):
+            # the file is finished; it stays where it is, marked, and is not read again
+            cause = f"{type(e).__name__}: {e}"
+            if entry.get("unmovable") != cause:
+                entry["unmovable"] = cause
+                self._write_state()
+            self._unmovable[fid] = f"{name}: {cause}"
+            log.error("source %r: %s (%s) is done but cannot be moved to done/ (%s); it is "
+                      "left in place and not read again; move or delete it by hand",
+                      self.name, name, fid, cause)
+            return
+        self._unmovable.pop(fid, None)
         self._state.pop(fid, None)
         self._write_state()
 
