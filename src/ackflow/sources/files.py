@@ -86,7 +86,7 @@ class FilesSource(Source):
     error sink if it has one, otherwise appended (with file, line, step, error and
     delivery count) to ``_ackflow/dead/<file>.jsonl`` before they count as settled.
     A finished file with dead letters says so: its dead letters are moved beside it
-    (``done/<file>.dead.jsonl``) and the state file counts them.
+    (``done/<file>.dead.jsonl``) and the state store counts them.
     """
 
     def __init__(self, path: str | os.PathLike[str], format: str = "jsonl", *,
