@@ -182,6 +182,8 @@ class FilesSource(Source):
                                    if not n.startswith((".", "_")) and n != "done")
             self._pos = 0
         listing = self._listing
+        if self._pos < len(listing) and len(self._files) >= MAX_OPEN:
+            return False  # the pass waits for an open file to finish
         to_open: list[Row] = []
         to_move: list[tuple[Row, str]] = []
         examined = 0
