@@ -6,6 +6,9 @@ import json
 import logging
 import os
 
+import pytest
+
+from ackflow.core.errors import ConfigError
 from ackflow.sources import Files
 from ackflow.sources import files as files_mod
 from ackflow.sources.files_state import read_state
@@ -165,3 +168,9 @@ def test_scanning_is_bounded_per_step_and_in_open_files(tmp_path, monkeypatch):
     src.close()
     assert len(os.listdir(tmp_path / "done")) == 40
     assert read_state(tmp_path) == {}  # moved files leave no row
+
+
+def test_a_scan_interval_that_would_never_scan_is_refused(tmp_path):
+    for bad in (float("nan"), float("inf"), -1):  # before: nan never scanned again
+        with pytest.raises(ConfigError, match="scan_interval_s must be >= 0 seconds"):
+            Files(tmp_path, scan_interval_s=bad)

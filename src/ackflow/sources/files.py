@@ -33,6 +33,7 @@ import heapq
 import io
 import json
 import logging
+import math
 import os
 import sqlite3
 import stat
@@ -97,6 +98,10 @@ class FilesSource(Source):
                               f"got {format!r}")
         if done not in ("move", "record"):
             raise ConfigError(f"Files source: done must be 'move' or 'record', got {done!r}")
+        if not (isinstance(scan_interval_s, (int, float)) and math.isfinite(scan_interval_s)
+                and scan_interval_s >= 0):  # nan would never scan again
+            raise ConfigError("Files source: scan_interval_s must be >= 0 seconds (a finite "
+                              f"number), got {scan_interval_s!r}")
         super().__init__(format=FORMATS[format], name=name or f"files:{os.fspath(path)}")
         self.path = os.path.abspath(os.fspath(path))
         self.file_format = format
