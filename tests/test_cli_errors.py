@@ -10,7 +10,12 @@ import sys
 
 import pytest
 
+from ackflow.core.errors import ConfigError
 from ackflow.embedded import EmbeddedQueue
+from ackflow.engine.loop import Engine
+from ackflow.flow import Flow
+from ackflow.sinks import MemorySink
+from ackflow.testing import ListSource
 
 
 def cli(*args, cwd=None):
@@ -74,3 +79,44 @@ def test_queue_files_are_private(tmp_path):
         q.close()
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["demo", "--until-idle", "nan"], ["--until-idle", "a finite number", "'nan'"]),
+    (["demo", "--until-idle", "inf"], ["--until-idle", "a finite number"]),
+    (["demo", "--until-idle", "-1"], ["--until-idle", "must not be negative"]),
+    (["demo", "--drain-timeout", "nan"], ["--drain-timeout", "a finite number"]),
+    (["demo", "--drain-timeout", "-0.5"], ["--drain-timeout", "must not be negative"]),
+    (["demo", "--poison-rate", "nan"], ["--poison-rate", "a finite number"]),
+    (["demo", "--metrics-port", "-1"], ["--metrics-port", "between 0 and 65535"]),
+    (["demo", "--metrics-port", "70000"], ["--metrics-port", "between 0 and 65535"]),
+    (["run", "f.py:flow", "--until-idle", "NaN"], ["--until-idle", "a finite number"]),
+    (["run", "f.py:flow", "--drain-timeout=-inf"], ["--drain-timeout", "a finite number"]),
+    (["queue", "replay", "--db", "q.db", "--queue", "q", "--id", "-3"],
+     ["--id", "must not be negative"]),
+])
+def test_numeric_options_refuse_nan_inf_and_negatives_in_one_line(tmp_path, args, words):
+    # before: `--until-idle nan` ran forever, `--drain-timeout nan` never cancelled,
+    # `--metrics-port -1` reached the engine
+    r = cli(*args, cwd=tmp_path)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ": error:" in ln]
+    assert len(errors) == 1, r.stderr
+    for w in words:
+        assert w in errors[0], errors[0]
+    assert not os.listdir(tmp_path)  # refused before anything was created
+
+
+@pytest.mark.parametrize("option, value", [
+    ("until_idle", float("nan")), ("until_idle", float("inf")), ("until_idle", -1),
+    ("drain_timeout_s", float("nan")), ("drain_timeout_s", float("inf")),
+    ("drain_timeout_s", -1.0), ("keepalive_s", float("nan")), ("keepalive_s", 0),
+    ("keepalive_s", -5), ("batch_timeout_s", float("nan")), ("batch_timeout_s", 0),
+    ("linger_s", float("nan")), ("linger_s", float("inf")), ("drain_timeout_s", "60"),
+    ("keepalive_s", True),
+])
+def test_the_engine_refuses_meaningless_durations(option, value):
+    flow = Flow(ListSource([])).to(MemorySink())
+    with pytest.raises(ConfigError, match=f"^{option} must be .* seconds .*got"):
+        Engine(flow, executor="local", handle_signals=False, **{option: value})

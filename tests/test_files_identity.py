@@ -1,6 +1,7 @@
 """The Files source: a file's name is not its identity (daily drops reuse names), and its
 bytes are untrusted. Driver-side tests, plus one end to end into a keyed sink."""
 
+import errno
 import json
 import os
 
@@ -163,3 +164,50 @@ def test_dead_letters_of_a_replaced_instance_and_its_successor_are_both_kept(tmp
     dead = sorted(json.loads(open(tmp_path / "done" / n).read())["error"]
                   for n in os.listdir(tmp_path / "done") if n.endswith(".dead.jsonl"))
     assert dead == ["first", "second"]  # neither overwrote the other
+
+
+@pytest.mark.parametrize("err", [errno.EXDEV, errno.EPERM])
+def test_a_file_that_cannot_be_moved_is_reported_left_and_the_source_keeps_reading(
+        tmp_path, monkeypatch, caplog, err):
+    # done/ on another file system (EXDEV) or a sticky drop folder (EPERM). Before: the
+    # error escaped ack, and every restart retried the move inside open() and crashed.
+    real_replace = os.replace
+
+    def replace(src, dst, *a, **kw):
+        if os.path.basename(os.fspath(src)) == "a.jsonl":
+            raise OSError(err, os.strerror(err), os.fspath(src))
+        return real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
+    drop(tmp_path, "a.jsonl", ['{"n": 1}', '{"n": 2}'])
+    src = opened(tmp_path)
+    first = pull(src)
+    with caplog.at_level("ERROR", logger="ackflow.sources.files"):
+        src.ack(first)  # the move fails: reported, not raised
+    msgs = [r.getMessage() for r in caplog.records if "cannot be moved" in r.getMessage()]
+    assert msgs and "a.jsonl" in msgs[0] and os.strerror(err) in msgs[0], msgs
+    assert src.status()["files_unmovable"] == 1
+    assert os.strerror(err) in src.status()["unmovable"]
+    assert (tmp_path / "a.jsonl").exists()  # left in place
+    drop(tmp_path, "b.jsonl", ['{"n": 3}'])
+    src._scan()
+    second = pull(src)
+    assert [json.loads(d.body)["n"] for d in second] == [3]  # a is not read again
+    src.ack(second)
+    src.close()
+    assert os.listdir(tmp_path / "done") == ["b.jsonl"]
+    caplog.clear()
+    for _ in range(2):  # restarts: no crash, a is remembered (not read), its move tried once
+        again = opened(tmp_path)
+        assert pull(again) == []
+        assert again.status()["files_unmovable"] == 1
+        again._scan()
+        again.close()
+    tries = [r for r in caplog.records if "cannot be moved" in r.getMessage()]
+    assert len(tries) == 2  # once per run, not once per scan
+    monkeypatch.setattr(os, "replace", real_replace)  # fixed by the operator
+    fixed = opened(tmp_path)
+    assert pull(fixed) == []
+    fixed.close()
+    assert sorted(os.listdir(tmp_path / "done")) == ["a.jsonl", "b.jsonl"]
+    assert not (tmp_path / "a.jsonl").exists()

@@ -12,6 +12,7 @@ from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.sinks import Memory
 from ackflow.sources import Files
+from ackflow.sources.files_state import read_state
 from helpers import FAST
 
 pytestmark = pytest.mark.spark
@@ -27,8 +28,7 @@ def drop_file(folder, name, lines):
 
 def state(folder):
     """The state of each file instance, by file name (progress fields only)."""
-    with open(os.path.join(folder, "_ackflow", "state.json")) as f:
-        files = json.load(f)["files"]
+    files = read_state(folder)
     return {e["name"]: {k: e[k] for k in ("committed", "dead", "done") if k in e}
             for e in files.values()}
 

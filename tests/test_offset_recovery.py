@@ -14,6 +14,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
+from ackflow.sources.files_state import read_state
 from amqp import names, stream_publish
 from helpers import wait_until
 
@@ -49,11 +50,7 @@ def write_files(folder, files, per_file):
 
 
 def file_state(folder):
-    try:
-        with open(os.path.join(folder, "_ackflow", "state.json")) as f:
-            return json.load(f)["files"]
-    except FileNotFoundError:
-        return {}
+    return {e["name"]: e for e in read_state(folder).values()}
 
 
 def kill_when(proc, cond, timeout=180):

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -17,13 +18,16 @@ log = logging.getLogger("ackflow")
 
 
 def _number(kind: type, low: float | None, high: float | None, what: str) -> Any:
-    """An argparse type: a number of ``kind`` within [low, high], or a clear error."""
+    """An argparse type: a finite number of ``kind`` within [low, high], or a clear
+    error (``nan`` and ``inf`` are refused: ``--until-idle nan`` would never end)."""
 
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what} (a finite number), got {text!r}")
         if low is not None and high is not None and not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
         if low is not None and value < low:
@@ -38,6 +42,7 @@ def _number(kind: type, low: float | None, high: float | None, what: str) -> Any
 _positive_int = _number(int, 1, None, "a whole number")
 _seconds = _number(float, 0, None, "seconds")
 _rate = _number(float, 0, 1, "a number between 0 and 1")
+_port = _number(int, 0, 65535, "a TCP port")
 
 
 def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> None:
@@ -53,11 +58,11 @@ def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> No
                    help="stop the run when every message has failed the same way at one step "
                         "for this long; they are given back, never dead-lettered (default 300)")
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address for the metrics port (default 127.0.0.1)")
-    p.add_argument("--ui-port", type=_number(int, 0, 65535, "a TCP port"), default=None,
+    p.add_argument("--ui-port", type=_port, default=None,
                    metavar="PORT", help="serve the live status page on this port (off by default)")
     p.add_argument("--ui-host", default="127.0.0.1",
                    help="address for the status page (default 127.0.0.1)")
@@ -114,7 +119,8 @@ def parser() -> argparse.ArgumentParser:
         if name in ("peek", "dead-letters"):
             q.add_argument("--limit", type=_positive_int, default=10)
         if name == "replay":
-            q.add_argument("--id", type=int, action="append", dest="ids",
+            q.add_argument("--id", type=_number(int, 0, None, "a dead-letter id"), action="append",
+                           dest="ids",
                            help="replay only this dead letter (repeatable); default all")
     return top
 

@@ -56,7 +56,7 @@ POINTS: dict[str, str] = {
     "rabbitmq.nack": "RabbitMQ source: before a nack or reject is sent",
     "rabbitmq.dead_letter": "RabbitMQ source: before a dead letter is published",
     "embedded.before_ack": "embedded queue: before the ack transaction",
-    "files.before_commit": "Files source: before the state file is replaced",
+    "files.before_commit": "Files source: before a state store transaction commits",
 }
 
 

@@ -12,11 +12,13 @@ what was pulled and settled, in any order:
   (an offset the source knows will never come);
 * a failed message stays unsettled until it is settled on a later delivery.
 
-It holds only the window between the committed offset and the highest pulled.
+It holds only the window between the committed offset and the highest pulled, and
+a declared gap as one range whatever its length.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 
 _PENDING, _DONE = 0, 1
@@ -24,6 +26,10 @@ _PENDING, _DONE = 0, 1
 
 class OffsetTracker:
     """Pulled / settled offsets of one log, and the committable offset.
+
+    Pulled offsets are held one by one (there are at most ``max_inflight`` in flight
+    and the settled ones above the committed offset); declared gaps are held as ranges,
+    so a gap of 10⁹ offsets costs what a gap of one does.
 
     >>> t = OffsetTracker(start=10)
     >>> for o in (10, 11, 12):
@@ -34,6 +40,8 @@ class OffsetTracker:
     12
     >>> t.gap(13, 15); _ = t.pulled(15); t.settled(12); t.committed   # 13, 14 never come
     15
+    >>> t.gap(16, 10**12); _ = t.pulled(10**12); t.settled(15); t.committed
+    1000000000000
     """
 
     def __init__(self, start: int = 0) -> None:
@@ -42,6 +50,11 @@ class OffsetTracker:
         self._base = start
         self._high = start - 1
         self._state: dict[int, int] = {}
+        # declared gaps at or above the committed offset: sorted, disjoint, not
+        # touching, half-open [start, end). An offset in a gap that was also pulled is
+        # governed by its pulled state (a gap never settles a message in flight).
+        self._gap_starts: list[int] = []
+        self._gap_ends: list[int] = []
 
     @property
     def committed(self) -> int:
@@ -58,16 +71,24 @@ class OffsetTracker:
         return sum(1 for s in self._state.values() if s == _PENDING)
 
     def __len__(self) -> int:
-        """How many offsets the tracker holds (the window above the committed offset)."""
-        return len(self._state)
+        """How many offsets the tracker holds (the window above the committed offset):
+        pulled ones and those of declared gaps. Its memory is the number of pulled
+        offsets plus the number of gap ranges, whatever their length."""
+        in_gaps = sum(e - s for s, e in zip(self._gap_starts, self._gap_ends, strict=True))
+        both = sum(1 for o in self._state if self._in_gap(o))
+        return len(self._state) + in_gaps - both
+
+    def _in_gap(self, offset: int) -> bool:
+        i = bisect_right(self._gap_starts, offset) - 1
+        return i >= 0 and offset < self._gap_ends[i]
 
     def pulled(self, offset: int) -> bool:
         """Record a delivery of ``offset``. Returns False for an offset below the
         committed one (already settled: the caller should skip it)."""
         if offset < self._base:
             return False
-        if self._state.get(offset) != _DONE:
-            self._state[offset] = _PENDING
+        if offset not in self._state and not (self._gap_starts and self._in_gap(offset)):
+            self._state[offset] = _PENDING  # a settled or gap offset stays settled
         self._high = max(self._high, offset)
         return True
 
@@ -76,6 +97,8 @@ class OffsetTracker:
         if offset < self._base:
             return
         if offset not in self._state:
+            if self._gap_starts and self._in_gap(offset):
+                return  # declared a gap: already settled
             raise KeyError(f"offset {offset} was never pulled")
         self._state[offset] = _DONE
         self._advance()
@@ -87,20 +110,31 @@ class OffsetTracker:
             if offset < base:
                 continue
             if offset not in state:
+                if self._gap_starts and self._in_gap(offset):
+                    continue
                 raise KeyError(f"offset {offset} was never pulled")
             state[offset] = _DONE
         self._advance()
 
     def failed(self, offset: int) -> None:
         """``offset`` failed and will be delivered again: it stays unsettled."""
-        if offset >= self._base and offset not in self._state:
+        if offset >= self._base and offset not in self._state and not self._in_gap(offset):
             raise KeyError(f"offset {offset} was never pulled")
 
     def gap(self, start: int, end: int) -> None:
-        """Offsets ``start`` (inclusive) to ``end`` (exclusive) will never be delivered."""
-        for o in range(max(start, self._base), end):
-            if self._state.get(o) is None:
-                self._state[o] = _DONE
+        """Offsets ``start`` (inclusive) to ``end`` (exclusive) will never be delivered.
+        Held as one range: time and memory do not depend on ``end - start``."""
+        start = max(start, self._base)
+        if start < end:
+            starts, ends = self._gap_starts, self._gap_ends
+            # the ranges that overlap or touch [start, end) are merged into one
+            lo = bisect_left(ends, start)       # first range with end >= start
+            hi = bisect_right(starts, end)      # ranges from hi on start past end
+            if lo < hi:
+                start = min(start, starts[lo])
+                end = max(end, ends[hi - 1])
+            starts[lo:hi] = [start]
+            ends[lo:hi] = [end]
         self._high = max(self._high, end - 1)
         self._advance()
 
@@ -110,7 +144,29 @@ class OffsetTracker:
 
     def _advance(self) -> None:
         state, base = self._state, self._base
-        while state.get(base) == _DONE:
-            del state[base]
-            base += 1
+        starts, ends = self._gap_starts, self._gap_ends
+        while True:
+            s = state.get(base)
+            if s == _DONE:
+                del state[base]
+                base += 1
+                continue
+            while starts and ends[0] <= base:  # passed over by pulled offsets
+                del starts[0], ends[0]
+            if s == _PENDING or not starts or starts[0] > base:
+                break
+            # base lies in the first gap (ranges below base were dropped): skip to
+            # its end, or to the first offset in flight inside it
+            end = ends[0]
+            inside = [o for o in state if base <= o < end]
+            stop = min((o for o in inside if state[o] == _PENDING), default=end)
+            for o in inside:
+                if o < stop:
+                    del state[o]
+            base = stop
+            if stop == end:
+                del starts[0], ends[0]
+            else:
+                starts[0] = stop
+                break
         self._base = base

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import signal
@@ -46,6 +47,16 @@ from ackflow.sinks.collect import CollectSink
 log = logging.getLogger("ackflow.engine")
 
 Progress = Callable[[RunReport, InflightWindow], None]
+
+
+def _check_seconds(name: str, value: Any, zero_ok: bool) -> None:
+    """A duration option: a finite number of seconds, >= 0 (or > 0), never nan or inf
+    (``until_idle=nan`` would never end, ``drain_timeout_s=nan`` never cancel)."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (value >= 0 if zero_ok else value > 0))
+    if not ok:
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name} must be {bound} seconds (a finite number), got {value!r}")
 
 
 class Engine:
@@ -87,12 +98,14 @@ class Engine:
                 f"batch_size ({batch_size}) cannot exceed max_inflight ({max_inflight}): "
                 "raise max_inflight or lower batch_size"
             )
-        if until_idle is not None and until_idle < 0:
-            raise ConfigError("until_idle must be >= 0 seconds")
-        if batch_timeout_s <= 0:
-            raise ConfigError("batch_timeout_s must be positive")
-        if not linger_s >= 0:
-            raise ConfigError(f"linger_s must be >= 0 seconds, got {linger_s!r}")
+        for name, value, zero_ok in (("until_idle", until_idle, True),
+                                     ("batch_timeout_s", batch_timeout_s, False),
+                                     ("linger_s", linger_s, True),
+                                     ("drain_timeout_s", drain_timeout_s, True),
+                                     ("keepalive_s", keepalive_s, False)):
+            if value is None and name == "until_idle":
+                continue
+            _check_seconds(name, value, zero_ok)
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0-65535), got {metrics_port}")
         if executor not in ("spark", "local"):

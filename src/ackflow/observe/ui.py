@@ -40,6 +40,7 @@ log = logging.getLogger("ackflow.ui")
 
 REPLAY_HEADER = "x-ackflow-replay"
 MAX_REPLAY_IDS = 200
+MAX_BODY_BYTES = 64 * 1024  # every request's body, whatever the endpoint
 MAX_EVENT_CLIENTS = 16
 PROBE_EVERY_S = 2.0
 EVENT_POLL_S = 0.2
@@ -338,7 +339,10 @@ class StatusServer:
 
 
 class _Guard:
-    """ASGI middleware: refuse a foreign ``Host`` (DNS rebinding), add security headers."""
+    """ASGI middleware: refuse a foreign ``Host`` (DNS rebinding), refuse a request body
+    over ``MAX_BODY_BYTES`` (413: by its ``Content-Length`` before reading any of it, or
+    once a chunked body passes the limit; the rest is never read, and the connection is
+    closed), add security headers. The app gets the (small) body already read."""
 
     def __init__(self, app: Any, allowed_host: Any) -> None:
         self.app = app
@@ -356,11 +360,43 @@ class _Guard:
                                                   *_SECURITY_HEADERS]}
             await send(message)
 
-        if not self.allowed_host(host):
-            body = b'{"error": "unexpected Host header"}'
-            await with_headers({"type": "http.response.start", "status": 421, "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode())]})
+        async def answer(status: int, body: bytes, close: bool = False) -> None:
+            headers = [(b"content-type", b"application/json"),
+                       (b"content-length", str(len(body)).encode())]
+            if close:  # the unread rest of the body must not be taken for a request
+                headers.append((b"connection", b"close"))
+            await with_headers({"type": "http.response.start", "status": status,
+                                "headers": headers})
             await send({"type": "http.response.body", "body": body})
+
+        if not self.allowed_host(host):
+            await answer(421, b'{"error": "unexpected Host header"}')
             return
-        await self.app(scope, receive, with_headers)
+        too_big = (b'{"error": "request body too large (at most %d bytes)"}' % MAX_BODY_BYTES)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None:
+            if not declared.strip().isdigit():
+                await answer(400, b'{"error": "bad Content-Length"}', close=True)
+                return
+            if int(declared) > MAX_BODY_BYTES:
+                await answer(413, too_big, close=True)
+                return
+        chunks, size = [], 0
+        while True:  # at most MAX_BODY_BYTES (plus one message) are ever held
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            size += len(message.get("body", b""))
+            if size > MAX_BODY_BYTES:
+                await answer(413, too_big, close=True)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        first: list[Any] = [{"type": "http.request", "body": b"".join(chunks),
+                             "more_body": False}]
+
+        async def replay_body() -> Any:
+            return first.pop() if first else await receive()
+
+        await self.app(scope, replay_body, with_headers)

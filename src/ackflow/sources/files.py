@@ -5,16 +5,25 @@ a name starting with ``.``, then rename them in: a rename is atomic, so a file i
 complete when it is seen).
 
 Identity: a name is not an identity (daily drops reuse names). Each file *instance*
-gets an id when it is first seen, random and kept in the state file with the file's
-fingerprint (device, inode, size, modification time in ns). Each line is a message
-with the stable id ``<file>@<id>:<line>``: the same after a restart, different for a
-later file of the same name, even with the same content. Progress is one committed line
-per instance, computed by an :class:`~ackflow.core.offsets.OffsetTracker` (never past
-a line still in flight) and kept in ``PATH/_ackflow/state.json`` (written atomically).
-A restart resumes each instance after its committed line. An instance whose lines are
-all settled is moved to ``PATH/done/`` (``done="move"``; as ``<file>.<id>`` if
-``done/<file>`` exists: nothing is overwritten) or only marked done in the state file
-(``done="record"``: a later file of the same name is a new instance and is read).
+gets an id when it is first seen, random and kept in the state store with the file's
+fingerprint (device, inode, size, modification and change time in ns). Each line is a
+message with the stable id ``<file>@<id>:<line>``: the same after a restart, different
+for a later file of the same name, even with the same content. Progress is one committed
+line per instance, computed by an :class:`~ackflow.core.offsets.OffsetTracker` (never
+past a line still in flight) and kept in ``PATH/_ackflow/state.db`` (SQLite, one row per
+instance, see :mod:`ackflow.sources.files_state`). A restart resumes each instance after
+its committed line. An instance whose lines are all settled is moved to ``PATH/done/``
+(``done="move"``; as ``<file>.<id>`` if ``done/<file>`` exists: nothing is overwritten)
+or only marked done (``done="record"``: a later file of the same name is a new instance
+and is read).
+
+Scanning is incremental: a pass lists the folder once, then examines at most
+``SCAN_CHUNK`` names per step (a pull call runs a step only while it has nothing to
+return), and opens at most ``MAX_OPEN`` files at once. A pass that ends forgets the rows
+of finished instances whose file is gone (retention); so a file that is deleted and
+re-created (``cp -p``, ``rsync -a``, ``tar x``, even on the same inode with the same size
+and mtime) is a new arrival. Between two passes, a re-created file is told apart by its
+ctime, which those tools cannot set.
 """
 
 from __future__ import annotations
@@ -24,20 +33,25 @@ import heapq
 import io
 import json
 import logging
+import math
 import os
+import sqlite3
+import stat
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from ackflow import faults
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
 from ackflow.core.offsets import OffsetTracker
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources.base import Source
+from ackflow.sources.files_state import FileStates, Row, new_id
+
+SCAN_CHUNK = 256  # names examined per scan step (one transaction, one fsync)
+MAX_OPEN = 256  # files open at once; a pass waits for one to finish beyond that
 
 log = logging.getLogger("ackflow.sources.files")
 
@@ -57,6 +71,7 @@ class _File:
     dead_lettered: int = 0
     bodies: dict[int, bytes] = field(default_factory=dict)  # in flight: line -> body
     key_prefix: str = ""  # a line's message key is this and the line's number (from 1)
+    saved: tuple[int, int] = (-1, -1)  # (committed, dead) as last stored
 
     def __post_init__(self) -> None:
         self.key_prefix = f"{self.name}@{self.id}:"
@@ -72,7 +87,7 @@ class FilesSource(Source):
     error sink if it has one, otherwise appended (with file, line, step, error and
     delivery count) to ``_ackflow/dead/<file>.jsonl`` before they count as settled.
     A finished file with dead letters says so: its dead letters are moved beside it
-    (``done/<file>.dead.jsonl``) and the state file counts them.
+    (``done/<file>.dead.jsonl``) and the state store counts them.
     """
 
     def __init__(self, path: str | os.PathLike[str], format: str = "jsonl", *,
@@ -83,6 +98,10 @@ class FilesSource(Source):
                               f"got {format!r}")
         if done not in ("move", "record"):
             raise ConfigError(f"Files source: done must be 'move' or 'record', got {done!r}")
+        if not (isinstance(scan_interval_s, (int, float)) and math.isfinite(scan_interval_s)
+                and scan_interval_s >= 0):  # nan would never scan again
+            raise ConfigError("Files source: scan_interval_s must be >= 0 seconds (a finite "
+                              f"number), got {scan_interval_s!r}")
         super().__init__(format=FORMATS[format], name=name or f"files:{os.fspath(path)}")
         self.path = os.path.abspath(os.fspath(path))
         self.file_format = format
@@ -90,12 +109,16 @@ class FilesSource(Source):
         self.done = done
         self.scan_interval_s = scan_interval_s
         self._files: dict[str, _File] = {}  # by instance id
-        self._state: dict[str, dict[str, Any]] = {}  # by instance id
+        self._states: FileStates | None = None
+        self._listing: list[str] | None = None  # the names of the pass in progress
+        self._pos = 0
         self._retry: list[tuple[float, int, str, int, int]] = []  # due, seq, file id, line, count
         self._seq = 0
         self._last_scan = 0.0
         self._error_sink = False
         self._window = 10_000
+        self._move_tried: set[str] = set()  # instances whose move was tried in this run
+        self._unmovable: tuple[int, list[str]] = (0, [])  # count, the first few "name: cause"
 
     # -- places ----------------------------------------------------------------------
 
@@ -105,7 +128,13 @@ class FilesSource(Source):
 
     @property
     def state_path(self) -> str:
-        return os.path.join(self.meta, "state.json")
+        return os.path.join(self.meta, "state.db")
+
+    @property
+    def states(self) -> FileStates:
+        if self._states is None:
+            raise RuntimeError(f"source {self.name!r} is not open")
+        return self._states
 
     def _dead_path(self, file_id: str) -> str:
         return os.path.join(self.meta, "dead", file_id + ".jsonl")
@@ -123,78 +152,178 @@ class FilesSource(Source):
         os.makedirs(os.path.join(self.meta, "dead"), exist_ok=True)
         if self.done == "move":
             os.makedirs(os.path.join(self.path, "done"), exist_ok=True)
-        if os.path.exists(self.state_path):
+        try:
+            self._states = FileStates(self.state_path)
+        except sqlite3.Error as e:
+            raise ConfigError(f"source {self.name!r}: cannot open {self.state_path}: {e}; "
+                              "fix or remove it (then every file is read again)") from None
+        old = os.path.join(self.meta, "state.json")
+        if os.path.exists(old):  # written by an earlier version: taken over, rows kept
             try:
-                with open(self.state_path) as f:
-                    self._state = _migrate(json.load(f)["files"])
+                n = self._states.migrate_json(old)
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"source {self.name!r}: cannot read {self.state_path}: {e}; "
+                raise ConfigError(f"source {self.name!r}: cannot read {old}: {e}; "
                                   "fix or remove it (then every file is read again)") from None
+            log.info("source %r: %d file instances taken over from %s", self.name, n, old)
+        self._count_unmovable()
         self._scan()
         return 0
 
-    def _instance(self, name: str, fingerprint: list[int],
-                  known: dict[tuple[Any, ...], str]) -> tuple[str, dict[str, Any]]:
-        """The state entry of the file now at ``name``: the one recorded with this
-        fingerprint, an old entry without one (state written before ids existed), or a
-        new instance."""
-        fid = known.get((name, *fingerprint)) or known.pop((name,), None)
-        if fid is not None:
-            self._state[fid]["fingerprint"] = fingerprint
-            return fid, self._state[fid]
-        fid = uuid.uuid4().hex[:16]
-        self._state[fid] = {"name": name, "fingerprint": fingerprint, "committed": 0, "dead": 0}
-        self._write_state()  # the id is durable before any line of it is handed out
-        return fid, self._state[fid]
-
     def _scan(self) -> None:
-        self._last_scan = time.monotonic()
-        reading = {tuple(f.fingerprint) for f in self._files.values()}
-        known = {(e["name"], *e.get("fingerprint", ())): fid for fid, e in self._state.items()}
-        for name in sorted(os.listdir(self.path)):
-            if name.startswith((".", "_")) or name == "done":
-                continue
-            full = os.path.join(self.path, name)
-            try:
-                st = os.stat(full)
-            except OSError:  # gone meanwhile
-                continue
-            fingerprint = _fingerprint(st)
-            if not os.path.isfile(full) or tuple(fingerprint) in reading:
-                continue
-            fid, entry = self._instance(name, fingerprint, known)
-            if entry.get("done"):
-                if self.done == "move":  # finished, then the process died before the move
-                    self._move_done(fid, full)
-                continue
-            try:
-                handle = open(full, "rb")
-            except OSError as e:  # unreadable: look again at the next scan
-                log.warning("source %r: cannot open %s: %s", self.name, name, e)
-                continue
-            committed = int(entry.get("committed", 0))
-            f = _File(fid, name, fingerprint, OffsetTracker(start=committed),
-                      handle=handle, dead_lettered=int(entry.get("dead", 0)))
-            self._files[fid] = f
-            if self.file_format == "csv":  # line 0 is the header: read it, then skip to
-                f.header = _csv_header(handle.readline())
-                if f.header is None:
-                    log.error("source %r: the CSV header of %s is not valid UTF-8 CSV; every "
-                              "line of it fails", self.name, name)
-                f.next_line = 1
-                f.tracker.gap(0, 1)
-            while f.next_line < committed:  # resume after the committed line
-                if not handle.readline():
-                    break
-                f.next_line += 1
-            if committed:
-                log.info("source %r: resuming %s after line %d", self.name, name, committed)
+        """Run scan steps until the pass in progress (or a new one) ends, or waits for
+        open files to finish."""
+        self._scan_step()
+        while self._listing is not None and self._scan_step():
+            pass
+
+    def _scan_step(self) -> bool:
+        """Examine up to ``SCAN_CHUNK`` names of the pass in progress (listing the folder
+        first if none is); True if it examined any. New instances are recorded (one
+        transaction) before any of their lines is handed out."""
+        states = self.states
+        if self._listing is None:
+            self._last_scan = time.monotonic()
+            self._listing = sorted(n for n in os.listdir(self.path)
+                                   if not n.startswith((".", "_")) and n != "done")
+            self._pos = 0
+        listing = self._listing
+        if self._pos < len(listing) and len(self._files) >= MAX_OPEN:
+            return False  # the pass waits for an open file to finish
+        to_open: list[Row] = []
+        to_move: list[tuple[Row, str]] = []
+        examined = 0
+        with states.tx():
+            seen: list[str] = []
+            while (self._pos < len(listing) and examined < SCAN_CHUNK
+                   and len(self._files) + len(to_open) < MAX_OPEN):
+                name = listing[self._pos]
+                self._pos += 1
+                examined += 1
+                try:
+                    st = os.stat(os.path.join(self.path, name))
+                except FileNotFoundError:  # gone meanwhile
+                    continue
+                except OSError:  # cannot tell: its rows are kept
+                    seen.extend(r.id for r in states.by_name(name))
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                row = self._instance(name, st)
+                if row is None:
+                    continue
+                seen.append(row.id)
+                if row.status == "reading":
+                    to_open.append(row)
+                elif self.done == "move" and row.id not in self._move_tried:
+                    # finished, then the process died before the move, or the move failed:
+                    # tried once per run, never in a loop and never fatal
+                    to_move.append((row, os.path.join(self.path, name)))
+            states.saw(seen)
+            states.commit_point()
+        for row in to_open:
+            self._open_instance(row)
+        if to_move:
+            self._move_done([(r.id, r.name, r.fingerprint, full) for r, full in to_move])
+        if self._pos >= len(listing):
+            self._end_pass()
+        return examined > 0
+
+    def _instance(self, name: str, st: os.stat_result) -> Row | None:
+        """The row of the file now at ``name`` (inside the scan's transaction): the one
+        recorded with this fingerprint, an old one without a fingerprint (state written
+        before ids existed), or a new instance. None: open already (nothing to do)."""
+        states = self.states
+        fp, ctime = tuple(_fingerprint(st)), st.st_ctime_ns
+        match = old = None
+        for r in states.by_name(name):
+            if r.fingerprint == fp:
+                match = r
+            elif r.fingerprint is None and old is None:
+                old = r
+        if match is None and old is not None:
+            states.adopt(old.id, fp, ctime)
+            match = old
+            match.ctime_ns = ctime
+        if match is not None:
+            if match.id in self._files:  # being read (a chmod meanwhile is no new file)
+                if match.ctime_ns != ctime:
+                    states.adopt(match.id, fp, ctime)
+                states.saw([match.id])
+                return None
+            if match.ctime_ns is None:  # taken over from state.json: no ctime yet
+                states.adopt(match.id, fp, ctime)
+                return match
+            if match.ctime_ns == ctime or match.status == "unmovable":
+                return match
+            # Same inode, size and mtime, another ctime: re-created by cp -p, rsync -a or
+            # tar x (which set the mtime, never the ctime), or its metadata changed (chmod,
+            # chown, a hard link). They cannot be told apart: it is read again as a new
+            # arrival (at-least-once), never skipped.
+            log.warning("source %r: %s has the inode, size and mtime of instance %s (%s, "
+                        "line %d committed) but another ctime: re-created, or its metadata "
+                        "changed; read again as a new instance (at-least-once)", self.name,
+                        name, match.id, match.status, match.committed)
+            states.delete([match.id])
+        fid = new_id()
+        states.insert(fid, name, fp, ctime)
+        return Row(fid, name, fp, ctime, 0, 0, "reading", None)  # type: ignore[arg-type]
+
+    def _end_pass(self) -> None:
+        """The pass saw every name: rows of instances not open whose file is gone are
+        forgotten (a later file there is a new arrival)."""
+        states = self.states
+        gone = [r for r in states.unseen() if r.id not in self._files]
+        for r in gone:
+            if r.status == "reading":
+                log.warning("source %r: %s (%s) left the folder before it was finished: its "
+                            "lines after line %d were never read", self.name, r.name, r.id,
+                            r.committed)
+        with states.tx():
+            states.delete(r.id for r in gone)
+            states.end_pass()
+            states.commit_point()
+        self._listing = None
+        self._last_scan = time.monotonic()  # the interval runs between passes
+        if any(r.status == "unmovable" for r in gone):
+            self._count_unmovable()
+
+    def _open_instance(self, row: Row) -> None:
+        full = os.path.join(self.path, row.name)
+        try:
+            handle = open(full, "rb")
+        except OSError as e:  # unreadable: look again at the next pass
+            log.warning("source %r: cannot open %s: %s", self.name, row.name, e)
+            return
+        if tuple(_fingerprint(os.fstat(handle.fileno()))) != row.fingerprint:
+            handle.close()  # replaced since the scan: the next pass sees the new one
+            return
+        committed = row.committed
+        f = _File(row.id, row.name, list(row.fingerprint or ()), OffsetTracker(start=committed),
+                  handle=handle, dead_lettered=row.dead)
+        self._files[row.id] = f
+        if self.file_format == "csv":  # line 0 is the header: read it, then skip to
+            f.header = _csv_header(handle.readline())
+            if f.header is None:
+                log.error("source %r: the CSV header of %s is not valid UTF-8 CSV; every "
+                          "line of it fails", self.name, row.name)
+            f.next_line = 1
+            f.tracker.gap(0, 1)
+        while f.next_line < committed:  # resume after the committed line
+            if not handle.readline():
+                break
+            f.next_line += 1
+        if committed:
+            log.info("source %r: resuming %s after line %d", self.name, row.name, committed)
 
     def close(self) -> None:
         for f in self._files.values():
             if f.handle is not None:
                 f.handle.close()
         self._files.clear()
+        self._listing = None
+        if self._states is not None:
+            self._states.close()
+            self._states = None
 
     # -- pulling ---------------------------------------------------------------------------
 
@@ -242,7 +371,8 @@ class FilesSource(Source):
                     raw = readline()
                     if not raw:
                         f.eof = True
-                        self._maybe_finish(f)
+                        if self._finished(f):
+                            self._finish([f])
                         break
                     line = f.next_line
                     f.next_line += 1
@@ -257,8 +387,9 @@ class FilesSource(Source):
                     out.append(self._delivery(f, line, body, 1))
             if out or now >= deadline:
                 break
-            if now - self._last_scan >= self.scan_interval_s:
-                self._scan()
+            # one bounded scan step at a time, only while there is nothing to return
+            if ((self._listing is not None or now - self._last_scan >= self.scan_interval_s)
+                    and self._scan_step()):
                 continue
             time.sleep(min(0.02, max(0.0, deadline - now)))
         return out
@@ -269,6 +400,10 @@ class FilesSource(Source):
                                   "retries_waiting": len(self._retry)}
         for f in files[:5]:  # bounded: the first few instances
             out[f"committed line of {f.name}"] = f.tracker.committed
+        count, first = self._unmovable
+        if count:
+            out["files_unmovable"] = count
+            out["unmovable"] = "; ".join(first)
         return out
 
     # -- settling ----------------------------------------------------------------------------
@@ -288,10 +423,6 @@ class FilesSource(Source):
             f.tracker.settled_many(settled)
             touched.add(fid)
         self._save(touched)
-        for fid in touched:
-            f = self._files.get(fid)
-            if f is not None:
-                self._maybe_finish(f)
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         self._settled(deliveries)
@@ -342,68 +473,105 @@ class FilesSource(Source):
     # -- progress ----------------------------------------------------------------------------
 
     def _save(self, touched: set[str]) -> None:
-        changed = False
+        """Store the progress of the instances that settled lines and finish those now
+        done: one transaction whatever their number, one row per instance."""
+        updates, finished = [], []
         for fid in touched:
             f = self._files.get(fid)
             if f is None:
                 continue
-            entry = self._state[fid]
-            if entry.get("committed") != f.tracker.committed or entry.get("dead") != f.dead_lettered:
-                entry["committed"] = f.tracker.committed
-                entry["dead"] = f.dead_lettered
-                changed = True
-        if changed:
-            self._write_state()
+            if self._finished(f):
+                finished.append(f)
+            elif (f.tracker.committed, f.dead_lettered) != f.saved:
+                updates.append((fid, f.tracker.committed, f.dead_lettered))
+        if finished:
+            self._finish(finished, updates)
+        elif updates:
+            with self.states.tx():
+                self.states.progress(updates)
+                self.states.commit_point()
+            for fid, committed, dead in updates:
+                self._files[fid].saved = (committed, dead)
 
-    def _write_state(self) -> None:
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as out:
-            json.dump({"version": 2, "files": self._state}, out)
-            out.flush()
-            os.fsync(out.fileno())
-        faults.point("files.before_commit")
-        os.replace(tmp, self.state_path)
+    def _count_unmovable(self) -> None:
+        rows = self.states.with_status("unmovable", 5)
+        self._unmovable = (self.states.count("unmovable") if rows else 0,
+                           [f"{r.name}: {r.cause}" for r in rows])
 
-    def _move_done(self, fid: str, full: str | None) -> None:
-        """Move a finished instance (if ``full`` is still that file) and its dead letters
-        to ``done/``, never over an earlier file; then forget it."""
-        name = self._state[fid]["name"]
-        target = _free(os.path.join(self.path, "done", name), fid)
-        if full is not None:
+    def _move_done(self, items: Sequence[tuple[str, str, tuple[int, ...] | None, str | None]]
+                   ) -> None:
+        """Move finished instances ``(id, name, fingerprint, path)`` (each only if the file
+        at ``path`` is still that instance) and their dead letters to ``done/``, never over
+        an earlier file; then forget them. A move that fails (EXDEV: ``done/`` on another
+        file system; EPERM: a sticky drop folder) is recorded (status ``unmovable`` with
+        its cause) and logged, never raised: the file stays and is not read again."""
+        moved: list[str] = []
+        failed: list[tuple[str, str, str]] = []
+        for fid, name, fingerprint, full in items:
+            self._move_tried.add(fid)
+            target = _free(os.path.join(self.path, "done", name), fid)
             try:
-                same = _fingerprint(os.stat(full)) == self._state[fid].get("fingerprint")
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.replace(full, target)
-        if os.path.exists(self._dead_path(fid)):
-            os.replace(self._dead_path(fid), _free(target, fid, ".dead.jsonl"))
-        self._state.pop(fid, None)
-        self._write_state()
+                if full is not None:
+                    try:
+                        same = tuple(_fingerprint(os.stat(full))) == tuple(fingerprint or ())
+                    except FileNotFoundError:
+                        same = False
+                    if same:
+                        os.replace(full, target)
+                if os.path.exists(self._dead_path(fid)):
+                    os.replace(self._dead_path(fid), _free(target, fid, ".dead.jsonl"))
+            except OSError as e:
+                failed.append((fid, name, f"{type(e).__name__}: {e}"))
+            else:
+                moved.append(fid)
+        with self.states.tx():
+            self.states.delete(moved)
+            for fid, _, cause in failed:
+                self.states.set_status(fid, "unmovable", cause)
+            self.states.commit_point()
+        for fid, name, cause in failed:
+            log.error("source %r: %s (%s) is done but cannot be moved to done/ (%s); it is "
+                      "left in place and not read again; move or delete it by hand",
+                      self.name, name, fid, cause)
+        if failed or self._unmovable[0]:
+            self._count_unmovable()
 
-    def _maybe_finish(self, f: _File) -> None:
-        """A file read to its end with every line settled is done."""
-        if not f.eof or f.tracker.committed < f.next_line or f.bodies:
-            return
-        entry = self._state[f.id]
-        entry.update(committed=f.tracker.committed, dead=f.dead_lettered, done=True)
-        if f.handle is not None:
-            f.handle.close()
-            f.handle = None
-        self._write_state()  # recorded first: a crash before the move is finished at start
-        del self._files[f.id]
+    @staticmethod
+    def _finished(f: _File) -> bool:
+        """Read to its end with every line settled."""
+        return f.eof and f.tracker.committed >= f.next_line and not f.bodies
+
+    def _finish(self, files: Sequence[_File],
+                updates: Sequence[tuple[str, int, int]] = ()) -> None:
+        """Record ``files`` done (with other instances' progress ``updates``) in one
+        transaction, first: a crash before the move is finished at start; then move them."""
+        with self.states.tx():
+            self.states.progress([*updates, *((f.id, f.tracker.committed, f.dead_lettered)
+                                              for f in files)])
+            for f in files:
+                self.states.set_status(f.id, "done")
+            self.states.commit_point()
+        for fid, committed, dead in updates:
+            self._files[fid].saved = (committed, dead)
+        for f in files:
+            if f.handle is not None:
+                f.handle.close()
+                f.handle = None
+            del self._files[f.id]
+            if f.dead_lettered:
+                log.warning("source %r: %s (%s) done with %d dead-lettered lines", self.name,
+                            f.name, f.id, f.dead_lettered)
+            else:
+                log.info("source %r: %s (%s) done", self.name, f.name, f.id)
         if self.done == "move":
-            self._move_done(f.id, os.path.join(self.path, f.name))
-        if f.dead_lettered:
-            log.warning("source %r: %s (%s) done with %d dead-lettered lines", self.name,
-                        f.name, f.id, f.dead_lettered)
-        else:
-            log.info("source %r: %s (%s) done", self.name, f.name, f.id)
+            self._move_done([(f.id, f.name, tuple(f.fingerprint),
+                              os.path.join(self.path, f.name)) for f in files])
 
 
 def _fingerprint(st: os.stat_result) -> list[int]:
-    """What tells two files of one name apart: device, inode, size, mtime (ns). A file is
-    complete when it is renamed in, so these do not change while it is read."""
+    """What tells two files of one name apart: device, inode, size, mtime (ns); the
+    ctime is checked besides (see :meth:`FilesSource._instance`). A file is complete
+    when it is renamed in, so these do not change while it is read."""
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
@@ -418,14 +586,3 @@ def _csv_header(raw: bytes) -> list[str] | None:
         return next(csv.reader([raw.rstrip(b"\r\n").decode("utf-8")]), [])
     except (UnicodeDecodeError, csv.Error):
         return None
-
-
-def _migrate(files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """State files written before instance ids were keyed by file name."""
-    out = {}
-    for key, entry in files.items():
-        if "name" in entry:
-            out[key] = entry
-        else:  # old: the key is the name; the fingerprint is taken when it is next seen
-            out[uuid.uuid4().hex[:16]] = {**entry, "name": key}
-    return out
