@@ -44,7 +44,7 @@ def test_an_ansi_cast_error_is_bisected_to_the_poison_message(spark, caplog):
 def test_bisection_is_bounded(spark):
     from pyspark.sql import functions as F
 
-    rows = [{"v": "x"} for _ in range(32)]  # every message is poison
+    rows = [{"v": f"x{i}"} for i in range(32)]  # every message is poison, each its own way
     src = ListSource(bodies(rows))
     report = ackflow.run(ackflow.Flow(src).with_columns(n=F.col("v").cast("int"), name="cast")
                          .to(MemorySink()), spark=spark,

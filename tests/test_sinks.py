@@ -38,15 +38,21 @@ def test_parquet_staging_of_a_crashed_run_is_invisible_and_cleared(spark, tmp_pa
 
 
 def test_a_failed_commit_fails_the_batch(spark, tmp_path):
+    """A commit that fails every batch is a systemic failure: nothing acked, nothing
+    dead-lettered, the messages given back, the staged files aborted, the run stopped."""
+    from ackflow.core.errors import SystemicFailure
+
     class BrokenCommit(ParquetSink):
         def commit(self, batch_id, tokens):
             raise OSError("disk full")
 
     out = tmp_path / "out"
     src = ListSource(bodies([{"n": i} for i in range(10)]))
-    report = ackflow.run(ackflow.Flow(src).to(BrokenCommit(out, name="pq")), spark=spark, **FAST)
-    assert report.acked == 0 and report.dead_lettered == 10
-    assert src.failures["m0"].step == "pq" and "disk full" in src.failures["m0"].error
+    with pytest.raises(SystemicFailure, match="disk full") as e:
+        ackflow.run(ackflow.Flow(src).to(BrokenCommit(out, name="pq")), spark=spark,
+                    systemic_stop_after_s=1, systemic_backoff_s=0.05, **FAST)
+    assert e.value.step == "pq"
+    assert not src.dead_letters and set(src.final().values()) == {"released"}
     assert not [n for n in os.listdir(out) if n.startswith("batch=")]
     assert os.listdir(out / "_staging") == []  # aborted
 

@@ -329,5 +329,9 @@ def test_arrow_types_the_json_form_covers():
     })
     (ok,) = json_records(t.drop_columns(["inf"]))
     assert json.loads(ok) == {"dur": "P1DT3.5S", "intmap": {"1": "a"}}
+    exact = pa.table({"dur": pa.array([dt.timedelta(seconds=11045, microseconds=678901),
+                                       dt.timedelta(seconds=-7)], pa.duration("us"))})
+    assert [json.loads(b)["dur"] for b in json_records(exact)] == ["P0DT11045.678901S",
+                                                                  "-P0DT7S"]
     (bad,) = json_records(t)
     assert isinstance(bad, str) and "'inf[1]'" in bad

@@ -61,7 +61,7 @@ class SystemicFailure(FlowError):
     def __init__(self, step: str, cause: str, *, messages: int, seconds: float,
                  detail: str = "") -> None:
         super().__init__(step, f"every message fails here the same way, for {seconds:.0f} s "
-                         f"({messages} deliveries given back, none dead-lettered): {cause}")
+                         f"({messages} deliveries given back): {cause}")
         self.messages = messages
         self.seconds = seconds
         self.detail = detail

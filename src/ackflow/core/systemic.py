@@ -5,9 +5,17 @@ message meets the same way (a sink that is down or refuses a type, a missing
 permission, a full disk, a bug). Dead-lettering on such a failure would turn good data
 into dead letters. The rule (README, "Systemic failures"):
 
-* A failure's *signature* is its step and its error text. A step *works* in a batch if
-  the batch gives proof of it: rows written by that sink, or, for any other step, an
-  acked message.
+* Only failures of a write or a job *as a whole* are candidates (a sink's write that
+  raised for a partition, a commit, a job each of whose probed messages fails it alone
+  the same way, a lost lineage): a failure a step attributes to a row is that row's.
+* A failure's *signature* is its step and its error text with what varies from one
+  write to the next taken out (paths, numbers, ids: :func:`signature`). A step *works*
+  in a batch if the batch gives proof of it: rows written by that sink, or, for any
+  other step, rows written by any sink.
+* A candidate that is not (yet) systemic, in a batch without proof that its step works,
+  is *suspect*: it is given back, without spending a delivery, up to ``suspect_backs``
+  (2) times per message, then failed as usual (so a lone poison message is still
+  dead-lettered, two give-backs later).
 * When ``after`` distinct messages (3 by default) have failed with one signature, and
   its step has not worked since the first of them, the failure is **systemic**: those
   messages, and every later one failing the same way, are given back to their source
@@ -26,6 +34,10 @@ told from a broken pipeline: the run stops and says so rather than dead-letter i
 >>> d = SystemicDetector(sinks={"sink"}, after=3, stop_after_s=60, clock=lambda: t[0])
 >>> d.judge([("m1", "sink", "write failed: disk full")], working=set())
 set()
+>>> d.judge([("m1", "sink", "write failed: disk full")], working=set())
+set()
+>>> d.suspects
+{'m1'}
 >>> sorted(d.judge([("m2", "sink", "write failed: disk full"),
 ...                 ("m3", "sink", "write failed: disk full")], working=set()))
 ['m2', 'm3']
@@ -39,11 +51,32 @@ True
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from ackflow.core.errors import ConfigError
+from ackflow.core.secrets import redact
+
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_PATH = re.compile(r"(?:[\w.~-]*/)+[\w.~-]*")
+_HEX = re.compile(r"\b[0-9a-fA-F]{8,}\b")
+_NUM = re.compile(r"\d+")
+
+
+def signature(error: str) -> str:
+    """``error`` without what changes between two writes failing the same way: uuids,
+    paths, long hex ids, numbers (a staging folder per batch, a file per partition, a
+    row in a detail).
+
+    >>> signature("write failed: PermissionError: [Errno 13] '/t/_staging/b-0007/part-1a2b3c4d.parquet'")
+    "write failed: PermissionError: [Errno #] '<path>'"
+    """
+    text = _UUID.sub("<id>", error)
+    text = _PATH.sub("<path>", text)
+    text = _HEX.sub("<id>", text)
+    return _NUM.sub("#", text)
 
 #: the step of failures with no better name (a Spark job, the ledger): any acked
 #: message proves it works
@@ -77,7 +110,7 @@ class SystemicDetector:
     the engine's thread owns it."""
 
     def __init__(self, *, sinks: Iterable[str] = (), after: int = 3, stop_after_s: float = 300.0,
-                 backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0, suspect_backs: int = 2,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(after, int) or after < 2:
             raise ConfigError(f"systemic_after must be an integer >= 2, got {after!r}")
@@ -96,18 +129,27 @@ class SystemicDetector:
         self.episodes = 0  # episodes begun in this run
         self.given_back = 0  # deliveries given back as systemic in this run
         self._strikes = 0  # batches of the current episode (for the backoff)
+        self.suspect_backs = suspect_backs
+        self._backs: dict[Hashable, int] = {}  # message -> suspect give-backs so far
+        #: the keys of the last :meth:`judge` to give back as suspects
+        self.suspects: set[Hashable] = set()
 
     def judge(self, failures: Iterable[tuple[Hashable, str, str]], *,
               working: set[str], detail: Callable[[str, str], str] | None = None
               ) -> set[Hashable]:
         """``failures``: (key, step, error) of one batch's failed messages (before any is
         settled); ``working``: the steps the batch proved work (sink names that wrote rows,
-        and :data:`ANY_STEP` if a message was acked). Returns the keys to give back."""
+        and :data:`ANY_STEP` if any sink wrote rows). Returns the keys judged systemic; the
+        keys to give back as suspects are then in :attr:`suspects`."""
         self._evidence(working)
         by_sig: dict[tuple[str, str], list[Hashable]] = {}
+        raw: dict[tuple[str, str], tuple[str, str]] = {}
         for key, step, error in failures:
-            by_sig.setdefault((step, error), []).append(key)
+            sig = (step, signature(error))
+            by_sig.setdefault(sig, []).append(key)
+            raw.setdefault(sig, (step, error))
         systemic: set[Hashable] = set()
+        self.suspects = set()
         for sig, keys in by_sig.items():
             if self._works(sig[0], working):
                 continue  # the step worked in this very batch: these messages are the cause
@@ -116,7 +158,16 @@ class SystemicDetector:
                 streak.keys.update(keys[: self.after])
             if len(streak.keys) >= self.after:
                 systemic.update(keys)
-                self._enter(sig, len(keys), detail(*sig) if detail else "")
+                self._enter(raw[sig], len(keys), detail(*raw[sig]) if detail else "")
+                continue
+            for key in keys:  # not yet shown by enough messages: suspect, a few times
+                n = self._backs.get(key, 0)
+                if n < self.suspect_backs:
+                    self._backs[key] = n + 1
+                    self.suspects.add(key)
+        if len(self._backs) > 100_000:  # bounded: forget the oldest
+            for key in list(self._backs)[:50_000]:
+                del self._backs[key]
         if len(self._streaks) > 10_000:  # bounded: forget the oldest signatures
             for sig in list(self._streaks)[:5_000]:
                 del self._streaks[sig]
@@ -125,7 +176,8 @@ class SystemicDetector:
 
     def _works(self, step: str, working: set[str]) -> bool:
         """A failing step works if the batch proved it: that sink wrote rows, or (a step
-        that is not a sink) a message was acked."""
+        that is not a sink) any sink wrote rows (a message acked because it was filtered
+        out proves nothing about a later step)."""
         return step in working or (step not in self.sinks and ANY_STEP in working)
 
     def _evidence(self, working: set[str]) -> None:
@@ -139,19 +191,26 @@ class SystemicDetector:
 
     def _enter(self, sig: tuple[str, str], n: int, detail: str) -> None:
         if self.episode is None:
-            self.episode = Episode(sig[0], sig[1], self._clock(), time.time())
+            self.episode = Episode(sig[0], redact(sig[1]), self._clock(), time.time())
             self.episodes += 1
         self.episode.messages += n
         self.episode.batches += 1
         if len(detail) > len(self.episode.detail):
-            self.episode.detail = detail
+            self.episode.detail = redact(detail)
         self._strikes += 1
 
-    def backoff_s(self) -> float:
-        """How long to stop pulling after a batch of the current episode."""
-        if self.episode is None:
+    @property
+    def strikes(self) -> int:
+        """Batches of the current episode so far."""
+        return self._strikes
+
+    def backoff_s(self, strikes: int | None = None) -> float:
+        """How long to stop pulling after the ``strikes``-th batch of an episode (the
+        current one's by default)."""
+        n = self._strikes if strikes is None else strikes
+        if n < 1:
             return 0.0
-        return min(self._backoff * 2 ** max(self._strikes - 1, 0), self._max_backoff)
+        return min(self._backoff * 2 ** (n - 1), self._max_backoff)
 
     def overdue(self) -> bool:
         """True once the current episode has lasted ``stop_after_s``."""

@@ -91,7 +91,7 @@ def execute(
             return None
         if result.jobs >= max_jobs:  # the budget went to earlier jobs
             fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
-                                 f"after {max_jobs} jobs: {last_error[-1]}", whole=True))
+                                 f"after {max_jobs} jobs: {last_error[-1]}"))
             return None
         result.jobs += 1
         if count is not None:
@@ -162,7 +162,7 @@ def execute(
             log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
                       "failing %d messages: %s", batch_id, max_jobs, len(ds), error)
             fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
-                                 f"after {max_jobs} jobs: {error}", whole=True))
+                                 f"after {max_jobs} jobs: {error}"))
             return
         half = len(ds) // 2
         result.bisections += 1
@@ -178,35 +178,59 @@ def execute(
         for (h, b), e in zip(halves, errors, strict=True):
             if e is None:
                 continue
-            if len(h) == 1:
-                alone(h[0], e)
+            if len(h) == 1:  # failing alone as the whole did: a candidate (the engine judges)
+                alone(h[0], e, whole=e == error)
             else:
                 split(h, b, e, probe)
 
     def probe_each(ds: list[Delivery], bid: str, error: str) -> None:
-        """Both halves failed as the whole did: try a few messages alone."""
+        """Both halves failed as the whole did: try a few messages alone, spread over the
+        set (first, middle, last, then the rest in order: poison that a broker keeps at
+        the head of its queue must not be all that is probed). A probe that passes but
+        wrote no row (filtered out) proves nothing: the next one is tried."""
+        order = sorted(set(range(len(ds))), key=lambda i: (
+            0 if i == 0 else 1 if i == len(ds) // 2 else 2 if i == len(ds) - 1 else 3, i))
         failure: Failure | None = None
-        for i, d in enumerate(ds[:uniform_probes]):
+        tried: set[int] = set()
+        alike = 0
+        for i in order:
+            if alike >= uniform_probes:
+                break
+            d = ds[i]
+            tried.add(i)
+            before = sum(result.outcomes.rows_written.values())
             e = run_once([d], f"{bid}p{i}")
-            if e is not None:
-                f = alone(d, e, whole=e == error)
-                if e == error:
-                    failure = failure or f
-                    continue
-            rest = ds[i + 1:]  # this one passed, or failed otherwise: not uniform
+            if e is not None and e == error:
+                f = alone(d, e, whole=True)
+                failure = failure or f
+                alike += 1
+                continue
+            if e is None and sum(result.outcomes.rows_written.values()) == before \
+                    and d.lineage_id not in result.outcomes.failed:
+                continue  # passed without writing a row: no proof either way
+            if e is not None:  # failed alone, but otherwise: its own failure
+                alone(d, e)
+            rest = [x for j, x in enumerate(ds) if j not in tried]
             e = run_once(rest, f"{bid}r") if rest else None
             if e is not None:
                 if len(rest) == 1:
-                    alone(rest[0], e)
+                    alone(rest[0], e, whole=e == error)
                 else:
                     split(rest, f"{bid}r", e, probe=False)
             return
-        assert failure is not None
-        rest = ds[uniform_probes:]
+        rest = [x for j, x in enumerate(ds) if j not in tried]
+        if failure is None:  # every probe passed without a row: the rest, as one job
+            e = run_once(rest, f"{bid}r") if rest else None
+            if e is not None:
+                if len(rest) == 1:
+                    alone(rest[0], e, whole=e == error)
+                else:
+                    split(rest, f"{bid}r", e, probe=False)
+            return
         if rest:
             log.error("batch %s: %d messages alone each failed the Spark job the same way as "
                       "the whole (%s); the other %d get that failure untested", batch_id,
-                      uniform_probes, error, len(rest))
+                      len(tried), error, len(rest))
             fail_all(rest, failure)
             result.untested.update(d.lineage_id for d in rest)
 

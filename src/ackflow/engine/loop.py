@@ -33,6 +33,7 @@ from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError, SystemicFailure
 from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
+from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.core.systemic import ANY_STEP, SystemicDetector
 from ackflow.core.window import InflightWindow
@@ -376,7 +377,7 @@ class Engine:
         to be nacked or dead-lettered as usual. Raises :class:`SystemicFailure` once an
         episode has lasted ``systemic_stop_after_s``."""
         working = {name for name, n in result.outcomes.rows_written.items() if n > 0}
-        if acked:
+        if working:  # rows reached a sink: every step before it works
             working.add(ANY_STEP)
         detector = self.systemic
         was = detector.episode
@@ -387,6 +388,7 @@ class Engine:
             [(d.identity, f.step, f.error) for d, f in whole], working=working,
             detail=lambda step, error: result.details.get((step, error), ""))
         systemic = {d.lineage_id for d, _ in whole if d.identity in judged}
+        suspects = {d.lineage_id for d, _ in whole if d.identity in detector.suspects}
         if was is not None and detector.episode is None:
             log.warning("step %r works again: the systemic failure is over (%d deliveries "
                         "were given back)", was.step, was.messages)
@@ -401,6 +403,14 @@ class Engine:
                         "are given back", result.batch_id, len(untested))
             self._release(untested)
             rest = [(d, f) for d, f in rest if d.lineage_id not in result.untested]
+        if suspects:  # a whole failure not yet shown by enough messages: give back, pause
+            back = [d for d, _ in rest if d.lineage_id in suspects]
+            log.warning("batch %s: %d messages failed a write or job as a whole (%s); given "
+                        "back while it is unknown whether every message fails so",
+                        result.batch_id, len(back), redact(whole[0][1].error))
+            self._release(back)
+            self._pause_until = max(self._pause_until, time.monotonic() + detector.backoff_s(1))
+            rest = [(d, f) for d, f in rest if d.lineage_id not in suspects]
         if not systemic:
             return rest
         episode = detector.episode
@@ -410,7 +420,7 @@ class Engine:
         self.report.given_back_systemic += len(back)
         self.metrics.given_back_systemic.inc(len(back))
         self.metrics.systemic.labels(step=episode.step).set(1)
-        pause = detector.backoff_s()
+        pause = detector.backoff_s(detector.strikes)
         self._pause_until = time.monotonic() + pause
         left = detector.stop_after_s - (time.monotonic() - episode.since)
         log.error("batch %s: systemic failure at step %r: %d messages failed the same way "
@@ -720,8 +730,9 @@ class Engine:
                     self.metrics.pulled.inc(pulled)
                     self._window_metrics()
                     last_message = time.monotonic()
-            if not source.connected or self.systemic.episode is not None:
-                # reconnecting, or a systemic failure gave messages back: not idle
+            if (not source.connected or self.systemic.episode is not None
+                    or now < self._pause_until):
+                # reconnecting, or a systemic (or suspect) failure gave messages back: not idle
                 last_message = time.monotonic()
             now = time.monotonic()
             if pending and len(self._running) < self.max_concurrent and (

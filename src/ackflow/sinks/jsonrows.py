@@ -91,8 +91,8 @@ def _map_key(k: Any) -> str:
 def _duration(v: dt.timedelta) -> str:
     sign = "-" if v < dt.timedelta(0) else ""
     v = abs(v)
-    seconds = v.seconds + v.microseconds / 1e6
-    return f"{sign}P{v.days}DT{seconds:g}S"
+    seconds = f"{v.seconds}.{v.microseconds:06d}".rstrip("0").rstrip(".")  # exact, no float
+    return f"{sign}P{v.days}DT{seconds}S"
 
 
 def json_ready(value: Any, t: Any) -> Any:

@@ -198,12 +198,19 @@ class PostgresSink(Sink):
                     sql.SQL(", ").join(map(sql.Identifier, self.conflict_key))))
                 conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
                     ident, sql.SQL(", ").join(defs)))
-            have = {r[0] for r in conn.execute(
-                "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-                "AND attnum > 0 AND NOT attisdropped", [ident.as_string(conn)])}
+            attrs = conn.execute(
+                "SELECT attname, attnotnull AND NOT atthasdef AND attidentity = '' "
+                "AND attgenerated = '' FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                "AND attnum > 0 AND NOT attisdropped", [ident.as_string(conn)]).fetchall()
+            have = {r[0] for r in attrs}
             if not have:
                 raise FlowError(self.name, f"table {self.table!r} does not exist; create it, "
                                 "or pass create=True")
+            unfilled = sorted(r[0] for r in attrs if r[1] and r[0] not in columns)
+            if unfilled:  # every insert would fail: the table's problem, not a row's
+                raise FlowError(self.name, f"table {self.table!r} has NOT NULL column(s) "
+                                f"{', '.join(unfilled)} without a default that the flow does "
+                                "not write: give them a default, or write them")
             missing = [c for c in columns if c not in have]
             if missing:
                 raise ColumnsRefused(
@@ -273,6 +280,10 @@ class PostgresSink(Sink):
                 cur.execute("ALTER TABLE af_stage ADD COLUMN af_n bigint")
             conn.commit()
             self._write(conn, records, list(range(len(records))), columns, failed)
+            if len(records) >= 3 and len(failed) == len(records):
+                primary = {why.split(" (", 1)[0] for why in failed.values()}
+                if len(primary) == 1:  # every row refused alike: the write's, not the rows'
+                    raise RuntimeError(f"every row refused: {primary.pop()}")
         except psycopg.OperationalError as e:
             raise ConnectionError(self._hide(f"lost the connection to PostgreSQL: {e}")) from None
         finally:
