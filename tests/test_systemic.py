@@ -326,6 +326,6 @@ def test_a_not_null_column_the_flow_never_writes_stops_at_start(spark, postgres,
         c.execute(sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n bigint, "
                           "region text NOT NULL)").format(sql.Identifier(pg_table)))
     src = ListSource(bodies([{"n": i} for i in range(5)]))
-    with pytest.raises(FlowError, match="NOT NULL column.*region"):
+    with pytest.raises(FlowError, match=r"NOT NULL column.*region"):
         ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table)), spark=spark, **FAST)
     assert not src.dead_letters and set(src.final().values()) == {"released"}

@@ -58,12 +58,12 @@ def push(server, request_head, body_pieces):
                 sent += len(piece)
                 if sent >= SEND_AT_MOST or time.monotonic() - began > 30:
                     break
-        except (BrokenPipeError, ConnectionResetError, TimeoutError, socket.timeout):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass
         c.settimeout(10)
         try:
             answer = c.recv(65536)
-        except (ConnectionResetError, TimeoutError, socket.timeout):
+        except (ConnectionResetError, TimeoutError):
             answer = b""
     return answer.split(b"\r\n", 1)[0], sent, time.monotonic() - began
 

@@ -210,7 +210,7 @@ class SystemicDetector:
         n = self._strikes if strikes is None else strikes
         if n < 1:
             return 0.0
-        return min(self._backoff * 2 ** (n - 1), self._max_backoff)
+        return min(self._backoff * 2.0 ** (n - 1), self._max_backoff)
 
     def overdue(self) -> bool:
         """True once the current episode has lasted ``stop_after_s``."""
