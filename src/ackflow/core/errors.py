@@ -11,6 +11,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def where(exc: BaseException) -> str:
+    """`` (at file.py:123 in function)``: where ``exc`` was raised, or ``""``."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
+
+
 class AckflowError(Exception):
     """Base class of every error ackflow raises on purpose."""
 

@@ -386,7 +386,7 @@ class Engine:
         whole = [(d, f) for d, f in failures if f.whole]
         judged = detector.judge(
             [(d.identity, f.step, f.error) for d, f in whole], working=working,
-            detail=lambda step, error: result.details.get((step, error), ""))
+            detail=lambda step, error: result.details.get((step, error)) or error)
         systemic = {d.lineage_id for d, _ in whole if d.identity in judged}
         suspects = {d.lineage_id for d, _ in whole if d.identity in detector.suspects}
         if was is not None and detector.episode is None:

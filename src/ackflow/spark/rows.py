@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ackflow.core.errors import describe
+from ackflow.core.errors import describe, where
 from ackflow.core.ledger import RECEIPT_SCHEMA, WHOLE_WRITE, compact_receipts
 from ackflow.flow import Filter, FlatMap, Map, Step
 from ackflow.sinks.base import ROW_KEY, Sink
@@ -561,7 +561,7 @@ def make_writer(
                 err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
         except Exception as e:  # noqa: BLE001 - a failed write fails its rows, never acks them
             steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
-            text = f"{WHOLE_WRITE}{describe(e)}"
+            text = f"{WHOLE_WRITE}{describe(e)}{where(e)}"
             for j in live_idx:
                 steps_l[j], errs_l[j] = sink.name, text
             err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
