@@ -76,6 +76,25 @@ def test_source_retries_with_backoff_then_dead_letters_with_provenance(db):
     src.close()
 
 
+def test_replay_keeps_each_dead_letter_it_cannot_move(db):
+    """Issue 27 #3: replay moves a dead letter only together with its re-queue; two dead
+    letters of one msg_id, or one whose msg_id is queued, stay, with the reason."""
+    q = EmbeddedQueue(db)
+    for body in (b"first", b"second"):
+        q.publish("a", [body], msg_ids=["m1"])
+        (m,) = q.lease("a", 1, visibility_timeout=60)
+        q.dead_letter("a", [(m.row_id, m.deliveries, "parse", f"bad {body!r}")])
+    q.publish("a", [b"other"], msg_ids=["m2"])
+    q.publish("a", [b"x"], msg_ids=["m2"])  # already queued: ignored
+    first, second = q.dead_letters("a")
+    done = q.replay_each("a")
+    assert done.moved == [first.row_id] and list(done.kept) == [second.row_id]
+    assert "'m1' is queued" in done.kept[second.row_id]
+    assert q.dead_letters("a") == [second]  # untouched: body, headers, error
+    assert sorted(p["body"] for p in q.peek("a")) == ["first", "other"]
+    assert q.replay("a") == 0 and q.dead_letters("a") == [second]
+    q.close()
+
 def test_release_gives_back_without_counting_a_delivery(db):
     EmbeddedQueue(db).publish("a", [b"{}"])
     src = EmbeddedQueueSource(db, "a")

@@ -284,7 +284,7 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
               headers: {"Content-Type": "application/json", "X-Ackflow-Replay": "1"}});
             return [r.status, await r.json()];
         }""", poison_id)
-        assert again == [200, {"replayed": 0, "ids": [], "skipped": [poison_id]}]
+        assert again == [200, {"replayed": 0, "ids": [], "skipped": [poison_id], "kept": {}}]
         assert page.errors == []
     finally:
         if gate.exists():

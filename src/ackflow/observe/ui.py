@@ -287,15 +287,17 @@ class StatusServer:
             wanted = [notes[i] for i in dict.fromkeys(ids) if i in notes]
             todo = [n for n in wanted if n.ref is not None and n.id not in self._replayed]
             skipped = sorted(set(ids) - {n.id for n in todo})
-            replayed = 0
+            replayed, kept = 0, {}
             if todo:
                 try:
-                    replayed = await asyncio.to_thread(self.source.replay_dead_letters,
-                                                       [n.ref for n in todo])
+                    replayed, kept_refs = await asyncio.to_thread(
+                        self.source.replay_dead_letters, [n.ref for n in todo])
                 except Exception as e:  # noqa: BLE001 - answered, never raised
                     log.error("status page: replay failed: %s", e)
                     return JSONResponse({"error": f"replay failed: {type(e).__name__}: "
                                                   f"{redact(str(e))[:300]}"}, status_code=500)
+                kept = {n.id: kept_refs[n.ref] for n in todo if n.ref in kept_refs}
+                todo = [n for n in todo if n.id not in kept]
                 now = time.time()
                 for n in todo:
                     self._replayed[n.id] = now
@@ -306,7 +308,8 @@ class StatusServer:
                 log.warning("status page: %d dead letters replayed (ids %s)", replayed,
                             [n.id for n in todo])
             return JSONResponse({"replayed": replayed, "ids": [n.id for n in todo],
-                                 "skipped": skipped})
+                                 "skipped": skipped,
+                                 "kept": {str(i): why for i, why in kept.items()}})
 
         async def no_icon(request: Request) -> Response:
             return Response(status_code=204)

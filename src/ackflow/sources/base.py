@@ -143,9 +143,11 @@ class Source(ABC):
         :meth:`fail` call dead-lettered (None: it cannot be replayed)."""
         return None
 
-    def replay_dead_letters(self, refs: Sequence[object]) -> int:
+    def replay_dead_letters(self, refs: Sequence[object]) -> tuple[int, dict[object, str]]:
         """Move the given dead letters back to the source for another try; return how
-        many. Called from the status page's thread: it must use its own connection."""
+        many moved and, for each ref kept as a dead letter, why. A dead letter is never
+        destroyed by a replay. Called from the status page's thread: it must use its
+        own connection."""
         raise NotImplementedError(f"source {self.name!r} cannot replay dead letters")
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:  # noqa: B027

@@ -121,14 +121,16 @@ class EmbeddedQueueSource(Source):
     def dead_letter_ref(self, delivery: Delivery) -> object | None:
         return self._dead_ids.get(tuple(delivery.handle))  # type: ignore[arg-type]
 
-    def replay_dead_letters(self, refs: Sequence[object]) -> int:
+    def replay_dead_letters(self, refs: Sequence[object]) -> tuple[int, dict[object, str]]:
         """Move dead letters (their ids in the queue file) back to the queue, through a
-        handle of its own (any thread; the queue file serialises writers)."""
+        handle of its own (any thread; the queue file serialises writers). One whose
+        ``msg_id`` is queued stays a dead letter (see :meth:`EmbeddedQueue.replay_each`)."""
         q = EmbeddedQueue(self.path)
         try:
-            return q.replay(self.queue, [int(r) for r in refs])  # type: ignore[call-overload]
+            done = q.replay_each(self.queue, [int(r) for r in refs])  # type: ignore[call-overload]
         finally:
             q.close()
+        return len(done.moved), dict(done.kept)
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         if failures:

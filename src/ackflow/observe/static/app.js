@@ -335,7 +335,9 @@ async function replaySelected() {
     const answer = await r.json();
     if (!r.ok) throw new Error(answer.error || `HTTP ${r.status}`);
     for (const id of answer.ids) selected.delete(id);
-    setText("replay-status", `replayed ${answer.replayed} (back in the queue)`);
+    const kept = Object.entries(answer.kept || {}).map(([id, why]) => `#${id} ${why}`);
+    setText("replay-status", `replayed ${answer.replayed} (back in the queue)`
+      + (kept.length ? `; ${kept.join("; ")}` : ""));
   } catch (e) {
     setText("replay-status", `replay failed: ${e.message}`);
   }
