@@ -19,7 +19,7 @@ from ackflow import faults
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.core.secrets import hide
 from ackflow.sinks.base import ROW_KEY as KEY
-from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sinks.base import PartitionResult, Sink, null_key_failures
 
 log = logging.getLogger("ackflow.sinks.postgres")
 
@@ -64,6 +64,10 @@ class PostgresSink(Sink):
     written to the column ``key_column`` ("ackflow_key"): the source message's stable
     identity plus the row's position among the message's rows. Either way the table
     needs a primary key or unique index on the key (``create=True`` makes it).
+
+    A row whose ``key=`` column is null fails alone (its message fails, naming the
+    column): PostgreSQL's ``ON CONFLICT`` never matches NULL, so it could not be
+    written once.
 
     ``mode="upsert"`` updates an existing row with the same key (last write wins);
     ``"insert"`` leaves it as it was (first write wins). Both write a redelivered
@@ -255,7 +259,10 @@ class PostgresSink(Sink):
         if self.key is None:
             values.append(rows.column(KEY).to_pylist())
         records = list(zip(*values, strict=True))
-        failed: dict[int, str] = {}
+        failed = null_key_failures(rows, self.key)  # each fails alone, never written
+        todo = [i for i in range(len(records)) if i not in failed]
+        if not todo:
+            return PartitionResult(failed=failed)
         from psycopg import sql
 
         conn = self._connect()
@@ -265,7 +272,7 @@ class PostgresSink(Sink):
                             .format(self._ident()))
                 cur.execute("ALTER TABLE af_stage ADD COLUMN af_n bigint")
             conn.commit()
-            self._write(conn, records, list(range(len(records))), columns, failed)
+            self._write(conn, records, todo, columns, failed)
         except psycopg.OperationalError as e:
             raise ConnectionError(self._hide(f"lost the connection to PostgreSQL: {e}")) from None
         finally:
