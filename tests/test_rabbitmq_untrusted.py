@@ -313,3 +313,30 @@ def test_a_window_past_the_prefetch_cap_is_all_in_flight_and_no_more(rabbitmq, q
     finally:
         src.close()
     assert count(rabbitmq.url, q) == 0
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_a_producers_delivery_count_header_is_never_trusted(rabbitmq, opened, queue_type):
+    """Issue 27 #8: a producer's x-delivery-count header of 0 on a classic queue kept a
+    poison message alive forever; on a quorum queue a first delivery carries the
+    producer's header too (the broker writes it on redeliveries only)."""
+    q, dlx, dlq = names("hostile"), names("dlx"), names("dlq")
+    args = {"x-queue-type": "quorum"} if queue_type == "quorum" else None
+    setup(rabbitmq.url, queue=q, arguments=args, dlx=dlx, dead_queue=dlq)
+    header = 0 if queue_type == "classic" else 7
+    publish_raw(rabbitmq.url, q, [(b'{"poison": 1}', pika.BasicProperties(
+        headers={"x-delivery-count": header}, message_id="poison"))])
+    src = opened(q, dead_letter_exchange=dlx, policy=RetryPolicy(max_deliveries=3, backoff_s=0.0))
+    assert src.queue_type == queue_type and src.broker_counts == (queue_type == "quorum")
+    counts, outcomes = [], []
+    for _ in range(3):
+        (d,) = pull_all(src, 1)
+        counts.append(d.delivery_count)
+        outcomes += src.fail([(d, Failure("parse", "bad"))])
+    assert counts == [1, 2, 3]
+    assert outcomes == [Settlement.NACKED, Settlement.NACKED, Settlement.DEAD_LETTERED]
+    deadline = time.monotonic() + 10
+    while count(rabbitmq.url, dlq) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ((mid, _, headers),) = drain(rabbitmq.url, dlq)
+    assert mid == "poison" and headers["x-ackflow-deliveries"] == 3

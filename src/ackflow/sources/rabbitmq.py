@@ -133,9 +133,10 @@ class RabbitMQSource(Source):
       original is acked), or, with ``reject_to_dlx=True``, rejected without requeue
       into the queue's own dead-letter exchange (``x-death`` headers). Without any of
       them the source refuses to start, rather than drop poison messages.
-    * Delivery counts: quorum queues send ``x-delivery-count``; on classic queues
-      ackflow counts deliveries of each message id in memory (a restart starts from
-      the ``redelivered`` flag: 2).
+    * Delivery counts: on quorum queues the broker's ``x-delivery-count`` of a
+      redelivery; on classic queues (and when the type cannot be learned) ackflow
+      counts deliveries of each message id in memory (a restart starts from the
+      ``redelivered`` flag: 2). A producer's ``x-delivery-count`` header is never read.
     * Connection loss or a broker restart: ackflow reconnects with backoff. Deliveries
       from the dead channel are handed back to the engine as lost (the broker delivers
       them again; the report counts them as ``redelivered``); a tag of an old channel
@@ -173,6 +174,8 @@ class RabbitMQSource(Source):
         self.delivery_limit = int(limit) if limit is not None else None
         self.reconnect_max_s = reconnect_max_s
         self.headers_field = headers_field
+        #: "classic", "quorum", "stream", or "unknown" (learned at the first connection)
+        self.queue_type = "unknown"
         self._window = 10_000
         self._error_sink = False
         self._owner: int | None = None
@@ -248,6 +251,8 @@ class RabbitMQSource(Source):
                                       "declare=True") from None
                 raise ConfigError(f"source {self.name!r}: cannot use queue {self.queue!r}: "
                                   f"{e.reply_text}") from None
+            if self._gen == 0:
+                self._learn_queue_type(conn)
             if self.reject_to_dlx and self._gen == 0 and not self.dlx_by_policy:
                 self._check_queue_dlx(conn)
             if self.dead_letter_exchange:
@@ -265,6 +270,31 @@ class RabbitMQSource(Source):
         self._backoff = 0.5
         if self._gen > 1:
             log.warning("source %r: reconnected to %s", self.name, self.where)
+
+    def _learn_queue_type(self, conn: Any) -> None:
+        """Quorum queues count deliveries themselves (``x-delivery-count`` on each
+        redelivery); on any other queue that header is whatever the producer wrote, and
+        ackflow counts. AMQP cannot read the type: it is learned from the broker's
+        refusals (see ``amqp_probe``); if that fails, ackflow counts (never trusts)."""
+        from ackflow.sources.amqp_probe import queue_argument
+
+        given = self.arguments.get("x-queue-type") if self.declare else None
+        if given is not None:
+            self.queue_type = str(given)
+            return
+        learned = queue_argument(conn, self.queue, "x-queue-type")
+        if not learned.known:
+            log.warning("source %r: could not learn the type of queue %r (%s); delivery "
+                        "counts are ackflow's own (a producer's x-delivery-count header is "
+                        "never read)", self.name, self.queue, redact(learned.why)[:200])
+            self.queue_type = "unknown"
+            return
+        self.queue_type = str(learned.value) if learned.value is not None else "classic"
+
+    @property
+    def broker_counts(self) -> bool:
+        """True when the broker's own ``x-delivery-count`` may be read (quorum queues)."""
+        return self.queue_type == "quorum"
 
     def _check_queue_dlx(self, conn: Any) -> None:
         """``reject_to_dlx`` drops poison messages for good unless the queue has a
@@ -300,10 +330,14 @@ class RabbitMQSource(Source):
         raw = props.headers if isinstance(props.headers, dict) else {}
         headers = {_text(k): _text(v) for k, v in raw.items()}
         key = message_key(props.message_id, self._next_unnamed)
-        before = header_count(raw.get("x-delivery-count"))
+        # A quorum queue writes x-delivery-count on each redelivery; a first delivery (and
+        # any message of another queue type) carries the producer's header, if any, which
+        # must not count (a header of 0 kept a poison message alive forever)
+        before = (header_count(raw.get("x-delivery-count"))
+                  if self.broker_counts and method.redelivered else None)
         if before is not None:  # quorum queue: deliveries before this one
             count = before + 1
-        else:  # a classic queue: counted here, by message id or body digest
+        else:  # counted here, by message id or body digest
             seen_key = retry_key(props.message_id, body)
             count = self._seen.get(seen_key, 0) + 1
             if method.redelivered:
