@@ -211,6 +211,11 @@ class Engine:
         faults.point("engine.before_fail")
         states = source.fail(failures)
         for (d, f), state in zip(failures, states, strict=True):
+            if state is Settlement.NACKED and d.state is Settlement.DEAD_LETTERED:
+                # given up, but the dead-letter route refused it (a full dead-letter
+                # queue, say): nacked, retried later; counted as a dead-letter failure
+                self._dead_letter_failures += 1
+                self.metrics.dead_letter_write_failures.inc()
             if state is not d.state:
                 d.revise(state)
             if state is Settlement.RELEASED:

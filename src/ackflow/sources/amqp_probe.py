@@ -12,10 +12,13 @@ each probe uses a channel of its own (a refusal closes it).
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("ackflow.sources.rabbitmq")
 
 #: Refusals followed before giving up (a queue has a handful of arguments).
 MAX_STEPS = 24
@@ -100,3 +103,44 @@ def queue_argument(conn: Any, queue: str, key: str) -> Learned:
             if ch.is_open:
                 ch.close()
     return Learned(False, why=last or "too many refusals")
+
+
+#: The header of the probe :func:`route_refusal` publishes (expiration 0: it is dropped
+#: unless a consumer of the dead-letter queue is waiting, which then sees this header).
+PROBE_HEADER = "x-ackflow-probe"
+
+
+def route_refusal(conn: Any, exchange: str, routing_key: str) -> str | None:
+    """Why a dead letter published to ``exchange`` with ``routing_key`` would reach no
+    queue, or None once proven that it reaches one: the exchange must exist (a passive
+    declaration) and route the key (a ``mandatory`` probe, published with confirms and
+    ``expiration`` 0 so that it does not stay in the dead-letter queue)."""
+    import pika
+    from pika.exceptions import ChannelClosedByBroker, NackError, UnroutableError
+
+    ch = conn.channel()
+    try:
+        if exchange:  # "" is the default exchange: it always exists
+            try:
+                ch.exchange_declare(exchange, passive=True)
+            except ChannelClosedByBroker as e:
+                if e.reply_code == 404:
+                    return f"exchange {exchange!r} does not exist"
+                return f"cannot use exchange {exchange!r}: {e.reply_text}"
+        ch.confirm_delivery()
+        try:
+            ch.basic_publish(exchange, routing_key, b"", pika.BasicProperties(
+                expiration="0", headers={PROBE_HEADER: "route check at start"}), mandatory=True)
+        except UnroutableError:
+            return (f"exchange {exchange!r} routes routing key {routing_key!r} to no queue "
+                    "(bind a queue to it)")
+        except NackError:  # routed, to a queue that refuses for now (full): not lost
+            log.warning("dead-letter exchange %r: a queue it routes %r to refuses messages "
+                        "now (basic.nack, e.g. full with x-overflow=reject-publish); dead "
+                        "letters it refuses are retried later", exchange, routing_key)
+        except ChannelClosedByBroker as e:
+            return f"cannot publish to exchange {exchange!r}: {e.reply_text}"
+        return None
+    finally:
+        if ch.is_open:
+            ch.close()

@@ -253,8 +253,8 @@ class RabbitMQSource(Source):
                                   f"{e.reply_text}") from None
             if self._gen == 0:
                 self._learn_queue_type(conn)
-            if self.reject_to_dlx and self._gen == 0 and not self.dlx_by_policy:
-                self._check_queue_dlx(conn)
+            if self._gen == 0 and not self._error_sink:
+                self._check_dead_letter_route(conn)
             if self.dead_letter_exchange:
                 ch.confirm_delivery()
             consumers, prefetch = (1, self.prefetch) if self.prefetch else consumer_prefetch(
@@ -296,35 +296,43 @@ class RabbitMQSource(Source):
         """True when the broker's own ``x-delivery-count`` may be read (quorum queues)."""
         return self.queue_type == "quorum"
 
-    def _check_queue_dlx(self, conn: Any) -> None:
-        """``reject_to_dlx`` drops poison messages for good unless the queue has a
-        dead-letter exchange. AMQP cannot read a queue's arguments, but a declaration
-        with a differing argument is refused naming the current value: probe with a
-        value no queue has, on a channel of its own (the queue exists: checked above)."""
-        from pika.exceptions import ChannelClosedByBroker
+    def _check_dead_letter_route(self, conn: Any) -> None:
+        """A dead letter must reach a queue, proven at start, or the run stops with one
+        line. ``reject_to_dlx``: the queue must have an ``x-dead-letter-exchange`` (learned
+        from the broker's refusals: AMQP cannot read arguments), and that exchange must
+        exist and route the dead-letter routing key (``route_refusal``);
+        ``dead_letter_exchange``: the same for ackflow's own copies."""
+        from ackflow.sources.amqp_probe import queue_argument, route_refusal
 
-        if "x-dead-letter-exchange" in self.arguments:
-            return
-        probe = conn.channel()
-        try:
-            probe.queue_declare(self.queue, durable=True, arguments={
-                **self.arguments, "x-dead-letter-exchange": "ackflow-probe-" + uuid.uuid4().hex})
-        except ChannelClosedByBroker as e:
-            text = str(e.reply_text)
-            if "x-dead-letter-exchange" in text and "current is none" in text:
+        if self.dead_letter_exchange:
+            exchange = self.dead_letter_exchange
+            key = self.dead_letter_routing_key or self.queue
+            what = "dead_letter_exchange"
+        elif self.reject_to_dlx and not self.dlx_by_policy:
+            learned = queue_argument(conn, self.queue, "x-dead-letter-exchange")
+            if not learned.known:
+                raise ConfigError(
+                    f"source {self.name!r}: reject_to_dlx=True but the dead-letter exchange of "
+                    f"queue {self.queue!r} could not be verified ({redact(learned.why)[:200]}); "
+                    "use dead_letter_exchange='...' or flow.on_error(sink), or, if a policy "
+                    "sets it, dlx_by_policy=True")
+            if learned.value is None:
                 raise ConfigError(
                     f"source {self.name!r}: reject_to_dlx=True but queue {self.queue!r} has no "
                     "x-dead-letter-exchange argument: rejected poison messages would be "
                     "dropped. Give the queue one, use dead_letter_exchange='...' or "
                     "flow.on_error(sink), or, if a policy sets it (invisible to AMQP), pass "
-                    "dlx_by_policy=True") from None
-            return  # it has one (or differs elsewhere: nothing more to learn here)
-        else:  # the declaration went through: the queue took no such argument
-            raise ConfigError(f"source {self.name!r}: could not verify the dead-letter "
-                              f"exchange of queue {self.queue!r}")
-        finally:
-            if probe.is_open:
-                probe.close()
+                    "dlx_by_policy=True")
+            exchange = str(learned.value)
+            rk = queue_argument(conn, self.queue, "x-dead-letter-routing-key")
+            key = str(rk.value) if rk.known and rk.value is not None else self.queue
+            what = f"queue {self.queue!r}'s x-dead-letter-exchange"
+        else:
+            return
+        why = route_refusal(conn, exchange, key)
+        if why is not None:
+            raise ConfigError(f"source {self.name!r}: dead letters would be lost: {what} "
+                              f"{exchange!r}: {why}")
 
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         raw = props.headers if isinstance(props.headers, dict) else {}
@@ -448,7 +456,8 @@ class RabbitMQSource(Source):
     def status(self) -> dict[str, object]:
         return {"kind": "RabbitMQ queue", "url": self.where, "queue": self.queue,
                 "retries_waiting": len(self._delayed), "buffered": len(self._buffer),
-                "unsettled_on_channel": len(self._outstanding)}
+                "unsettled_on_channel": len(self._outstanding),
+                "dead_letters_refused": self.stats["dead_letters_refused"]}
 
     @property
     def connected(self) -> bool:
@@ -633,6 +642,16 @@ class RabbitMQSource(Source):
                     log.error("source %r: dead letter of %s is unroutable on exchange %r; "
                               "nacking it instead", self.name, d.key, self.dead_letter_exchange)
                     refused.add(id(d))
+                    self.stats["dead_letters_refused"] += 1
+                except pika.exceptions.NackError:
+                    # the broker refused this one message (a full dead-letter queue with
+                    # x-overflow=reject-publish): its failure, not the connection's
+                    log.error("source %r: the broker refused the dead letter of %s on exchange "
+                              "%r (basic.nack: a full dead-letter queue?); nacking it, it is "
+                              "retried after the backoff", self.name, d.key,
+                              self.dead_letter_exchange)
+                    refused.add(id(d))
+                    self.stats["dead_letters_refused"] += 1
                 except (pika.exceptions.AMQPError, OSError, faults.InjectedFault) as e:
                     if self._ch is not None:
                         self._lose_connection(e)
