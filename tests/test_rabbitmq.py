@@ -173,3 +173,33 @@ def test_headers_and_message_ids_are_carried_from_the_source(spark, rabbitmq):
     assert set(got) == {f"h{i}" for i in range(5)}
     assert all(h == {"tenant": f"t{int(m[1:]) % 2}"} for m, (_, h) in got.items())
     assert all("meta" not in b for b, _ in got.values())
+
+
+def test_a_release_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq):
+    """Issue 27 #1: on a quorum queue a give-back counts as a delivery (RabbitMQ 3.10:
+    basic.nack or reject with requeue, a closed channel and a cancelled consumer alike).
+    With x-delivery-limit 1 and ackflow's own dead-letter exchange, a message at its
+    last delivery that was released (here: a flow error gives its batch back) was then
+    in neither the queue nor the dead-letter queue. Now it is dead-lettered knowingly
+    (step 'release'), and a message with deliveries left is released as before."""
+    import pika
+
+    url = rabbitmq.url
+    q, dlx, dead = names("qrel"), names("qreldlx"), names("qreldead")
+    setup(url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1},
+          dlx=dlx, dead_queue=dead)
+    publish(url, q, [{"a": 1}], ids=["tired"])
+    conn = pika.BlockingConnection(pika.URLParameters(url))  # one failed delivery: the
+    ch = conn.channel()                                     # next one is its last
+    method, _, _ = ch.basic_get(q)
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    conn.close()
+    publish(url, q, [{"a": 2}], ids=["fresh"])
+    src = RabbitMQ(url, q, dead_letter_exchange=dlx)
+    flow = ackflow.Flow(src).transform(lambda df: df.select("a"), name="narrow").to(Memory())
+    with pytest.raises(ackflow.FlowError, match="narrow"):
+        ackflow.run(flow, spark=spark, **{**RUN, "batch_size": 2, "batch_timeout_s": 1.0})
+    assert src.queue_type == "quorum" and src.delivery_limit == 1  # learned from the queue
+    letters = drain(url, dead)
+    assert [(m, h["x-ackflow-step"]) for m, _, h in letters] == [("tired", "release")]
+    assert [m for m, _, _ in drain(url, q)] == ["fresh"]  # released, one delivery left

@@ -406,12 +406,36 @@ class Engine:
                 {"message": d.key, "step": f.step, "error": f.error, "outcome": state.value}
             )
 
-    def _release(self, deliveries: list[Delivery]) -> None:
+    def _release(self, deliveries: list[Delivery], *, ending: bool = False) -> None:
         """Give back what was not processed; deliveries settled meanwhile (lost with their
         channel, say) are the source's already and are skipped."""
-        deliveries = [d for d in deliveries if not d.settled]
+        if not ending and not any(not d.settled for d in deliveries):
+            return
+        # a release means the run is ending: stop receiving first (a message given back
+        # while consuming comes straight back), and settle what was received meanwhile
+        extra = self.flow.source.stop_consuming()
+        if extra:
+            for d in extra:
+                d.lineage_id = self._next_id
+                d.pulled_at = time.monotonic()
+                self._next_id += 1
+            self.report.pulled += len(extra)
+            self.metrics.pulled.inc(len(extra))
+        deliveries = [d for d in [*deliveries, *extra] if not d.settled]
         if not deliveries:
             return
+        last = {id(d) for d in self.flow.source.unreleasable(deliveries)}
+        if last:  # a give-back would spend their last delivery: the broker drops them
+            log.warning("%d unprocessed messages are at their last delivery (the broker "
+                        "counts a give-back as one and would drop them): dead-lettering "
+                        "them instead (step 'release')", len(last))
+            why = Failure("release", "not processed before the stop, at its last delivery: "
+                          "the broker counts a give-back as a delivery (x-delivery-limit) and "
+                          "would drop it; dead-lettered instead")
+            self._fail("release", [(d, why) for d in deliveries if id(d) in last])
+            deliveries = [d for d in deliveries if id(d) not in last and not d.settled]
+            if not deliveries:
+                return
         for d in deliveries:
             d.settle(Settlement.RELEASED)
         self.flow.source.release(deliveries)
@@ -675,7 +699,7 @@ class Engine:
         finally:
             pool.shutdown(wait=True)
         leftover = [d for d in self.inflight.values() if not d.settled]
-        self._release(leftover)
+        self._release(leftover, ending=True)
         self.inflight.clear()
         if self.progress is not None:
             self.progress(self.report, self.window)

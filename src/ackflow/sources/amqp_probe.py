@@ -64,14 +64,16 @@ def _current(text: str) -> tuple[bool, Any]:
     return False, None
 
 
-def queue_argument(conn: Any, queue: str, key: str) -> Learned:
+def queue_argument(conn: Any, queue: str, key: str, *, numeric: bool = False) -> Learned:
     """The current value of argument ``key`` of the existing ``queue`` (see the module's
-    docstring). Never declares anything new and never changes the queue."""
+    docstring). Never declares anything new and never changes the queue. ``numeric``:
+    the argument takes a number (the broker checks the type before equivalence)."""
     from pika.exceptions import ChannelClosedByBroker
 
     args: dict[str, Any] = {}
     durable = True
-    probe = "ackflow-probe-" + uuid.uuid4().hex
+    probe: Any = ("ackflow-probe-" + uuid.uuid4().hex if not numeric
+                  else 1_000_000_000 + uuid.uuid4().int % 1_000_000_000)
     last = ""
     for _ in range(MAX_STEPS):
         ch = conn.channel()
@@ -92,6 +94,10 @@ def queue_argument(conn: Any, queue: str, key: str) -> Learned:
             if not ok:
                 return Learned(False, why=last)
             if name == key:
+                if numeric and isinstance(value, str):  # "received '7' but current is '1'"
+                    if not value.lstrip("-").isdigit():
+                        return Learned(False, why=last)
+                    value = int(value)
                 return Learned(True, value, durable)
             if value is None or name in args:  # it would not have named this one
                 return Learned(False, why=last)

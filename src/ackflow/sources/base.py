@@ -120,6 +120,19 @@ class Source(ABC):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries that were not processed (shutdown), for redelivery."""
 
+    def stop_consuming(self) -> list[Delivery]:
+        """Stop receiving (the run is ending: called before the first release) and
+        return the deliveries received but not pulled yet, for the engine to settle
+        (release). Default: nothing to stop."""
+        return []
+
+    def unreleasable(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """The deliveries that a :meth:`release` would not give back: the broker counts
+        a give-back as a delivery and would drop (or dead-letter) them, e.g. a quorum
+        queue's message at its ``x-delivery-limit``. The engine dead-letters those
+        knowingly (step ``release``) instead of releasing them. Default: none."""
+        return []
+
     # -- the status page (optional) ---------------------------------------------------
 
     def status(self) -> dict[str, object]:

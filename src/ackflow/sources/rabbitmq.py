@@ -176,6 +176,8 @@ class RabbitMQSource(Source):
         self.headers_field = headers_field
         #: "classic", "quorum", "stream", or "unknown" (learned at the first connection)
         self.queue_type = "unknown"
+        self._consumer_tags: list[str] = []
+        self._stopped_consuming = False
         self._window = 10_000
         self._error_sink = False
         self._owner: int | None = None
@@ -260,12 +262,15 @@ class RabbitMQSource(Source):
             consumers, prefetch = (1, self.prefetch) if self.prefetch else consumer_prefetch(
                 self._window)
             ch.basic_qos(prefetch_count=prefetch)  # per consumer (AMQP's global=False)
-            for _ in range(consumers):  # one channel: one space of delivery tags
-                ch.basic_consume(self.queue, self._on_message, auto_ack=False)
+            tags = []
+            for _ in range(0 if self._stopped_consuming else consumers):
+                # one channel: one space of delivery tags
+                tags.append(ch.basic_consume(self.queue, self._on_message, auto_ack=False))
         except BaseException:
             conn.close()
             raise
         self._conn, self._ch = conn, ch
+        self._consumer_tags = tags
         self._gen += 1
         self._backoff = 0.5
         if self._gen > 1:
@@ -282,6 +287,9 @@ class RabbitMQSource(Source):
         if given is not None:
             self.queue_type = str(given)
             return
+        if self.declare:  # declared with no type: classic
+            self.queue_type = "classic"
+            return
         learned = queue_argument(conn, self.queue, "x-queue-type")
         if not learned.known:
             log.warning("source %r: could not learn the type of queue %r (%s); delivery "
@@ -290,6 +298,20 @@ class RabbitMQSource(Source):
             self.queue_type = "unknown"
             return
         self.queue_type = str(learned.value) if learned.value is not None else "classic"
+        if self.queue_type == "quorum" and self.delivery_limit is None:
+            limit = queue_argument(conn, self.queue, "x-delivery-limit", numeric=True)
+            if limit.known and isinstance(limit.value, int):
+                self.delivery_limit = limit.value
+        if self.queue_type == "quorum" and self.delivery_limit is not None:
+            dlx = queue_argument(conn, self.queue, "x-dead-letter-exchange")
+            if dlx.known and dlx.value is None:
+                log.warning(
+                    "source %r: quorum queue %r has a delivery limit (%d) and no "
+                    "x-dead-letter-exchange: RabbitMQ counts every give-back as a delivery "
+                    "(a nack, a lost connection, a crash), and drops a message given back "
+                    "past the limit. ackflow dead-letters what it holds at its last delivery "
+                    "on a stop, but cannot after a crash: give the queue a dead-letter "
+                    "exchange", self.name, self.queue, self.delivery_limit)
 
     @property
     def broker_counts(self) -> bool:
@@ -675,7 +697,38 @@ class RabbitMQSource(Source):
         self._schedule_nacks(failures, backoff=True)
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
+        """``basic.nack`` with requeue. On a quorum queue (RabbitMQ 3.10) every give-back
+        counts as a delivery (a nack, a reject, a closed channel or a cancelled consumer
+        alike, measured): see :meth:`unreleasable`."""
         self._schedule_nacks([(d, Failure("release", "")) for d in deliveries], backoff=False)
+
+    def stop_consuming(self) -> list[Delivery]:
+        """Cancel the consumers (before a release: a message given back while they
+        consume comes straight back to them, and on a quorum queue the closing channel
+        then spends one more of its deliveries); return the deliveries received but not
+        pulled yet, for the engine to settle. Deliveries that arrive while the cancel is
+        under way are given back by pika (``basic.reject`` with requeue): on a quorum
+        queue each of those spends a delivery too."""
+        if self._stopped_consuming or not self._is_owner():
+            return []
+        self._stopped_consuming = True
+        if self._ch is not None:  # what arrived already reaches the buffer first
+            self._broker(self._conn.process_data_events, time_limit=0)
+        for tag in self._consumer_tags:
+            if self._ch is None or not self._broker(self._ch.basic_cancel, tag):
+                break
+        self._consumer_tags = []
+        left = [d for d in self._buffer if self._live(d)]
+        self._buffer.clear()
+        return left
+
+    def unreleasable(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """On a quorum queue with a delivery limit, the deliveries past it: a give-back
+        would make the broker drop them (or dead-letter them without provenance)."""
+        if not self.broker_counts or self.delivery_limit is None:
+            return []
+        return [d for d in deliveries if self._live(d) and self.exhausted(d)
+                and d.delivery_count > self.delivery_limit]
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
         if self._ch is not None:
