@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -521,6 +522,10 @@ class Engine:
                 stack.callback(_quietly, "stop the status page", ui.close)
                 self.ui = ui  # set once it serves
                 log.info("status page at %s", ui.url)
+                if ui.replay_url is not None:  # to the operator only, never to the log
+                    print(f"ackflow: to replay dead letters, open {ui.replay_url} (the link "
+                          "holds this run's replay token: keep it private)", file=sys.stderr,
+                          flush=True)
             flow.source.configure(max_inflight=self.window.max_inflight,
                                   error_sink=flow.error_sink is not None,
                                   keepalive_s=self.keepalive_s)
