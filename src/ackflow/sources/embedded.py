@@ -99,7 +99,11 @@ class EmbeddedQueueSource(Source):
         self._dead_ids = self.q.dead_letter_ids(
             self.queue, [(*d.handle, f.step, f.error) for d, f in dead]  # type: ignore[misc]
         ) if dead else {}
-        return outcomes
+        # a lease that expired meanwhile moved nothing: the message is the queue's again
+        # (it comes back), so it is no dead letter of this run
+        return [Settlement.RELEASED if state is Settlement.DEAD_LETTERED
+                and tuple(d.handle) not in self._dead_ids else state  # type: ignore[arg-type]
+                for (d, _), state in zip(failures, outcomes, strict=True)]
 
     # -- the status page -------------------------------------------------------------------
 
