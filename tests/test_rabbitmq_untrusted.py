@@ -285,6 +285,8 @@ def test_held_acks_of_a_dead_channel_are_delivered_again(rabbitmq, opened):
     src.ack(got[1:])
     src._lose_connection(OSError("cut"))  # before k0 settles
     assert src.stats["unsent_acks"] == 2
+    assert [d.key for d in src.take_unsent_acks()] == ["k1", "k2"]  # the engine uncounts
+    assert src.take_unsent_acks() == []
     again = pull_all(src, 3, timeout=15)  # written, but the broker never heard: again
     assert {d.key for d in again} == {"k0", "k1", "k2"}
     src.ack(again)

@@ -200,6 +200,14 @@ class Engine:
             d.settle(Settlement.RELEASED)
         self._count_redelivered(len(lost))
         self._forget(lost)
+        # acks the engine counted that never reached the broker: no acks, they come again
+        unsent = [d for d in self.flow.source.take_unsent_acks()
+                  if d.state is Settlement.ACKED and not d.revised]
+        for d in unsent:
+            d.revise(Settlement.RELEASED)
+        if unsent:
+            self.report.acked -= len(unsent)
+            self._count_redelivered(len(unsent))
 
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
         if failures and self.flow.error_sink is not None:

@@ -120,6 +120,12 @@ class Source(ABC):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries that were not processed (shutdown), for redelivery."""
 
+    def take_unsent_acks(self) -> list[Delivery]:
+        """Deliveries the engine acked whose ack never reached the broker (held, then the
+        channel died): the broker delivers them again, so they are no acks of this run
+        (the engine takes them back out of the report). Default: none."""
+        return []
+
     def stop_consuming(self) -> list[Delivery]:
         """Stop receiving (the run is ending: called before the first release) and
         return the deliveries received but not pulled yet, for the engine to settle

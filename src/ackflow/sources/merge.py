@@ -117,6 +117,9 @@ class MergedSource(Source):
         for i, ds in self._split(deliveries).items():
             self.sources[i].release(ds)
 
+    def take_unsent_acks(self) -> list[Delivery]:
+        return [d for s in self.sources for d in s.take_unsent_acks()]
+
     def stop_consuming(self) -> list[Delivery]:
         out = []
         for i, s in enumerate(self.sources):

@@ -177,6 +177,7 @@ class RabbitMQSource(Source):
         #: "classic", "quorum", "stream", or "unknown" (learned at the first connection)
         self.queue_type = "unknown"
         self._consumer_tags: list[str] = []
+        self._unsent: list[Delivery] = []  # acked by the engine, never sent: they come again
         self._stopped_consuming = False
         self._window = 10_000
         self._error_sink = False
@@ -393,6 +394,8 @@ class RabbitMQSource(Source):
             log.warning("source %r: %d held acks were not sent before the channel died; "
                         "those messages come again", self.name, len(self._held_acks))
             self.stats["unsent_acks"] += len(self._held_acks)
+            self._unsent.extend(self._outstanding[t] for t in sorted(self._held_acks)
+                                if t in self._outstanding)
             self._held_acks.clear()
         buffered = {id(d) for d in self._buffer}
         handed = [d for d in self._outstanding.values() if id(d) not in buffered]
@@ -488,6 +491,10 @@ class RabbitMQSource(Source):
     def take_lost(self) -> list[Delivery]:
         lost, self._lost = self._lost, []
         return lost
+
+    def take_unsent_acks(self) -> list[Delivery]:
+        unsent, self._unsent = self._unsent, []
+        return unsent
 
     def _current(self, deliveries: Sequence[Delivery]) -> tuple[list[int], list[Delivery]]:
         """Split into tags of the current channel and stale deliveries."""
