@@ -635,8 +635,8 @@ class Engine:
                 last_message = time.monotonic()
             self._drop_lost()
             now = time.monotonic()
-            if self._stop.is_set():
-                self._release(pending)
+            if self._stop.is_set():  # stop receiving now: what comes while draining
+                self._release(pending, ending=True)  # would be given back (a spent delivery)
                 self._forget(pending)
                 return
             pulled = 0
