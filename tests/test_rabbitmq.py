@@ -254,7 +254,7 @@ def test_a_stop_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq, tmp_
     runner = threading.Thread(target=lambda: result.setdefault("report", engine.run()))
     runner.start()
     try:  # blocker's batch runs; tired waits in the batcher, the rest in the prefetch
-        assert wait_until(lambda: engine.report.pulled == 2, 20), (engine.report, len(engine.flow.source._buffer), engine._running)
+        assert wait_until(lambda: engine.report.pulled == 2, 60)
         assert wait_until(lambda: len(engine.flow.source._buffer) == 2, 30)
     finally:
         engine.request_stop()
