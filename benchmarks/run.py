@@ -125,6 +125,15 @@ def queue_args(qtype: str) -> dict[str, Any]:
     return {"x-queue-type": qtype, "x-dead-letter-exchange": "bench-dlx"}
 
 
+def declare_queue(ch: Any, queue: str, qtype: str) -> None:
+    """The queue and its dead-letter exchange, bound to a queue (reject_to_dlx proves at
+    start that dead letters reach one)."""
+    ch.exchange_declare("bench-dlx", "fanout", durable=True)
+    ch.queue_declare("bench-dead", durable=True, arguments={"x-max-length": 100_000})
+    ch.queue_bind("bench-dead", "bench-dlx")
+    ch.queue_declare(queue, durable=True, arguments=queue_args(qtype))
+
+
 def rmq_queue(phase: str) -> str:
     return QUEUE + ("-quorum" if phase.endswith("quorum") else "")
 
@@ -136,7 +145,7 @@ def publish_rmq(url: str, queue: str, n: int, qtype: str = "classic") -> None:
 
     conn = pika.BlockingConnection(pika.URLParameters(url))
     ch = conn.channel()
-    ch.queue_declare(queue, durable=True, arguments=queue_args(qtype))
+    declare_queue(ch, queue, qtype)
     ch.queue_purge(queue)
     conn.close()
     props = pika.BasicProperties(delivery_mode=2)
@@ -442,7 +451,7 @@ def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, 
 
     queue = "latency"
     conn = pika.BlockingConnection(pika.URLParameters(url))
-    conn.channel().queue_declare(queue, durable=True, arguments=queue_args("classic"))
+    declare_queue(conn.channel(), queue, "classic")
     conn.close()
     latencies: list[float] = []
 

@@ -83,5 +83,13 @@ def rabbitmq():
     from ackflow.servers import RabbitMQServer
 
     server = RabbitMQServer(streams=True).start()
+    from amqp import connect  # the tests' shared dead-letter exchange, bound to a queue
+
+    conn = connect(server.url)
+    ch = conn.channel()
+    ch.exchange_declare("ackflow-tests-dlx", "fanout", durable=True)
+    ch.queue_declare("ackflow-tests-dead", durable=True, arguments={"x-max-length": 100_000})
+    ch.queue_bind("ackflow-tests-dead", "ackflow-tests-dlx")
+    conn.close()
     yield server
     server.close()

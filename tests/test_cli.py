@@ -57,9 +57,38 @@ def test_queue_stats_peek_dead_letters_replay(tmp_path, capsys):
     assert [m["msg_id"] for m in json.loads(capsys.readouterr().out)] == ["o2"]
 
     assert main(["queue", "replay", "--db", db, "--queue", "orders", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"replayed": 1}
+    assert json.loads(capsys.readouterr().out) == {"replayed": 1, "kept": []}
     assert EmbeddedQueue(db).stats("orders")["ready"] == 1
 
+
+
+def test_replay_never_destroys_a_dead_letter_whose_msg_id_is_queued(tmp_path, capsys):
+    """Issue 27 #3: a dead letter whose msg_id is queued again (the producer published it
+    again) stays a dead letter, body and error intact, and the command says why."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("orders", [b'{"v": "old"}'], msg_ids=["o1"])
+    (m,) = q.lease("orders", 1, visibility_timeout=60)
+    q.dead_letter("orders", [(m.row_id, m.deliveries, "validate", "ValueError: bad")])
+    q.publish("orders", [b'{"v": "new"}'], msg_ids=["o1"])  # queued again under o1
+    q.close()
+
+    assert main(["queue", "replay", "--db", db, "--queue", "orders"]) == 0
+    text = capsys.readouterr().out
+    assert "moved 0 dead letters" in text and "'o1' is queued" in text
+    q = EmbeddedQueue(db)
+    (dl,) = q.dead_letters("orders")
+    assert (dl.msg_id, dl.body, dl.error) == ("o1", b'{"v": "old"}', "ValueError: bad")
+    assert [p["body"] for p in q.peek("orders")] == ['{"v": "new"}']
+    (n,) = q.lease("orders", 1, visibility_timeout=60)
+    q.ack("orders", [(n.row_id, n.deliveries)])  # once the queued o1 settled, replay works
+    q.close()
+    assert main(["queue", "replay", "--db", db, "--queue", "orders", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"replayed": 1, "kept": []}
+    q = EmbeddedQueue(db)
+    assert q.dead_letters("orders") == [] and [p["body"] for p in q.peek("orders")] == [
+        '{"v": "old"}']
+    q.close()
 
 @pytest.mark.spark
 def test_run_a_flow_file(tmp_path):

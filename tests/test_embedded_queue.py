@@ -76,6 +76,43 @@ def test_source_retries_with_backoff_then_dead_letters_with_provenance(db):
     src.close()
 
 
+def test_a_failure_on_an_expired_lease_is_no_dead_letter(db):
+    """Issue 27 #11: a message given up after its lease expired was reported
+    dead-lettered though nothing was stored: it is the queue's again (released)."""
+    EmbeddedQueue(db).publish("a", [b'{"n": 1}'], msg_ids=["late"])
+    src = EmbeddedQueueSource(db, "a", policy=RetryPolicy(max_deliveries=1))
+    src.open()
+    (d,) = _deliveries(src)
+    other = EmbeddedQueue(db)
+    other.release([d.handle])  # the lease ended (as when it expires): not held any more
+    other.close()
+    assert src.fail([(d, Failure("validate", "ValueError: no"))]) == [Settlement.RELEASED]
+    assert src.q.dead_letters("a") == [] and src.q.stats("a")["ready"] == 1
+    (again,) = _deliveries(src)
+    assert src.fail([(again, Failure("validate", "ValueError: no"))]) == [
+        Settlement.DEAD_LETTERED]
+    assert [x.msg_id for x in src.q.dead_letters("a")] == ["late"]
+    src.close()
+
+def test_replay_keeps_each_dead_letter_it_cannot_move(db):
+    """Issue 27 #3: replay moves a dead letter only together with its re-queue; two dead
+    letters of one msg_id, or one whose msg_id is queued, stay, with the reason."""
+    q = EmbeddedQueue(db)
+    for body in (b"first", b"second"):
+        q.publish("a", [body], msg_ids=["m1"])
+        (m,) = q.lease("a", 1, visibility_timeout=60)
+        q.dead_letter("a", [(m.row_id, m.deliveries, "parse", f"bad {body!r}")])
+    q.publish("a", [b"other"], msg_ids=["m2"])
+    q.publish("a", [b"x"], msg_ids=["m2"])  # already queued: ignored
+    first, second = q.dead_letters("a")
+    done = q.replay_each("a")
+    assert done.moved == [first.row_id] and list(done.kept) == [second.row_id]
+    assert "'m1' is queued" in done.kept[second.row_id]
+    assert q.dead_letters("a") == [second]  # untouched: body, headers, error
+    assert sorted(p["body"] for p in q.peek("a")) == ["first", "other"]
+    assert q.replay("a") == 0 and q.dead_letters("a") == [second]
+    q.close()
+
 def test_release_gives_back_without_counting_a_delivery(db):
     EmbeddedQueue(db).publish("a", [b"{}"])
     src = EmbeddedQueueSource(db, "a")

@@ -163,3 +163,38 @@ def test_a_delivery_is_revised_once_only():
     with pytest.raises(AlreadySettled):
         d.revise(Settlement.NACKED)
     assert json.dumps(d.state.value) == '"released"'
+
+
+class UnsentAcksSource(ListSource):
+    """The first acks are "held" and their channel dies: the broker never hears of them
+    and delivers those messages again (as the RabbitMQ source's held acks)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.lose_next = True
+        self.unsent = []
+
+    def ack(self, deliveries):
+        if self.lose_next:
+            self.lose_next = False
+            self.unsent = list(deliveries)
+            with self._lock:  # the broker has them again
+                self._ready.extend(d.handle for d in deliveries)
+            return None
+        return super().ack(deliveries)
+
+    def take_unsent_acks(self):
+        unsent, self.unsent = self.unsent, []
+        return unsent
+
+
+@pytest.mark.spark
+def test_acks_that_never_reached_the_broker_are_not_counted(spark):
+    """Issue 27 #11: held RabbitMQ acks were counted acked before they were sent; when
+    their channel died they came back and were counted again (the report said 2 acks
+    for 1 message)."""
+    src = UnsentAcksSource(bodies([{"n": i} for i in range(5)]))
+    report = ackflow.run(ackflow.Flow(src).to(MemorySink()), spark=spark,
+                         **{**FAST, "batch_size": 5})
+    assert src.final() == {f"m{i}": "acked" for i in range(5)}
+    assert report.acked == 5 and report.redelivered == 5 and report.pulled == 10

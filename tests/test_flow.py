@@ -61,3 +61,17 @@ def test_bad_operator_arguments():
         flow.grouped_within(2, 1.0).grouped_within(2, 1.0)
     with pytest.raises(ConfigError, match="no sink"):
         flow.validate()
+
+
+def test_the_error_sink_needs_a_name_of_its_own(tmp_path):
+    """Issue 27 #11: a Parquet main sink and a Parquet error sink (both named "parquet")
+    were summed into one rows_written entry: the report said rows were written that
+    were not."""
+    from ackflow.sinks import ParquetSink
+
+    flow = (ackflow.Flow(ListSource([b"{}"])).to(ParquetSink(tmp_path / "out"))
+            .on_error(ParquetSink(tmp_path / "dead")))
+    with pytest.raises(ConfigError, match=r"\['parquet'\] are used more than once.*error sink"):
+        flow.validate()
+    (ackflow.Flow(ListSource([b"{}"])).to(ParquetSink(tmp_path / "out"))
+     .on_error(ParquetSink(tmp_path / "dead", name="dead letters"))).validate()

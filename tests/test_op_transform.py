@@ -47,3 +47,50 @@ def test_rows_removed_inside_a_transform_are_not_acked(spark):
     final = src.final()
     assert [final[f"m{i}"] for i in range(6)] == ["acked"] * 3 + ["dead_lettered"] * 3
     assert "lineage lost" in src.failures["m4"].error
+
+
+def test_rows_a_transform_repeats_across_partitions_get_keys_unique_in_the_batch(
+        spark, postgres, pg_table, tmp_path):
+    """Issue 27 #4: a repeat in another partition kept its original's key (repeats were
+    numbered per writer partition): PostgreSQL overwrote it, the embedded queue ignored
+    it, every message acked and the report counted rows that were not there."""
+    import psycopg
+    from psycopg import sql
+
+    from ackflow.embedded import EmbeddedQueue
+    from ackflow.sinks import EmbeddedQueueSink, Postgres
+
+    def twice(df):
+        return df.unionByName(df)  # the copy lands in other partitions
+
+    n = 3
+    src = ListSource(bodies([{"a": i} for i in range(n)]))
+    pg = Postgres(postgres.dsn, pg_table, create=True, name="pg")
+    report = ackflow.run(ackflow.Flow(src).transform(twice, name="twice").to(pg),
+                         spark=spark, **FAST)
+    with psycopg.connect(postgres.dsn) as c:
+        got = c.execute(sql.SQL("SELECT ackflow_key, a FROM {}").format(
+            sql.Identifier(pg_table))).fetchall()
+    assert report.acked == n and report.rows_written["pg"] == 2 * n
+    assert sorted(a for _, a in got) == sorted(2 * list(range(n)))
+    assert len({k for k, _ in got}) == 2 * n
+    keys_pg = sorted(k for k, _ in got)
+
+    db = str(tmp_path / "q.db")
+    src = ListSource(bodies([{"a": i} for i in range(n)]))
+    report = ackflow.run(ackflow.Flow(src).transform(twice, name="twice")
+                         .to(EmbeddedQueueSink(db, "next", name="q")), spark=spark, **FAST)
+    q = EmbeddedQueue(db)
+    queued = q.peek("next", 100)
+    q.close()
+    assert report.acked == n and report.rows_written["q"] == 2 * n
+    assert len(queued) == 2 * n and sorted(m["msg_id"] for m in queued) == keys_pg
+
+    # a second transform repeating the repeats again: still one key per row
+    src = ListSource(bodies([{"a": i} for i in range(n)]))
+    ackflow.run(ackflow.Flow(src).transform(twice, name="t1").transform(twice, name="t2")
+                .to(EmbeddedQueueSink(db, "next2", name="q2")), spark=spark, **FAST)
+    q = EmbeddedQueue(db)
+    queued = q.peek("next2", 100)
+    q.close()
+    assert len({m["msg_id"] for m in queued}) == len(queued) == 4 * n

@@ -78,6 +78,27 @@ def test_user_key_upsert_keeps_the_last_write_and_insert_the_first(spark, postgr
         {"a": 2, "b": 1, "c": 2}
 
 
+@pytest.mark.parametrize("constraint", ["UNIQUE", "PRIMARY KEY"])
+def test_a_null_key_fails_its_message_alone_never_acked_unwritten(spark, postgres, pg_table,
+                                                                  constraint):
+    """Issue 27 #6: two null-key rows in one piece were one for DISTINCT ON (the other
+    message acked without its row), and ON CONFLICT never matches NULL (a redelivery
+    writes it again). A null key fails its own message, naming the key column."""
+    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (sku text {}, qty int)").format(
+        sql.Identifier(pg_table), sql.SQL(constraint)))
+    msgs = bodies([{"sku": "a", "qty": 1}, {"sku": None, "qty": 2}, {"sku": None, "qty": 3},
+                   {"sku": "b", "qty": 4}])
+    sink = Postgres(postgres.dsn, pg_table, key=["sku"], name="pg")
+    for _ in range(2):  # the second run is a redelivery of every message
+        src = ListSource(msgs)
+        report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
+                             **{**FAST, "batch_size": 4})
+        assert report.acked == 2 and set(src.dead_letters) == {"m1", "m2"}
+        for m in ("m1", "m2"):
+            assert src.failures[m].step == "pg" and "'sku' has no value" in src.failures[m].error
+        assert [(r["sku"], r["qty"]) for r in rows_of(postgres.dsn, pg_table, "qty")] == [
+            ("a", 1), ("b", 4)]
+
 def test_constraint_violations_fail_only_their_messages(spark, postgres, pg_table):
     execute(postgres.dsn, sql.SQL(
         "CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int NOT NULL CHECK (n >= 0), "

@@ -173,3 +173,96 @@ def test_headers_and_message_ids_are_carried_from_the_source(spark, rabbitmq):
     assert set(got) == {f"h{i}" for i in range(5)}
     assert all(h == {"tenant": f"t{int(m[1:]) % 2}"} for m, (_, h) in got.items())
     assert all("meta" not in b for b, _ in got.values())
+
+
+class Stalling(Memory):
+    """Its commit (on the driver) waits while the file ``gate`` exists (bounded)."""
+
+    def __init__(self, gate):
+        super().__init__("stalling")
+        self.gate = gate
+
+    def commit(self, batch_id, tokens):
+        import os
+        import time
+
+        super().commit(batch_id, tokens)
+        deadline = time.monotonic() + 120
+        while os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def test_a_release_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq):
+    """Issue 27 #1: on a quorum queue a give-back counts as a delivery (RabbitMQ 3.10:
+    basic.nack or reject with requeue, a closed channel and a cancelled consumer alike).
+    With x-delivery-limit 1 and ackflow's own dead-letter exchange, a message at its
+    last delivery that was released (here: a flow error gives its batch back) was then
+    in neither the queue nor the dead-letter queue. Now it is dead-lettered knowingly
+    (step 'release'), and a message with deliveries left is released as before."""
+    import pika
+
+    url = rabbitmq.url
+    q, dlx, dead = names("qrel"), names("qreldlx"), names("qreldead")
+    setup(url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1},
+          dlx=dlx, dead_queue=dead)
+    publish(url, q, [{"a": 1}], ids=["tired"])
+    conn = pika.BlockingConnection(pika.URLParameters(url))  # one failed delivery: the
+    ch = conn.channel()                                     # next one is its last
+    method, _, _ = ch.basic_get(q)
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    conn.close()
+    publish(url, q, [{"a": 2}], ids=["fresh"])
+    src = RabbitMQ(url, q, dead_letter_exchange=dlx)
+    flow = ackflow.Flow(src).transform(lambda df: df.select("a"), name="narrow").to(Memory())
+    with pytest.raises(ackflow.FlowError, match="narrow"):
+        ackflow.run(flow, spark=spark, **{**RUN, "batch_size": 2, "batch_timeout_s": 1.0})
+    assert src.queue_type == "quorum" and src.delivery_limit == 1  # learned from the queue
+    letters = drain(url, dead)
+    assert [(m, h["x-ackflow-step"]) for m, _, h in letters] == [("tired", "release")]
+    assert [m for m, _, _ in drain(url, q)] == ["fresh"]  # released, one delivery left
+
+
+def test_a_stop_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq, tmp_path):
+    """Issue 27 #1, as reported: messages waiting when the stop comes (a SIGTERM does
+    request_stop), in the batcher or still in the source's prefetch buffer. Those at
+    their last delivery (x-delivery-limit 1, failed once) are dead-lettered knowingly;
+    the one with a delivery left is given back once, never twice."""
+    import pika
+
+    from ackflow.engine.loop import Engine
+    from helpers import wait_until
+
+    url = rabbitmq.url
+    q, dlx, dead = names("qstop"), names("qstopdlx"), names("qstopdead")
+    setup(url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1},
+          dlx=dlx, dead_queue=dead)
+    publish(url, q, [{"a": 0}, {"a": 1}, {"a": 2}], ids=["blocker", "tired", "weary"])
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    tags = [ch.basic_get(q)[0].delivery_tag for _ in range(3)]
+    for tag in tags:  # each failed once: the next delivery of each is its last
+        ch.basic_nack(tag, requeue=True)
+    conn.close()
+    publish(url, q, [{"a": 3}], ids=["young"])
+    gate = tmp_path / "stall"
+    gate.write_text("stalled")
+    engine = Engine(ackflow.Flow(RabbitMQ(url, q, dead_letter_exchange=dlx))
+                    .to(Stalling(str(gate))),
+                    spark=spark, batch_size=1, max_inflight=10, max_concurrent_batches=1,
+                    handle_signals=False)
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("report", engine.run()))
+    runner.start()
+    try:  # blocker's batch runs; tired waits in the batcher, the rest in the prefetch
+        assert wait_until(lambda: engine.report.pulled == 2, 60)
+        assert wait_until(lambda: len(engine.flow.source._buffer) == 2, 30)
+    finally:
+        engine.request_stop()
+        gate.unlink()
+        runner.join(120)
+    report = result["report"]
+    assert (report.acked, report.released, report.dead_lettered) == (1, 1, 2)
+    assert sorted((m, h["x-ackflow-step"]) for m, _, h in drain(url, dead)) == [
+        ("tired", "release"), ("weary", "release")]
+    ((mid, _, headers),) = drain(url, q)
+    assert mid == "young" and headers.get("x-delivery-count") == 1  # one give-back, not two

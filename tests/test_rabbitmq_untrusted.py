@@ -174,7 +174,7 @@ def test_reject_to_dlx_on_a_queue_without_a_dead_letter_exchange_is_refused(rabb
 
     plain, with_dlx = names("plain"), names("withdlx")
     setup(rabbitmq.url, queue=plain)
-    setup(rabbitmq.url, queue=with_dlx, arguments={"x-dead-letter-exchange": "somewhere"})
+    setup(rabbitmq.url, queue=with_dlx, arguments=DLX)
     src = RabbitMQ(rabbitmq.url, plain, reject_to_dlx=True)
     src.configure(max_inflight=10, error_sink=False)
     with pytest.raises(ConfigError, match="has no x-dead-letter-exchange"):
@@ -188,6 +188,60 @@ def test_reject_to_dlx_on_a_queue_without_a_dead_letter_exchange_is_refused(rabb
     trusted.open()
     trusted.close()
     assert count(rabbitmq.url, plain) == 0  # the probe declared nothing new
+
+
+def open_source(url, q, **kw):
+    src = RabbitMQ(url, q, **kw)
+    src.configure(max_inflight=10, error_sink=False)
+    src.open()
+    return src
+
+
+def test_a_dead_letter_route_is_proven_at_start_or_the_run_stops(rabbitmq):
+    """Issue 27 #2: the probe read any refusal not naming x-dead-letter-exchange as "it
+    has one" (a queue with x-message-ttl, a non-durable queue), and never checked that
+    the exchange exists or routes anywhere: poison was rejected into nothing."""
+    from ackflow.core.errors import ConfigError
+
+    url = rabbitmq.url
+    conn = connect(url)
+    ch = conn.channel()
+    ttl, transient = names("ttl"), names("transient")
+    ch.queue_declare(ttl, durable=True, arguments={"x-message-ttl": 60_000})
+    ch.queue_declare(transient, durable=False, auto_delete=False)
+    missing, unbound, unbound_q = names("missing"), names("unbound"), names("unboundq")
+    ch.exchange_declare(unbound, "direct", durable=True)
+    ch.queue_declare(missing, durable=True, arguments={"x-dead-letter-exchange": names("gone")})
+    ch.queue_declare(unbound_q, durable=True, arguments={
+        "x-message-ttl": 60_000, "x-dead-letter-exchange": unbound})
+    conn.close()
+    for q, why in [(ttl, "has no x-dead-letter-exchange"),
+                   (transient, "has no x-dead-letter-exchange"),
+                   (missing, r"dead letters would be lost: .*gone-.* does not exist"),
+                   (unbound_q, "routes routing key .* to no queue")]:
+        with pytest.raises(ConfigError, match=why):
+            open_source(url, q, reject_to_dlx=True).close()
+    with pytest.raises(ConfigError, match="does not exist"):  # ackflow's own copies too
+        open_source(url, ttl, dead_letter_exchange=names("nowhere")).close()
+    with pytest.raises(ConfigError, match="to no queue"):
+        open_source(url, ttl, dead_letter_exchange=unbound).close()
+
+    # present and bound (with arguments ackflow was not told about): a poison message
+    # rejected after its last delivery reaches the dead-letter queue
+    q, dlx, dlq = names("bound"), names("dlx"), names("dlq")
+    setup(url, queue=q, arguments={"x-message-ttl": 60_000, "x-max-length": 1000,
+                                   "x-dead-letter-exchange": dlx}, dlx=dlx, dead_queue=dlq)
+    publish(url, q, [{"poison": 1}], ids=["p1"])
+    src = open_source(url, q, reject_to_dlx=True, policy=RetryPolicy(max_deliveries=1))
+    try:
+        (d,) = pull_all(src, 1)
+        assert src.fail([(d, Failure("parse", "bad"))]) == [Settlement.DEAD_LETTERED]
+        deadline = time.monotonic() + 10
+        while count(url, dlq) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [m[0] for m in drain(url, dlq)] == ["p1"]  # the probe expired, unseen
+    finally:
+        src.close()
 
 
 def pulled_in_order(rabbitmq, opened, prefix, n):
@@ -231,6 +285,8 @@ def test_held_acks_of_a_dead_channel_are_delivered_again(rabbitmq, opened):
     src.ack(got[1:])
     src._lose_connection(OSError("cut"))  # before k0 settles
     assert src.stats["unsent_acks"] == 2
+    assert [d.key for d in src.take_unsent_acks()] == ["k1", "k2"]  # the engine uncounts
+    assert src.take_unsent_acks() == []
     again = pull_all(src, 3, timeout=15)  # written, but the broker never heard: again
     assert {d.key for d in again} == {"k0", "k1", "k2"}
     src.ack(again)
@@ -313,3 +369,69 @@ def test_a_window_past_the_prefetch_cap_is_all_in_flight_and_no_more(rabbitmq, q
     finally:
         src.close()
     assert count(rabbitmq.url, q) == 0
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_a_producers_delivery_count_header_is_never_trusted(rabbitmq, opened, queue_type):
+    """Issue 27 #8: a producer's x-delivery-count header of 0 on a classic queue kept a
+    poison message alive forever; on a quorum queue a first delivery carries the
+    producer's header too (the broker writes it on redeliveries only)."""
+    q, dlx, dlq = names("hostile"), names("dlx"), names("dlq")
+    args = {"x-queue-type": "quorum"} if queue_type == "quorum" else None
+    setup(rabbitmq.url, queue=q, arguments=args, dlx=dlx, dead_queue=dlq)
+    header = 0 if queue_type == "classic" else 7
+    publish_raw(rabbitmq.url, q, [(b'{"poison": 1}', pika.BasicProperties(
+        headers={"x-delivery-count": header}, message_id="poison"))])
+    src = opened(q, dead_letter_exchange=dlx, policy=RetryPolicy(max_deliveries=3, backoff_s=0.0))
+    assert src.queue_type == queue_type and src.broker_counts == (queue_type == "quorum")
+    counts, outcomes = [], []
+    for _ in range(3):
+        (d,) = pull_all(src, 1)
+        counts.append(d.delivery_count)
+        outcomes += src.fail([(d, Failure("parse", "bad"))])
+    assert counts == [1, 2, 3]
+    assert outcomes == [Settlement.NACKED, Settlement.NACKED, Settlement.DEAD_LETTERED]
+    deadline = time.monotonic() + 10
+    while count(rabbitmq.url, dlq) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ((mid, _, headers),) = drain(rabbitmq.url, dlq)
+    assert mid == "poison" and headers["x-ackflow-deliveries"] == 3
+
+
+def test_a_refused_dead_letter_fails_that_message_not_the_connection(rabbitmq, opened):
+    """Issue 27 #7: a dead letter the broker refused (basic.nack from a full dead-letter
+    queue with x-overflow=reject-publish) was read as a lost connection: the channel was
+    rebuilt every ~0.5 s forever and held acks died with it."""
+    url = rabbitmq.url
+    q, dlx, dlq = names("full"), names("dlx"), names("dlq")
+    conn = connect(url)
+    ch = conn.channel()
+    ch.exchange_declare(dlx, "fanout", durable=True)
+    ch.queue_declare(dlq, durable=True, arguments={"x-max-length": 1,
+                                                   "x-overflow": "reject-publish"})
+    ch.queue_bind(dlq, dlx)
+    ch.queue_declare(q, durable=True)
+    conn.close()
+    publish(url, dlq, [{"older": "dead letter"}], ids=["old"])  # the DLQ is full
+    publish(url, q, [{"poison": 1}, {"ok": 1}], ids=["p1", "g1"])
+    src = opened(q, dead_letter_exchange=dlx,
+                 policy=RetryPolicy(max_deliveries=1, backoff_s=0.2, max_backoff_s=0.2))
+    got = sorted(pull_all(src, 2), key=lambda d: d.key)
+    good, poison = got
+    assert src.ack([good]) == []  # younger than the poison: held until it is settled
+    gen = src._gen
+    assert src.fail([(poison, Failure("parse", "bad"))]) == [Settlement.NACKED]
+    assert src.connected and src._gen == gen  # the same channel: nothing was lost
+    assert src.stats["dead_letters_refused"] == 1 and src.stats["lost"] == 0
+    assert src.status()["dead_letters_refused"] == 1
+    deadline = time.monotonic() + 10
+    drain(url, dlq)  # room again: the poison's next try is dead-lettered
+    (again,) = pull_all(src, 1)
+    assert again.key == "p1"
+    assert src.fail([(again, Failure("parse", "bad"))]) == [Settlement.DEAD_LETTERED]
+    while count(url, dlq) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [m[0] for m in drain(url, dlq)] == ["p1"]
+    assert src.stats["lost"] == 0
+    src.close()
+    assert count(url, q) == 0  # the held ack of g1 was sent, on the channel it came on

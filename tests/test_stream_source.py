@@ -43,7 +43,7 @@ def test_consumes_commits_and_resumes_after_the_stored_offset(spark, rabbitmq):
     stream = names("s")
     stream_publish(rabbitmq, stream, [json.dumps({"n": i, "poison": i == 7}).encode()
                                       for i in range(300)])
-    sink, dead = Memory(), Memory()
+    sink, dead = Memory(), Memory("dead")
     src = source(rabbitmq, stream)
     flow = ackflow.Flow(src).map(check, name="check").to(sink).on_error(dead)
     report = ackflow.run(flow, spark=spark, **FAST)
@@ -54,7 +54,7 @@ def test_consumes_commits_and_resumes_after_the_stored_offset(spark, rabbitmq):
     # the same consumer again: nothing new; then only the new messages
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(300, 320)])
     sink2 = Memory()
-    again = ackflow.run(ackflow.Flow(source(rabbitmq, stream)).to(sink2).on_error(Memory()),
+    again = ackflow.run(ackflow.Flow(source(rabbitmq, stream)).to(sink2).on_error(Memory("dead")),
                         spark=spark, **FAST)
     assert again.acked == 20 and sorted(r["n"] for r in sink2.rows) == list(range(300, 320))
 

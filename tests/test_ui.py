@@ -154,7 +154,9 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
                 socket.create_connection((addr, port), timeout=3).close()
 
         # -- counters move, live (no reload) ------------------------------------------------
-        page.goto(url)
+        token = engine.ui.replay_token
+        assert engine.ui.replay_url == f"{url}#replay-token={token}" and len(token) >= 32
+        page.goto(engine.ui.replay_url)  # the operator's link: the page keeps the token
         wait_js(page, f"() => ({N})('c-acked') >= 1", timeout_s=120)
         assert page.text_content("#source-name") == "embedded:orders"
         wait_js(page, f"() => ({N})('c-acked') === 200")
@@ -238,6 +240,16 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         api = url + "api/replay"
         own = {"Content-Type": "application/json", "Origin": url.rstrip("/")}
         assert http(api, method="POST", headers=own, body=body)[0] == 403  # no header
+        # issue 27 #13: every header a page or another local process can send, but not the
+        # run's token (a forged request from another user of this host)
+        forged = {**own, "X-Ackflow-Replay": "1"}
+        for extra in ({}, {"X-Ackflow-Replay-Token": "guess"},
+                      {"X-Ackflow-Replay-Token": token[:-1]}):
+            status, answer = http(api, method="POST", body=body, headers={**forged, **extra})
+            assert status == 403 and b"replay token is missing or wrong" in answer
+        assert token not in http(url + "api/status")[1].decode()
+        assert token not in http(url)[1].decode()
+        assert page.url == url  # the token left the address bar
         status, answer = http(api, method="POST", body=body, headers={
             **own, "X-Ackflow-Replay": "1", "Origin": "http://evil.example"})
         assert status == 403 and b"cross-site" in answer
@@ -281,10 +293,11 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         assert rows.filter(has_text="broken-1").locator("input.dl-select").is_enabled()
         again = page.evaluate("""async (id) => {
             const r = await fetch("/api/replay", {method: "POST", body: JSON.stringify({ids: [id]}),
-              headers: {"Content-Type": "application/json", "X-Ackflow-Replay": "1"}});
+              headers: {"Content-Type": "application/json", "X-Ackflow-Replay": "1",
+                        "X-Ackflow-Replay-Token": sessionStorage.getItem("ackflow-replay-token")}});
             return [r.status, await r.json()];
         }""", poison_id)
-        assert again == [200, {"replayed": 0, "ids": [], "skipped": [poison_id]}]
+        assert again == [200, {"replayed": 0, "ids": [], "skipped": [poison_id], "kept": {}}]
         assert page.errors == []
     finally:
         if gate.exists():

@@ -338,9 +338,12 @@ def cmd_queue(args: argparse.Namespace) -> int:
                 for d in out
             ) or "(no dead letters)"
         else:
-            n = q.replay(args.queue, args.ids)
-            out = {"replayed": n}
-            text = f"moved {n} dead letters back to queue {args.queue!r}"
+            done = q.replay_each(args.queue, args.ids)
+            out = {"replayed": len(done.moved),
+                   "kept": [{"id": i, "reason": why} for i, why in done.kept.items()]}
+            text = "\n".join([f"moved {len(done.moved)} dead letters back to queue "
+                               f"{args.queue!r}"]
+                              + [f"#{i} {why}" for i, why in done.kept.items()])
     finally:
         q.close()
     print(json.dumps(out) if args.json else text)

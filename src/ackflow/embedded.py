@@ -110,6 +110,15 @@ def stored_headers(text: str | None) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Replayed:
+    """What a replay did: the dead-letter ids moved back to the queue, and the ones
+    kept as dead letters with the reason."""
+
+    moved: list[int]
+    kept: dict[int, str]
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     row_id: int
     msg_id: str | None
@@ -477,26 +486,46 @@ class EmbeddedQueue:
         ]
 
     def replay(self, queue: str, ids: Sequence[int] | None = None) -> int:
-        """Move dead letters (all, or those with the given ids) back to the queue."""
+        """Move dead letters (all, or those with the given ids) back to the queue; return
+        how many moved. See :meth:`replay_each` for the ones that stay and why."""
+        return len(self.replay_each(queue, ids).moved)
+
+    def replay_each(self, queue: str, ids: Sequence[int] | None = None) -> Replayed:
+        """Move dead letters (all, or those with the given ids) back to the queue, each
+        in the same transaction as its removal from the dead-letter table.
+
+        A dead letter is never destroyed: one whose ``msg_id`` is already queued (the
+        producer published it again, or an earlier replay of another dead letter with
+        that id) stays a dead letter, with the reason in :attr:`Replayed.kept`; replay
+        it once that message has settled.
+        """
         now = time.time()
         where, args = "queue = ?", [queue]
         if ids is not None:
             if not ids:
-                return 0
+                return Replayed([], {})
             where += f" AND id IN ({','.join('?' * len(ids))})"
             args += [str(i) for i in ids]
+        moved: list[int] = []
+        kept: dict[int, str] = {}
         with self._tx():
             rows = self._db.execute(
-                f"DELETE FROM dead_letters WHERE {where} RETURNING msg_id, body, headers,"
-                " published_at",
+                f"SELECT id, msg_id, body, headers, published_at FROM dead_letters"
+                f" WHERE {where} ORDER BY id",
                 args,
             ).fetchall()
-            self._db.executemany(
-                "INSERT OR IGNORE INTO messages (queue, msg_id, body, headers, visible_at,"
-                " published_at) VALUES (?, ?, ?, ?, ?, ?)",
-                [(queue, r[0], r[1], r[2], now, r[3]) for r in rows],
-            )
-        return len(rows)
+            for dl_id, msg_id, body, headers, published_at in rows:
+                if not self._changes(
+                    "INSERT OR IGNORE INTO messages (queue, msg_id, body, headers,"
+                    " visible_at, published_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    [(queue, msg_id, body, headers, now, published_at)],
+                ):
+                    kept[dl_id] = (f"kept: a message with msg_id {msg_id!r} is queued; "
+                                   "replay this dead letter after that one settles")
+                    continue
+                self._db.execute("DELETE FROM dead_letters WHERE id = ?", (dl_id,))
+                moved.append(dl_id)
+        return Replayed(moved, kept)
 
     def close(self) -> None:
         self._db.close()

@@ -447,10 +447,13 @@ class Flow:
         for b in fork.branches if fork is not None else ():
             names += [s.name for s in b.steps]
         names += [s.name for s in self.sinks]
+        if self.error_sink is not None:  # its rows are counted by name too
+            names.append(self.error_sink.name)
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ConfigError(f"names {dupes} are used more than once (steps, branches and "
-                              "sinks need distinct names)")
+            raise ConfigError(f"names {dupes} are used more than once (steps, branches, "
+                              "sinks and the error sink need distinct names: rows are "
+                              "counted by name; pass name=...)")
 
 
 class _BranchSource(Source):

@@ -21,6 +21,7 @@ import math
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -229,6 +230,14 @@ class Engine:
             d.settle(Settlement.RELEASED)
         self._count_redelivered(len(lost))
         self._forget(lost)
+        # acks the engine counted that never reached the broker: no acks, they come again
+        unsent = [d for d in self.flow.source.take_unsent_acks()
+                  if d.state is Settlement.ACKED and not d.revised]
+        for d in unsent:
+            d.revise(Settlement.RELEASED)
+        if unsent:
+            self.report.acked -= len(unsent)
+            self._count_redelivered(len(unsent))
 
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
         if failures and self.flow.error_sink is not None:
@@ -241,6 +250,11 @@ class Engine:
         faults.point("engine.before_fail")
         states = source.fail(failures)
         for (d, f), state in zip(failures, states, strict=True):
+            if state is Settlement.NACKED and d.state is Settlement.DEAD_LETTERED:
+                # given up, but the dead-letter route refused it (a full dead-letter
+                # queue, say): nacked, retried later; counted as a dead-letter failure
+                self._dead_letter_failures += 1
+                self.metrics.dead_letter_write_failures.inc()
             if state is not d.state:
                 d.revise(state)
             if state is Settlement.RELEASED:
@@ -506,12 +520,36 @@ class Engine:
                 {"message": d.key, "step": f.step, "error": f.error, "outcome": state.value}
             )
 
-    def _release(self, deliveries: list[Delivery]) -> None:
+    def _release(self, deliveries: list[Delivery], *, ending: bool = False) -> None:
         """Give back what was not processed; deliveries settled meanwhile (lost with their
         channel, say) are the source's already and are skipped."""
-        deliveries = [d for d in deliveries if not d.settled]
+        if not ending and not any(not d.settled for d in deliveries):
+            return
+        # a release means the run is ending: stop receiving first (a message given back
+        # while consuming comes straight back), and settle what was received meanwhile
+        extra = self.flow.source.stop_consuming()
+        if extra:
+            for d in extra:
+                d.lineage_id = self._next_id
+                d.pulled_at = time.monotonic()
+                self._next_id += 1
+            self.report.pulled += len(extra)
+            self.metrics.pulled.inc(len(extra))
+        deliveries = [d for d in [*deliveries, *extra] if not d.settled]
         if not deliveries:
             return
+        last = {id(d) for d in self.flow.source.unreleasable(deliveries)}
+        if last:  # a give-back would spend their last delivery: the broker drops them
+            log.warning("%d unprocessed messages are at their last delivery (the broker "
+                        "counts a give-back as one and would drop them): dead-lettering "
+                        "them instead (step 'release')", len(last))
+            why = Failure("release", "not processed before the stop, at its last delivery: "
+                          "the broker counts a give-back as a delivery (x-delivery-limit) and "
+                          "would drop it; dead-lettered instead")
+            self._fail("release", [(d, why) for d in deliveries if id(d) in last])
+            deliveries = [d for d in deliveries if id(d) not in last and not d.settled]
+            if not deliveries:
+                return
         for d in deliveries:
             d.settle(Settlement.RELEASED)
         self.flow.source.release(deliveries)
@@ -597,6 +635,10 @@ class Engine:
                 stack.callback(_quietly, "stop the status page", ui.close)
                 self.ui = ui  # set once it serves
                 log.info("status page at %s", ui.url)
+                if ui.replay_url is not None:  # to the operator only, never to the log
+                    print(f"ackflow: to replay dead letters, open {ui.replay_url} (the link "
+                          "holds this run's replay token: keep it private)", file=sys.stderr,
+                          flush=True)
             flow.source.configure(max_inflight=self.window.max_inflight,
                                   error_sink=flow.error_sink is not None,
                                   keepalive_s=self.keepalive_s)
@@ -703,8 +745,8 @@ class Engine:
                 last_message = time.monotonic()
             self._drop_lost()
             now = time.monotonic()
-            if self._stop.is_set():
-                self._release(pending)
+            if self._stop.is_set():  # stop receiving now: what comes while draining
+                self._release(pending, ending=True)  # would be given back (a spent delivery)
                 self._forget(pending)
                 return
             pulled = 0
@@ -785,7 +827,7 @@ class Engine:
         finally:
             pool.shutdown(wait=True)
         leftover = [d for d in self.inflight.values() if not d.settled]
-        self._release(leftover)
+        self._release(leftover, ending=True)
         self.inflight.clear()
         if self.progress is not None:
             self.progress(self.report, self.window)

@@ -34,7 +34,8 @@ class Metrics:
                                    registry=r)
         self.dead_letter_write_failures = Counter(
             "ackflow_dead_letter_write_failures",
-            "Given-up messages whose dead-letter write to the error sink failed (nacked, retried)",
+            "Given-up messages whose dead-letter write (error sink, or the source's dead-letter "
+            "route) failed or was refused (nacked, retried)",
             registry=r)
         self.rows_written = Counter("ackflow_rows_written", "Rows written", ["sink"], registry=r)
         self.in_flight = Gauge("ackflow_in_flight", "Unsettled messages", registry=r)

@@ -16,15 +16,22 @@ Requests are refused unless their ``Host`` is this server's own address (a loopb
 name when bound to loopback), which keeps DNS-rebinding pages out. A replay must come
 from the page itself: a ``POST`` with the header ``X-Ackflow-Replay: 1`` (which a
 cross-site form cannot send, and a cross-site ``fetch`` cannot send without a CORS
-preflight this server never grants) and an ``Origin`` equal to this server's.
+preflight this server never grants) and an ``Origin`` equal to this server's. Those
+headers keep other web pages out, not other local processes (any of which can send
+them): a replay also needs this run's secret token, made at start and given only to the
+operator (:attr:`StatusServer.replay_url` holds it in the URL's fragment, which the
+browser never sends; the page keeps it in the tab's session storage and sends it as
+``X-Ackflow-Replay-Token``). It is never served, logged or shown in a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -39,6 +46,7 @@ from ackflow.sources.base import Source
 log = logging.getLogger("ackflow.ui")
 
 REPLAY_HEADER = "x-ackflow-replay"
+TOKEN_HEADER = "x-ackflow-replay-token"
 MAX_REPLAY_IDS = 200
 MAX_BODY_BYTES = 64 * 1024  # every request's body, whatever the endpoint
 MAX_EVENT_CLIENTS = 16
@@ -87,6 +95,8 @@ class StatusServer:
         self.requested_port = port
         self.allow_replay = allow_replay
         self.replay_supported = bool(source.replays_dead_letters)
+        #: this run's replay secret (see the module's docstring); None when replay is off
+        self.replay_token = secrets.token_urlsafe(24) if allow_replay else None
         self._probes = type(source).probe is not Source.probe
         self._sock: socket.socket | None = None
         self._server: Any = None
@@ -120,6 +130,14 @@ class StatusServer:
         if ":" in shown:
             shown = f"[{shown}]"
         return f"http://{shown}:{port}/"
+
+    @property
+    def replay_url(self) -> str | None:
+        """The page's URL with this run's replay token in its fragment (for the operator
+        only: whoever holds it can replay dead letters), or None when replay is off."""
+        if self.replay_token is None:
+            return None
+        return f"{self.url}#replay-token={self.replay_token}"
 
     def start(self, timeout_s: float = 15.0) -> None:
         import uvicorn
@@ -288,15 +306,17 @@ class StatusServer:
             wanted = [notes[i] for i in dict.fromkeys(ids) if i in notes]
             todo = [n for n in wanted if n.ref is not None and n.id not in self._replayed]
             skipped = sorted(set(ids) - {n.id for n in todo})
-            replayed = 0
+            replayed, kept = 0, {}
             if todo:
                 try:
-                    replayed = await asyncio.to_thread(self.source.replay_dead_letters,
-                                                       [n.ref for n in todo])
+                    replayed, kept_refs = await asyncio.to_thread(
+                        self.source.replay_dead_letters, [n.ref for n in todo])
                 except Exception as e:  # noqa: BLE001 - answered, never raised
                     log.error("status page: replay failed: %s", e)
                     return JSONResponse({"error": f"replay failed: {type(e).__name__}: "
                                                   f"{redact(str(e))[:300]}"}, status_code=500)
+                kept = {n.id: kept_refs[n.ref] for n in todo if n.ref in kept_refs}
+                todo = [n for n in todo if n.id not in kept]
                 now = time.time()
                 for n in todo:
                     self._replayed[n.id] = now
@@ -307,7 +327,8 @@ class StatusServer:
                 log.warning("status page: %d dead letters replayed (ids %s)", replayed,
                             [n.id for n in todo])
             return JSONResponse({"replayed": replayed, "ids": [n.id for n in todo],
-                                 "skipped": skipped})
+                                 "skipped": skipped,
+                                 "kept": {str(i): why for i, why in kept.items()}})
 
         async def no_icon(request: Request) -> Response:
             return Response(status_code=204)
@@ -333,6 +354,11 @@ class StatusServer:
         site = request.headers.get("sec-fetch-site")
         if site is not None and site != "same-origin":
             return 403, f"refused: a cross-site request (Sec-Fetch-Site: {site[:40]})"
+        token = request.headers.get(TOKEN_HEADER, "")
+        if self.replay_token is None or not hmac.compare_digest(
+                token.encode("utf-8", "replace"), self.replay_token.encode()):
+            return 403, ("refused: the replay token is missing or wrong (open the page from "
+                         "the link ackflow printed at start)")
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             return 415, "expected Content-Type: application/json"
         return None

@@ -96,6 +96,20 @@ def require_columns(sink: str, schema: Any, **columns: str | None) -> None:
                             f"{list(schema.names)}")
 
 
+def null_key_failures(rows: Any, key: Sequence[str] | None) -> dict[int, str]:
+    """The rows (index -> reason) of an Arrow table whose ``key=`` column is null: each
+    keyed sink fails them alone. A null is no key: it cannot be deduplicated (two null
+    keys are one for ``DISTINCT ON``, a manifest or a set) nor overwritten in place
+    (SQL's ``ON CONFLICT`` never matches NULL), so a redelivery would write it twice."""
+    failed: dict[int, str] = {}
+    for k in key or ():
+        for i, null in enumerate(rows.column(k).is_null().to_pylist()):
+            if null:
+                failed.setdefault(i, f"key column {k!r} has no value (a null key cannot "
+                                     "be written once)")
+    return failed
+
+
 def missing_id(value: Any, option: str, column: str | None) -> str | None:
     """Why a row's message id (the value of the ``option`` column) cannot be used, or
     None. Null and empty ids fail their row: a stand-in (``"None"``, the row key) would

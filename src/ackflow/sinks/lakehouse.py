@@ -52,7 +52,7 @@ from ackflow import faults
 from ackflow.core.durable import WriteTx, fsync_dir, open_db
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.sinks.base import ROW_KEY as KEY
-from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sinks.base import PartitionResult, Sink, null_key_failures
 
 log = logging.getLogger("ackflow.sinks.lakehouse")
 
@@ -288,10 +288,8 @@ class TableSink(Sink):
             data = data.append_column(self.key_column, keys if keys is not None
                                       else pa.array([None] * rows.num_rows, pa.string()))
         data, failed = conform(data, self.target)
-        for k in self.key or ():
-            for i, null in enumerate(data.column(k).is_null().to_pylist()):
-                if null:  # a null key would make every later null-keyed row "written"
-                    failed.setdefault(i, f"key column {k!r} has no value")
+        for i, why in null_key_failures(data, self.key).items():
+            failed.setdefault(i, why)  # a null key would make every later null-keyed row "written"
         if failed:
             kept = pa.array([i not in failed for i in range(rows.num_rows)])
             data = data.filter(kept)

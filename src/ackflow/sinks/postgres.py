@@ -19,7 +19,7 @@ from ackflow import faults
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.core.secrets import hide
 from ackflow.sinks.base import ROW_KEY as KEY
-from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sinks.base import PartitionResult, Sink, null_key_failures
 
 log = logging.getLogger("ackflow.sinks.postgres")
 
@@ -71,6 +71,10 @@ class PostgresSink(Sink):
     written to the column ``key_column`` ("ackflow_key"): the source message's stable
     identity plus the row's position among the message's rows. Either way the table
     needs a primary key or unique index on the key (``create=True`` makes it).
+
+    A row whose ``key=`` column is null fails alone (its message fails, naming the
+    column): PostgreSQL's ``ON CONFLICT`` never matches NULL, so it could not be
+    written once.
 
     ``mode="upsert"`` updates an existing row with the same key (last write wins);
     ``"insert"`` leaves it as it was (first write wins). Both write a redelivered
@@ -269,7 +273,10 @@ class PostgresSink(Sink):
         if self.key is None:
             values.append(rows.column(KEY).to_pylist())
         records = list(zip(*values, strict=True))
-        failed: dict[int, str] = {}
+        failed = null_key_failures(rows, self.key)  # each fails alone, never written
+        todo = [i for i in range(len(records)) if i not in failed]
+        if not todo:
+            return PartitionResult(failed=failed)
         from psycopg import sql
 
         conn = self._connect()
@@ -279,9 +286,10 @@ class PostgresSink(Sink):
                             .format(self._ident()))
                 cur.execute("ALTER TABLE af_stage ADD COLUMN af_n bigint")
             conn.commit()
-            self._write(conn, records, list(range(len(records))), columns, failed)
-            if len(records) >= 3 and len(failed) == len(records):
-                primary = {why.split(" (", 1)[0] for why in failed.values()}
+            self._write(conn, records, todo, columns, failed)
+            refused = [failed[i] for i in todo if i in failed]
+            if len(todo) >= 3 and len(refused) == len(todo):
+                primary = {str(why).split(" (", 1)[0] for why in refused}
                 if len(primary) == 1:  # every row refused alike: the write's, not the rows'
                     raise RuntimeError(f"every row refused: {primary.pop()}")
         except psycopg.OperationalError as e:

@@ -120,6 +120,25 @@ class Source(ABC):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries that were not processed (shutdown), for redelivery."""
 
+    def take_unsent_acks(self) -> list[Delivery]:
+        """Deliveries the engine acked whose ack never reached the broker (held, then the
+        channel died): the broker delivers them again, so they are no acks of this run
+        (the engine takes them back out of the report). Default: none."""
+        return []
+
+    def stop_consuming(self) -> list[Delivery]:
+        """Stop receiving (the run is ending: called before the first release) and
+        return the deliveries received but not pulled yet, for the engine to settle
+        (release). Default: nothing to stop."""
+        return []
+
+    def unreleasable(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """The deliveries that a :meth:`release` would not give back: the broker counts
+        a give-back as a delivery and would drop (or dead-letter) them, e.g. a quorum
+        queue's message at its ``x-delivery-limit``. The engine dead-letters those
+        knowingly (step ``release``) instead of releasing them. Default: none."""
+        return []
+
     # -- the status page (optional) ---------------------------------------------------
 
     def status(self) -> dict[str, object]:
@@ -143,9 +162,11 @@ class Source(ABC):
         :meth:`fail` call dead-lettered (None: it cannot be replayed)."""
         return None
 
-    def replay_dead_letters(self, refs: Sequence[object]) -> int:
+    def replay_dead_letters(self, refs: Sequence[object]) -> tuple[int, dict[object, str]]:
         """Move the given dead letters back to the source for another try; return how
-        many. Called from the status page's thread: it must use its own connection."""
+        many moved and, for each ref kept as a dead letter, why. A dead letter is never
+        destroyed by a replay. Called from the status page's thread: it must use its
+        own connection."""
         raise NotImplementedError(f"source {self.name!r} cannot replay dead letters")
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:  # noqa: B027

@@ -99,7 +99,11 @@ class EmbeddedQueueSource(Source):
         self._dead_ids = self.q.dead_letter_ids(
             self.queue, [(*d.handle, f.step, f.error) for d, f in dead]  # type: ignore[misc]
         ) if dead else {}
-        return outcomes
+        # a lease that expired meanwhile moved nothing: the message is the queue's again
+        # (it comes back), so it is no dead letter of this run
+        return [Settlement.RELEASED if state is Settlement.DEAD_LETTERED
+                and tuple(d.handle) not in self._dead_ids else state  # type: ignore[arg-type]
+                for (d, _), state in zip(failures, outcomes, strict=True)]
 
     # -- the status page -------------------------------------------------------------------
 
@@ -121,14 +125,16 @@ class EmbeddedQueueSource(Source):
     def dead_letter_ref(self, delivery: Delivery) -> object | None:
         return self._dead_ids.get(tuple(delivery.handle))  # type: ignore[arg-type]
 
-    def replay_dead_letters(self, refs: Sequence[object]) -> int:
+    def replay_dead_letters(self, refs: Sequence[object]) -> tuple[int, dict[object, str]]:
         """Move dead letters (their ids in the queue file) back to the queue, through a
-        handle of its own (any thread; the queue file serialises writers)."""
+        handle of its own (any thread; the queue file serialises writers). One whose
+        ``msg_id`` is queued stays a dead letter (see :meth:`EmbeddedQueue.replay_each`)."""
         q = EmbeddedQueue(self.path)
         try:
-            return q.replay(self.queue, [int(r) for r in refs])  # type: ignore[call-overload]
+            done = q.replay_each(self.queue, [int(r) for r in refs])  # type: ignore[call-overload]
         finally:
             q.close()
+        return len(done.moved), dict(done.kept)
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         if failures:

@@ -117,6 +117,21 @@ class MergedSource(Source):
         for i, ds in self._split(deliveries).items():
             self.sources[i].release(ds)
 
+    def take_unsent_acks(self) -> list[Delivery]:
+        return [d for s in self.sources for d in s.take_unsent_acks()]
+
+    def stop_consuming(self) -> list[Delivery]:
+        out = []
+        for i, s in enumerate(self.sources):
+            for d in s.stop_consuming():
+                d.origin = i
+                out.append(d)
+        return out
+
+    def unreleasable(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        return [d for i, ds in self._split(deliveries).items()
+                for d in self.sources[i].unreleasable(ds)]
+
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
         for i, ds in self._split(deliveries).items():
             self.sources[i].keepalive(ds)

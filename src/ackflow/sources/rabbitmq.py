@@ -133,9 +133,10 @@ class RabbitMQSource(Source):
       original is acked), or, with ``reject_to_dlx=True``, rejected without requeue
       into the queue's own dead-letter exchange (``x-death`` headers). Without any of
       them the source refuses to start, rather than drop poison messages.
-    * Delivery counts: quorum queues send ``x-delivery-count``; on classic queues
-      ackflow counts deliveries of each message id in memory (a restart starts from
-      the ``redelivered`` flag: 2).
+    * Delivery counts: on quorum queues the broker's ``x-delivery-count`` of a
+      redelivery; on classic queues (and when the type cannot be learned) ackflow
+      counts deliveries of each message id in memory (a restart starts from the
+      ``redelivered`` flag: 2). A producer's ``x-delivery-count`` header is never read.
     * Connection loss or a broker restart: ackflow reconnects with backoff. Deliveries
       from the dead channel are handed back to the engine as lost (the broker delivers
       them again; the report counts them as ``redelivered``); a tag of an old channel
@@ -173,6 +174,11 @@ class RabbitMQSource(Source):
         self.delivery_limit = int(limit) if limit is not None else None
         self.reconnect_max_s = reconnect_max_s
         self.headers_field = headers_field
+        #: "classic", "quorum", "stream", or "unknown" (learned at the first connection)
+        self.queue_type = "unknown"
+        self._consumer_tags: list[str] = []
+        self._unsent: list[Delivery] = []  # acked by the engine, never sent: they come again
+        self._stopped_consuming = False
         self._window = 10_000
         self._error_sink = False
         self._owner: int | None = None
@@ -248,62 +254,121 @@ class RabbitMQSource(Source):
                                       "declare=True") from None
                 raise ConfigError(f"source {self.name!r}: cannot use queue {self.queue!r}: "
                                   f"{e.reply_text}") from None
-            if self.reject_to_dlx and self._gen == 0 and not self.dlx_by_policy:
-                self._check_queue_dlx(conn)
+            if self._gen == 0:
+                self._learn_queue_type(conn)
+            if self._gen == 0 and not self._error_sink:
+                self._check_dead_letter_route(conn)
             if self.dead_letter_exchange:
                 ch.confirm_delivery()
             consumers, prefetch = (1, self.prefetch) if self.prefetch else consumer_prefetch(
                 self._window)
             ch.basic_qos(prefetch_count=prefetch)  # per consumer (AMQP's global=False)
-            for _ in range(consumers):  # one channel: one space of delivery tags
-                ch.basic_consume(self.queue, self._on_message, auto_ack=False)
+            tags = []
+            for _ in range(0 if self._stopped_consuming else consumers):
+                # one channel: one space of delivery tags
+                tags.append(ch.basic_consume(self.queue, self._on_message, auto_ack=False))
         except BaseException:
             conn.close()
             raise
         self._conn, self._ch = conn, ch
+        self._consumer_tags = tags
         self._gen += 1
         self._backoff = 0.5
         if self._gen > 1:
             log.warning("source %r: reconnected to %s", self.name, self.where)
 
-    def _check_queue_dlx(self, conn: Any) -> None:
-        """``reject_to_dlx`` drops poison messages for good unless the queue has a
-        dead-letter exchange. AMQP cannot read a queue's arguments, but a declaration
-        with a differing argument is refused naming the current value: probe with a
-        value no queue has, on a channel of its own (the queue exists: checked above)."""
-        from pika.exceptions import ChannelClosedByBroker
+    def _learn_queue_type(self, conn: Any) -> None:
+        """Quorum queues count deliveries themselves (``x-delivery-count`` on each
+        redelivery); on any other queue that header is whatever the producer wrote, and
+        ackflow counts. AMQP cannot read the type: it is learned from the broker's
+        refusals (see ``amqp_probe``); if that fails, ackflow counts (never trusts)."""
+        from ackflow.sources.amqp_probe import queue_argument
 
-        if "x-dead-letter-exchange" in self.arguments:
+        given = self.arguments.get("x-queue-type") if self.declare else None
+        if given is not None:
+            self.queue_type = str(given)
             return
-        probe = conn.channel()
-        try:
-            probe.queue_declare(self.queue, durable=True, arguments={
-                **self.arguments, "x-dead-letter-exchange": "ackflow-probe-" + uuid.uuid4().hex})
-        except ChannelClosedByBroker as e:
-            text = str(e.reply_text)
-            if "x-dead-letter-exchange" in text and "current is none" in text:
+        if self.declare:  # declared with no type: classic
+            self.queue_type = "classic"
+            return
+        learned = queue_argument(conn, self.queue, "x-queue-type")
+        if not learned.known:
+            log.warning("source %r: could not learn the type of queue %r (%s); delivery "
+                        "counts are ackflow's own (a producer's x-delivery-count header is "
+                        "never read)", self.name, self.queue, redact(learned.why)[:200])
+            self.queue_type = "unknown"
+            return
+        self.queue_type = str(learned.value) if learned.value is not None else "classic"
+        if self.queue_type == "quorum" and self.delivery_limit is None:
+            limit = queue_argument(conn, self.queue, "x-delivery-limit", numeric=True)
+            if limit.known and isinstance(limit.value, int):
+                self.delivery_limit = limit.value
+        if self.queue_type == "quorum" and self.delivery_limit is not None:
+            dlx = queue_argument(conn, self.queue, "x-dead-letter-exchange")
+            if dlx.known and dlx.value is None:
+                log.warning(
+                    "source %r: quorum queue %r has a delivery limit (%d) and no "
+                    "x-dead-letter-exchange: RabbitMQ counts every give-back as a delivery "
+                    "(a nack, a lost connection, a crash), and drops a message given back "
+                    "past the limit. ackflow dead-letters what it holds at its last delivery "
+                    "on a stop, but cannot after a crash: give the queue a dead-letter "
+                    "exchange", self.name, self.queue, self.delivery_limit)
+
+    @property
+    def broker_counts(self) -> bool:
+        """True when the broker's own ``x-delivery-count`` may be read (quorum queues)."""
+        return self.queue_type == "quorum"
+
+    def _check_dead_letter_route(self, conn: Any) -> None:
+        """A dead letter must reach a queue, proven at start, or the run stops with one
+        line. ``reject_to_dlx``: the queue must have an ``x-dead-letter-exchange`` (learned
+        from the broker's refusals: AMQP cannot read arguments), and that exchange must
+        exist and route the dead-letter routing key (``route_refusal``);
+        ``dead_letter_exchange``: the same for ackflow's own copies."""
+        from ackflow.sources.amqp_probe import queue_argument, route_refusal
+
+        if self.dead_letter_exchange:
+            exchange = self.dead_letter_exchange
+            key = self.dead_letter_routing_key or self.queue
+            what = "dead_letter_exchange"
+        elif self.reject_to_dlx and not self.dlx_by_policy:
+            learned = queue_argument(conn, self.queue, "x-dead-letter-exchange")
+            if not learned.known:
+                raise ConfigError(
+                    f"source {self.name!r}: reject_to_dlx=True but the dead-letter exchange of "
+                    f"queue {self.queue!r} could not be verified ({redact(learned.why)[:200]}); "
+                    "use dead_letter_exchange='...' or flow.on_error(sink), or, if a policy "
+                    "sets it, dlx_by_policy=True")
+            if learned.value is None:
                 raise ConfigError(
                     f"source {self.name!r}: reject_to_dlx=True but queue {self.queue!r} has no "
                     "x-dead-letter-exchange argument: rejected poison messages would be "
                     "dropped. Give the queue one, use dead_letter_exchange='...' or "
                     "flow.on_error(sink), or, if a policy sets it (invisible to AMQP), pass "
-                    "dlx_by_policy=True") from None
-            return  # it has one (or differs elsewhere: nothing more to learn here)
-        else:  # the declaration went through: the queue took no such argument
-            raise ConfigError(f"source {self.name!r}: could not verify the dead-letter "
-                              f"exchange of queue {self.queue!r}")
-        finally:
-            if probe.is_open:
-                probe.close()
+                    "dlx_by_policy=True")
+            exchange = str(learned.value)
+            rk = queue_argument(conn, self.queue, "x-dead-letter-routing-key")
+            key = str(rk.value) if rk.known and rk.value is not None else self.queue
+            what = f"queue {self.queue!r}'s x-dead-letter-exchange"
+        else:
+            return
+        why = route_refusal(conn, exchange, key)
+        if why is not None:
+            raise ConfigError(f"source {self.name!r}: dead letters would be lost: {what} "
+                              f"{exchange!r}: {why}")
 
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         raw = props.headers if isinstance(props.headers, dict) else {}
         headers = {_text(k): _text(v) for k, v in raw.items()}
         key = message_key(props.message_id, self._next_unnamed)
-        before = header_count(raw.get("x-delivery-count"))
+        # A quorum queue writes x-delivery-count on each redelivery; a first delivery (and
+        # any message of another queue type) carries the producer's header, if any, which
+        # must not count (a header of 0 kept a poison message alive forever)
+        before = (header_count(raw.get("x-delivery-count"))
+                  if self.broker_counts and method.redelivered else None)
         if before is not None:  # quorum queue: deliveries before this one
             count = before + 1
-        else:  # a classic queue: counted here, by message id or body digest
+        else:  # counted here, by message id or body digest
             seen_key = retry_key(props.message_id, body)
             count = self._seen.get(seen_key, 0) + 1
             if method.redelivered:
@@ -329,6 +394,8 @@ class RabbitMQSource(Source):
             log.warning("source %r: %d held acks were not sent before the channel died; "
                         "those messages come again", self.name, len(self._held_acks))
             self.stats["unsent_acks"] += len(self._held_acks)
+            self._unsent.extend(self._outstanding[t] for t in sorted(self._held_acks)
+                                if t in self._outstanding)
             self._held_acks.clear()
         buffered = {id(d) for d in self._buffer}
         handed = [d for d in self._outstanding.values() if id(d) not in buffered]
@@ -414,7 +481,8 @@ class RabbitMQSource(Source):
     def status(self) -> dict[str, object]:
         return {"kind": "RabbitMQ queue", "url": self.where, "queue": self.queue,
                 "retries_waiting": len(self._delayed), "buffered": len(self._buffer),
-                "unsettled_on_channel": len(self._outstanding)}
+                "unsettled_on_channel": len(self._outstanding),
+                "dead_letters_refused": self.stats["dead_letters_refused"]}
 
     @property
     def connected(self) -> bool:
@@ -423,6 +491,10 @@ class RabbitMQSource(Source):
     def take_lost(self) -> list[Delivery]:
         lost, self._lost = self._lost, []
         return lost
+
+    def take_unsent_acks(self) -> list[Delivery]:
+        unsent, self._unsent = self._unsent, []
+        return unsent
 
     def _current(self, deliveries: Sequence[Delivery]) -> tuple[list[int], list[Delivery]]:
         """Split into tags of the current channel and stale deliveries."""
@@ -599,6 +671,16 @@ class RabbitMQSource(Source):
                     log.error("source %r: dead letter of %s is unroutable on exchange %r; "
                               "nacking it instead", self.name, d.key, self.dead_letter_exchange)
                     refused.add(id(d))
+                    self.stats["dead_letters_refused"] += 1
+                except pika.exceptions.NackError:
+                    # the broker refused this one message (a full dead-letter queue with
+                    # x-overflow=reject-publish): its failure, not the connection's
+                    log.error("source %r: the broker refused the dead letter of %s on exchange "
+                              "%r (basic.nack: a full dead-letter queue?); nacking it, it is "
+                              "retried after the backoff", self.name, d.key,
+                              self.dead_letter_exchange)
+                    refused.add(id(d))
+                    self.stats["dead_letters_refused"] += 1
                 except (pika.exceptions.AMQPError, OSError, faults.InjectedFault) as e:
                     if self._ch is not None:
                         self._lose_connection(e)
@@ -622,7 +704,38 @@ class RabbitMQSource(Source):
         self._schedule_nacks(failures, backoff=True)
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
+        """``basic.nack`` with requeue. On a quorum queue (RabbitMQ 3.10) every give-back
+        counts as a delivery (a nack, a reject, a closed channel or a cancelled consumer
+        alike, measured): see :meth:`unreleasable`."""
         self._schedule_nacks([(d, Failure("release", "")) for d in deliveries], backoff=False)
+
+    def stop_consuming(self) -> list[Delivery]:
+        """Cancel the consumers (before a release: a message given back while they
+        consume comes straight back to them, and on a quorum queue the closing channel
+        then spends one more of its deliveries); return the deliveries received but not
+        pulled yet, for the engine to settle. Deliveries that arrive while the cancel is
+        under way are given back by pika (``basic.reject`` with requeue): on a quorum
+        queue each of those spends a delivery too."""
+        if self._stopped_consuming or not self._is_owner():
+            return []
+        self._stopped_consuming = True
+        if self._ch is not None:  # what arrived already reaches the buffer first
+            self._broker(self._conn.process_data_events, time_limit=0)
+        for tag in self._consumer_tags:
+            if self._ch is None or not self._broker(self._ch.basic_cancel, tag):
+                break
+        self._consumer_tags = []
+        left = [d for d in self._buffer if self._live(d)]
+        self._buffer.clear()
+        return left
+
+    def unreleasable(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """On a quorum queue with a delivery limit, the deliveries past it: a give-back
+        would make the broker drop them (or dead-letter them without provenance)."""
+        if not self.broker_counts or self.delivery_limit is None:
+            return []
+        return [d for d in deliveries if self._live(d) and self.exhausted(d)
+                and d.delivery_count > self.delivery_limit]
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
         if self._ch is not None:

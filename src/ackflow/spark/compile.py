@@ -565,7 +565,25 @@ class CompiledFlow(Plan):
             raise FlowError(step.name, f"column {lineage} changed type to {types[lineage]}")
         cols = [c for c in out.columns if not c.startswith("__af_")]
         check_names(step.name, cols, "the returned DataFrame's")
-        return out, cols, lineage
+        return self._number_repeats(step, out, cols, lineage), cols, lineage
+
+    def _number_repeats(self, step: Transform, df: DataFrame, cols: list[str],
+                        lineage: str) -> DataFrame:
+        """Rows a transform repeated (a union with itself, an explode) share their key:
+        number them across the whole batch, not within a writer's partition (a copy in
+        another partition kept its original's key, and a keyed sink kept one of the
+        two). Among one key's rows, in the order of their content, the n-th (n >= 1)
+        gets ``~0~<step index>~n``: ``~0`` no other step makes (joins and the writer
+        number from 1), and the step index keeps a later transform's repeats apart from
+        this one's, so the keys stay unique when transforms are chained."""
+        tag = f"~0~{self.step_order.index(step.name)}~"
+        content = F.to_json(F.struct(*[quoted(c) for c in cols], F.col(lineage)))
+        rep = F.row_number().over(Window.partitionBy(KEY).orderBy(content)) - 1
+        return (df.withColumn("__af_rep", rep)
+                .withColumn(KEY, F.when(F.col("__af_rep") > 0, F.concat(
+                    F.col(KEY), F.lit(tag), F.col("__af_rep").cast("string")))
+                    .otherwise(F.col(KEY)))
+                .drop("__af_rep"))
 
 
 

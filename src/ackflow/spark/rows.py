@@ -606,8 +606,9 @@ def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
     """Keys made unique within a partition: the n-th repeat of a key gets ``~n`` (the
     next ``n`` that names no other row).
 
-    A join numbers its own repeats (see ``CompiledFlow._join``); what is left to number
-    here are rows a ``transform`` repeated. The writer numbers them among all of the
+    A join numbers its own repeats (see ``CompiledFlow._join``), a transform its own
+    across the batch (``CompiledFlow._number_repeats``); this is the writer's last guard
+    within its partition (a key repeated by a sink-side step). It numbers among all of the
     partition's rows, failed ones too, so a repeat that failed in one attempt does not
     renumber the others in the next.
 

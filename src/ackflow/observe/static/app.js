@@ -314,7 +314,9 @@ function drawDeadLetters(s) {
   }
   $("dl-empty").hidden = s.dead_letters.length > 0;
   setText("replay-note", !replay.supported ? "this source cannot replay dead letters"
-    : !replay.allowed ? "replay is off (start the run with --ui-allow-replay)" : "");
+    : !replay.allowed ? "replay is off (start the run with --ui-allow-replay)"
+    : !sessionStorage.getItem(TOKEN_KEY) ? "to replay, open the page from the link ackflow printed at start"
+    : "");
   updateReplayButton();
 }
 
@@ -323,6 +325,17 @@ function updateReplayButton() {
   $("replay").disabled = !(enabled && selected.size > 0);
 }
 
+// This run's replay token: in the fragment of the link printed at start (never sent to
+// the server in a URL), kept in this tab's session storage, sent as a header.
+const TOKEN_KEY = "ackflow-replay-token";
+(function takeToken() {
+  const m = /(?:^#|&)replay-token=([A-Za-z0-9_-]+)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem(TOKEN_KEY, m[1]);
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+})();
+
 async function replaySelected() {
   const ids = [...selected];
   if (!ids.length) return;
@@ -330,12 +343,15 @@ async function replaySelected() {
   setText("replay-status", `replaying ${ids.length}…`);
   try {
     const r = await fetch("/api/replay", { method: "POST", credentials: "same-origin",
-      headers: { "Content-Type": "application/json", "X-Ackflow-Replay": "1" },
+      headers: { "Content-Type": "application/json", "X-Ackflow-Replay": "1",
+                 "X-Ackflow-Replay-Token": sessionStorage.getItem(TOKEN_KEY) || "" },
       body: JSON.stringify({ ids }) });
     const answer = await r.json();
     if (!r.ok) throw new Error(answer.error || `HTTP ${r.status}`);
     for (const id of answer.ids) selected.delete(id);
-    setText("replay-status", `replayed ${answer.replayed} (back in the queue)`);
+    const kept = Object.entries(answer.kept || {}).map(([id, why]) => `#${id} ${why}`);
+    setText("replay-status", `replayed ${answer.replayed} (back in the queue)`
+      + (kept.length ? `; ${kept.join("; ")}` : ""));
   } catch (e) {
     setText("replay-status", `replay failed: ${e.message}`);
   }
