@@ -266,3 +266,53 @@ def test_a_stop_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq, tmp_
         ("tired", "release"), ("weary", "release")]
     ((mid, _, headers),) = drain(url, q)
     assert mid == "young" and headers.get("x-delivery-count") == 1  # one give-back, not two
+
+
+def test_a_give_back_spends_no_delivery_on_a_classic_queue(spark, rabbitmq, tmp_path):
+    """A sink down for a while gives every message back (a systemic failure) several
+    times; once it is up, a message that fails its own step is retried (nacked), not
+    dead-lettered at its first real failure: give-backs did not count as deliveries."""
+    url = rabbitmq.url
+    q, dlx, dead = names("gb"), names("gb-dlx"), names("gb-dead")
+    setup(url, queue=q, dlx=dlx, dead_queue=dead)
+    publish(url, q, [{"n": i} for i in range(6)], ids=[f"g{i}" for i in range(6)])
+    up = tmp_path / "up"
+
+    def step(row, _up=str(up)):
+        import os
+
+        if row["n"] == 0 and os.path.exists(_up):
+            raise ValueError("g0 is poison once the sink is up")
+        return row
+
+    sink = Memory(name="mem")
+    real = sink.write_partition
+
+    def write(batch_id, partition, rows, _up=str(up), _real=real):
+        import os
+
+        if not os.path.exists(_up):
+            raise ConnectionError("connection refused")
+        return _real(batch_id, partition, rows)
+
+    sink.write_partition = write
+    from ackflow.engine.loop import Engine
+
+    src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05),
+                   dead_letter_exchange=dlx)
+    engine = Engine(
+        ackflow.Flow(src).map(step, name="step").to(sink), spark=spark, handle_signals=False,
+        systemic_backoff_s=0.05, systemic_max_backoff_s=0.1, **RUN)
+
+    def heal():
+        from helpers import wait_until
+
+        wait_until(lambda: engine.report.given_back_systemic >= 18, timeout=120)
+        up.write_text("1")
+
+    threading.Thread(target=heal, daemon=True).start()
+    report = engine.run()
+    assert report.given_back_systemic >= 18 and report.acked == 5
+    outcomes = [f["outcome"] for f in report.failures if f["message"] == "g0"]
+    assert outcomes == ["nacked", "dead_lettered"], report.failures
+    assert {m for m, _, _ in drain(url, dead)} == {"g0"}

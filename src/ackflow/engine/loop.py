@@ -415,14 +415,14 @@ class Engine:
         if untested:  # never dead-letter (nor spend a delivery) on an inferred failure
             log.warning("batch %s: %d messages whose failure was inferred, not seen alone, "
                         "are given back", result.batch_id, len(untested))
-            self._release(untested)
+            self._give_back([(d, f) for d, f in rest if d.lineage_id in result.untested])
             rest = [(d, f) for d, f in rest if d.lineage_id not in result.untested]
         if suspects:  # a whole failure not yet shown by enough messages: give back, pause
             back = [d for d, _ in rest if d.lineage_id in suspects]
             log.warning("batch %s: %d messages failed a write or job as a whole (%s); given "
                         "back while it is unknown whether every message fails so",
                         result.batch_id, len(back), redact(whole[0][1].error))
-            self._release(back)
+            self._give_back([(d, f) for d, f in rest if d.lineage_id in suspects])
             self._pause_until = max(self._pause_until, time.monotonic() + detector.backoff_s(1))
             rest = [(d, f) for d, f in rest if d.lineage_id not in suspects]
         if not systemic:
@@ -430,7 +430,7 @@ class Engine:
         episode = detector.episode
         assert episode is not None
         back = [d for d, _ in failures if d.lineage_id in systemic]
-        self._release(back)
+        self._give_back([(d, f) for d, f in failures if d.lineage_id in systemic])
         self.report.given_back_systemic += len(back)
         self.metrics.given_back_systemic.inc(len(back))
         self.metrics.systemic.labels(step=episode.step).set(1)
@@ -555,6 +555,30 @@ class Engine:
         self.flow.source.release(deliveries)
         self.report.released += len(deliveries)
         self.metrics.released.inc(len(deliveries))
+
+    def _give_back(self, failures: list[tuple[Delivery, Failure]]) -> None:
+        """Give failed messages back mid-run without failing them (a systemic or suspect
+        failure, an untested one): released, the source goes on consuming. A message at
+        its last delivery on a queue that counts a give-back as one (a quorum queue with
+        a delivery limit) would be dropped by the broker: it is failed (dead-lettered
+        with its failure, knowingly) instead."""
+        failures = [(d, f) for d, f in failures if not d.settled]
+        if not failures:
+            return
+        last = {id(d) for d in self.flow.source.unreleasable([d for d, _ in failures])}
+        if last:
+            log.warning("%d messages to give back are at their last delivery (the broker "
+                        "counts a give-back as one and would drop them): dead-lettering them "
+                        "with their failure instead", len(last))
+            self._fail("give-back", [(d, f) for d, f in failures if id(d) in last])
+        back = [d for d, _ in failures if id(d) not in last and not d.settled]
+        if not back:
+            return
+        for d in back:
+            d.settle(Settlement.RELEASED)
+        self.flow.source.release(back)
+        self.report.released += len(back)
+        self.metrics.released.inc(len(back))
 
     def _window_metrics(self) -> None:
         w = self.window

@@ -192,6 +192,10 @@ class RabbitMQSource(Source):
         self._seq = 0
         self._inbox: queue_mod.Queue[tuple[str, list[Any]]] = queue_mod.Queue()
         self._seen: collections.OrderedDict[str, int] = collections.OrderedDict()
+        #: give-backs (releases) per message since its last delivery: a give-back is not a
+        #: delivery ackflow spent, so the next delivery's count leaves it out
+        self._backs: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._retry_keys: collections.OrderedDict[Any, str] = collections.OrderedDict()
         self._next_connect = 0.0
         self._backoff = 0.5
         self.stats = collections.Counter[str]()  # acks, multiple_acks, nacks, rejects, ...
@@ -366,18 +370,23 @@ class RabbitMQSource(Source):
         # must not count (a header of 0 kept a poison message alive forever)
         before = (header_count(raw.get("x-delivery-count"))
                   if self.broker_counts and method.redelivered else None)
-        if before is not None:  # quorum queue: deliveries before this one
-            count = before + 1
+        seen_key = retry_key(props.message_id, body)
+        backs = self._backs.pop(seen_key, 0)  # given back by this process: not spent
+        if before is not None:  # quorum queue: deliveries before this one; the broker
+            count = before + 1  # spends one per give-back too, and drops at its limit
         else:  # counted here, by message id or body digest
-            seen_key = retry_key(props.message_id, body)
-            count = self._seen.get(seen_key, 0) + 1
-            if method.redelivered:
+            count = max(self._seen.get(seen_key, 0) + 1 - backs, 1)
+            if method.redelivered and not backs:
                 count = max(count, 2)
             self._seen[seen_key] = count
             self._seen.move_to_end(seen_key)
             if len(self._seen) > 100_000:
                 self._seen.popitem(last=False)
-        d = Delivery(0, key, body, headers, count, handle=(self._gen, method.delivery_tag))
+        handle = (self._gen, method.delivery_tag)
+        self._retry_keys[handle] = seen_key
+        if len(self._retry_keys) > 200_000:
+            self._retry_keys.popitem(last=False)
+        d = Delivery(0, key, body, headers, count, handle=handle)
         self._outstanding[method.delivery_tag] = d
         self._buffer.append(d)
 
@@ -706,7 +715,15 @@ class RabbitMQSource(Source):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """``basic.nack`` with requeue. On a quorum queue (RabbitMQ 3.10) every give-back
         counts as a delivery (a nack, a reject, a closed channel or a cancelled consumer
-        alike, measured): see :meth:`unreleasable`."""
+        alike, measured): see :meth:`unreleasable`. On a classic queue ackflow's own count
+        leaves a give-back out: the message's next delivery counts as the one it gave
+        back (a quorum queue's count is the broker's, which spends one)."""
+        for d in deliveries:
+            k = self._retry_keys.pop(d.handle, None)
+            if k is not None:
+                self._backs[k] = self._backs.get(k, 0) + 1
+                if len(self._backs) > 100_000:
+                    self._backs.popitem(last=False)
         self._schedule_nacks([(d, Failure("release", "")) for d in deliveries], backoff=False)
 
     def stop_consuming(self) -> list[Delivery]:
