@@ -47,7 +47,7 @@ def run_example(ex: Example, **engine: object) -> None:
         # of test_model_down_* below test it.
         Engine(flow, batch_size=ex.batch_size, max_inflight=ex.window,
                max_concurrent_batches=ex.concurrency, batch_timeout_s=0.01, until_idle=0.02,
-               max_bisect_jobs=1000, handle_signals=False, systemic_after=10**9,
+               max_bisect_jobs=1000, handle_signals=False, systemic_after=0,
                **engine).run()
 
     # on Spark a failed job kills its tasks' Python workers, and the next job forks and

@@ -113,8 +113,11 @@ def build(src, steps, branches):
 def test_ack_iff_every_derived_row_was_written(spark, ns, steps, branches):
     src = ListSource([json.dumps({"n": n, "c": 0}) for n in ns])
     flow = build(src, steps, branches)
+    # the poison here fails by value with one text, a raising branch fails its partition:
+    # by construction not told from a systemic failure, so that rule is off here
+    # (tests/test_systemic.py and the model test's down examples test it)
     ackflow.run(flow, spark=spark, batch_size=100, max_inflight=100, until_idle=0.2,
-                batch_timeout_s=0.2, max_concurrent_batches=1)
+                batch_timeout_s=0.2, max_concurrent_batches=1, systemic_after=0)
     must, may = model(ns, steps, branches)
     final = src.final()
     assert set(final) == {f"m{i}" for i in range(len(ns))}  # none left unsettled

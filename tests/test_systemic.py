@@ -72,6 +72,12 @@ def test_a_step_that_is_not_a_sink_works_when_a_message_is_acked():
     assert d.episode is None
 
 
+def test_systemic_after_zero_turns_the_rule_off():
+    d = SystemicDetector(after=0)
+    assert d.judge([(i, "s", "down") for i in range(10)], working=set()) == set()
+    assert d.suspects == set() and d.episode is None
+
+
 @pytest.mark.parametrize("kwargs", [{"after": 1}, {"after": 2.5}, {"stop_after_s": float("nan")},
                                     {"stop_after_s": -1}, {"max_backoff_s": float("inf")}])
 def test_bad_settings_fail_at_start(kwargs):

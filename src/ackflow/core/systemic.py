@@ -112,8 +112,8 @@ class SystemicDetector:
     def __init__(self, *, sinks: Iterable[str] = (), after: int = 3, stop_after_s: float = 300.0,
                  backoff_s: float = 1.0, max_backoff_s: float = 30.0, suspect_backs: int = 2,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not isinstance(after, int) or after < 2:
-            raise ConfigError(f"systemic_after must be an integer >= 2, got {after!r}")
+        if not isinstance(after, int) or isinstance(after, bool) or (after < 2 and after != 0):
+            raise ConfigError(f"systemic_after must be an integer >= 2 (or 0: off), got {after!r}")
         for name, value in (("systemic_stop_after_s", stop_after_s),
                             ("systemic backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
             if not (isinstance(value, int | float) and value == value and 0 <= value < float("inf")):
@@ -141,6 +141,9 @@ class SystemicDetector:
         settled); ``working``: the steps the batch proved work (sink names that wrote rows,
         and :data:`ANY_STEP` if any sink wrote rows). Returns the keys judged systemic; the
         keys to give back as suspects are then in :attr:`suspects`."""
+        self.suspects = set()
+        if not self.after:  # off: every failure is the message's own
+            return set()
         self._evidence(working)
         by_sig: dict[tuple[str, str], list[Hashable]] = {}
         raw: dict[tuple[str, str], tuple[str, str]] = {}
