@@ -164,6 +164,8 @@ class Engine:
         self._phases: dict[str, str] = {}  # running batch id -> "job" or "commit"
         self._pending = 0  # pulled, not yet in a job (for the status page)
         self.inflight: dict[int, Delivery] = {}
+        self._live: dict[str, int] = {}  # identity -> lineage id of its delivery in flight
+        self._dupes: dict[int, list[Delivery]] = {}  # that lineage id -> repeats held back
         self._next_id = 1
         self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery] | None]] = queue.Queue()
         self._running: dict[str, tuple[Future[BatchResult], list[Delivery]]] = {}
@@ -268,13 +270,38 @@ class Engine:
         takes them out: those groups are written without it, and it comes again."""
         done = [d for d in deliveries if d.settled and d.lineage_id in self.inflight]
         waiting = set()
+        followers = []
         for d in done:
             del self.inflight[d.lineage_id]
             if self.held.pop(d.lineage_id, 0) > 0:
                 waiting.add(d.lineage_id)
+            if self._live.get(d.identity) == d.lineage_id:
+                del self._live[d.identity]
+            dupes = self._dupes.pop(d.lineage_id, None)
+            if dupes:
+                followers.append((d, dupes))
         if self.groups is not None:
             self.groups.discard(waiting)
         self.window.give_back(len(done))
+        for first, dupes in followers:
+            self._settle_duplicates(first, dupes)
+
+    def _settle_duplicates(self, first: Delivery, dupes: list[Delivery]) -> None:
+        """Law 12: deliveries of an identity that was in flight already (a producer's
+        re-send, a redelivery racing a slow batch) contributed nothing; they settle as
+        what the first became: acked with it (its rows, or its dead letter, stand for
+        them), else given back to come again."""
+        live = [d for d in dupes if not d.settled]
+        if not live:
+            return
+        if first.state in (Settlement.ACKED, Settlement.DEAD_LETTERED):
+            log.info("%d repeated deliveries of %s settled as the first (%s)", len(live),
+                     first.identity, first.state.value)
+            self._ack(live)
+        else:
+            self._give_back([(d, Failure("engine", "a repeat of a message in flight"))
+                             for d in live])
+        self._forget(live)
 
     def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
         # deliveries the source lost meanwhile are settled (released) already: skip them
@@ -784,14 +811,22 @@ class Engine:
                 if got:
                     self.window.take(pulled)
                     pulled_at = time.monotonic()
+                    fresh = []
                     for d in got:
                         d.lineage_id = self._next_id
                         d.pulled_at = pulled_at
                         self._next_id += 1
                         self.inflight[d.lineage_id] = d
-                    if not pending:
+                        first = self._live.get(d.identity)
+                        if first is None:
+                            self._live[d.identity] = d.lineage_id
+                            fresh.append(d)
+                        else:  # one identity, one contribution: held until the first settles
+                            self._dupes.setdefault(first, []).append(d)
+                            self.report.duplicates += 1
+                    if not pending and fresh:
                         batch_started = time.monotonic()
-                    pending.extend(got)
+                    pending.extend(fresh)
                     self.report.pulled += pulled
                     self.metrics.pulled.inc(pulled)
                     self._window_metrics()

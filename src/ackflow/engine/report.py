@@ -42,6 +42,7 @@ class RunReport:
     dead_lettered_by_step: dict[str, int] = field(default_factory=dict)
     failures: list[dict[str, str]] = field(default_factory=list)  # the first few, for people
     failures_total: int = 0
+    duplicates: int = 0  # deliveries of an identity already in flight (settled as it was)
     given_back_systemic: int = 0
     systemic_episodes: int = 0
     systemic: dict[str, Any] | None = None
