@@ -111,8 +111,9 @@ def examples(draw: Any, spark: bool = False, max_messages: int = 30) -> Example:
         st.tuples(st.sampled_from(ENGINE_FAULTS), st.integers(1, 3)), max_size=2,
         unique_by=lambda f: f[0])))
     batch_size = draw(st.integers(1, 16))
-    window = draw(st.integers(batch_size, 40))
-    return Example(ns, draw(st.sampled_from([1, 1, 2])), steps, grouped, mode,
+    sources = draw(st.sampled_from([1, 1, 2]))
+    window = draw(st.integers(max(batch_size, sources), 40))  # merged: a share each
+    return Example(ns, sources, steps, grouped, mode,
                    tuple(branches), on_error, commit_faults, engine_faults, batch_size,
                    window, draw(st.integers(1, 3)))
 
