@@ -93,3 +93,102 @@ def test_the_demo_into_an_iceberg_table_checks_out(spark, tmp_path, capsys):
                  "--master", "local[2]", "--until-idle", "0.5", "--json"]) == 0
     check = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["check"]
     assert check["ok"] and check["sink"] == "iceberg" and check["duplicate_rows"] == 0
+
+
+def test_every_file_of_a_snapshot_is_durable_before_its_keys_are_recorded(tmp_path,
+                                                                          monkeypatch):
+    """Each fsync's path is recorded (a wrapper around os.fsync), and the moment the
+    keys are recorded: the commit's data files, the manifests it wrote, its manifest
+    list, its metadata JSON and their folders come before. Another writer commits
+    right after our commit: its metadata is not what ours needs (before the fix: only
+    the metadata JSON re-loaded after the commit, the other writer's, was fsynced)."""
+    import os
+
+    import pyarrow as pa
+    from pyiceberg.table import Transaction
+
+    from ackflow.sinks.lakehouse import KeyManifest
+
+    sink = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+    sink.open()
+    sink.prepare(pa.schema([("n", pa.int64())]))
+
+    def stage(batch, keys, start):
+        rows = pa.table({"n": list(range(start, start + len(keys))), "__af_key": keys})
+        return [sink.write_partition(batch, 0, rows).token]
+
+    sink.commit("b1", stage("b1", ["a", "b"], 0))  # a first snapshot and manifest
+    log, ours = [], {}
+    real_fsync, real_record, real_commit = os.fsync, KeyManifest.record, \
+        Transaction.commit_transaction
+
+    def fsync(fd):
+        log.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def record(*a, **kw):
+        log.append("RECORD")
+        return real_record(*a, **kw)
+
+    def commit_then_another_writer(self):
+        table = real_commit(self)
+        if not ours:
+            ours["metadata"] = self._table.metadata_location
+            other = pa.table({"n": pa.array([99], pa.int64()),
+                              "ackflow_key": pa.array([None], pa.string())})
+            sink._cat().load_table("ns.t").append(other.cast(sink.target))
+        return table
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(KeyManifest, "record", staticmethod(record))
+    monkeypatch.setattr(Transaction, "commit_transaction", commit_then_another_writer)
+    sink.commit("b2", stage("b2", ["c", "d", "e"], 10))
+    monkeypatch.undo()
+
+    table = sink._load()
+    snap = next(s for s in table.snapshots()
+                if s.summary.additional_properties.get("ackflow.batch") == "b2")
+    assert table.current_snapshot().snapshot_id != snap.snapshot_id  # the other writer's
+    written = [m for m in snap.manifests(table.io) if m.added_snapshot_id == snap.snapshot_id]
+    data = [e.data_file.file_path for m in written for e in m.fetch_manifest_entry(table.io)]
+    needed = {p.removeprefix("file://") for p in
+              [ours["metadata"], snap.manifest_list, *(m.manifest_path for m in written), *data]}
+    assert written and data and len(needed) >= 4
+    needed |= {os.path.dirname(p) for p in needed}
+    before = set(log[:log.index("RECORD")])
+    assert needed <= before, f"not durable before the keys were recorded: {needed - before}"
+    sink.close()
+
+
+@pytest.mark.parametrize("point", Iceberg.SYNC_POINTS)
+def test_an_error_at_each_durability_step_is_caught_up_by_the_next_commit(tmp_path, point):
+    """The snapshot is in the catalog, the commit fails at one of its fsync steps (the
+    batch fails, its messages come again): the next commit finds the snapshot by its
+    sequence number, records its keys, and the redelivered row is left out."""
+    import sqlite3
+
+    import pyarrow as pa
+
+    sink = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+    sink.open()
+    sink.prepare(pa.schema([("n", pa.int64())]))
+
+    def stage(batch, keys, start):
+        rows = pa.table({"n": list(range(start, start + len(keys))), "__af_key": keys})
+        return [sink.write_partition(batch, 0, rows).token]
+
+    faults.arm(point, "raise")
+    try:
+        tokens = stage("b1", ["a", "b"], 0)
+        with pytest.raises(faults.InjectedFault):
+            sink.commit("b1", tokens)
+        sink.abort("b1", tokens)
+    finally:
+        faults.disarm()
+    sink.commit("b2", stage("b2", ["b", "c"], 10))  # b delivered again
+    t = sink._load().scan().to_arrow()
+    assert sorted(zip(t.column("ackflow_key").to_pylist(), t.column("n").to_pylist(),
+                      strict=True)) == [("a", 0), ("b", 1), ("c", 11)]
+    with sqlite3.connect(sink.manifest_path) as m:
+        assert m.execute("SELECT sum(recovered) FROM batches").fetchone()[0] == 1
+    sink.close()

@@ -1,4 +1,29 @@
-"""Apache Iceberg tables, one snapshot per batch, each row once (``pyiceberg``)."""
+"""Apache Iceberg tables, one snapshot per batch, each row once (``pyiceberg``).
+
+Durability of a commit (law 11). pyiceberg writes every file without fsync; only the
+catalog's own commit (a SQL transaction) is durable. The keys a commit records in the
+key manifest make the redelivered rows "already written", so every file the snapshot
+references must be durable before they are recorded, or a power cut could keep the
+keys and lose the rows. The order, with the fault point after each step:
+
+1. tasks write the data files, fsynced with their folder (``lakehouse``);
+   ``iceberg.before_commit``: nothing of the batch is in the table;
+2. pyiceberg writes the manifests, the manifest list and the metadata JSON, and the
+   catalog points at it: ``iceberg.committed``;
+3. from the committed snapshot itself (the transaction's metadata, never a re-load that
+   could be another writer's newer metadata), fsync: its data files
+   (``iceberg.synced_data``), the manifests it wrote (``iceberg.synced_manifests``), its
+   manifest list (``iceberg.synced_manifest_list``), the metadata JSON; each file's
+   folder after its files;
+4. ``iceberg.after_commit``: all durable, keys not yet recorded; the key manifest
+   records the keys and the batch (SQLite, synchronous): ``iceberg.after_record``.
+
+A crash before 4 leaves a snapshot whose keys are not recorded: the next commit or
+start finds it by its ``ackflow.seq`` and records them (``lakehouse``). What stays out of
+ackflow's hands: between 2 and 3 the catalog points at files not yet durable; a power
+cut there can leave the table unreadable (pyiceberg's, as for any of its writers), but
+never keys recorded for rows that are not there.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +34,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.durable import fsync_dir
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.core.secrets import hide, redact
@@ -51,6 +77,9 @@ class IcebergSink(TableSink):
     """
 
     POINTS = ("iceberg.before_commit", "iceberg.after_commit", "iceberg.after_record")
+    #: inside the commit, between the catalog's commit and ``after_commit``
+    SYNC_POINTS = ("iceberg.committed", "iceberg.synced_data", "iceberg.synced_manifests",
+                   "iceberg.synced_manifest_list")
 
     def __init__(self, catalog: str | Mapping[str, str], table: str, *,
                  key: Sequence[str] | str | None = None, create: bool = True,
@@ -274,28 +303,68 @@ class IcebergSink(TableSink):
                                                   f"{attempt + 1} times: {_first(e)}")) from None
                 time.sleep(min(1.0, 0.02 * 2 ** attempt))
                 continue
-            table = self._load()
-            _sync_metadata(table.metadata_location)
-            snapshot = table.current_snapshot()
-            return int(snapshot.snapshot_id) if snapshot is not None else None
+            faults.point("iceberg.committed")
+            # ``table`` is the transaction's own: its metadata is what this commit wrote
+            # (never a re-load, which may be another writer's newer metadata)
+            snapshot = self._snapshot_of(table, app, seq)
+            sync_snapshot(table.io, snapshot, table.metadata_location)
+            return int(snapshot.snapshot_id)
         return None
 
+    def _snapshot_of(self, table: Any, app: str, seq: int) -> Any:
+        """This commit's snapshot in the committed table's metadata."""
+        for s, snapshot in self._ours(table, app):
+            if s == seq:
+                return snapshot
+            if s < seq:
+                break
+        raise RuntimeError(f"sink {self.name!r}: the commit of {app}/{seq} is not in the "
+                           f"metadata it returned ({table.metadata_location})")
 
-def _sync_metadata(location: str) -> None:
-    """fsync the table's new metadata file and its folder (pyiceberg writes it without
-    fsync; the SQL catalog's own commit is durable): the keys recorded next must never
-    outlive the snapshot they stand for."""
-    from urllib.parse import urlparse
 
-    if not location.startswith(("file:", "/")):
-        return
-    path = urlparse(location).path if location.startswith("file:") else location
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(os.path.dirname(path))
+def sync_snapshot(io: Any, snapshot: Any, metadata_location: str) -> None:
+    """Make every file the committed ``snapshot`` references durable, with the folders
+    that name them, in the order of the module's docstring: its data files, the manifests
+    it wrote, its manifest list, then the metadata JSON (pyiceberg writes them all without
+    fsync; the catalog's own commit is durable). A fault point follows each step."""
+    from pyiceberg.manifest import ManifestEntryStatus
+
+    sid = snapshot.snapshot_id
+    written = [m for m in snapshot.manifests(io) if m.added_snapshot_id == sid]
+    data = [e.data_file.file_path for m in written for e in m.fetch_manifest_entry(io)
+            if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == sid]
+    _sync(data)
+    faults.point("iceberg.synced_data")
+    _sync([m.manifest_path for m in written])
+    faults.point("iceberg.synced_manifests")
+    _sync([snapshot.manifest_list])
+    faults.point("iceberg.synced_manifest_list")
+    _sync([metadata_location])
+
+
+def _local(location: str) -> str | None:
+    from urllib.parse import unquote, urlparse
+
+    if location.startswith("file:"):
+        return unquote(urlparse(location).path)
+    return location if location.startswith("/") else None
+
+
+def _sync(locations: Sequence[str]) -> None:
+    """fsync each local file, then each folder holding them (once)."""
+    folders: dict[str, None] = {}
+    for location in locations:
+        path = _local(location)
+        if path is None:  # an object store: durable when written
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folders[os.path.dirname(path)] = None
+    for folder in folders:
+        fsync_dir(folder)
 
 
 def _first(e: BaseException) -> str:
