@@ -55,6 +55,8 @@ POINTS: dict[str, str] = {
     "iceberg.after_commit": "Iceberg commit: the snapshot is committed and every file it "
                             "references (and the metadata JSON) durable; its keys not yet "
                             "recorded",
+    "iceberg.after_expire": "Iceberg maintenance: old snapshots expired, the files only "
+                            "they referenced not yet deleted",
     "iceberg.after_record": "Iceberg commit: snapshot and keys recorded, nothing acked yet",
     "postgres.before_commit": "Postgres partition write: rows upserted, COMMIT not sent",
     "postgres.after_commit": "Postgres partition write: COMMIT done, task not returned",

@@ -45,6 +45,14 @@ log = logging.getLogger("ackflow.sinks.iceberg")
 #: how often a commit is tried again when another writer committed first
 COMMIT_RETRIES = 10
 
+#: Table properties that bound the table's metadata (set unless the table has them; a
+#: value you set wins): pyiceberg deletes metadata JSON files past the newest ten after
+#: each commit, and merges manifests (at 100, the format's default) so that the manifest
+#: list does not grow by one per batch.
+RETENTION = {"write.metadata.delete-after-commit.enabled": "true",
+             "write.metadata.previous-versions-max": "10",
+             "commit.manifest-merge.enabled": "true"}
+
 
 class IcebergSink(TableSink):
     """Append each batch to the Iceberg table ``table`` (``"namespace.name"``) as one
@@ -74,6 +82,16 @@ class IcebergSink(TableSink):
     on the refreshed table (``COMMIT_RETRIES``). Files of a batch that never committed
     are in no snapshot (remove them with an orphan-file clean-up that spares files
     younger than a batch). Passwords in the catalog URL never appear in errors or logs.
+
+    History is bounded (``keep_snapshots``, 100): the sink sets the table properties of
+    :data:`RETENTION` unless the table has them, and once the table holds twice
+    ``keep_snapshots`` snapshots it expires all but the newest ``keep_snapshots`` (after
+    the batch's keys are recorded: the key manifest, not old snapshots, is what dedupes;
+    recovery needs only the newest snapshot of this sink) and deletes the manifest lists
+    and manifests that only expired snapshots referenced (never data files). So each
+    commit's metadata JSON, manifest list and the number of metadata files stay bounded
+    and a commit's cost stays flat. ``keep_snapshots=None`` leaves the table's
+    properties and history alone (they then grow by one snapshot per batch).
     """
 
     POINTS = ("iceberg.before_commit", "iceberg.after_commit", "iceberg.after_record")
@@ -85,9 +103,15 @@ class IcebergSink(TableSink):
                  key: Sequence[str] | str | None = None, create: bool = True,
                  warehouse: str | None = None, manifest: str | None = None,
                  key_column: str = "ackflow_key", compression: str = "snappy",
-                 name: str = "iceberg") -> None:
+                 keep_snapshots: int | None = 20, name: str = "iceberg") -> None:
         super().__init__(name, key=key, key_column=key_column, create=create,
                          compression=compression)
+        if keep_snapshots is not None and (not isinstance(keep_snapshots, int)
+                                           or keep_snapshots < 1):
+            raise ConfigError(f"sink {name!r}: keep_snapshots must be a positive integer (or "
+                              f"None to keep every snapshot), got {keep_snapshots!r}")
+        self.keep_snapshots = keep_snapshots
+        self._snapshots = 0  # in the table after this sink's last commit
         if not isinstance(table, str) or "." not in table.strip("."):
             raise ConfigError(f"sink {name!r}: table must be 'namespace.name', got {table!r}")
         props = {"uri": catalog} if isinstance(catalog, str) else dict(catalog)
@@ -238,7 +262,9 @@ class IcebergSink(TableSink):
                                  {c: f"Iceberg cannot hold {why}" for c, why in bad.items()})
         try:
             catalog.create_namespace_if_not_exists(namespace)
-            table = catalog.create_table_if_not_exists(self.table, schema=schema)
+            table = catalog.create_table_if_not_exists(
+                self.table, schema=schema,
+                properties=RETENTION if self.keep_snapshots is not None else {})
         except Exception as e:  # noqa: BLE001
             raise FlowError(self.name, f"cannot create Iceberg table {self.table!r}: "
                             f"{self._hide(_first(e))}") from None
@@ -294,8 +320,12 @@ class IcebergSink(TableSink):
                  "ackflow.files": json.dumps([f["path"] for f in files])}
         for attempt in range(COMMIT_RETRIES + 1):
             table = self._load()
+            missing = ({k: v for k, v in RETENTION.items() if k not in table.properties}
+                       if self.keep_snapshots is not None else {})
             try:
                 with table.transaction() as tx:
+                    if missing:  # a table made elsewhere: bound its history from now on
+                        tx.set_properties(missing)
                     tx.add_files(paths, snapshot_properties=props, check_duplicate_files=False)
             except CommitFailedException as e:  # another writer won: nothing of ours landed
                 if attempt == COMMIT_RETRIES:
@@ -308,8 +338,53 @@ class IcebergSink(TableSink):
             # (never a re-load, which may be another writer's newer metadata)
             snapshot = self._snapshot_of(table, app, seq)
             sync_snapshot(table.io, snapshot, table.metadata_location)
+            self._snapshots = len(table.metadata.snapshots)
             return int(snapshot.snapshot_id)
         return None
+
+    def maintain(self) -> None:
+        """Expire all but the newest ``keep_snapshots`` snapshots once the table holds
+        twice as many, then delete the manifest lists and manifests only they referenced
+        (see the class docstring). A failure is logged; the batch is written already."""
+        keep = self.keep_snapshots
+        if keep is None or self._snapshots <= 2 * keep:
+            return
+        assert self._lock is not None
+        try:
+            with self._lock:  # not beside this process's own commits
+                self._expire(keep)
+        except Exception as e:  # noqa: BLE001 - maintenance: tried again after the next batch
+            log.warning("sink %r: could not expire old snapshots of %s: %s", self.name,
+                        self.table, self._hide(_first(e)))
+
+    def _expire(self, keep: int) -> None:
+        table = self._load()
+        io, meta = table.io, table.metadata
+        protected = {ref.snapshot_id for ref in meta.refs.values()}
+        ordered = sorted(meta.snapshots, key=lambda s: (s.sequence_number or 0, s.timestamp_ms))
+        old = [s for s in ordered[:-keep] if s.snapshot_id not in protected]
+        self._snapshots = len(meta.snapshots)
+        if not old:
+            return
+        candidates = {s.manifest_list for s in old}
+        candidates |= {m.manifest_path for s in old for m in s.manifests(io)}
+        table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in old]).commit()
+        faults.point("iceberg.after_expire")
+        kept = table.metadata.snapshots  # the expiry's own metadata (updated in place)
+        referenced = {s.manifest_list for s in kept}
+        referenced |= {m.manifest_path for s in kept for m in s.manifests(io)}
+        gone = 0
+        for location in candidates - referenced:
+            path = _local(location)
+            if path is not None:
+                try:
+                    os.remove(path)
+                    gone += 1
+                except FileNotFoundError:
+                    pass
+        self._snapshots = len(kept)
+        log.info("sink %r: expired %d old snapshots of %s (kept %d), deleted %d metadata "
+                 "files only they referenced", self.name, len(old), self.table, len(kept), gone)
 
     def _snapshot_of(self, table: Any, app: str, seq: int) -> Any:
         """This commit's snapshot in the committed table's metadata."""
