@@ -103,6 +103,8 @@ def measure(kind: str, first: int, total: int, rows: int, max_s: float,
             "median_last_ms": round(statistics.median(tail) * 1000, 2) if tail else None,
             "p99_last_ms": (round(sorted(tail)[int(len(tail) * 0.99) - 1] * 1000, 2)
                             if tail else None),
+            "mean_first_ms": round(statistics.fmean(head) * 1000, 2),
+            "mean_last_ms": round(statistics.fmean(tail) * 1000, 2) if tail else None,
             "max_ms": round(max(costs) * 1000, 1), "seconds": round(sum(costs), 1),
         }
         out["ratio"] = (round(out["median_last_ms"] / out["median_first_ms"], 2)
@@ -141,12 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if server is not None:
             server.close()
-    head = f"{'sink':<9} {'batches':>8} {'median 1..N ms':>15} {'median last N ms':>17} {'ratio':>6}"
+    head = (f"{'sink':<9} {'batches':>8} {'median 1..N ms':>15} {'median last N ms':>17} "
+            f"{'ratio':>6} {'mean 1..N':>10} {'mean last N':>12} {'p99 last N':>11}")
     print("\n" + head)
     fmt: Callable[[Any], str] = lambda v: "-" if v is None else str(v)  # noqa: E731
     for r in results:
         print(f"{r['sink']:<9} {r['batches']:>8} {r['median_first_ms']:>15} "
-              f"{fmt(r['median_last_ms']):>17} {fmt(r['ratio']):>6}")
+              f"{fmt(r['median_last_ms']):>17} {fmt(r['ratio']):>6} {r['mean_first_ms']:>10} "
+              f"{fmt(r['mean_last_ms']):>12} {fmt(r['p99_last_ms']):>11}")
     report = {"first": a.first, "total": a.total, "rows": a.rows, "results": results}
     print(json.dumps(report))
     if a.out:

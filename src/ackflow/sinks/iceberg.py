@@ -48,10 +48,13 @@ COMMIT_RETRIES = 10
 #: Table properties that bound the table's metadata (set unless the table has them; a
 #: value you set wins): pyiceberg deletes metadata JSON files past the newest ten after
 #: each commit, and merges manifests (at 100, the format's default) so that the manifest
-#: list does not grow by one per batch.
+#: list does not grow by one per batch; merged manifests of 1 MiB (about 4 000 data files)
+#: are left alone, so a merge never rewrites more than that (with the default 8 MiB a
+#: merge at 10 000 batches rewrote every entry: 1.1 s at the 99th percentile).
 RETENTION = {"write.metadata.delete-after-commit.enabled": "true",
              "write.metadata.previous-versions-max": "10",
-             "commit.manifest-merge.enabled": "true"}
+             "commit.manifest-merge.enabled": "true",
+             "commit.manifest.target-size-bytes": str(1 << 20)}
 
 
 class IcebergSink(TableSink):
