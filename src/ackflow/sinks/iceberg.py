@@ -86,7 +86,7 @@ class IcebergSink(TableSink):
     are in no snapshot (remove them with an orphan-file clean-up that spares files
     younger than a batch). Passwords in the catalog URL never appear in errors or logs.
 
-    History is bounded (``keep_snapshots``, 100): the sink sets the table properties of
+    History is bounded (``keep_snapshots``, 20): the sink sets the table properties of
     :data:`RETENTION` unless the table has them, and once the table holds twice
     ``keep_snapshots`` snapshots it expires all but the newest ``keep_snapshots`` (after
     the batch's keys are recorded: the key manifest, not old snapshots, is what dedupes;
