@@ -115,8 +115,9 @@ def examples(draw: Any, spark: bool = False, max_messages: int = 30) -> Example:
     if spark and not any(br.steps for br in branches) and draw(st.booleans()):
         steps = (*steps, ("types", 0))  # last: later Python steps would rebuild the rows
     batch_size = draw(st.integers(1, 16))
-    window = draw(st.integers(batch_size, 40))
-    return Example(ns, draw(st.sampled_from([1, 1, 2])), steps, grouped, mode,
+    sources = draw(st.sampled_from([1, 1, 2]))
+    window = draw(st.integers(max(batch_size, sources), 40))  # merged: a share each
+    return Example(ns, sources, steps, grouped, mode,
                    tuple(branches), on_error, commit_faults, engine_faults, batch_size,
                    window, draw(st.integers(1, 3)))
 

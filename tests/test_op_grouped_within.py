@@ -138,3 +138,50 @@ def test_a_member_lost_with_its_channel_leaves_its_groups_without_a_crash(spark)
     assert src.lost_once and report.redelivered == 1
     assert src.final().get("m1") == "acked"
     assert sorted((g["k"], [r["n"] for r in g["rows"]]) for g in sink.rows) == [("b", [1])]
+
+
+class BlockingSink(MemorySink):
+    """Marks ``started`` and then blocks in its write until ``release`` exists (at most
+    60 s): a group job that outlives the drain timeout."""
+
+    def __init__(self, started, release):
+        super().__init__()
+        self.started, self.release = str(started), str(release)
+
+    def write_partition(self, batch_id, partition, rows):
+        import os
+        import time
+
+        open(self.started, "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.release) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().write_partition(batch_id, partition, rows)
+
+
+def test_a_group_job_cancelled_at_shutdown_gives_its_members_back(spark, tmp_path):
+    """Stopping never spends a delivery or makes a dead letter: the drain timeout cancels
+    the group job, and its members are released (before the fix: all failed, and with
+    one delivery allowed, dead-lettered)."""
+    from ackflow.engine.loop import Engine
+
+    started, release = tmp_path / "started", tmp_path / "release"
+    src = ListSource(bodies(4, keys="a"))
+    sink = BlockingSink(started, release)
+    engine = None
+
+    def stop_once_the_group_job_runs(report, window):
+        if started.exists():
+            engine.request_stop()
+
+    engine = Engine(ackflow.Flow(src).grouped_within(4, 30.0, "k").to(sink), spark=spark,
+                    batch_size=4, max_inflight=20, batch_timeout_s=0.05, drain_timeout_s=0.5,
+                    progress=stop_once_the_group_job_runs, handle_signals=False)
+    try:
+        report = engine.run()
+    finally:
+        release.touch()
+    assert started.exists() and sink.rows == []
+    assert src.final() == dict.fromkeys(["m0", "m1", "m2", "m3"], "released")
+    assert report.released == 4 and report.dead_lettered == 0 and report.nacked == 0
+    assert report.acked == 0 and src.failures == {}

@@ -2,6 +2,7 @@
 on 127.0.0.1): queue to queue with poison, quorum delivery limits, refused and
 unroutable publishes, clear errors at start."""
 
+import json
 import threading
 
 import pytest
@@ -316,3 +317,38 @@ def test_a_give_back_spends_no_delivery_on_a_classic_queue(spark, rabbitmq, tmp_
     outcomes = [f["outcome"] for f in report.failures if f["message"] == "g0"]
     assert outcomes == ["nacked", "dead_lettered"], report.failures
     assert {m for m, _, _ in drain(url, dead)} == {"g0"}
+
+
+def test_a_row_pika_cannot_encode_fails_alone(spark, rabbitmq):
+    """A routing key, message id or header key over 255 bytes, or a header value AMQP
+    (pika) cannot encode: that row fails alone, naming the field; its valid neighbours
+    in the same partition are published once and acked (before: the encoding error
+    escaped the publisher and failed the partition)."""
+    from ackflow.testing import ListSource
+
+    url = rabbitmq.url
+    q, out_x, out_q = names("in"), names("out-x"), names("out")
+    setup(url, queue=q, out_exchange=out_x, out_queue=out_q)
+    ok = {"tenant": "t", "score": None, "long_name": None}
+    rows = [{"n": i, "rk": out_q, "mid": f"v{i}", "h": ok} for i in range(9)]
+    rows[1]["rk"] = "r" * 256
+    rows[3]["mid"] = "m" * 300
+    rows[5]["h"] = {**ok, "score": 1.5}  # pika has no encoding for a float header
+    rows[6]["h"] = {**ok, "long_name": {"k" * 256: 1}}  # a table key is a short string
+    rows[8]["rk"] = None  # never published as "None"
+    src = ListSource([json.dumps(r) for r in rows])
+    sink = RabbitMQSink(url, out_x, routing_key_column="rk", message_id_column="mid",
+                        headers_column="h", name="out")
+    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
+                         **{**RUN, "batch_size": 9, "until_idle": 0.5})
+    bad = {"m1": "routing key", "m3": "message id", "m5": "header 'score'",
+           "m6": "header 'long_name'", "m8": "routing_key_column 'rk' is null"}
+    assert {k: v for k, v in src.final().items() if v != "acked"} == \
+        dict.fromkeys(bad, "dead_lettered")
+    for key, field in bad.items():
+        assert field in src.failures[key].error and src.failures[key].step == "out", \
+            src.failures[key]
+    assert report.acked == 4 and report.jobs == 1  # no bisection: the job did not fail
+    got = drain(url, out_q)
+    assert sorted(m for m, _, _ in got) == ["v0", "v2", "v4", "v7"]  # each once
+    assert all(h == ok for _, _, h in got)

@@ -47,7 +47,16 @@ POINTS: dict[str, str] = {
     "delta.after_commit": "Delta commit: the version is in the log, its keys not yet recorded",
     "delta.after_record": "Delta commit: version and keys recorded, nothing acked yet",
     "iceberg.before_commit": "Iceberg commit: task files written, no snapshot yet",
-    "iceberg.after_commit": "Iceberg commit: the snapshot is committed, its keys not yet recorded",
+    "iceberg.committed": "Iceberg commit: the catalog points at the new snapshot; none of "
+                         "its files fsynced yet",
+    "iceberg.synced_data": "Iceberg commit: the snapshot's data files fsynced",
+    "iceberg.synced_manifests": "Iceberg commit: the manifests the snapshot wrote fsynced",
+    "iceberg.synced_manifest_list": "Iceberg commit: the snapshot's manifest list fsynced",
+    "iceberg.after_commit": "Iceberg commit: the snapshot is committed and every file it "
+                            "references (and the metadata JSON) durable; its keys not yet "
+                            "recorded",
+    "iceberg.after_expire": "Iceberg maintenance: old snapshots expired, the files only "
+                            "they referenced not yet deleted",
     "iceberg.after_record": "Iceberg commit: snapshot and keys recorded, nothing acked yet",
     "postgres.before_commit": "Postgres partition write: rows upserted, COMMIT not sent",
     "postgres.after_commit": "Postgres partition write: COMMIT done, task not returned",

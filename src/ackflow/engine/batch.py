@@ -245,11 +245,13 @@ def execute(
 
 def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
                    batch_id: str, row_keys: list[str],
-                   count: Callable[[bool], None] | None = None) -> BatchResult:
+                   count: Callable[[bool], None] | None = None,
+                   cancelled: threading.Event | None = None) -> BatchResult:
     """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
     one row per group (keyed by ``row_keys``). If the job fails as a whole, every member
     of every group fails (no bisection here: the groups' messages are retried by their
-    source)."""
+    source), unless shutdown cancelled it (``cancelled`` set): then every member is
+    released (stopping never spends a delivery or makes a dead letter)."""
     from collections import Counter
 
     from ackflow.spark.job import run_rows_job
@@ -268,6 +270,9 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
              .append_column(STATUS, pa.array([0] * n, pa.int32()))
              .append_column(STEP, pa.nulls(n, pa.string()))
              .append_column(ERR, pa.nulls(n, pa.string())))
+    if cancelled is not None and cancelled.is_set():
+        result.released = expected
+        return result
     result.jobs = 1
     if count is not None:
         count(False)
@@ -275,6 +280,11 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
         job = run_rows_job(compiled, table, batch_id)
     except JobFailed as e:
         abort_all(compiled, batch_id, {})
+        if cancelled is not None and cancelled.is_set():
+            log.warning("groups %s: job over %d groups cancelled at shutdown; their %d "
+                        "messages are given back", batch_id, n, len(expected))
+            result.released = expected
+            return result
         log.error("groups %s: Spark job over %d groups failed: %s", batch_id, n, e)
         result.outcomes.failed = {m: Failure("spark", f"the group's Spark job failed: {e}",
                                              whole=True) for m in expected}

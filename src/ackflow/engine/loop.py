@@ -384,12 +384,15 @@ class Engine:
         row_keys = [group_key(g.row_keys, g.key) for g in groups]
         self._launch(pool, suffix, "g", None,
                      lambda bid: execute_groups(suffix, groups, step.keys, bid, row_keys,
-                                                count=self._count_job))
+                                                count=self._count_job, cancelled=self._cancel))
 
     def _settle_groups(self, result: BatchResult) -> None:
         """A group job finished: fail members of failed groups, ack members whose
-        every group is now written."""
-        touched: list[Delivery] = []
+        every group is now written; a job cancelled at shutdown releases its members."""
+        released = [d for d in (self.inflight.get(m) for m in result.released)
+                    if d is not None and not d.settled]
+        self._release(released)
+        touched: list[Delivery] = released
         failures = []
         for mid, failure in result.outcomes.failed.items():
             d = self.inflight.get(mid)

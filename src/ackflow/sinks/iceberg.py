@@ -1,4 +1,29 @@
-"""Apache Iceberg tables, one snapshot per batch, each row once (``pyiceberg``)."""
+"""Apache Iceberg tables, one snapshot per batch, each row once (``pyiceberg``).
+
+Durability of a commit (law 11). pyiceberg writes every file without fsync; only the
+catalog's own commit (a SQL transaction) is durable. The keys a commit records in the
+key manifest make the redelivered rows "already written", so every file the snapshot
+references must be durable before they are recorded, or a power cut could keep the
+keys and lose the rows. The order, with the fault point after each step:
+
+1. tasks write the data files, fsynced with their folder (``lakehouse``);
+   ``iceberg.before_commit``: nothing of the batch is in the table;
+2. pyiceberg writes the manifests, the manifest list and the metadata JSON, and the
+   catalog points at it: ``iceberg.committed``;
+3. from the committed snapshot itself (the transaction's metadata, never a re-load that
+   could be another writer's newer metadata), fsync: its data files
+   (``iceberg.synced_data``), the manifests it wrote (``iceberg.synced_manifests``), its
+   manifest list (``iceberg.synced_manifest_list``), the metadata JSON; each file's
+   folder after its files;
+4. ``iceberg.after_commit``: all durable, keys not yet recorded; the key manifest
+   records the keys and the batch (SQLite, synchronous): ``iceberg.after_record``.
+
+A crash before 4 leaves a snapshot whose keys are not recorded: the next commit or
+start finds it by its ``ackflow.seq`` and records them (``lakehouse``). What stays out of
+ackflow's hands: between 2 and 3 the catalog points at files not yet durable; a power
+cut there can leave the table unreadable (pyiceberg's, as for any of its writers), but
+never keys recorded for rows that are not there.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +34,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.durable import fsync_dir
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.core.secrets import hide, redact
@@ -18,6 +44,17 @@ log = logging.getLogger("ackflow.sinks.iceberg")
 
 #: how often a commit is tried again when another writer committed first
 COMMIT_RETRIES = 10
+
+#: Table properties that bound the table's metadata (set unless the table has them; a
+#: value you set wins): pyiceberg deletes metadata JSON files past the newest ten after
+#: each commit, and merges manifests (at 100, the format's default) so that the manifest
+#: list does not grow by one per batch; merged manifests of 1 MiB (about 4 000 data files)
+#: are left alone, so a merge never rewrites more than that (with the default 8 MiB a
+#: merge at 10 000 batches rewrote every entry: 1.1 s at the 99th percentile).
+RETENTION = {"write.metadata.delete-after-commit.enabled": "true",
+             "write.metadata.previous-versions-max": "10",
+             "commit.manifest-merge.enabled": "true",
+             "commit.manifest.target-size-bytes": str(1 << 20)}
 
 
 class IcebergSink(TableSink):
@@ -48,17 +85,36 @@ class IcebergSink(TableSink):
     on the refreshed table (``COMMIT_RETRIES``). Files of a batch that never committed
     are in no snapshot (remove them with an orphan-file clean-up that spares files
     younger than a batch). Passwords in the catalog URL never appear in errors or logs.
+
+    History is bounded (``keep_snapshots``, 20): the sink sets the table properties of
+    :data:`RETENTION` unless the table has them, and once the table holds twice
+    ``keep_snapshots`` snapshots it expires all but the newest ``keep_snapshots`` (after
+    the batch's keys are recorded: the key manifest, not old snapshots, is what dedupes;
+    recovery needs only the newest snapshot of this sink) and deletes the manifest lists
+    and manifests that only expired snapshots referenced (never data files). So each
+    commit's metadata JSON, manifest list and the number of metadata files stay bounded
+    and a commit's cost stays flat. ``keep_snapshots=None`` leaves the table's
+    properties and history alone (they then grow by one snapshot per batch).
     """
 
     POINTS = ("iceberg.before_commit", "iceberg.after_commit", "iceberg.after_record")
+    #: inside the commit, between the catalog's commit and ``after_commit``
+    SYNC_POINTS = ("iceberg.committed", "iceberg.synced_data", "iceberg.synced_manifests",
+                   "iceberg.synced_manifest_list")
 
     def __init__(self, catalog: str | Mapping[str, str], table: str, *,
                  key: Sequence[str] | str | None = None, create: bool = True,
                  warehouse: str | None = None, manifest: str | None = None,
                  key_column: str = "ackflow_key", compression: str = "snappy",
-                 name: str = "iceberg") -> None:
+                 keep_snapshots: int | None = 20, name: str = "iceberg") -> None:
         super().__init__(name, key=key, key_column=key_column, create=create,
                          compression=compression)
+        if keep_snapshots is not None and (not isinstance(keep_snapshots, int)
+                                           or keep_snapshots < 1):
+            raise ConfigError(f"sink {name!r}: keep_snapshots must be a positive integer (or "
+                              f"None to keep every snapshot), got {keep_snapshots!r}")
+        self.keep_snapshots = keep_snapshots
+        self._snapshots = 0  # in the table after this sink's last commit
         if not isinstance(table, str) or "." not in table.strip("."):
             raise ConfigError(f"sink {name!r}: table must be 'namespace.name', got {table!r}")
         props = {"uri": catalog} if isinstance(catalog, str) else dict(catalog)
@@ -209,7 +265,9 @@ class IcebergSink(TableSink):
                                  {c: f"Iceberg cannot hold {why}" for c, why in bad.items()})
         try:
             catalog.create_namespace_if_not_exists(namespace)
-            table = catalog.create_table_if_not_exists(self.table, schema=schema)
+            table = catalog.create_table_if_not_exists(
+                self.table, schema=schema,
+                properties=RETENTION if self.keep_snapshots is not None else {})
         except Exception as e:  # noqa: BLE001
             raise FlowError(self.name, f"cannot create Iceberg table {self.table!r}: "
                             f"{self._hide(_first(e))}") from None
@@ -265,8 +323,12 @@ class IcebergSink(TableSink):
                  "ackflow.files": json.dumps([f["path"] for f in files])}
         for attempt in range(COMMIT_RETRIES + 1):
             table = self._load()
+            missing = ({k: v for k, v in RETENTION.items() if k not in table.properties}
+                       if self.keep_snapshots is not None else {})
             try:
                 with table.transaction() as tx:
+                    if missing:  # a table made elsewhere: bound its history from now on
+                        tx.set_properties(missing)
                     tx.add_files(paths, snapshot_properties=props, check_duplicate_files=False)
             except CommitFailedException as e:  # another writer won: nothing of ours landed
                 if attempt == COMMIT_RETRIES:
@@ -274,28 +336,113 @@ class IcebergSink(TableSink):
                                                   f"{attempt + 1} times: {_first(e)}")) from None
                 time.sleep(min(1.0, 0.02 * 2 ** attempt))
                 continue
-            table = self._load()
-            _sync_metadata(table.metadata_location)
-            snapshot = table.current_snapshot()
-            return int(snapshot.snapshot_id) if snapshot is not None else None
+            faults.point("iceberg.committed")
+            # ``table`` is the transaction's own: its metadata is what this commit wrote
+            # (never a re-load, which may be another writer's newer metadata)
+            snapshot = self._snapshot_of(table, app, seq)
+            sync_snapshot(table.io, snapshot, table.metadata_location)
+            self._snapshots = len(table.metadata.snapshots)
+            return int(snapshot.snapshot_id)
         return None
 
+    def maintain(self) -> None:
+        """Expire all but the newest ``keep_snapshots`` snapshots once the table holds
+        twice as many, then delete the manifest lists and manifests only they referenced
+        (see the class docstring). A failure is logged; the batch is written already."""
+        keep = self.keep_snapshots
+        if keep is None or self._snapshots <= 2 * keep:
+            return
+        assert self._lock is not None
+        try:
+            with self._lock:  # not beside this process's own commits
+                self._expire(keep)
+        except Exception as e:  # noqa: BLE001 - maintenance: tried again after the next batch
+            log.warning("sink %r: could not expire old snapshots of %s: %s", self.name,
+                        self.table, self._hide(_first(e)))
 
-def _sync_metadata(location: str) -> None:
-    """fsync the table's new metadata file and its folder (pyiceberg writes it without
-    fsync; the SQL catalog's own commit is durable): the keys recorded next must never
-    outlive the snapshot they stand for."""
-    from urllib.parse import urlparse
+    def _expire(self, keep: int) -> None:
+        table = self._load()
+        io, meta = table.io, table.metadata
+        protected = {ref.snapshot_id for ref in meta.refs.values()}
+        ordered = sorted(meta.snapshots, key=lambda s: (s.sequence_number or 0, s.timestamp_ms))
+        old = [s for s in ordered[:-keep] if s.snapshot_id not in protected]
+        self._snapshots = len(meta.snapshots)
+        if not old:
+            return
+        candidates = {s.manifest_list for s in old}
+        candidates |= {m.manifest_path for s in old for m in s.manifests(io)}
+        table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in old]).commit()
+        faults.point("iceberg.after_expire")
+        kept = table.metadata.snapshots  # the expiry's own metadata (updated in place)
+        referenced = {s.manifest_list for s in kept}
+        referenced |= {m.manifest_path for s in kept for m in s.manifests(io)}
+        gone = 0
+        for location in candidates - referenced:
+            path = _local(location)
+            if path is not None:
+                try:
+                    os.remove(path)
+                    gone += 1
+                except FileNotFoundError:
+                    pass
+        self._snapshots = len(kept)
+        log.info("sink %r: expired %d old snapshots of %s (kept %d), deleted %d metadata "
+                 "files only they referenced", self.name, len(old), self.table, len(kept), gone)
 
-    if not location.startswith(("file:", "/")):
-        return
-    path = urlparse(location).path if location.startswith("file:") else location
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(os.path.dirname(path))
+    def _snapshot_of(self, table: Any, app: str, seq: int) -> Any:
+        """This commit's snapshot in the committed table's metadata."""
+        for s, snapshot in self._ours(table, app):
+            if s == seq:
+                return snapshot
+            if s < seq:
+                break
+        raise RuntimeError(f"sink {self.name!r}: the commit of {app}/{seq} is not in the "
+                           f"metadata it returned ({table.metadata_location})")
+
+
+def sync_snapshot(io: Any, snapshot: Any, metadata_location: str) -> None:
+    """Make every file the committed ``snapshot`` references durable, with the folders
+    that name them, in the order of the module's docstring: its data files, the manifests
+    it wrote, its manifest list, then the metadata JSON (pyiceberg writes them all without
+    fsync; the catalog's own commit is durable). A fault point follows each step."""
+    from pyiceberg.manifest import ManifestEntryStatus
+
+    sid = snapshot.snapshot_id
+    written = [m for m in snapshot.manifests(io) if m.added_snapshot_id == sid]
+    data = [e.data_file.file_path for m in written for e in m.fetch_manifest_entry(io)
+            if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == sid]
+    _sync(data)
+    faults.point("iceberg.synced_data")
+    _sync([m.manifest_path for m in written])
+    faults.point("iceberg.synced_manifests")
+    _sync([snapshot.manifest_list])
+    faults.point("iceberg.synced_manifest_list")
+    _sync([metadata_location])
+
+
+def _local(location: str) -> str | None:
+    from urllib.parse import unquote, urlparse
+
+    if location.startswith("file:"):
+        return unquote(urlparse(location).path)
+    return location if location.startswith("/") else None
+
+
+def _sync(locations: Sequence[str]) -> None:
+    """fsync each local file, then each folder holding them (once)."""
+    folders: dict[str, None] = {}
+    for location in locations:
+        path = _local(location)
+        if path is None:  # an object store: durable when written
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folders[os.path.dirname(path)] = None
+    for folder in folders:
+        fsync_dir(folder)
 
 
 def _first(e: BaseException) -> str:

@@ -356,6 +356,11 @@ class TableSink(Sink):
             KeyManifest.record(db, seq, batch_id, version, fresh, dropped)
         faults.point(recorded)
         self._state.pop(batch_id, None)
+        self.maintain()
+
+    def maintain(self) -> None:
+        """Called after each recorded commit (the keys are durable): bound what the table
+        keeps of its history (Iceberg). A failure here never fails the batch."""
 
     def _catch_up(self, db: sqlite3.Connection) -> int:
         """Record the keys of commits of ours the manifest missed (a crash between the

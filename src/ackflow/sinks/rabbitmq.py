@@ -28,7 +28,9 @@ class RabbitMQSink(Sink):
     key by default (its source message's id and its position among the message's rows:
     a consumer can drop a redelivered copy), or the value of ``message_id_column``.
     ``headers_column`` names a map/struct column whose entries become headers (the
-    column is not put in the body).
+    column is not put in the body). A row AMQP cannot carry (a routing key, message id
+    or header name over 255 bytes, a null routing key, a header value pika cannot
+    encode) fails alone, before anything of its partition is published.
     """
 
     wants_keys = True
@@ -105,17 +107,90 @@ class RabbitMQSink(Sink):
             if why is not None:
                 empty[i] = why
                 continue
-            h = headers[i] if headers is not None else None
-            if isinstance(h, list):  # an Arrow map arrives as [(key, value), ...]
-                h = dict(h)
-            props = pika.BasicProperties(
-                delivery_mode=2 if self.persistent else 1, message_id=str(mid),
-                content_type="application/json", headers=h or None)
+            h = _maps_as_dicts(headers[i]) if headers is not None else None
+            why = self._unsendable(rk, str(mid), h)
+            props = None
+            if why is None:
+                props = pika.BasicProperties(
+                    delivery_mode=2 if self.persistent else 1, message_id=str(mid),
+                    content_type="application/json", headers=h or None)
+                try:  # what the checks above missed: the frame pika would build
+                    props.encode()
+                except Exception as e:  # noqa: BLE001 - this row cannot be sent; not its neighbours
+                    why = f"its message properties cannot be encoded: {type(e).__name__}: {e}"
+            if why is not None:
+                empty[i] = f"the row cannot be published: {why}"
+                continue
             messages.append((str(rk), bodies[i], props))
             sent.append(i)
         failed = publish_confirmed(self.url, self.exchange, messages, mandatory=self.mandatory,
                                    window=self.confirm_window, timeout_s=self.timeout_s)
         return PartitionResult(failed={**empty, **{sent[j]: e for j, e in failed.items()}})
+
+
+    def _unsendable(self, rk: Any, mid: str, headers: Any) -> str | None:
+        """Why AMQP cannot carry this row's routing key, message id or headers, or None
+        (checked before publishing: pika raises mid-partition otherwise)."""
+        if rk is None:
+            return f"routing_key_column {self.routing_key_column!r} is null"
+        for field, value in (("routing key", str(rk)), ("message id", mid)):
+            size = len(value.encode("utf-8", "surrogatepass"))
+            if size > 255:
+                return (f"its {field} is {size} bytes ({value[:40]!r}...); AMQP carries at "
+                        "most 255")
+        if headers is None:
+            return None
+        if not isinstance(headers, dict):
+            return (f"headers_column {self.headers_column!r} holds a "
+                    f"{type(headers).__name__}, not a map")
+        for key, value in headers.items():
+            why = _header_problem(key, value)
+            if why is not None:
+                return f"header {str(key)[:60]!r}: {why}"
+        return None
+
+
+def _maps_as_dicts(value: Any) -> Any:
+    """Arrow maps (``[(key, value), ...]`` from ``to_pylist``), at any depth, as dicts."""
+    if isinstance(value, list):
+        if value and all(isinstance(x, tuple) and len(x) == 2 for x in value):
+            return {k: _maps_as_dicts(v) for k, v in value}
+        return [_maps_as_dicts(x) for x in value]
+    if isinstance(value, dict):
+        return {k: _maps_as_dicts(v) for k, v in value.items()}
+    return value
+
+
+def _header_problem(key: Any, value: Any) -> str | None:
+    """Why pika cannot encode the header (or table entry) ``key: value``, or None."""
+    import struct
+
+    from pika.data import encode_value
+
+    if not isinstance(key, str):
+        return f"its name is a {type(key).__name__}, not a string"
+    size = len(key.encode("utf-8", "surrogatepass"))
+    if size > 255:
+        return f"its name is {size} bytes; AMQP carries at most 255"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            why = _header_problem(k, v)
+            if why is not None:
+                return f"in {str(k)[:60]!r}: {why}"
+        return None
+    if isinstance(value, list):
+        for v in value:
+            why = _header_problem("", v)
+            if why is not None:
+                return why
+        return None
+    try:
+        encode_value([], value)
+    except struct.error:
+        return f"the {type(value).__name__} {value!r:.60} is out of AMQP's range"
+    except Exception:  # noqa: BLE001 - pika's UnsupportedAMQPFieldException, and others
+        return f"AMQP (pika) cannot carry a {type(value).__name__} value ({value!r:.60})"
+    return None
 
 
 def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, bytes, Any]], *,

@@ -15,7 +15,8 @@ class MergedSource(Source):
 
     Every delivery is tagged with ``origin`` (the index of its source); the engine's
     lineage ids are unique across all of them. Each source keeps its own format and
-    retry policy.
+    retry policy, and gets a share of the window (:func:`window_shares`): a busy source
+    cannot use an idle one's share.
     """
 
     def __init__(self, *sources: Source) -> None:
@@ -49,8 +50,12 @@ class MergedSource(Source):
 
     def configure(self, *, max_inflight: int, error_sink: bool,
                   keepalive_s: float = 30.0) -> None:
-        for s in self.sources:
-            s.configure(max_inflight=max_inflight, error_sink=error_sink, keepalive_s=keepalive_s)
+        """The window is the flow's (law 6): each source gets a share of ``max_inflight``
+        (an even split, at least 1 each), so that what all of them may hold unacked at
+        their brokers (a prefetch follows its share) never sums past the window."""
+        for s, share in zip(self.sources, window_shares(max_inflight, len(self.sources)),
+                            strict=True):
+            s.configure(max_inflight=share, error_sink=error_sink, keepalive_s=keepalive_s)
 
     def open(self) -> int:
         return sum(s.open() for s in self.sources)
@@ -139,3 +144,17 @@ class MergedSource(Source):
     def close(self) -> None:
         for s in self.sources:
             s.close()
+
+
+def window_shares(max_inflight: int, sources: int) -> list[int]:
+    """``max_inflight`` split over ``sources``: as even as can be, summing to it exactly.
+
+    >>> window_shares(100, 2), window_shares(10, 3)
+    ([50, 50], [4, 3, 3])
+    """
+    if max_inflight < sources:
+        raise ConfigError(f"merge: max_inflight ({max_inflight}) is smaller than the number "
+                          f"of merged sources ({sources}); each needs a share of the window "
+                          f"of at least 1: raise max_inflight to {sources} or more")
+    base, extra = divmod(max_inflight, sources)
+    return [base + (1 if i < extra else 0) for i in range(sources)]

@@ -113,7 +113,8 @@ def header_count(value: Any) -> int | None:
 class RabbitMQSource(Source):
     """Consume ``queue`` with manual acks; ack only what the flow wrote.
 
-    * Prefetch follows the engine's in-flight window (``prefetch=`` overrides it). A
+    * Prefetch follows the engine's in-flight window, or this source's share of it in a
+      ``merge`` (``prefetch=`` lowers it, never raises it past the window). A
       window past AMQP's prefetch cap of 65 535 is split over several consumers on the
       one channel (``consumer_prefetch``), so that the broker keeps the whole window
       coming (with one consumer, a window of 75 000 was filled to 65 535 and the batches
@@ -264,8 +265,9 @@ class RabbitMQSource(Source):
                 self._check_dead_letter_route(conn)
             if self.dead_letter_exchange:
                 ch.confirm_delivery()
-            consumers, prefetch = (1, self.prefetch) if self.prefetch else consumer_prefetch(
-                self._window)
+            # never past the window (or this source's share of a merged flow's): law 6
+            consumers, prefetch = ((1, min(self.prefetch, self._window)) if self.prefetch
+                                   else consumer_prefetch(self._window))
             ch.basic_qos(prefetch_count=prefetch)  # per consumer (AMQP's global=False)
             tags = []
             for _ in range(0 if self._stopped_consuming else consumers):
