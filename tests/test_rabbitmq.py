@@ -352,3 +352,27 @@ def test_a_row_pika_cannot_encode_fails_alone(spark, rabbitmq):
     got = drain(url, out_q)
     assert sorted(m for m, _, _ in got) == ["v0", "v2", "v4", "v7"]  # each once
     assert all(h == ok for _, _, h in got)
+
+
+def test_an_exchange_gone_after_the_start_is_systemic_not_poison(spark, rabbitmq):
+    """The sink's exchange disappears (deleted by an operator) after the start: every
+    publish closes the channel (404). That is the write's failure, not the rows': the
+    messages are given back, none dead-lettered, and the run stops naming the sink."""
+    from ackflow.core.errors import SystemicFailure
+    from ackflow.engine.loop import Engine
+    from ackflow.testing import ListSource
+
+    class Gone(RabbitMQSink):  # as if deleted after its check at start
+        def open(self):
+            pass
+
+    src = ListSource([json.dumps({"n": i}) for i in range(12)],
+                     policy=RetryPolicy(max_deliveries=1))
+    sink = Gone(rabbitmq.url, names("no-such-exchange"), routing_key="x", name="out")
+    engine = Engine(ackflow.Flow(src).to(sink), spark=spark, handle_signals=False,
+                    systemic_stop_after_s=1, systemic_backoff_s=0.05,
+                    **{**RUN, "batch_size": 12, "until_idle": 0.5})
+    with pytest.raises(SystemicFailure, match="channel closed") as e:
+        engine.run()
+    assert e.value.step == "out" and engine.report.dead_lettered == 0
+    assert not src.dead_letters and set(src.final().values()) == {"released"}

@@ -6,7 +6,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ackflow.core.errors import ConfigError
+from ackflow.core.errors import ConfigError, describe
+from ackflow.core.ledger import WHOLE_WRITE
 from ackflow.core.secrets import redact
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, missing_id, require_columns
 from ackflow.sinks.jsonrows import json_records
@@ -265,7 +266,8 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
         conn.channel(on_open_callback=on_channel)
 
     def on_open_error(conn: Any, err: Any) -> None:
-        state["error"] = f"cannot connect to RabbitMQ: {redact(str(err))}"
+        text = describe(err) if isinstance(err, BaseException) else str(err)
+        state["error"] = f"cannot connect to RabbitMQ: {redact(text)}"
         conn.ioloop.stop()
 
     def on_closed(conn: Any, reason: Any) -> None:
@@ -293,7 +295,9 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
     conn.ioloop.call_later(timeout_s, watchdog)
     conn.ioloop.start()
     if state["error"] is not None or unconfirmed or state["next"] < n:
-        why = state["error"] or "not confirmed"
+        # the connection, the channel or the broker's confirms failed, not these rows:
+        # a failure of the write as a whole (a candidate for a systemic failure)
+        why = WHOLE_WRITE + (state["error"] or "not confirmed")
         for i in list(unconfirmed.values()) + list(range(state["next"], n)):
             failed.setdefault(i, why)
     return failed
