@@ -200,3 +200,20 @@ def test_the_demo_into_a_delta_table_checks_out(spark, tmp_path, capsys):
     check = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["check"]
     assert check["ok"] and check["sink"] == "delta" and check["duplicate_rows"] == 0
     assert DeltaTable(str(tmp_path / "orders.delta")).version() >= 1
+
+
+@pytest.mark.spark
+def test_an_empty_partition_value_fails_its_message_never_read_back_as_null(spark, tmp_path):
+    """Delta stores an empty string partition value as null: such a row would read back
+    as null silently. It fails alone, naming the column; null and real values land."""
+    path = str(tmp_path / "t")
+    days = ["2024-01-01", "", None, "2024-01-02"]
+    src = ListSource([json.dumps({"n": i, "day": d}) for i, d in enumerate(days)],
+                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    report = ackflow.run(ackflow.Flow(src).to(Delta(path, partition_by="day")), spark=spark,
+                         **{**FAST, "batch_size": 4})
+    assert report.acked == 3 and report.dead_lettered == 1
+    assert "'day' is an empty string" in src.dead_letters["m1"].error
+    got = DeltaTable(path).to_pyarrow_table(columns=["n", "day"]).to_pylist()
+    assert sorted((r["n"], r["day"]) for r in got) == [
+        (0, "2024-01-01"), (2, None), (3, "2024-01-02")]

@@ -66,6 +66,7 @@ class DeltaSink(TableSink):
         if isinstance(partition_by, str):
             partition_by = [partition_by]
         self.wanted_partitions = list(partition_by or [])
+        self.empty_partition_is_null = True  # Delta reads an empty partition value as null
         self._table: Any = None
 
     def _driver_only(self) -> Sequence[str]:

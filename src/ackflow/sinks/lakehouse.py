@@ -130,6 +130,8 @@ class TableSink(Sink):
         self.compression = compression
         self.target: Any = None  # the data files' pyarrow schema, set by prepare
         self.partition_by: list[str] = []
+        #: True where the table format keeps an empty partition value as null (Delta)
+        self.empty_partition_is_null = False
         self._prepared: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
         self._state: dict[str, str] = {}  # batch id -> "committing" | "committed"
@@ -290,6 +292,13 @@ class TableSink(Sink):
         data, failed = conform(data, self.target)
         for i, why in null_key_failures(data, self.key).items():
             failed.setdefault(i, why)  # a null key would make every later null-keyed row "written"
+        if self.empty_partition_is_null:
+            for c in self.partition_by:
+                for i, v in enumerate(data.column(c).to_pylist()):
+                    if v == "":  # the table format would read it back as null: never silently
+                        failed.setdefault(i, f"partition column {c!r} is an empty string, which "
+                                             f"{self.name!r} would store as null; map it to a "
+                                             "value or to null in the flow")
         if failed:
             kept = pa.array([i not in failed for i in range(rows.num_rows)])
             data = data.filter(kept)
