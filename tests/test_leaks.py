@@ -42,6 +42,14 @@ def test_exception_in_the_middle_of_a_sink_write(spark):
             super().write_partition(batch_id, partition, rows.slice(0, 1))
             raise ConnectionError("lost the database half way")
 
+    # one message: its write fails half way, every time: never acked, a dead letter
+    src = ListSource(bodies([{"n": 0}]))
+    assert outcome(spark, ackflow.Flow(src).to(Half("half")), src) == {"m0": "dead_lettered"}
+    # four: every write fails half way, a systemic failure: never acked, given back
+    from ackflow.core.errors import SystemicFailure
+
     src = ListSource(bodies([{"n": i} for i in range(4)]))
-    final = outcome(spark, ackflow.Flow(src).to(Half("half")), src)
-    assert set(final.values()) == {"dead_lettered"}
+    with pytest.raises(SystemicFailure, match="lost the database half way"):
+        ackflow.run(ackflow.Flow(src).to(Half("half")), spark=spark, systemic_stop_after_s=1,
+                    systemic_backoff_s=0.05, **FAST)
+    assert set(src.final().values()) == {"released"}
