@@ -41,7 +41,8 @@ def server(tmp_path):
 def head(server, method, path, extra):
     host = f"127.0.0.1:{server.address[1]}"
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Origin: http://{host}",
-             "X-Ackflow-Replay: 1", "Content-Type: application/json", *extra, "", ""]
+             "X-Ackflow-Replay: 1", f"X-Ackflow-Replay-Token: {server.replay_token}",
+             "Content-Type: application/json", *extra, "", ""]
     return "\r\n".join(lines).encode()
 
 
