@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -155,12 +156,19 @@ def test_model_spark(spark: object, ex: Example) -> None:
 
 # -- a sink that fails for every message: systemic, never dead letters --------------------
 
+# found by CI: two down sinks split the messages' failures between them (a message's
+# failure names one sink), so each sink may dead-letter two before it is judged
+TWO_DOWN = Example((0, 0, 1), 1, (), False, "all",
+                   (Branch("down", 2, 0, (("bfilter", 2),)), Branch("down", 2, 0)), False, (),
+                   (), 1, 1, 1)
+
+
 def run_down_example(ex: Example, **engine: object) -> None:
     """Every sink raises for every partition. Messages failing in a step before it are
     dead-lettered with that step as usual; of the messages reaching a sink, at most
-    ``systemic_after - 1`` (2) can be dead-lettered there (before three distinct ones
-    have shown the failure), none is acked, and once three have reached it the run
-    stops with SystemicFailure. Nothing is lost: every message is finally settled or
+    ``systemic_after - 1`` (2) per sink can be dead-lettered there (before three
+    distinct ones have shown the failure), none is acked, and once three have reached a
+    lone sink the run stops with SystemicFailure. Nothing is lost: every message is finally settled or
     still at its source, every delivery settled at most once."""
     from ackflow.core.errors import SystemicFailure
 
@@ -179,7 +187,7 @@ def run_down_example(ex: Example, **engine: object) -> None:
     for s in sources:
         twice = {k: n for k, n in s.per_delivery.items() if n != 1}
         assert not twice, f"deliveries settled more than once: {twice}"
-    at_sink = 0
+    at_sink: Counter[str] = Counter()  # dead letters per sink step
     for fate in fates:
         src = sources[fate.source]
         history = src.settled.get(fate.local_key, [])
@@ -194,11 +202,14 @@ def run_down_example(ex: Example, **engine: object) -> None:
         if fate.rows and "acked" in final and not dead:
             raise AssertionError(f"{fate.key} acked, but its rows could not be written")
         if dead and step.startswith("b") and "s" not in step[1:]:
-            at_sink += 1
+            at_sink[step] += 1
         if not final:  # not settled: still at its source, never lost
             assert src.pending() > 0, f"{fate.key} is neither settled nor at its source"
-    assert at_sink <= 2, f"{at_sink} messages dead-lettered at a sink that fails every write"
-    if len(reaching) >= 3 and stopped is None:
+    # before three distinct messages have shown one signature (a sink's failure), at most
+    # two can have been failed as usual: per sink, since a message's failure names one
+    over = {s: n for s, n in at_sink.items() if n > 2}
+    assert not over, f"messages dead-lettered at a sink that fails every write: {over}"
+    if len(ex.branches) == 1 and len(reaching) >= 3 and stopped is None:
         raise AssertionError(f"{len(reaching)} messages reach a sink that is down, and the run "
                              "ended without SystemicFailure")
     if stopped is not None:
@@ -208,6 +219,7 @@ def run_down_example(ex: Example, **engine: object) -> None:
 @settings(max_examples=max(LOCAL_EXAMPLES // 10, 20), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ex=down_examples())
+@example(ex=TWO_DOWN)
 def test_model_down_local(ex: Example) -> None:
     run_down_example(ex, executor="local")
 
