@@ -188,6 +188,15 @@ def execute(
         set (first, middle, last, then the rest in order: poison that a broker keeps at
         the head of its queue must not be all that is probed). A probe that passes but
         wrote no row (filtered out) proves nothing: the next one is tried."""
+        def resume(rest: list[Delivery]) -> None:
+            """Not uniform after all: the untried messages as one job, bisected as usual."""
+            e = run_once(rest, f"{bid}r") if rest else None
+            if e is not None:
+                if len(rest) == 1:
+                    alone(rest[0], e, whole=e == error)
+                else:
+                    split(rest, f"{bid}r", e, probe=False)
+
         order = sorted(set(range(len(ds))), key=lambda i: (
             0 if i == 0 else 1 if i == len(ds) // 2 else 2 if i == len(ds) - 1 else 3, i))
         failure: Failure | None = None
@@ -211,21 +220,11 @@ def execute(
             if e is not None:  # failed alone, but otherwise: its own failure
                 alone(d, e)
             rest = [x for j, x in enumerate(ds) if j not in tried]
-            e = run_once(rest, f"{bid}r") if rest else None
-            if e is not None:
-                if len(rest) == 1:
-                    alone(rest[0], e, whole=e == error)
-                else:
-                    split(rest, f"{bid}r", e, probe=False)
+            resume(rest)
             return
         rest = [x for j, x in enumerate(ds) if j not in tried]
         if failure is None:  # every probe passed without a row: the rest, as one job
-            e = run_once(rest, f"{bid}r") if rest else None
-            if e is not None:
-                if len(rest) == 1:
-                    alone(rest[0], e, whole=e == error)
-                else:
-                    split(rest, f"{bid}r", e, probe=False)
+            resume(rest)
             return
         if rest:
             log.error("batch %s: %d messages alone each failed the Spark job the same way as "
