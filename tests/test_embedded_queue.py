@@ -2,6 +2,9 @@
 
 import multiprocessing
 import os
+import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
@@ -259,3 +262,39 @@ def test_remembered_ids_can_be_forgotten_after_a_retention(db, monkeypatch):
     with pytest.raises(ConfigError, match="remember_for_s must be positive"):
         EmbeddedQueueSink(db, "out", remember_for_s=-1)
     q.close()
+
+
+def test_a_process_killed_while_creating_the_file_leaves_it_usable(tmp_path):
+    """The CI's SIGKILL test once killed the demo while it created its queue file: the
+    tables were created one by one, so the next start found some of them and refused the
+    file as "not an ackflow queue database" for good. The schema is now one transaction
+    (a fault point after each statement exits the process there), and a file holding part
+    of ackflow's own tables (left by the old code) is completed."""
+    path = tmp_path / "q.db"
+    code = f"from ackflow.embedded import EmbeddedQueue; EmbeddedQueue({str(path)!r})"
+    for nth in (1, 3, 6):
+        env = {**os.environ, "ACKFLOW_FAULTS": f"embedded.schema=exit@{nth}"}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+        assert r.returncode != 0, "the fault point did not fire"
+        with sqlite3.connect(path) as c:  # all or nothing: the cut transaction left none
+            assert c.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+    q = EmbeddedQueue(path)
+    assert q.publish("q", [b"1"]) == 1
+
+    old = tmp_path / "old.db"  # what the old code left when killed after two tables
+    with sqlite3.connect(old) as c:
+        c.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT "
+                  "NOT NULL, msg_id TEXT, body BLOB NOT NULL, headers TEXT, deliveries "
+                  "INTEGER NOT NULL DEFAULT 0, visible_at REAL NOT NULL, leased INTEGER NOT "
+                  "NULL DEFAULT 0, published_at REAL NOT NULL, last_error TEXT)")
+    q = EmbeddedQueue(old)
+    assert q.publish("q", [b"1"]) == 1 and q.stats("q")["ready"] == 1
+
+
+def test_a_file_with_ackflow_tables_and_foreign_ones_is_refused(tmp_path):
+    mixed = tmp_path / "mixed.db"
+    with sqlite3.connect(mixed) as c:
+        c.execute("CREATE TABLE messages (id INTEGER)")
+        c.execute("CREATE TABLE users (id INTEGER)")
+    with pytest.raises(ConfigError, match="not an ackflow queue database"):
+        EmbeddedQueue(mixed)

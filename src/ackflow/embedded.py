@@ -73,6 +73,8 @@ CREATE TABLE IF NOT EXISTS counters (
 );
 """
 
+_OWN_TABLES = frozenset({"messages", "dead_letters", "published_ids", "counters"})
+
 
 @dataclass(frozen=True)
 class Leased:
@@ -176,10 +178,16 @@ class EmbeddedQueue:
             self._check_queue(self._db, allow_empty=True)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
-            self._db.executescript(_SCHEMA)
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(published_ids)")}
-            if "at" not in cols:  # a file from before retention existed
-                self._db.execute("ALTER TABLE published_ids ADD COLUMN at REAL NOT NULL DEFAULT 0")
+            with self._tx():  # checked again under the write lock: one schema, all or none
+                self._check_queue(self._db, allow_empty=True)
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                        faults.point("embedded.schema")
+                cols = {r[1] for r in self._db.execute("PRAGMA table_info(published_ids)")}
+                if "at" not in cols:  # a file from before retention existed
+                    self._db.execute(
+                        "ALTER TABLE published_ids ADD COLUMN at REAL NOT NULL DEFAULT 0")
         except sqlite3.DatabaseError as e:
             raise ConfigError(f"embedded queue: {self.path!r} is not a usable queue "
                               f"database: {e}") from None
@@ -200,7 +208,9 @@ class EmbeddedQueue:
         are never added to a foreign database)."""
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         tables.discard("sqlite_sequence")
-        if not tables and allow_empty:
+        if allow_empty and tables <= _OWN_TABLES:
+            # nothing, or part of ackflow's own tables: a file whose creation was cut
+            # short by an earlier version (which created them one by one) is completed
             return
         missing = {"messages", "dead_letters", "counters"} - tables
         if missing:

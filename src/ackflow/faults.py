@@ -38,6 +38,8 @@ POINTS: dict[str, str] = {
     "engine.mid_ack": "between two chunks of a multi-message ack",
     "engine.before_fail": "before failed messages are nacked or dead-lettered at the source",
     "engine.dead_letter_written": "the error sink wrote dead letters; the source not settled",
+    "embedded.schema": "embedded queue file creation: after each table or index of the "
+                       "schema, inside its one transaction",
     "engine.drain": "shutdown: while draining in-flight batches",
     "parquet.before_record": "Parquet commit: files staged, batch not yet in the manifest",
     "parquet.after_record": "Parquet commit: batch recorded in the manifest, not renamed",

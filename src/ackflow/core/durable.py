@@ -17,8 +17,19 @@ def open_db(path: str, schema: str, *, timeout: float = 600) -> sqlite3.Connecti
     db = sqlite3.connect(path, isolation_level=None, timeout=timeout)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
-    db.executescript(schema)
+    apply_schema(db, schema)
     return db
+
+
+def apply_schema(db: sqlite3.Connection, schema: str) -> None:
+    """Run a script of ``CREATE ... IF NOT EXISTS`` statements in one write transaction:
+    a process killed half way leaves the file as it was, never with part of its tables
+    (``executescript`` would commit each statement on its own). The statements hold no
+    ``;`` inside them."""
+    with WriteTx(db):
+        for statement in schema.split(";"):
+            if statement.strip():
+                db.execute(statement)
 
 
 class WriteTx:
