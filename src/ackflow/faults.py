@@ -33,6 +33,8 @@ from dataclasses import dataclass
 #: Every named point, with where it sits. Names are ``area.moment``.
 POINTS: dict[str, str] = {
     "doc.example": "the docstring's example (no effect in the engine)",
+    "schema.recorded": "a new version of a segment's columns is in the schema store; no sink "
+                       "evolved to it, no row of it written",
     "batch.after_job": "a batch's Spark job returned; no sink committed yet",
     "batch.after_commit": "every sink committed the batch; nothing acked yet",
     "engine.mid_ack": "between two chunks of a multi-message ack",

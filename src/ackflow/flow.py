@@ -60,6 +60,7 @@ class Step:
 class Map(Step):
     fn: Callable[[Row], Row]
     schema: SchemaLike | None = None
+    schema_mode: str | None = None  # evolve, rescue or freeze; None: the run's
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Filter(Step):
 class FlatMap(Step):
     fn: Callable[[Row], Iterable[Row]]
     schema: SchemaLike | None = None
+    schema_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,14 @@ class Flow:
         return name
 
     def map(self, fn: Callable[[Row], Row], *, name: str | None = None,
-            schema: SchemaLike | None = None) -> Flow:
+            schema: SchemaLike | None = None, schema_mode: str | None = None) -> Flow:
         """Replace each row by ``fn(row)`` (a dict), in plain Python on the executors.
 
-        The output columns are inferred from the first rows (or given by ``schema``).
-        An exception fails only the message the row came from.
+        The output columns are inferred from the rows (or given by ``schema``), kept
+        in the run's schema store and evolved when rows bring new fields, by the run's
+        schema mode or this step's ``schema_mode`` (``evolve``, ``rescue``, ``freeze``;
+        see :mod:`ackflow.core.schema`). An exception fails only the message the row
+        came from.
 
         >>> import ackflow
         >>> from ackflow.sinks import MemorySink
@@ -184,7 +189,8 @@ class Flow:
         ('inv', 'ZeroDivisionError')
         """
         _check_callable(fn, "map", name)
-        return self._add(Map(self._name(name, "map"), fn, schema))
+        return self._add(Map(self._name(name, "map"), fn, schema,
+                             _schema_mode(schema_mode, schema, name or "map")))
 
     def filter(self, predicate: Callable[[Row], bool] | Any, *, name: str | None = None) -> Flow:
         """Keep rows for which ``predicate`` holds: a Python function, a Spark Column,
@@ -208,7 +214,7 @@ class Flow:
         return self._add(Filter(step_name, predicate))
 
     def flat_map(self, fn: Callable[[Row], Iterable[Row]], *, name: str | None = None,
-                 schema: SchemaLike | None = None) -> Flow:
+                 schema: SchemaLike | None = None, schema_mode: str | None = None) -> Flow:
         """Replace each row by the rows ``fn(row)`` yields (zero or more).
 
         Each child keeps its parent's message id: the message is acked only when
@@ -224,7 +230,8 @@ class Flow:
         [('m0', 'acked'), ('m1', 'dead_lettered'), ('m2', 'acked')]
         """
         _check_callable(fn, "flat_map", name)
-        return self._add(FlatMap(self._name(name, "flat_map"), fn, schema))
+        return self._add(FlatMap(self._name(name, "flat_map"), fn, schema,
+                                 _schema_mode(schema_mode, schema, name or "flat_map")))
 
     def with_columns(self, columns: Mapping[str, Any] | None = None, /, *,
                      name: str | None = None, **kw: Any) -> Flow:
@@ -554,3 +561,16 @@ def _check_callable(fn: object, kind: str, name: str | None) -> None:
 
 def _is_dataframe(obj: object) -> bool:
     return any(c.__name__ == "DataFrame" for c in type(obj).__mro__)
+
+
+def _schema_mode(mode: str | None, schema: object, step: str) -> str | None:
+    """A step's ``schema_mode=`` checked: one of the modes, and not with ``schema=``."""
+    if mode is None:
+        return None
+    from ackflow.core.schema import check_mode
+
+    check_mode(mode, f"step {step!r}: schema_mode")
+    if schema is not None:
+        raise ConfigError(f"step {step!r}: schema_mode= applies to columns inferred from "
+                          "data; with schema= the step's columns are the ones given")
+    return mode

@@ -20,6 +20,7 @@ from ackflow import faults
 from ackflow.core.errors import FlowError
 from ackflow.core.groups import Group
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
+from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
 from ackflow.flow import Transform
 from ackflow.sinks.collect import CollectSink
@@ -38,6 +39,7 @@ class BatchResult:
     released: list[int] = field(default_factory=list)  # cancelled at shutdown: give back
     jobs: int = 0
     bisections: int = 0
+    evolutions: int = 0  # times rows of the batch ran again after their columns evolved
     seconds: float = 0.0
     collected: list[pa.Table] = field(default_factory=list)  # rows for grouped_within
     member_rows: dict[int, int] = field(default_factory=dict)  # group job: id -> memberships
@@ -139,11 +141,48 @@ def execute(
             log.error("batch %s: a sink reported more rows written than emitted for %d "
                       "messages (a bug; failing them, never acking): %s", batch_id,
                       len(keys), keys[:5])
+        misses = take_misses(part.failed)
         result.outcomes.acked.extend(part.acked)
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
+        if misses:
+            evolve_then_again([d for d in ds if d.lineage_id in misses], misses, bid)
         return None
+
+    def evolve_then_again(ds: list[Delivery], misses: dict[int, tuple[Failure, str, pa.Schema]],
+                          bid: str) -> None:
+        """Rows of ``ds`` needed columns their segment did not have yet (schema mode
+        ``evolve``): record the new version (durable first), then run them again; the
+        sinks evolve when the job prepares them. Never a dead letter for shape."""
+        result.evolutions += 1
+        refused = compiled.evolve([(misses[d.lineage_id][1], misses[d.lineage_id][2],
+                                    d.identity) for d in ds])
+        again = []
+        for d in ds:
+            failure, segment, _ = misses[d.lineage_id]
+            why = refused.get(segment)
+            if why is None and result.evolutions > MAX_EVOLUTIONS:
+                why = (f"its columns had to evolve more than {MAX_EVOLUTIONS} times in one "
+                       "batch")
+            if why is not None:
+                log.error("batch %s: message %s needs new columns that cannot be added: %s",
+                          batch_id, d.key, why)
+                result.outcomes.failed[d.lineage_id] = Failure(
+                    failure.step, f"the columns could not evolve: {why}", whole=True)
+            else:
+                again.append(d)
+        if again:
+            attempt(again, f"{bid}e{result.evolutions}")
+
+    def attempt(ds: list[Delivery], bid: str) -> None:
+        """One job over ``ds``, bisected if it fails as a whole."""
+        error = run_once(ds, bid)
+        if error is not None:
+            if len(ds) == 1:
+                alone(ds[0], error)
+            else:
+                split(ds, bid, error, probe=True)
 
     def alone(d: Delivery, error: str, whole: bool = False) -> Failure:
         """The failure of a message whose job failed with it alone (``whole``: as the
@@ -233,19 +272,31 @@ def execute(
             fail_all(rest, failure)
             result.untested.update(d.lineage_id for d in rest)
 
-    error = run_once(deliveries, batch_id)
-    if error is not None:
-        if len(deliveries) == 1:
-            alone(deliveries[0], error)
-        else:
-            split(deliveries, batch_id, error, probe=True)
+    attempt(deliveries, batch_id)
     return result
+
+
+#: a batch runs a message again after its columns evolved at most this many times
+MAX_EVOLUTIONS = 16
+
+
+def take_misses(failed: dict[int, Failure]) -> dict[int, tuple[Failure, str, pa.Schema]]:
+    """Remove and return the failures that are schema misses (id -> the failure, the
+    segment, the columns its row needed): they are run again, never settled as such."""
+    out = {}
+    for lid, f in list(failed.items()):
+        miss = parse_miss(f.error)
+        if miss is not None:
+            out[lid] = (f, *miss)
+            del failed[lid]
+    return out
 
 
 def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
                    batch_id: str, row_keys: list[str],
                    count: Callable[[bool], None] | None = None,
-                   cancelled: threading.Event | None = None) -> BatchResult:
+                   cancelled: threading.Event | None = None, *,
+                   evolutions: int = 0) -> BatchResult:
     """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
     one row per group (keyed by ``row_keys``). If the job fails as a whole, every member
     of every group fails (no bisection here: the groups' messages are retried by their
@@ -258,7 +309,8 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
 
     members = Counter(m for g in groups for m in g.members)
     expected = sorted(members)
-    result = BatchResult(batch_id, len(expected), member_rows=dict(members))
+    result = BatchResult(batch_id, len(expected), member_rows=dict(members),
+                         evolutions=evolutions)
     data = pa.Table.from_pylist(
         [{**dict(zip(keys, g.key, strict=True)), "count": len(g.rows), "rows": g.rows}
          for g in groups])
@@ -296,6 +348,31 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
                                       required_sinks=compiled.required_sinks,
                                       order=compiled.step_order)
     result.outcomes.rows_written = dict(job.rows_written)
+    misses = take_misses(result.outcomes.failed)
+    if misses:  # groups whose rows needed new columns: evolve, then run those groups again
+        refused = compiled.evolve([(seg, schema, f"group of {lid}")
+                                   for lid, (_, seg, schema) in misses.items()])
+        redo = [i for i, g in enumerate(groups) if set(g.members) & set(misses)]
+        if refused or result.evolutions >= MAX_EVOLUTIONS or not redo:
+            for lid, (f, seg, _) in misses.items():
+                why = refused.get(seg, f"more than {MAX_EVOLUTIONS} evolutions")
+                result.outcomes.failed[lid] = Failure(f.step, f"the columns could not "
+                                                      f"evolve: {why}", whole=True)
+            return result
+        again = execute_groups(compiled, [groups[i] for i in redo], keys,
+                               f"{batch_id}e", [row_keys[i] for i in redo], count, cancelled,
+                               evolutions=result.evolutions + 1)
+        redone = {m for i in redo for m in groups[i].members}
+        result.outcomes.acked = [m for m in result.outcomes.acked if m not in redone]
+        result.outcomes.acked.extend(again.outcomes.acked)
+        for m in redone:
+            result.outcomes.failed.pop(m, None)
+        result.outcomes.failed.update(again.outcomes.failed)
+        for name, n in again.outcomes.rows_written.items():
+            result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
+        result.released.extend(again.released)
+        result.jobs += again.jobs
+        result.evolutions = again.evolutions
     return result
 
 

@@ -34,12 +34,14 @@ from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError, SystemicFailure
 from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
+from ackflow.core.schema import SchemaStore, check_mode
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.core.systemic import ANY_STEP, SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.report import RunReport
+from ackflow.engine.schemas import open_store
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
 from ackflow.observe.status import EngineFacts, StatusBoard
@@ -89,6 +91,8 @@ class Engine:
         systemic_stop_after_s: float = 300.0,
         systemic_backoff_s: float = 1.0,
         systemic_max_backoff_s: float = 30.0,
+        schema_mode: str = "evolve",
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         for name, value in (("batch_size", batch_size), ("max_inflight", max_inflight),
                             ("max_concurrent_batches", max_concurrent_batches),
@@ -117,6 +121,9 @@ class Engine:
         if ui_allow_replay and ui_port is None:
             raise ConfigError("ui_allow_replay needs the status page (ui_port)")
         flow.validate()
+        self.schema_mode = check_mode(schema_mode)
+        self.state_dir = None if state_dir is None else os.fspath(state_dir)
+        self.schema_store: SchemaStore | None = None  # opened by run()
         # poison or systemic (ackflow/core/systemic.py): a failure every message meets the
         # same way gives the messages back, never dead-letters them
         self.systemic = SystemicDetector(
@@ -676,6 +683,11 @@ class Engine:
             if flow.error_sink is not None:
                 flow.error_sink.open()
                 stack.callback(_quietly, "close the error sink", flow.error_sink.close)
+            self.schema_store = open_store(flow, self.state_dir)
+            stack.callback(_quietly, "close the schema store", self.schema_store.close)
+            for plan in self._plans:
+                plan.schema_store = self.schema_store
+                plan.schema_mode = self.schema_mode
             if self.metrics_port is not None:
                 self.metrics.serve(self.metrics_port, self.metrics_host)
                 log.info("metrics at http://%s:%d/metrics", self.metrics_host, self.metrics.port)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import pickle
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +24,17 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType, _parse_datatype_string
 
+from ackflow import faults
 from ackflow.core.errors import ColumnsRefused, FlowError
+from ackflow.core.schema import (
+    EVOLVE,
+    RESCUE,
+    RESCUED,
+    SchemaStore,
+    describe_schema,
+    from_text,
+    merge_schemas,
+)
 from ackflow.core.settlement import Delivery
 from ackflow.flow import (
     PYTHON_STEPS,
@@ -58,7 +68,6 @@ from ackflow.spark.rows import (
     CountsParam,
     Tally,
     fold,
-    infer_schema,
     internal_schema,
     make_sampler,
     make_segment,
@@ -70,7 +79,6 @@ from ackflow.spark.rows import (
 
 log = logging.getLogger("ackflow.engine")
 
-SAMPLE_ROWS = 200
 INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
                           (SRC, pa.int32()), (HDR, pa.string())])
 
@@ -120,9 +128,16 @@ class Plan:
             assert b.sink is not None
             self.branches.append((segments(b, decode=False), b.sink))
         self._schemas: dict[tuple[int, ...], pa.Schema] = {}
-        #: segments whose columns were inferred from data: a row with a field outside
-        #: them fails (with ``schema=`` given, the user chose the columns)
-        self._inferred: set[tuple[int, ...]] = set()
+        #: segments whose columns were inferred from data -> their schema mode (see
+        #: ackflow.core.schema; with ``schema=`` given, the user chose the columns)
+        self._inferred: dict[tuple[int, ...], str] = {}
+        self._segment_names: dict[str, tuple[int, ...]] = {}
+        #: where inferred columns are kept and versioned (the engine gives a durable one)
+        self.schema_store = SchemaStore(None)
+        self.schema_mode = EVOLVE  # the flow's default; a step's schema_mode= overrides
+        self.schema_scope = "rows:" if rows_input else ""  # two plans, one store
+        #: every evolution of this run: segment, version, changes, brought_by
+        self.schema_changes: list[dict[str, Any]] = []
         self._data_columns: set[str] = set()  # every column name inferred from data
         #: (sink, schema signature) -> columns its table refused (name -> why), and
         #: columns it takes value by value in its own type (name -> type)
@@ -231,37 +246,121 @@ class Plan:
         check_names(step.name, schema.names, "schema=")
         return schema
 
+    def segment_name(self, index: tuple[int, ...], seg: Segment) -> str:
+        """The name of a segment's columns in the schema store: its place and last step
+        (renaming or moving the step starts a new history)."""
+        return f"{self.schema_scope}{'.'.join(map(str, index))}:{seg.name}"
+
+    def _mode(self, seg: Segment) -> str:
+        shaping = [s for s in seg.steps if isinstance(s, (Map, FlatMap))]
+        mode = getattr(shaping[-1], "schema_mode", None) if shaping else None
+        return mode or self.schema_mode
+
     def _schema(self, index: tuple[int, ...], seg: Segment,
-                sample: Callable[[Any], list[bytes]], data_in: list[str] | None,
+                sample: Callable[[Any], list[tuple[str, int]]], data_in: list[str] | None,
                 lineage: str) -> pa.Schema | None:
-        """The segment's output columns; ``sample(fn)`` runs the sampler ``fn`` over the
-        batch where the steps run and returns its pickled rows, one blob per partition."""
+        """The segment's output columns: given (``schema=``), stored (a restart reuses
+        them), or inferred from every good row of this batch by a sampler job that runs
+        the steps where tasks run (``sample(fn)`` returns each partition's columns and
+        row count) and then stored as the segment's first version."""
         with self._lock:
             if index in self._schemas:
                 return self._schemas[index]
             explicit = self._explicit_schema(seg)
             if explicit is not None:
                 schema = explicit
+                try:
+                    schema = self.spark_types(schema)
+                except Exception as e:
+                    raise FlowError(seg.name, f"the rows' columns cannot be Spark columns: "
+                                    f"{e}") from e
             else:
-                # Run the steps where tasks run (never on the driver: a user function may
-                # crash its process or have side effects) and bring a sample of good rows back.
-                sampler = make_sampler(seg.steps, self.flow.source.formats, data_in,
-                                       SAMPLE_ROWS, lineage)
-                good = [r for blob in sample(sampler) for r in pickle.loads(blob)]
-                if not good:
-                    return None  # no row of this batch gets past this segment
-                schema = infer_schema(good, seg.name)
-            if explicit is None:  # inferred from outside data: never a reason to stop
-                schema = _spark_safe(schema)
-                self._inferred.add(index)
+                name = self.segment_name(index, seg)
+                mode = self._mode(seg)
+                stored = self.schema_store.current(name)
+                if stored is not None:
+                    schema = stored[1]
+                else:
+                    # Run the steps where tasks run (never on the driver: a user function
+                    # may crash its process or have side effects); every good row counts.
+                    sampler = make_sampler(seg.steps, self.flow.source.formats, data_in,
+                                           lineage)
+                    found = [(from_text(t), n) for t, n in sample(sampler)]
+                    if not sum(n for _, n in found):
+                        return None  # no row of this batch gets past this segment
+                    schema = pa.schema([])
+                    for part, _ in found:
+                        schema = merge_schemas(schema, part)[0]
+                    schema = _spark_safe(schema)
+                    if mode == RESCUE and RESCUED not in schema.names:
+                        schema = schema.append(pa.field(RESCUED, pa.string()))
+                    try:
+                        schema = self.spark_types(schema)
+                    except Exception as e:
+                        raise FlowError(seg.name, f"the rows' columns cannot be Spark "
+                                        f"columns: {e}") from e
+                    version = self.schema_store.record(
+                        name, schema, [f"+{c}" for c in describe_schema(schema)], None)
+                    faults.point("schema.recorded")
+                    self._note(name, version, describe_schema(schema), None)
+                self._inferred[index] = mode
+                self._segment_names[name] = index
                 self._data_columns.update(schema.names)
-            try:
-                # round-trip through Spark's types, so tasks produce exactly what Spark expects
-                schema = to_arrow_schema(from_arrow_schema(schema), timezone=self.timezone)
-            except Exception as e:
-                raise FlowError(seg.name, f"the rows' columns cannot be Spark columns: {e}") from e
             self._schemas[index] = schema
             return schema
+
+    def spark_types(self, schema: pa.Schema) -> pa.Schema:
+        """``schema`` round-tripped through Spark's types, so tasks produce exactly what
+        Spark expects."""
+        return to_arrow_schema(from_arrow_schema(schema), timezone=self.timezone)
+
+    def _note(self, segment: str, version: int, changes: list[str],
+              brought_by: str | None) -> None:
+        self.schema_changes.append({"segment": segment, "version": version,
+                                    "changes": changes, "brought_by": brought_by,
+                                    "at": time.time()})
+        log.info("columns of %s: version %d%s: %s", segment, version,
+                 f" (brought by message {brought_by})" if brought_by else "",
+                 "; ".join(changes[:20]) + (" ..." if len(changes) > 20 else ""))
+
+    def evolve(self, misses: Sequence[tuple[str, pa.Schema, str]]) -> dict[str, str]:
+        """Merge the columns that rows needed (segment, the row's columns, its message's
+        identity) into their segments, each new version recorded (durable) before it is
+        used. Returns the segments that could not evolve -> why (nothing grew: an
+        ackflow bug; or Spark cannot hold the new columns)."""
+        refused: dict[str, str] = {}
+        with self._lock:
+            by_segment: dict[str, list[tuple[pa.Schema, str]]] = {}
+            for segment, row_schema, who in misses:
+                by_segment.setdefault(segment, []).append((row_schema, who))
+            for segment, wanted in by_segment.items():
+                index = self._segment_names.get(segment)
+                if index is None or index not in self._schemas:
+                    refused[segment] = f"no columns are known for {segment!r}"
+                    continue
+                current = self._schemas[index]
+                merged, changes, brought = current, [], None
+                for row_schema, who in wanted:
+                    merged, more, _ = merge_schemas(merged, row_schema)
+                    if more and brought is None:
+                        brought = who
+                    changes += more
+                if not changes:
+                    if not any(merge_schemas(current, rs)[1] for rs, _ in wanted):
+                        continue  # another batch's thread evolved it first: run again
+                    refused[segment] = "the columns did not grow"
+                    continue
+                try:
+                    merged = self.spark_types(merged)
+                except Exception as e:  # noqa: BLE001 - the rows' values, not the run
+                    refused[segment] = f"the new columns cannot be Spark columns: {e}"
+                    continue
+                version = self.schema_store.record(segment, merged, changes, brought)
+                faults.point("schema.recorded")
+                self._schemas[index] = merged
+                self._data_columns.update(merged.names)
+                self._note(segment, version, changes, brought)
+        return refused
 
     def input_table(self, deliveries: Sequence[Delivery]) -> pa.Table:
         """One Arrow table, chunked so the executor makes ``parallelism`` partitions of it.
@@ -286,11 +385,12 @@ class Plan:
 class CompiledFlow(Plan):
     """A flow bound to a SparkSession.
 
-    The output columns of a run of Python steps are inferred once, from the first
-    batch: a small Spark job runs the steps over it on the executors and returns up to
-    ``SAMPLE_ROWS`` good rows per partition, whose keys and types become the columns.
-    A step's ``schema=`` skips this. If that job fails as a whole, the batch's job
-    fails and is bisected like any other.
+    The output columns of a run of Python steps come from the schema store; the first
+    time, a small Spark job runs the steps over the first batch on the executors and
+    returns the columns inferred from every good row of each partition. A step's
+    ``schema=`` skips this. If that job fails as a whole, the batch's job fails and is
+    bisected like any other. Rows that need more columns later evolve them
+    (:meth:`Plan.evolve`, by the segment's schema mode).
     """
 
     def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False,
@@ -367,10 +467,11 @@ class CompiledFlow(Plan):
                 break
         return self.sink.name if len(self.sinks) == 1 else "broadcast"
 
-    def _sample(self, df: DataFrame, sampler: Any) -> list[bytes]:
+    def _sample(self, df: DataFrame, sampler: Any) -> list[tuple[str, int]]:
         with self.uncounted():  # the steps before it run again here
-            out = df.mapInArrow(sampler, "rows binary").toArrow()
-        return out.column("rows").to_pylist()  # type: ignore[no-any-return]
+            out = df.mapInArrow(sampler, "schema string, rows bigint").toArrow()
+        return list(zip(out.column("schema").to_pylist(), out.column("rows").to_pylist(),
+                        strict=True))
 
     def release(self, batch_id: str) -> None:
         with self._lock:
@@ -394,7 +495,8 @@ class CompiledFlow(Plan):
                 out_schema = pa.schema([*schema, *internal_schema(lineage)])
                 fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
                                   out_schema, lineage, self.tally,
-                                  strict=(*key, index) in self._inferred)
+                                  mode=self._inferred.get((*key, index)),
+                                  segment=self.segment_name((*key, index), seg))
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:

@@ -106,10 +106,10 @@ class LocalFlow(Plan):
                        else pa.Table.from_batches(batches))
         return out
 
-    def _sample(self, parts: Partitions, sampler: TaskFn) -> list[bytes]:
+    def _sample(self, parts: Partitions, sampler: TaskFn) -> list[tuple[str, int]]:
         # the steps before it do not run again here (the partitions are their output)
-        return [blob for t in self._tasks(sampler, parts, None)
-                for blob in t.column("rows").to_pylist()]
+        return [(t.column("schema")[0].as_py(), t.column("rows")[0].as_py())
+                for t in self._tasks(sampler, parts, None)]
 
     # -- the job ------------------------------------------------------------------------
 
@@ -147,7 +147,8 @@ class LocalFlow(Plan):
             out_schema = pa.schema([*schema, *internal_schema(lineage)])
             fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
                               out_schema, lineage, self.tally,
-                              strict=(*key, index) in self._inferred)
+                              mode=self._inferred.get((*key, index)),
+                              segment=self.segment_name((*key, index), seg))
             parts = self._tasks(fn, parts, out_schema)
             if dead_end:
                 return parts, schema, False

@@ -23,6 +23,20 @@ import pyarrow.compute as pc
 
 from ackflow.core.errors import describe, where
 from ackflow.core.ledger import RECEIPT_SCHEMA, WHOLE_WRITE, compact_receipts
+from ackflow.core.schema import (
+    EVOLVE,
+    FREEZE,
+    RESCUE,
+    RESCUED,
+    checked_columns,
+    empty,
+    merge_schemas,
+    miss_error,
+    outside,
+    prune_nulls,
+    split_rescued,
+    to_text,
+)
 from ackflow.flow import Filter, FlatMap, Map, Step
 from ackflow.sinks.base import ROW_KEY, Sink
 
@@ -323,27 +337,48 @@ def segment_rows(
 
 def conform(
     rows: list[dict[str, Any]], data_schema: pa.Schema, status: list[int],
-    step: list[str | None], err: list[str | None], step_name: str, strict: bool = False,
+    step: list[str | None], err: list[str | None], step_name: str,
+    mode: str | None = None, segment: str = "",
 ) -> pa.Table:
     """Rows → Arrow with ``data_schema``; a row that does not fit fails on its own, and so
-    does a row with a field named like ackflow's own columns (``__af_...``). ``strict``
-    (columns inferred from data): a row with a field outside the columns fails too,
-    rather than losing that field silently."""
+    does a row with a field named like ackflow's own columns (``__af_...``).
+
+    ``mode`` (columns inferred from data, see :mod:`ackflow.core.schema`): a row with a
+    field outside the columns, at any depth, or a value of another type is never written
+    without it: ``freeze`` fails the row; ``evolve`` fails it with a *schema miss*
+    (:func:`~ackflow.core.schema.miss_error`, the engine evolves the columns of
+    ``segment`` and runs its message again) unless its type cannot widen, which fails
+    it naming the field; ``rescue`` writes the rest into the ``_rescued`` JSON column.
+    ``mode=None`` (``schema=`` given: the user chose the columns): fields outside them
+    are left out."""
     names = set(data_schema.names)
+    checked = checked_columns(data_schema)
     for i, r in enumerate(rows):
-        if status[i] != LIVE or names.issuperset(r):
+        if status[i] != LIVE:
             continue
-        bad = next(str(k) for k in r if k not in names)
-        if reserved(bad):
-            reason = (f"names starting with {RESERVED} (in any case) are reserved for "
-                      "ackflow")
-        elif not strict:
+        extra = [] if names.issuperset(r) else [k for k in r if k not in names]
+        shady = next((str(k) for k in extra if reserved(str(k))), None)
+        if shady is not None:
+            _fail(rows, status, step, err, i, step_name, f"field {shady!r}: names starting "
+                  f"with {RESERVED} (in any case) are reserved for ackflow")
             continue
-        else:
-            reason = _outside(bad, data_schema.names)
-        rows[i] = {}
-        status[i], step[i] = FAILED, step_name
-        err[i] = f"field {bad!r}: {reason}"
+        # an empty value outside the columns has nothing to lose and no column to make yet
+        bad = None if mode is None else next((str(k) for k in extra if not empty(r[k])), None)
+        new = True
+        if bad is None:
+            for name, t in checked:
+                found = outside(r.get(name), t, name)
+                if found is not None and (mode is not None or not found[1]):
+                    bad, new = found
+                    break
+        if bad is None:
+            continue
+        if not new and mode in (None, FREEZE):
+            _fail(rows, status, step, err, i, step_name, f"field {bad!r}: a number with a "
+                  "fraction cannot be held by the column's integer type (it would be cut)")
+            continue
+        _misfit(rows, status, step, err, i, step_name, mode or FREEZE, segment, data_schema,
+                bad)
     try:
         return pa.Table.from_pylist(rows, schema=data_schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
@@ -355,10 +390,102 @@ def conform(
         try:
             pa.Table.from_pylist([r], schema=data_schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+            if mode in (EVOLVE, RESCUE):
+                _misfit(rows, status, step, err, i, step_name, mode, segment, data_schema,
+                        None, e)
+                continue
             rows[i] = {}
             status[i], step[i] = FAILED, step_name
             err[i] = f"row does not fit the columns {data_schema.names} of the step: {describe(e)}"
     return pa.Table.from_pylist(rows, schema=data_schema)
+
+
+
+def _fail(rows: list[dict[str, Any]], status: list[int], step: list[str | None],
+          err: list[str | None], i: int, step_name: str, why: str) -> None:
+    rows[i] = {}
+    status[i], step[i], err[i] = FAILED, step_name, why
+
+
+def _misfit(rows: list[dict[str, Any]], status: list[int], step: list[str | None],
+            err: list[str | None], i: int, step_name: str, mode: str, segment: str,
+            data_schema: pa.Schema, bad: str | None, error: Exception | None = None) -> None:
+    """Row ``i`` does not fit the columns (``bad``: the first field outside them, at any
+    depth; ``error``: Arrow refused a value): handle it by the segment's mode."""
+    r = rows[i]
+    names = data_schema.names
+    if bad is not None and bad not in names and "." not in bad and "[" not in bad:
+        why = unaddressable(bad)
+        twin = [c for c in names if fold(c) == fold(bad)]
+        if why is not None or twin:
+            _fail(rows, status, step, err, i, step_name, f"field {bad!r}: {_outside(bad, names)}")
+            return
+    if mode == FREEZE:
+        _fail(rows, status, step, err, i, step_name,
+              f"field {bad!r}: not among the columns {_shown(names)} of the stored schema, "
+              "and the step's schema mode is 'freeze' (new fields are refused)")
+        return
+    if mode == RESCUE:
+        try:
+            rows[i] = _rescue(r, data_schema)
+        except (TypeError, ValueError) as e:
+            _fail(rows, status, step, err, i, step_name,
+                  f"field {RESCUED!r}: the fields that do not fit cannot be kept as JSON: "
+                  f"{describe(e)}")
+        return
+    try:
+        row_schema = infer_schema([r], step_name)
+    except Exception as e:  # noqa: BLE001 - outside data: its own row's failure
+        _fail(rows, status, step, err, i, step_name, f"row cannot be typed: {describe(e)}")
+        return
+    _, changes, conflicts = merge_schemas(data_schema, row_schema)
+    if conflicts:
+        _fail(rows, status, step, err, i, step_name, conflicts[0])
+    elif changes:
+        _fail(rows, status, step, err, i, step_name, miss_error(segment, row_schema))
+    else:
+        why = describe(error) if error is not None else f"field {bad!r} does not fit"
+        _fail(rows, status, step, err, i, step_name,
+              f"row does not fit the columns {names} of the step: {why}")
+
+
+def _shown(columns: list[str]) -> list[str]:
+    return columns if len(columns) <= 20 else [*columns[:20], "..."]
+
+
+def _rescue(row: dict[str, Any], data_schema: pa.Schema) -> dict[str, Any]:
+    """``row`` with what does not fit its column moved into ``_rescued`` (JSON)."""
+    kept: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for k, v in row.items():
+        i = data_schema.get_field_index(k) if isinstance(k, str) and k != RESCUED else -1
+        if i < 0:
+            if not empty(v):
+                rest[str(k)] = v
+            continue
+        a, b = split_rescued(v, data_schema.field(i).type)
+        kept[k] = a
+        if b is not None:
+            rest[str(k)] = b
+    kept[RESCUED] = json.dumps(rest, default=_json_default, allow_nan=False,
+                               sort_keys=True) if rest else None
+    return kept
+
+
+def _json_default(v: Any) -> Any:
+    import base64
+    import datetime as dt
+    import decimal
+
+    if isinstance(v, bytes | bytearray):
+        return base64.b64encode(bytes(v)).decode()
+    if isinstance(v, dt.datetime | dt.date | dt.time):
+        return v.isoformat()
+    if isinstance(v, decimal.Decimal):
+        return str(v)
+    if isinstance(v, set | frozenset):
+        return sorted(v, key=repr)
+    raise TypeError(f"a {type(v).__name__} value has no JSON form")
 
 
 def fold(name: str) -> str:
@@ -398,23 +525,23 @@ def _outside(name: str, columns: list[str]) -> str:
     if same:
         return (f"differs from the column {same[0]!r} only in case, and Spark does not tell "
                 "column names apart by case")
-    shown = columns if len(columns) <= 20 else [*columns[:20], "..."]
-    return (f"not among the columns {shown} inferred from the first batch; give the step "
+    return (f"not among the columns {_shown(columns)} of the step; give the step "
             "schema= to choose its columns (fields outside a given schema are left out)")
 
 
 def make_segment(
     steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None, data_schema: pa.Schema,
     out_schema: pa.Schema, lineage: str = ID, tally: Tally | None = None, *,
-    strict: bool = False,
+    mode: str | None = None, segment: str = "",
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None);
     with a ``tally``, it adds each step's rows in, out and failed once per batch.
-    ``strict``: the columns were inferred, so a row with another field fails."""
+    ``mode``: the columns were inferred; how a row that does not fit them is handled
+    (see :func:`conform`); ``segment`` names the columns' history in the schema store."""
     last = steps[-1].name if steps else "decode"
     id_type = out_schema.field(lineage).type
 
-    def segment(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         count = tally is not None and counting()
         for b in batches:
             ids = b.column(lineage).to_pylist()
@@ -438,14 +565,14 @@ def make_segment(
                                                                     errs, rows, steps, counts)
             if counts is not None and last in counts:
                 before = o_st.count(FAILED)
-                data = conform(o_rows, data_schema, o_st, o_step, o_err, last, strict)
+                data = conform(o_rows, data_schema, o_st, o_step, o_err, last, mode, segment)
                 misfit = o_st.count(FAILED) - before  # rows that do not fit the columns
                 if misfit:
                     c = counts[last]
                     c[1] -= misfit
                     c[2] += misfit
             else:
-                data = conform(o_rows, data_schema, o_st, o_step, o_err, last, strict)
+                data = conform(o_rows, data_schema, o_st, o_step, o_err, last, mode, segment)
             if tally is not None and counts:
                 tally.add({k: (v[0], v[1], v[2]) for k, v in counts.items()})
             internal = [
@@ -458,16 +585,18 @@ def make_segment(
             table = pa.Table.from_arrays([*data.columns, *internal], schema=out_schema)
             yield from table.to_batches()
 
-    return segment
+    return run
 
 
 def make_sampler(
-    steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None, limit: int,
+    steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None,
     lineage: str = ID,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function returning up to ``limit`` good output rows per
-    partition, pickled, for inferring the output columns on the driver."""
-    import pickle
+    """A ``mapInArrow`` function returning, per partition, the columns inferred from
+    every good output row of the steps (a schema as text, see
+    :func:`~ackflow.core.schema.to_text`), and how many rows it saw: a field that
+    appears in one row of the batch takes part."""
+    name = steps[-1].name if steps else "decode"
 
     def sample(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         good: list[dict[str, Any]] = []
@@ -482,12 +611,14 @@ def make_sampler(
             _, _, o_st, _, _, o_rows = segment_rows(ids, [""] * n, status, [None] * n,
                                                     [None] * n, rows, steps)
             good.extend(r for st, r in zip(o_st, o_rows, strict=True) if st == LIVE)
-            if len(good) >= limit:
-                break
-        yield pa.RecordBatch.from_pylist([{"rows": pickle.dumps(good[:limit])}],
-                                         schema=pa.schema([("rows", pa.binary())]))
+        schema = infer_schema(good, name)
+        yield pa.RecordBatch.from_pylist([{"schema": to_text(schema), "rows": len(good)}],
+                                         schema=SAMPLE_SCHEMA)
 
     return sample
+
+
+SAMPLE_SCHEMA = pa.schema([("schema", pa.string()), ("rows", pa.int64())])
 
 
 def make_writer(
@@ -634,26 +765,29 @@ def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 
 def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
-    """Columns and types from sample rows: every key seen, types unified across rows.
+    """Columns and types from rows: every key seen, types unified across rows.
 
-    Sample rows are outside data, so nothing in them may stop the run: a reserved
-    ``__af_`` field makes no column (the rows holding it fail, in :func:`conform`), and
-    a key whose values have mixed types takes the type of most of them (ties: the
-    first seen); the rows that do not fit fail alone, naming the step and the column.
-    """
+    Rows are outside data, so nothing in them may stop the run: a reserved ``__af_``
+    field makes no column (the rows holding it fail, in :func:`conform`), and a key
+    whose values have mixed types takes the type of most of them (ties: the first
+    seen); the rows that do not fit fail alone, naming the step and the column. A key
+    whose every value is null (or an empty list or object) makes no column yet
+    (:func:`~ackflow.core.schema.prune_nulls`)."""
     keys: dict[str, None] = {}
     for r in rows:
         keys.update(dict.fromkeys(r))
     fields = []
     for k in keys:
-        if reserved(k):
+        if not isinstance(k, str) or reserved(k):
             continue
         values = [r.get(k) for r in rows]
         try:
             t = pa.array(values).type
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
             t = _majority_type(values)
-        fields.append(pa.field(k, pa.string() if pa.types.is_null(t) else t))
+        pruned = prune_nulls(t)
+        if pruned is not None:
+            fields.append(pa.field(k, pruned))
     return pa.schema(fields)
 
 

@@ -1,0 +1,383 @@
+"""The flow's columns as a durable, evolving contract.
+
+The columns of a run of Python steps are inferred from data (unless the step was given
+``schema=``). They are kept in a :class:`SchemaStore`, one versioned history per
+segment of the flow, so that a restart reuses them rather than inferring again from
+whatever its first batch holds. A row that does not fit the current columns is handled
+by the segment's *mode*:
+
+- ``evolve`` (the default): a new field, at any depth, becomes a new nullable column
+  (or struct field), and a type widens along safe promotions (:func:`merge_types`).
+  The engine records the new version, then runs the rows that needed it again. A value
+  that cannot widen fails its own message, naming the field and both types.
+- ``rescue``: the columns never change after the first version; what does not fit (a
+  new field, a value of another type) goes into one JSON column, ``_rescued``.
+- ``freeze``: the columns never change; a row with a field outside them, at any depth,
+  fails its own message.
+
+No mode drops a field silently. A field whose every value so far is null (or an empty
+list or object) makes no column until a value arrives: its rows lose nothing.
+
+>>> import pyarrow as pa
+>>> old = pa.schema([("n", pa.int64()), ("c", pa.struct([("name", pa.string())]))])
+>>> new = pa.schema([("n", pa.float64()), ("c", pa.struct([("vip", pa.bool_())]))])
+>>> merged, changes, conflicts = merge_schemas(old, new)
+>>> merged.field("c").type, changes, conflicts
+(StructType(struct<name: string, vip: bool>), ['n: int64 -> double', '+c.vip: bool'], [])
+>>> merge_schemas(old, pa.schema([("n", pa.string())]))[2]
+["field 'n': a string value cannot widen the column's type int64"]
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sqlite3
+import threading
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from ackflow.core.durable import WriteTx, apply_schema
+from ackflow.core.errors import ConfigError
+
+EVOLVE, RESCUE, FREEZE = "evolve", "rescue", "freeze"
+MODES = (EVOLVE, RESCUE, FREEZE)
+RESCUED = "_rescued"  # the column of what did not fit, in mode "rescue"
+#: the error text of a row that needs a newer version of its segment's columns: the
+#: engine evolves and runs its message again (never a dead letter)
+SCHEMA_MISS = "\x00ackflow-schema-miss:"
+
+
+def check_mode(mode: object, what: str = "schema_mode") -> str:
+    if mode not in MODES:
+        raise ConfigError(f"{what} must be one of {', '.join(MODES)}, got {mode!r}")
+    return str(mode)
+
+
+# -- types ---------------------------------------------------------------------------------
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
+
+
+def show(t: pa.DataType) -> str:
+    """A type as a short text (``int64``, ``struct<a: string>``)."""
+    return str(t)
+
+
+def merge_types(old: pa.DataType, new: pa.DataType, path: str,
+                changes: list[str], conflicts: list[str]) -> pa.DataType:
+    """The type that holds values of both ``old`` (the column's) and ``new`` (a row's):
+    ``old`` itself, or ``old`` widened along a safe promotion, appending a line to
+    ``changes`` for each widening or new struct field. A type that cannot widen appends
+    to ``conflicts`` and keeps ``old``.
+
+    Safe promotions: a narrower signed integer to a wider one, any integer or float32 to
+    float64, null to anything, a struct to the union of its fields (new ones appended),
+    a list to a list of its element's widening.
+    """
+    if old.equals(new) or pa.types.is_null(new):
+        return old
+    if pa.types.is_null(old):
+        changes.append(f"{path}: {show(new)}")
+        return new
+    if pa.types.is_signed_integer(old) and pa.types.is_signed_integer(new):
+        if new.bit_width > old.bit_width:
+            changes.append(f"{path}: {show(old)} -> {show(new)}")
+            return new
+        return old
+    numeric = (pa.types.is_signed_integer(old) or pa.types.is_floating(old)) and (
+        pa.types.is_signed_integer(new) or pa.types.is_floating(new))
+    if numeric:
+        if pa.types.is_float64(old):
+            return old
+        changes.append(f"{path}: {show(old)} -> double")
+        return pa.float64()
+    if (pa.types.is_string(old) and pa.types.is_large_string(new)) or (
+            pa.types.is_large_string(old) and pa.types.is_string(new)):
+        return old
+    if pa.types.is_struct(old) and pa.types.is_struct(new):
+        fields = [old.field(i) for i in range(old.num_fields)]
+        index = {f.name: i for i, f in enumerate(fields)}
+        for j in range(new.num_fields):
+            nf = new.field(j)
+            sub = f"{path}.{nf.name}"
+            if nf.name in index:
+                i = index[nf.name]
+                fields[i] = fields[i].with_type(
+                    merge_types(fields[i].type, nf.type, sub, changes, conflicts))
+            elif not pa.types.is_null(nf.type):
+                changes.append(f"+{sub}: {show(nf.type)}")
+                index[nf.name] = len(fields)
+                fields.append(pa.field(nf.name, nf.type))
+        return pa.struct(fields)
+    if _is_list(old) and _is_list(new):
+        value = merge_types(old.value_type, new.value_type, f"{path}[]", changes, conflicts)
+        return pa.list_(value) if pa.types.is_list(old) else pa.large_list(value)
+    conflicts.append(f"field {path!r}: a {show(new)} value cannot widen the column's type "
+                     f"{show(old)}")
+    return old
+
+
+def merge_schemas(old: pa.Schema, new: pa.Schema) -> tuple[pa.Schema, list[str], list[str]]:
+    """``old`` evolved to hold ``new`` too: (schema, changes, conflicts); new columns are
+    appended in ``new``'s order."""
+    changes: list[str] = []
+    conflicts: list[str] = []
+    fields = list(old)
+    index = {f.name: i for i, f in enumerate(fields)}
+    for nf in new:
+        if nf.name in index:
+            i = index[nf.name]
+            fields[i] = fields[i].with_type(
+                merge_types(fields[i].type, nf.type, nf.name, changes, conflicts))
+        elif not pa.types.is_null(nf.type):
+            changes.append(f"+{nf.name}: {show(nf.type)}")
+            index[nf.name] = len(fields)
+            fields.append(pa.field(nf.name, nf.type))
+    return pa.schema(fields), changes, conflicts
+
+
+def prune_nulls(t: pa.DataType) -> pa.DataType | None:
+    """``t`` without what only nulls made: a null type, a struct field of one, a list of
+    nulls, a struct left with no field (None: nothing is left)."""
+    if pa.types.is_null(t):
+        return None
+    if pa.types.is_struct(t):
+        fields = []
+        for i in range(t.num_fields):
+            f = t.field(i)
+            sub = prune_nulls(f.type)
+            if sub is not None:
+                fields.append(f.with_type(sub))
+        return pa.struct(fields) if fields else None
+    if _is_list(t):
+        value = prune_nulls(t.value_type)
+        if value is None:
+            return None
+        return pa.list_(value) if pa.types.is_list(t) else pa.large_list(value)
+    return t
+
+
+def empty(value: Any) -> bool:
+    """A value that holds nothing (None, an empty list or object, or only such)."""
+    if value is None:
+        return True
+    if isinstance(value, dict):
+        return all(empty(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(empty(v) for v in value)
+    return False
+
+
+def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, bool] | None:
+    """The first place where ``value`` does not fit type ``t`` without a loss, or None:
+    (its path, True) for a field that ``t`` has no place for (at any depth), (its path,
+    False) for a number with a fraction where ``t`` holds integers (Arrow would cut it
+    silently). Empty values fit anywhere (they hold nothing to lose)."""
+    if isinstance(value, float) and pa.types.is_integer(t):
+        return None if value.is_integer() else (path, False)
+    if isinstance(value, dict) and pa.types.is_struct(t):
+        for k, v in value.items():
+            i = t.get_field_index(k) if isinstance(k, str) else -1
+            if i < 0:
+                if not empty(v):
+                    return f"{path}.{k}", True
+                continue
+            sub = outside(v, t.field(i).type, f"{path}.{k}")
+            if sub is not None:
+                return sub
+        return None
+    if isinstance(value, list | tuple) and _is_list(t):
+        vt = t.value_type
+        if pa.types.is_struct(vt) or _is_list(vt) or pa.types.is_integer(vt):
+            for v in value:
+                sub = outside(v, vt, f"{path}[]")
+                if sub is not None:
+                    return sub
+    return None
+
+
+def checked_columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
+    """The columns whose values need a look before Arrow converts them: structs (a field
+    may be new), lists of them, integers (a fraction would be cut)."""
+    def deep(t: pa.DataType) -> bool:
+        if pa.types.is_struct(t) or pa.types.is_integer(t):
+            return True
+        return _is_list(t) and deep(t.value_type)
+
+    return [(f.name, f.type) for f in schema if deep(f.type)]
+
+
+def split_rescued(value: Any, t: pa.DataType) -> tuple[Any, Any]:
+    """(the part of ``value`` that type ``t`` holds, the rest or None): the rest keeps
+    the shape of the value (an object of the fields that did not fit, at their depth)."""
+    if value is None:
+        return None, None
+    if pa.types.is_struct(t):
+        if not isinstance(value, dict):
+            return (None, value) if not _fits_scalar(value, t) else (value, None)
+        kept: dict[str, Any] = {}
+        rest: dict[str, Any] = {}
+        for k, v in value.items():
+            i = t.get_field_index(k) if isinstance(k, str) else -1
+            if i < 0:
+                if not empty(v):
+                    rest[str(k)] = v
+                continue
+            a, b = split_rescued(v, t.field(i).type)
+            kept[k] = a
+            if b is not None:
+                rest[str(k)] = b
+        return kept, (rest or None)
+    if _is_list(t) and isinstance(value, list | tuple):
+        if not _fits_scalar(value, t):
+            return None, value
+        return value, None
+    return (value, None) if _fits_scalar(value, t) else (None, value)
+
+
+def _fits_scalar(value: Any, t: pa.DataType) -> bool:
+    if outside(value, t, "") is not None:
+        return False
+    try:
+        pa.array([value], t)
+        return True
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+        return False
+
+
+def to_text(schema: pa.Schema) -> str:
+    """A schema as text that :func:`from_text` reads back exactly (Arrow IPC, base64)."""
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def from_text(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def miss_error(segment: str, row_schema: pa.Schema) -> str:
+    """The error text of a row that needs ``row_schema`` merged into ``segment``."""
+    return SCHEMA_MISS + json.dumps({"segment": segment, "schema": to_text(row_schema)})
+
+
+def parse_miss(error: str) -> tuple[str, pa.Schema] | None:
+    if not error.startswith(SCHEMA_MISS):
+        return None
+    data = json.loads(error[len(SCHEMA_MISS):])
+    return str(data["segment"]), from_text(str(data["schema"]))
+
+
+def describe_schema(schema: pa.Schema) -> list[str]:
+    return [f"{f.name}: {show(f.type)}" for f in schema]
+
+
+# -- the store -----------------------------------------------------------------------------
+
+_TABLES = """
+CREATE TABLE IF NOT EXISTS schema_versions (
+    segment    TEXT    NOT NULL,
+    version    INTEGER NOT NULL,
+    schema     TEXT    NOT NULL,
+    changes    TEXT    NOT NULL,
+    brought_by TEXT,
+    at         REAL    NOT NULL,
+    PRIMARY KEY (segment, version)
+)
+"""
+
+#: the file name of the store inside a state directory
+STORE_FILE = "schemas.db"
+
+
+class SchemaStore:
+    """Versioned columns per segment, in SQLite (``path``) or in memory (None).
+
+    Thread-safe. Every version is fsynced before :meth:`record` returns (the engine
+    evolves the sinks and writes rows only after that)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self._lock = threading.Lock()
+        try:
+            if self.path is None:
+                self._db = sqlite3.connect(":memory:", isolation_level=None,
+                                           check_same_thread=False)
+            else:
+                parent = os.path.dirname(os.path.abspath(self.path))
+                os.makedirs(parent, exist_ok=True)
+                if not os.path.exists(self.path):
+                    os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+                self._db = sqlite3.connect(self.path, isolation_level=None, timeout=60,
+                                           check_same_thread=False)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+            apply_schema(self._db, _TABLES)
+        except (sqlite3.DatabaseError, OSError) as e:
+            raise ConfigError(f"schema store {self.path!r} cannot be used: {e}") from None
+
+    @property
+    def durable(self) -> bool:
+        return self.path is not None
+
+    def current(self, segment: str) -> tuple[int, pa.Schema] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT version, schema FROM schema_versions WHERE segment = ? "
+                "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
+        return None if row is None else (int(row[0]), from_text(row[1]))
+
+    def record(self, segment: str, schema: pa.Schema, changes: list[str],
+               brought_by: str | None) -> int:
+        """Store ``schema`` as the segment's next version (unless it is the current one
+        already); return its version."""
+        with self._lock, WriteTx(self._db):
+            row = self._db.execute(
+                "SELECT version, schema FROM schema_versions WHERE segment = ? "
+                "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
+            if row is not None and from_text(row[1]).equals(schema):
+                return int(row[0])
+            version = 1 if row is None else int(row[0]) + 1
+            self._db.execute(
+                "INSERT INTO schema_versions VALUES (?, ?, ?, ?, ?, ?)",
+                (segment, version, to_text(schema), json.dumps(changes), brought_by,
+                 time.time()))
+            return version
+
+    def history(self, segment: str | None = None) -> list[dict[str, Any]]:
+        """Every version, oldest first: segment, version, columns, changes, brought_by, at."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT segment, version, schema, changes, brought_by, at FROM "
+                "schema_versions WHERE ? IS NULL OR segment = ? ORDER BY segment, version",
+                (segment, segment)).fetchall()
+        return [{"segment": s, "version": v, "columns": describe_schema(from_text(t)),
+                 "changes": json.loads(c), "brought_by": b, "at": a}
+                for s, v, t, c, b, a in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def open_readonly(path: str) -> SchemaStore:
+    """The store at ``path`` (a file, or a state directory holding one) for reading."""
+    if os.path.isdir(path):
+        path = os.path.join(path, STORE_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"no schema store at {path!r} (ackflow keeps one as {STORE_FILE} "
+                          "in the flow's state directory)")
+    try:
+        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        db.close()
+    except sqlite3.DatabaseError as e:
+        raise ConfigError(f"{path!r} is not an ackflow schema store ({e})") from None
+    if "schema_versions" not in tables:
+        raise ConfigError(f"{path!r} is not an ackflow schema store (no table "
+                          "schema_versions)")
+    return SchemaStore(path)
