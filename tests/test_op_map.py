@@ -139,22 +139,35 @@ def test_field_names_spark_cannot_address_fail_their_messages_not_the_run(spark)
     assert report.dead_lettered_by_step == {"same": 8}
 
 
-def test_a_field_outside_the_inferred_columns_fails_instead_of_vanishing(spark):
+def test_a_field_outside_the_inferred_columns_is_never_lost(spark, tmp_path):
     """Columns are inferred from the first batch; a later row with another field used to
-    lose that field silently. It fails its message, naming the field; with schema= given
-    the user chose the columns, and other fields are left out."""
+    lose that field silently. By schema mode: ``evolve`` (the default) adds the column and
+    the row lands with it; ``freeze`` fails the message naming the field; ``rescue``
+    keeps it in ``_rescued``. With schema= given the user chose the columns, and other
+    fields are left out. (Two runs, so that the first batch is the first: the columns
+    are kept in ``state_dir`` between them.)"""
     first = [f'{{"n": {i}}}' for i in range(5)]
     later = ['{"n": 5, "extra": "kept?"}', '{"n": 6}']
-    for schema, expect in ((None, "dead_lettered"), ("n BIGINT", "acked")):
-        src = ListSource(first + later, policy=ackflow.RetryPolicy(max_deliveries=1))
+    for schema, mode, expect in ((None, "evolve", "acked"), (None, "freeze", "dead_lettered"),
+                                 (None, "rescue", "acked"), ("n BIGINT", "evolve", "acked")):
         sink = MemorySink()
-        ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same", schema=schema).to(sink),
-                    spark=spark, **{**FAST, "batch_size": 5, "until_idle": 0.5})
+        state = tmp_path / f"{mode}-{schema}"
+        for batch in (first, ["{}"] * 5 + later):
+            src = ListSource(batch, policy=ackflow.RetryPolicy(max_deliveries=1))
+            ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same", schema=schema)
+                        .filter(lambda r: r != {}).to(sink), spark=spark,
+                        **{**FAST, "until_idle": 0.5, "schema_mode": mode, "state_dir": state})
         assert src.final()["m5"] == expect and src.final()["m6"] == "acked"
         if expect == "dead_lettered":
             err = src.failures["m5"].error
-            assert "'extra'" in err and "inferred from the first batch" in err
-        assert sorted(r["n"] for r in sink.rows) == [i for i in range(7) if i != 5 or schema]
+            assert "'extra'" in err and "freeze" in err
+        assert sorted(r["n"] for r in sink.rows) == [i for i in range(7) if i != 5 or
+                                                     expect == "acked"]
+        five = [r for r in sink.rows if r["n"] == 5]
+        if mode == "evolve" and schema is None:
+            assert five == [{"n": 5, "extra": "kept?"}]
+        if mode == "rescue":
+            assert five == [{"n": 5, "_rescued": '{"extra": "kept?"}'}]
 
 
 @pytest.mark.parametrize("build", [

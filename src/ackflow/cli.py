@@ -1,4 +1,4 @@
-"""The ``ackflow`` command: demo, run, queue."""
+"""The ``ackflow`` command: demo, run, queue, schema."""
 
 from __future__ import annotations
 
@@ -57,6 +57,13 @@ def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> No
     p.add_argument("--systemic-stop-after", type=_seconds, default=300.0, metavar="SECONDS",
                    help="stop the run when every message has failed the same way at one step "
                         "for this long; they are given back, never dead-lettered (default 300)")
+    p.add_argument("--schema-mode", choices=("evolve", "rescue", "freeze"), default="evolve",
+                   help="rows that bring new fields or wider types: evolve the columns "
+                        "(default), keep what does not fit in a _rescued JSON column, or "
+                        "freeze the columns and fail such messages")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="where the flow's columns are kept and versioned (DIR/schemas.db; "
+                        "default: beside a sink's or the source's own state)")
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
     p.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (off by default)")
@@ -122,7 +129,50 @@ def parser() -> argparse.ArgumentParser:
             q.add_argument("--id", type=_number(int, 0, None, "a dead-letter id"), action="append",
                            dest="ids",
                            help="replay only this dead letter (repeatable); default all")
+
+    schema = sub.add_parser("schema", help="show a flow's stored columns and their history")
+    ssub = schema.add_subparsers(dest="action", required=True)
+    for name, text in (("show", "the current columns of each step"),
+                       ("history", "every version: its changes, when, and the message that "
+                                   "brought it")):
+        s = ssub.add_parser(name, help=text)
+        s.add_argument("store", help="the schema store: a state directory or its schemas.db")
+        s.add_argument("--step", default=None, help="only this segment (as listed)")
+        s.add_argument("--json", action="store_true", help="print JSON")
     return top
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from ackflow.core.schema import open_readonly
+
+    store = open_readonly(args.store)
+    try:
+        versions = store.history()
+    finally:
+        store.close()
+    if args.step is not None:
+        versions = [v for v in versions if v["segment"] == args.step or
+                    v["segment"].endswith(f":{args.step}")]
+    if args.action == "show":
+        latest: dict[str, dict[str, Any]] = {}
+        for v in versions:
+            latest[v["segment"]] = v
+        versions = list(latest.values())
+    if args.json:
+        print(json.dumps(versions))
+        return 0
+    if not versions:
+        print("(no columns stored)")
+    for v in versions:
+        when = dt.datetime.fromtimestamp(v["at"], dt.UTC).isoformat(timespec="seconds")
+        who = f", brought by message {v['brought_by']}" if v["brought_by"] else ""
+        print(f"{v['segment']}  version {v['version']}  ({when}{who})")
+        lines = v["columns"] if args.action == "show" else v["changes"]
+        for line in lines:
+            print(f"    {line}")
+    return 0
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -146,6 +196,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrent_batches": args.max_concurrent_batches,
         "drain_timeout_s": args.drain_timeout,
         "systemic_stop_after_s": args.systemic_stop_after,
+        "schema_mode": args.schema_mode,
+        "state_dir": args.state_dir,
         "until_idle": args.until_idle,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
@@ -360,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "schema":
+            return cmd_schema(args)
         return cmd_queue(args)
     except AckflowError as e:
         print(f"ackflow: error: {redact(str(e))}", file=sys.stderr)

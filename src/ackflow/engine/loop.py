@@ -625,6 +625,7 @@ class Engine:
         """Hand the status page a snapshot (the engine's thread; a few times a second)."""
         if self.board is None:
             return
+        self._schema_facts()
         w = self.window
         jobs = tuple((len(batch), self._phases.get(bid, "job"))
                      for bid, (_, batch) in list(self._running.items()))
@@ -732,7 +733,26 @@ class Engine:
                     self._publish("stopped")
         return self.report
 
+    def _schema_facts(self) -> None:
+        """Copy the plans' schema versions and this run's changes into the report."""
+        versions: dict[str, int] = {}
+        changes: list[dict[str, Any]] = []
+        for plan in self._plans:
+            changes += plan.schema_changes
+        for c in sorted(changes, key=lambda c: c["at"]):
+            versions[c["segment"]] = max(versions.get(c["segment"], 0), c["version"])
+        for plan in self._plans:
+            for name in plan.segment_names():
+                if name not in versions and self.schema_store is not None:
+                    current = self.schema_store.current(name)
+                    if current is not None:
+                        versions[name] = current[0]
+        self.report.schema_versions = versions
+        self.report.schema_changes = [{**c, "changes": c["changes"][:50]}
+                                      for c in sorted(changes, key=lambda c: c["at"])]
+
     def _finish_report(self, started: float) -> None:
+        self._schema_facts()
         self.report.elapsed_s = time.monotonic() - started
         idle = self._idle_since
         self.report.active_s = (max(idle - started, 0.0) if idle is not None

@@ -21,7 +21,9 @@ class RunReport:
     step, error, start, deliveries and batches) or None, ``systemic_episodes`` how many
     began. ``failures`` holds the first few failures (``failures_total`` counts them all).
     ``messages_per_s`` is over ``active_s``: the run's time without the final
-    ``until_idle`` wait.
+    ``until_idle`` wait. ``schema_versions`` and ``schema_changes`` show the flow's
+    stored columns (:mod:`ackflow.core.schema`): each version this run made, with the
+    message that brought it.
     """
 
     acked: int = 0
@@ -47,6 +49,10 @@ class RunReport:
     systemic_episodes: int = 0
     systemic: dict[str, Any] | None = None
     active_s: float = 0.0  # elapsed_s without the closing until_idle wait
+    #: the current version of each segment's stored columns (ackflow.core.schema)
+    schema_versions: dict[str, int] = field(default_factory=dict)
+    #: this run's new versions: segment, version, changes, brought_by (message), at
+    schema_changes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def settled(self) -> int:

@@ -311,6 +311,9 @@ class StatusBoard:
                        "batches": r.batches, "jobs": r.jobs, "bisections": r.bisections,
                        "given_back_systemic": r.given_back_systemic},
             "systemic": r.systemic,
+            "schema": {"versions": dict(r.schema_versions),
+                       "changes": [{**c, "changes": c["changes"][:10]}
+                                   for c in r.schema_changes[-10:]]},
             "rows_written": {redact(k): v for k, v in r.rows_written.items()},
             "failed_by_step": {k: dict(v) for k, v in self._failed.items()},
             "rows_by_step": rows_by_node(self.graph, facts.rows),

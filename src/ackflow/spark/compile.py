@@ -251,6 +251,11 @@ class Plan:
         (renaming or moving the step starts a new history)."""
         return f"{self.schema_scope}{'.'.join(map(str, index))}:{seg.name}"
 
+    def segment_names(self) -> list[str]:
+        """The stored names of the segments whose columns are known so far."""
+        with self._lock:
+            return list(self._segment_names)
+
     def _mode(self, seg: Segment) -> str:
         shaping = [s for s in seg.steps if isinstance(s, (Map, FlatMap))]
         mode = getattr(shaping[-1], "schema_mode", None) if shaping else None
@@ -341,7 +346,7 @@ class Plan:
                 current = self._schemas[index]
                 merged, changes, brought = current, [], None
                 for row_schema, who in wanted:
-                    merged, more, _ = merge_schemas(merged, row_schema)
+                    merged, more, _ = merge_schemas(merged, _new_fields_safe(merged, row_schema))
                     if more and brought is None:
                         brought = who
                     changes += more
@@ -706,6 +711,15 @@ def check_names(step: str, names: Sequence[str], what: str) -> None:
 def quoted(name: str) -> Column:
     """A column by its exact name: dots, backticks and spaces in it are not syntax."""
     return F.col("`" + name.replace("`", "``") + "`")
+
+
+def _new_fields_safe(current: pa.Schema, wanted: pa.Schema) -> pa.Schema:
+    """``wanted`` without the top-level fields that must not become columns of
+    ``current`` (a name Spark cannot address, reserved, or a case twin of a column): the
+    tasks fail rows holding them, this is the driver's guard."""
+    have = {fold(n): n for n in current.names}
+    return pa.schema([f for f in wanted if f.name in current.names or (
+        fold(f.name) not in have and unaddressable(f.name) is None and not reserved(f.name))])
 
 
 def _spark_safe(schema: pa.Schema) -> pa.Schema:

@@ -364,6 +364,13 @@ def conform(
             continue
         # an empty value outside the columns has nothing to lose and no column to make yet
         bad = None if mode is None else next((str(k) for k in extra if not empty(r[k])), None)
+        if bad is not None:  # a name Spark cannot hold fails the row, never makes a column
+            odd = next((str(k) for k in extra if not empty(r[k]) and _unfit_name(
+                str(k), data_schema.names)), None)
+            if odd is not None:
+                _fail(rows, status, step, err, i, step_name,
+                      f"field {odd!r}: {_outside(odd, data_schema.names)}")
+                continue
         new = True
         if bad is None:
             for name, t in checked:
@@ -414,12 +421,6 @@ def _misfit(rows: list[dict[str, Any]], status: list[int], step: list[str | None
     depth; ``error``: Arrow refused a value): handle it by the segment's mode."""
     r = rows[i]
     names = data_schema.names
-    if bad is not None and bad not in names and "." not in bad and "[" not in bad:
-        why = unaddressable(bad)
-        twin = [c for c in names if fold(c) == fold(bad)]
-        if why is not None or twin:
-            _fail(rows, status, step, err, i, step_name, f"field {bad!r}: {_outside(bad, names)}")
-            return
     if mode == FREEZE:
         _fail(rows, status, step, err, i, step_name,
               f"field {bad!r}: not among the columns {_shown(names)} of the stored schema, "
@@ -447,6 +448,12 @@ def _misfit(rows: list[dict[str, Any]], status: list[int], step: list[str | None
         why = describe(error) if error is not None else f"field {bad!r} does not fit"
         _fail(rows, status, step, err, i, step_name,
               f"row does not fit the columns {names} of the step: {why}")
+
+
+def _unfit_name(name: str, columns: list[str]) -> bool:
+    """A new top-level field that cannot become a column: Spark cannot address it, or it
+    differs from a column only in case."""
+    return unaddressable(name) is not None or any(fold(c) == fold(name) for c in columns)
 
 
 def _shown(columns: list[str]) -> list[str]:

@@ -258,6 +258,17 @@ function drawLatency(s) {
   ]);
 }
 
+function drawSchema(s) {
+  const sc = s.schema || { versions: {}, changes: [] };
+  fillDl($("schema-versions"), Object.entries(sc.versions).map(([k, v]) => [k, `version ${v}`]));
+  const list = $("schema-changes");
+  clear(list);
+  for (const c of sc.changes.slice().reverse()) {
+    const who = c.brought_by ? ` (message ${c.brought_by})` : "";
+    list.appendChild(el("li", {}, `${c.segment} v${c.version}${who}: ${c.changes.join("; ")}`));
+  }
+}
+
 // -- dead letters ------------------------------------------------------------------------
 
 const selected = new Set();
@@ -400,6 +411,7 @@ function render(s) {
   drawWindow(s);
   drawSource(s);
   drawLatency(s);
+  drawSchema(s);
   drawDeadLetters(s);
   document.body.dataset.version = String((Number(document.body.dataset.version) || 0) + 1);
 }
