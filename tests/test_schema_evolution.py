@@ -13,7 +13,7 @@ import pytest
 import ackflow
 from ackflow import Flow
 from ackflow.core.errors import ConfigError
-from ackflow.core.schema import SchemaStore, merge_schemas, open_readonly
+from ackflow.core.schema import SchemaStore, empty, merge_schemas, open_readonly
 from ackflow.sinks import MemorySink
 from ackflow.testing import ListSource
 from helpers import FAST
@@ -277,3 +277,113 @@ def test_cli_schema_show_and_history(tmp_path):
     missing = subprocess.run([*cli, "show", str(tmp_path / "none")], capture_output=True,
                              text=True)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+
+
+# -- a property: evolving shapes, in every mode, lose no field -------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+KEYS = st.sampled_from(["a", "b", "c", "d"])
+LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**53, 2**53),
+                 st.floats(allow_nan=False, allow_infinity=False, width=64),
+                 st.text("xyz", max_size=3))
+VALUE = st.recursive(LEAF, lambda inner: st.one_of(
+    st.dictionaries(KEYS, inner, max_size=3), st.lists(inner, max_size=3)), max_leaves=6)
+RECORDS = st.lists(st.dictionaries(KEYS, VALUE, min_size=1, max_size=4), min_size=1,
+                   max_size=25)
+
+
+def kind(v):
+    if empty(v):  # None, [] or {}, or only such: holds nothing
+        return "empty"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int | float):
+        return "number"
+    return type(v).__name__
+
+
+def kinds(v, path, out):
+    """Every (path, kind) of a value; list elements share the path ``p[]``."""
+    k = kind(v)
+    if k == "empty":
+        return
+    out.setdefault(path, set()).add(k)
+    if isinstance(v, dict):
+        for key, x in v.items():
+            kinds(x, f"{path}.{key}", out)
+    elif isinstance(v, list):
+        for x in v:
+            kinds(x, f"{path}[]", out)
+
+
+def same(given_, back):
+    """Whether ``back`` (a row as the sink holds it) keeps all of ``given_``: every value
+    equal (numbers as numbers), fields it lacks null."""
+    if kind(given_) == "empty":
+        return kind(back) == "empty"
+    if isinstance(given_, dict):
+        return isinstance(back, dict) and all(same(given_.get(k), back.get(k))
+                                              for k in set(given_) | set(back))
+    if isinstance(given_, list):
+        return isinstance(back, list) and len(given_) == len(back) and all(
+            same(a, b) for a, b in zip(given_, back, strict=True))
+    if isinstance(given_, bool) or isinstance(back, bool):
+        return given_ is back
+    if isinstance(given_, int | float):
+        return isinstance(back, int | float) and float(given_) == float(back)
+    return given_ == back
+
+
+def merge_rescued(row):
+    """A rescue-mode row with its ``_rescued`` JSON put back in place."""
+    row = dict(row)
+    rescued = json.loads(row.pop("_rescued") or "{}")
+
+    def put(into, extra):
+        for k, v in extra.items():
+            if isinstance(v, dict) and isinstance(into.get(k), dict):
+                put(into[k], v)
+            else:
+                into[k] = v
+    put(row, rescued)
+    return row
+
+
+@settings(max_examples=int(os.environ.get("AF_SHAPES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(records=RECORDS, batch=st.integers(1, 8), mode=st.sampled_from(["evolve", "rescue",
+                                                                      "freeze"]))
+def test_evolving_shapes_lose_no_field_in_any_mode(tmp_path_factory, records, batch, mode):
+    """Random records whose fields appear, nest, widen and conflict, in random batches:
+    - every message is settled; a message is dead-lettered only for a field whose kinds
+      disagree across the records (``evolve``), or for a field outside the columns or a
+      kind of another record (``freeze``); never in ``rescue``;
+    - every acked message's row holds every field it had, at every depth (with the
+      ``_rescued`` JSON put back in ``rescue``)."""
+    state = tmp_path_factory.mktemp("s")
+    src, sink, _ = run(records, state, mode=mode, batch_size=batch, max_inflight=2 * batch)
+    final = src.final()
+    assert set(final.values()) <= {"acked", "dead_lettered"}
+    paths = {}
+    for r in records:
+        kinds(r, "", paths)
+    torn = {p for p, ks in paths.items() if len(ks) > 1}  # kinds disagree across records
+    rows = iter(sink.rows)
+    by_n = {}
+    for i, r in enumerate(records):
+        if final[f"m{i}"] == "acked":
+            by_n[i] = r
+    assert len(sink.rows) == len(by_n)
+    written = [merge_rescued(x) if mode == "rescue" else x for x in rows]
+    for r in by_n.values():  # each acked record has a row that keeps all of it
+        assert any(same(r, w) for w in written), (mode, r, written)
+    for i, r in enumerate(records):
+        if final[f"m{i}"] != "dead_lettered":
+            continue
+        assert mode != "rescue", (r, src.failures[f"m{i}"])
+        mine = {}
+        kinds(r, "", mine)
+        if mode == "evolve":
+            assert set(mine) & torn, (r, str(src.failures[f"m{i}"]), torn)

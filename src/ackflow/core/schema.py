@@ -174,19 +174,43 @@ def empty(value: Any) -> bool:
     return False
 
 
-def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, bool] | None:
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
+    """Why Arrow would change ``value`` silently on its way into type ``t`` (None: it
+    would not): a fraction cut by an integer type, a string or bytes split into a list,
+    a boolean made a number, a number made a date or a time, a float32 overflow."""
+    if empty(value):
+        return None
+    if isinstance(value, float) and pa.types.is_integer(t) and not value.is_integer():
+        return f"a number with a fraction ({value!r}) would be cut by the integer type {t}"
+    if isinstance(value, str | bytes | dict) and _is_list(t):
+        return f"a {type(value).__name__} value would be split into the list type {t}"
+    if isinstance(value, bool) and pa.types.is_floating(t):
+        return f"a boolean would be made a number by the type {t}"
+    if isinstance(value, int | float) and not isinstance(value, bool) and (
+            pa.types.is_temporal(t)):
+        return f"a number would be read as a date or time by the type {t}"
+    if isinstance(value, float) and pa.types.is_float32(t) and abs(value) > FLOAT32_MAX:
+        return f"{value!r} is out of the range of the type {t}"
+    return None
+
+
+def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | None:
     """The first place where ``value`` does not fit type ``t`` without a loss, or None:
-    (its path, True) for a field that ``t`` has no place for (at any depth), (its path,
-    False) for a number with a fraction where ``t`` holds integers (Arrow would cut it
-    silently). Empty values fit anywhere (they hold nothing to lose)."""
-    if isinstance(value, float) and pa.types.is_integer(t):
-        return None if value.is_integer() else (path, False)
+    (its path, None) for a field that ``t`` has no place for (at any depth), (its path,
+    why) for a value Arrow would change silently (:func:`_leaf_misfit`). Empty values
+    fit anywhere (they hold nothing to lose)."""
+    why = _leaf_misfit(value, t)
+    if why is not None:
+        return path, why
     if isinstance(value, dict) and pa.types.is_struct(t):
         for k, v in value.items():
             i = t.get_field_index(k) if isinstance(k, str) else -1
             if i < 0:
                 if not empty(v):
-                    return f"{path}.{k}", True
+                    return f"{path}.{k}", None
                 continue
             sub = outside(v, t.field(i).type, f"{path}.{k}")
             if sub is not None:
@@ -194,7 +218,7 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, bool] | None:
         return None
     if isinstance(value, list | tuple) and _is_list(t):
         vt = t.value_type
-        if pa.types.is_struct(vt) or _is_list(vt) or pa.types.is_integer(vt):
+        if _checked(vt):
             for v in value:
                 sub = outside(v, vt, f"{path}[]")
                 if sub is not None:
@@ -202,15 +226,51 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, bool] | None:
     return None
 
 
-def checked_columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
-    """The columns whose values need a look before Arrow converts them: structs (a field
-    may be new), lists of them, integers (a fraction would be cut)."""
-    def deep(t: pa.DataType) -> bool:
-        if pa.types.is_struct(t) or pa.types.is_integer(t):
-            return True
-        return _is_list(t) and deep(t.value_type)
+def _checked(t: pa.DataType) -> bool:
+    """Whether values of type ``t`` need :func:`outside` before Arrow converts them."""
+    return bool(pa.types.is_struct(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
+                or pa.types.is_temporal(t) or _is_list(t))
 
-    return [(f.name, f.type) for f in schema if deep(f.type)]
+
+def checked_columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
+    """The columns whose values need a look before Arrow converts them (a struct field
+    may be new; a list, number or time may be changed silently: :func:`_leaf_misfit`)."""
+    return [(f.name, f.type) for f in schema if _checked(f.type)]
+
+
+def blank_empties(row: dict[str, Any], schema: pa.Schema) -> dict[str, Any] | None:
+    """``row`` with each empty value (``[]``, ``{}``, or only such) that sits where its
+    column holds another kind replaced by null; None if there is none (nothing is lost:
+    an empty value holds nothing)."""
+    changed = False
+
+    def fix(value: Any, t: pa.DataType) -> Any:
+        nonlocal changed
+        if isinstance(value, dict):
+            if not pa.types.is_struct(t):
+                if empty(value):
+                    changed = True
+                    return None
+                return value
+            out = {}
+            for k, v in value.items():
+                i = t.get_field_index(k) if isinstance(k, str) else -1
+                out[k] = fix(v, t.field(i).type) if i >= 0 else v
+            return out
+        if isinstance(value, list):
+            if not _is_list(t):
+                if empty(value):
+                    changed = True
+                    return None
+                return value
+            return [fix(v, t.value_type) for v in value]
+        return value
+
+    out = {}
+    for k, v in row.items():
+        i = schema.get_field_index(k) if isinstance(k, str) else -1
+        out[k] = fix(v, schema.field(i).type) if i >= 0 else v
+    return out if changed else None
 
 
 def split_rescued(value: Any, t: pa.DataType) -> tuple[Any, Any]:

@@ -28,6 +28,7 @@ from ackflow.core.schema import (
     FREEZE,
     RESCUE,
     RESCUED,
+    blank_empties,
     checked_columns,
     empty,
     merge_schemas,
@@ -371,18 +372,17 @@ def conform(
                 _fail(rows, status, step, err, i, step_name,
                       f"field {odd!r}: {_outside(odd, data_schema.names)}")
                 continue
-        new = True
+        why = None  # bad is a new field; else why its value does not fit
         if bad is None:
             for name, t in checked:
                 found = outside(r.get(name), t, name)
-                if found is not None and (mode is not None or not found[1]):
-                    bad, new = found
+                if found is not None and (mode is not None or found[1] is not None):
+                    bad, why = found
                     break
         if bad is None:
             continue
-        if not new and mode in (None, FREEZE):
-            _fail(rows, status, step, err, i, step_name, f"field {bad!r}: a number with a "
-                  "fraction cannot be held by the column's integer type (it would be cut)")
+        if why is not None and mode in (None, FREEZE):
+            _fail(rows, status, step, err, i, step_name, f"field {bad!r}: {why}")
             continue
         _misfit(rows, status, step, err, i, step_name, mode or FREEZE, segment, data_schema,
                 bad)
@@ -397,6 +397,15 @@ def conform(
         try:
             pa.Table.from_pylist([r], schema=data_schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+            blank = blank_empties(r, data_schema)
+            if blank is not None:  # an empty list or object where the column holds another
+                try:  # kind: it holds nothing, and is written as null
+                    pa.Table.from_pylist([blank], schema=data_schema)
+                    rows[i] = blank
+                    continue
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError,
+                        OverflowError):
+                    pass
             if mode in (EVOLVE, RESCUE):
                 _misfit(rows, status, step, err, i, step_name, mode, segment, data_schema,
                         None, e)
@@ -787,7 +796,7 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
     for k in keys:
         if not isinstance(k, str) or reserved(k):
             continue
-        values = [r.get(k) for r in rows]
+        values = [_hollow(r.get(k)) for r in rows]
         try:
             t = pa.array(values).type
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
@@ -796,6 +805,18 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
         if pruned is not None:
             fields.append(pa.field(k, pruned))
     return pa.schema(fields)
+
+
+def _hollow(value: Any) -> Any:
+    """``value`` with each empty part (``[]``, ``{}``, or only such) made null: they hold
+    nothing, so they give no type (a ``[{}]`` beside ``[true]`` is no conflict)."""
+    if empty(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _hollow(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hollow(v) for v in value]
+    return value
 
 
 def _majority_type(values: list[Any]) -> pa.DataType:
