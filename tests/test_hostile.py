@@ -22,10 +22,16 @@ KNOWN = [b"", b"\x00", b"\xff\xfe\xfd", b'{"a": NaN}', b'{"a": 1, "a": 2}', b"[1
          b'{"__af_id": 1}', b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"a": "\xc3\x28"}',
          b'{"a": 1e999}', b'{"a": {"b": [null, {"c": [[]]}]}}', b"x" * 1_000_000,
          b'{"a": "\\ud800"}', b'{"qty": "three"}', b'{"qty": 3}', b"\r\n", b'"just a string"']
+# nested bodies too: objects in objects and lists of objects, whose shapes drift from
+# message to message (the columns evolve; nothing may stop the run or vanish)
+nested = st.recursive(
+    st.one_of(st.integers(), st.floats(allow_nan=True), st.text(max_size=10), st.none(),
+              st.booleans()),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    max_leaves=8)
 body = st.one_of(st.sampled_from(KNOWN), st.binary(max_size=64),
-                 st.dictionaries(st.text(max_size=5), st.one_of(
-                     st.integers(), st.floats(allow_nan=True), st.text(max_size=10), st.none(),
-                     st.lists(st.integers(), max_size=3)), max_size=4)
+                 st.dictionaries(st.text(max_size=5), nested, max_size=4)
                  .map(lambda d: json.dumps(d).encode()))
 batch = st.lists(body, min_size=1, max_size=12)
 SETTINGS = settings(max_examples=int(os.environ.get("ACKFLOW_HOSTILE_EXAMPLES", "5")),
