@@ -387,3 +387,24 @@ def test_evolving_shapes_lose_no_field_in_any_mode(tmp_path_factory, records, ba
         kinds(r, "", mine)
         if mode == "evolve":
             assert set(mine) & torn, (r, str(src.failures[f"m{i}"]), torn)
+
+
+def test_the_store_sits_beside_the_flows_durable_state(tmp_path):
+    """No state_dir: the columns are kept in a Parquet dataset's _ackflow folder (and
+    survive a restart there); a flow with no local state keeps them in memory."""
+    from ackflow.engine.schemas import default_location
+    from ackflow.sinks import Parquet
+    from ackflow.sources import EmbeddedQueueSource, Files
+
+    out = tmp_path / "out"
+    for bodies in ([{"n": 1}], [{"n": 2.5}]):
+        src = ListSource([json.dumps(b) for b in bodies])
+        ackflow.run(Flow(src).map(lambda r: r, name="ident").to(Parquet(out)), **LOCAL)
+    assert [v["version"] for v in history(out / "_ackflow")] == [1, 2]
+    assert default_location(Flow(ListSource([])).to(MemorySink())) is None
+    (tmp_path / "in").mkdir()
+    assert default_location(Flow(Files(tmp_path / "in")).to(MemorySink())) == str(
+        tmp_path / "in" / "_ackflow" / "schemas.db")
+    q = str(tmp_path / "q.db")
+    assert default_location(Flow(EmbeddedQueueSource(q, "q")).to(MemorySink())) == \
+        q + ".schemas.db"

@@ -30,7 +30,7 @@ def default_location(flow: Flow) -> str | None:
     for src in sources:
         kind = type(src).__name__
         state = getattr(src, "state_path", None)
-        if kind == "Files" and isinstance(state, str):
+        if kind == "FilesSource" and isinstance(state, str):
             return os.path.join(os.path.dirname(state), STORE_FILE)
         path = getattr(src, "path", None)
         if kind == "EmbeddedQueueSource" and isinstance(path, str):
@@ -45,10 +45,10 @@ def _sink_home(sink: Any) -> str | None:
         manifest = getattr(sink, "manifest_path", None)
     except Exception:  # noqa: BLE001 - a table whose location is not known yet
         manifest = None
-    if kind in ("Delta", "Iceberg") and isinstance(manifest, str):
+    if kind in ("DeltaSink", "IcebergSink") and isinstance(manifest, str):
         return os.path.dirname(manifest)
     path = getattr(sink, "path", None)
-    if kind == "Parquet" and isinstance(path, str):
+    if kind == "ParquetSink" and isinstance(path, str):
         return os.path.join(path, "_ackflow")
     return None
 
