@@ -65,8 +65,9 @@ from typing import Any
 QUEUE = "bench"
 PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq",
           "rmq_limit_quorum", "ackflow_rmq_quorum", "ss_files", "ackflow_files", "latency",
-          "ackflow_delta", "ackflow_iceberg")
-RATIOS = (("ackflow", "limit"), ("ackflow", "peer"), ("ackflow_pg", "pg_limit"),
+          "ackflow_delta", "ackflow_iceberg", "shape_fixed", "shape_evolving")
+RATIOS = (("shape_evolving", "shape_fixed"), ("ackflow", "limit"), ("ackflow", "peer"),
+          ("ackflow_pg", "pg_limit"),
           ("ackflow_rmq", "rmq_limit"), ("ackflow_rmq_quorum", "rmq_limit_quorum"),
           ("ackflow_files", "ss_files"), ("ackflow_delta", "ackflow"),
           ("ackflow_iceberg", "ackflow"))
@@ -192,13 +193,28 @@ def body(i: int) -> bytes:
     return b.replace('"pad":""', '"pad":"' + "x" * pad + '"').encode()
 
 
-def publish(db: str, n: int, queue: str = QUEUE) -> None:
+def publish(db: str, n: int, queue: str = QUEUE, make: Any = None) -> None:
     from ackflow.embedded import EmbeddedQueue
 
+    make = make or body
     q = EmbeddedQueue(db)
     for start in range(0, n, 50_000):
-        q.publish(queue, [body(i) for i in range(start, min(n, start + 50_000))])
+        q.publish(queue, [make(i) for i in range(start, min(n, start + 50_000))])
     q.close()
+
+
+#: the shape phases: a new field every SHAPE_EVERY messages (evolving) or one field
+SHAPE_EVERY = 10_000
+
+
+def shaped(evolving: bool) -> Any:
+    """A message maker: ``body(i)`` plus one field, ``f<k>`` where k changes every
+    :data:`SHAPE_EVERY` messages (evolving: the columns grow by one each time), or
+    always ``f0`` (fixed). The rows are as wide either way."""
+    def make(i: int) -> bytes:
+        k = i // SHAPE_EVERY if evolving else 0
+        return body(i)[:-1] + f',"f{k}":{i}}}'.encode()
+    return make
 
 
 def parse(r: dict[str, Any]) -> dict[str, Any]:
@@ -372,7 +388,7 @@ def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
 def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                   dsn: str | None = None, url: str | None = None, queue: str = QUEUE,
                   files: str | None = None, table: str = "parquet",
-                  broker: int | None = None) -> dict[str, Any]:
+                  broker: int | None = None, shape: bool = False) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
     from ackflow.sinks import Delta, Iceberg, Parquet, Postgres, Sink
@@ -397,6 +413,8 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
             source = RabbitMQ(url, queue, reject_to_dlx=True)
         else:
             source = EmbeddedQueue(db, queue)
+        if shape:  # the columns are inferred, stored and evolved (issue 30)
+            return ackflow.Flow(source).map(lambda r: r, name="record").to(sink)
         return (ackflow.Flow(source)
                 .map(parse, name="parse", schema=FIELDS)
                 .with_columns(total="qty * price")
@@ -432,6 +450,7 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                     batch_p50_s=report.batch_p50_s, batch_p99_s=report.batch_p99_s,
                     nacked=report.nacked, dead_lettered=report.dead_lettered,
                     batches=report.batches, jobs=report.jobs,
+                    schema_versions=sum(report.schema_versions.values()),
                     **({"broker_cpu_us": broker_cpu / max(1, report.acked) * 1e6}
                        if broker else {}))
 
@@ -587,6 +606,9 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     if name == "ackflow_files":
         return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out,
                              files=a.files)
+    if name.startswith("shape_"):
+        publish(a.db, a.batch_size, "warmup")
+        return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, shape=True)
     if a.url:
         publish_rmq(a.url, "warmup", a.batch_size)
     else:
@@ -612,7 +634,7 @@ def prepare(name: str, n: int, tmp: str, url: str | None) -> list[str]:
         shutil.rmtree(files, ignore_errors=True)
         write_files(files, n)
         return ["--db", db, "--files", files]
-    publish(db, n)
+    publish(db, n, make=shaped(name == "shape_evolving") if name.startswith("shape_") else None)
     return ["--db", db]
 
 

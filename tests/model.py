@@ -78,6 +78,9 @@ PY_STEPS = st.one_of(
     st.tuples(st.just("filter"), st.integers(2, 6)),  # drops rows with (n + c) % m == 0
     st.tuples(st.just("flat_map"), st.integers(0, 3)),  # k children, c = 0..k-1
     st.tuples(st.just("crash"), st.integers(7, 13)),  # the task dies on (n + c) % m == 0
+    # adds fields that vary with n (top-level and nested): the columns evolve from batch
+    # to batch; arg 2 keeps them in _rescued instead (schema mode "rescue")
+    st.tuples(st.just("shape"), st.integers(0, 2)),
 )
 COLUMN_STEPS = st.one_of(
     st.tuples(st.just("cast"), st.integers(3, 9)),  # a failing cast: the job fails
@@ -268,6 +271,30 @@ def type_values(n: int, c: int) -> dict[str, Any]:
     }
 
 
+def shape_fields(r: dict[str, Any]) -> dict[str, Any]:
+    """The fields the "shape" step adds: their names depend on n, so each batch may
+    bring new ones (a top-level column, a field inside a struct)."""
+    return {f"x{r['n'] % 3}": r["n"], "d": {f"k{(r['n'] + r['c']) % 2}": r["c"]}}
+
+
+def norm(row: dict[str, Any]) -> Any:
+    """A row as the model compares it: ``_rescued`` put back in place, null fields
+    dropped (a column added after the row was written reads null)."""
+    from ackflow.testing import present
+
+    row = dict(row)
+    rescued = json.loads(row.pop("_rescued", None) or "{}")
+
+    def put(into: dict[str, Any], extra: dict[str, Any]) -> None:
+        for k, v in extra.items():
+            if isinstance(v, dict) and isinstance(into.get(k), dict):
+                put(into[k], v)
+            else:
+                into[k] = v
+    put(row, rescued)
+    return present(row)
+
+
 def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSource],
                                                   list[KeyedSink], KeyedSink | None]:
     policy = RetryPolicy(max_deliveries=ex.max_deliveries, backoff_s=0)
@@ -332,6 +359,10 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
     if kind == "flat_map":
         return flow.flat_map(lambda r, k=arg: [{"n": r["n"], "c": j} for j in range(k)],
                              name=name)
+    if kind == "shape":
+        def reshape(r: dict[str, Any]) -> dict[str, Any]:
+            return {**r, **shape_fields(r)}
+        return flow.map(reshape, name=name, schema_mode="rescue" if arg == 2 else "evolve")
     if kind == "crash":
         def crash(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
             if (r["n"] + r["c"]) % m == 0:
@@ -375,7 +406,7 @@ def segment_names(ex: Example) -> list[list[str]]:
     segs: list[list[str]] = [[]]
     python = True
     for k, (kind, _) in enumerate(ex.steps):
-        if kind in ("map", "filter", "flat_map", "crash"):
+        if kind in ("map", "filter", "flat_map", "crash", "shape"):
             if not python:
                 segs.append([])
             segs[-1].append(f"s{k}")
@@ -433,8 +464,10 @@ def model(ex: Example) -> list[Fate]:
             elif kind == "crash":
                 if v % arg == 0:
                     fates[i].crash = fates[i].crash or seg_of[name]
-                else:
-                    out.append((i, key, r))
+                else:  # its schema= keeps n and c
+                    out.append((i, key, {"n": r["n"], "c": r["c"]}))
+            elif kind == "shape":
+                out.append((i, key, {**r, **shape_fields(r)}))
             elif kind == "cast":
                 if v % arg == 0 and _read_later(ex.steps, k):
                     fates[i].crash = fates[i].crash or name

@@ -23,7 +23,17 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from ackflow.engine.loop import Engine
-from model import Branch, Example, build, down_examples, examples, model, reasons, settle_all
+from model import (
+    Branch,
+    Example,
+    build,
+    down_examples,
+    examples,
+    model,
+    norm,
+    reasons,
+    settle_all,
+)
 
 LOCAL_EXAMPLES = int(os.environ.get("ACKFLOW_MODEL_EXAMPLES", "1000"))
 SPARK_EXAMPLES = int(os.environ.get("ACKFLOW_MODEL_SPARK_EXAMPLES", "50"))
@@ -99,11 +109,12 @@ def run_example(ex: Example, **engine: object) -> None:
                 where = [sinks[b]] if ex.mode == "all" else sinks
                 got = [s.rows[key] for s in where if key in s.rows]
                 assert got, f"{fate.key} acked, but row {key} is missing in b{b}"
-                assert all(g == row for g in got), f"row {key}: {got} != {row}"
+                assert all(norm(g) == norm(row) for g in got), f"row {key}: {got} != {row}"
     if keyed_rows:  # nothing fabricated: every row in a sink is one the model made
         for b, sink in enumerate(sinks):
             model_rows = allowed[b] if ex.mode == "all" else allowed[0]
-            extra = {k: v for k, v in sink.rows.items() if model_rows.get(k) != v}
+            extra = {k: v for k, v in sink.rows.items()
+                     if k not in model_rows or norm(model_rows[k]) != norm(v)}
             assert not extra, f"b{b} holds rows the model never made: {extra}"
     if dlq is not None:
         known = {f.key for f in fates}

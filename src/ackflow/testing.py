@@ -141,15 +141,27 @@ class FailingSink(Sink):
             self.rows.extend(_from_ipc(t))
 
 
+def present(value: Any) -> Any:
+    """``value`` without its null fields, at every depth: a row written before a column
+    was added and the same row written after it (null there) are one row, as a table
+    holding both would read them."""
+    if isinstance(value, dict):
+        return {k: present(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [present(v) for v in value]
+    return value
+
+
 class KeyedSink(Sink):
     """An in-memory keyed sink (like PostgreSQL with ``key=``): rows are upserted by
     their row key, so a row written again after a redelivery is the same row.
 
     ``rows`` maps row key -> row; ``writes`` counts how often each key was committed;
     ``conflicts`` lists keys that were written with two different values (two rows
-    sharing one identity: a lost row). Rows where ``fail_if(row)`` are refused, a
-    partition with a row where ``raise_if(row)`` raises, and the ``n``-th commit fails
-    before (``fail_commits={n: "before"}``) or after (``"after"``) applying its rows.
+    sharing one identity: a lost row; null fields do not count, see :func:`present`).
+    Rows where ``fail_if(row)`` are refused, a partition with a row where
+    ``raise_if(row)`` raises, and the ``n``-th commit fails before
+    (``fail_commits={n: "before"}``) or after (``"after"``) applying its rows.
     """
 
     wants_keys = True
@@ -201,7 +213,7 @@ class KeyedSink(Sink):
             for t in tokens:
                 for row in _from_ipc(t):
                     key = row.pop(ROW_KEY)
-                    if key in self.rows and self.rows[key] != row:
+                    if key in self.rows and present(self.rows[key]) != present(row):
                         self.conflicts.append(key)
                     self.rows[key] = row
                     self.writes[key] += 1

@@ -179,12 +179,15 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
     """Why Arrow would change ``value`` silently on its way into type ``t`` (None: it
-    would not): a fraction cut by an integer type, a string or bytes split into a list,
+    would not): a fraction cut by an integer type, anything but an object read as a
+    struct (an empty string becomes one of nulls), a string or bytes split into a list,
     a boolean made a number, a number made a date or a time, a float32 overflow."""
     if empty(value):
         return None
     if isinstance(value, float) and pa.types.is_integer(t) and not value.is_integer():
         return f"a number with a fraction ({value!r}) would be cut by the integer type {t}"
+    if pa.types.is_struct(t) and not isinstance(value, dict):
+        return f"a {type(value).__name__} value would be read as the struct type {t}"
     if isinstance(value, str | bytes | dict) and _is_list(t):
         return f"a {type(value).__name__} value would be split into the list type {t}"
     if isinstance(value, bool) and pa.types.is_floating(t):

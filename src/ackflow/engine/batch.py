@@ -284,8 +284,11 @@ def take_misses(failed: dict[int, Failure]) -> dict[int, tuple[Failure, str, pa.
     """Remove and return the failures that are schema misses (id -> the failure, the
     segment, the columns its row needed): they are run again, never settled as such."""
     out = {}
+    parsed: dict[str, tuple[str, pa.Schema] | None] = {}  # rows of a batch share one text
     for lid, f in list(failed.items()):
-        miss = parse_miss(f.error)
+        if f.error not in parsed:
+            parsed[f.error] = parse_miss(f.error)
+        miss = parsed[f.error]
         if miss is not None:
             out[lid] = (f, *miss)
             del failed[lid]

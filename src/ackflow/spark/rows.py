@@ -354,6 +354,7 @@ def conform(
     are left out."""
     names = set(data_schema.names)
     checked = checked_columns(data_schema)
+    pending: list[int] = []  # rows that need more columns (mode evolve), typed together
     for i, r in enumerate(rows):
         if status[i] != LIVE:
             continue
@@ -384,12 +385,17 @@ def conform(
         if why is not None and mode in (None, FREEZE):
             _fail(rows, status, step, err, i, step_name, f"field {bad!r}: {why}")
             continue
+        if mode == EVOLVE:
+            pending.append(i)
+            continue
         _misfit(rows, status, step, err, i, step_name, mode or FREEZE, segment, data_schema,
                 bad)
+    _evolve_rows(pending, rows, status, step, err, step_name, segment, data_schema)
     try:
         return pa.Table.from_pylist(rows, schema=data_schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
         pass
+    pending = []
     for i, r in enumerate(rows):
         if status[i] != LIVE:
             rows[i] = {}
@@ -406,14 +412,46 @@ def conform(
                 except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError,
                         OverflowError):
                     pass
-            if mode in (EVOLVE, RESCUE):
+            if mode == EVOLVE:
+                pending.append(i)
+                continue
+            if mode == RESCUE:
                 _misfit(rows, status, step, err, i, step_name, mode, segment, data_schema,
                         None, e)
                 continue
             rows[i] = {}
             status[i], step[i] = FAILED, step_name
             err[i] = f"row does not fit the columns {data_schema.names} of the step: {describe(e)}"
+    if pending:
+        _evolve_rows(pending, rows, status, step, err, step_name, segment, data_schema)
+        for i in pending:
+            rows[i] = {}
     return pa.Table.from_pylist(rows, schema=data_schema)
+
+
+def _evolve_rows(pending: list[int], rows: list[dict[str, Any]], status: list[int],
+                 step: list[str | None], err: list[str | None], step_name: str, segment: str,
+                 data_schema: pa.Schema) -> None:
+    """Rows that need more columns (mode ``evolve``): typed together, they become schema
+    misses that share one error text naming only what must change (new fields, wider
+    types), so a batch where a new field arrives costs one inference, not one per row.
+    If they disagree among themselves (a conflict), each row is judged alone."""
+    if not pending:
+        return
+    try:
+        wanted = infer_schema([rows[i] for i in pending], step_name)
+        merged, changes, conflicts = merge_schemas(data_schema, wanted)
+    except Exception:  # noqa: BLE001 - outside data: judged row by row below
+        changes, conflicts = [], ["untyped"]
+    if changes and not conflicts:
+        delta = pa.schema([f for f in merged if f.name not in data_schema.names
+                           or not f.type.equals(data_schema.field(f.name).type)])
+        text = miss_error(segment, delta)
+        for i in pending:
+            _fail(rows, status, step, err, i, step_name, text)
+        return
+    for i in pending:
+        _misfit(rows, status, step, err, i, step_name, EVOLVE, segment, data_schema, None)
 
 
 
