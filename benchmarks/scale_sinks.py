@@ -12,8 +12,11 @@ batch's cost. It reports the median cost of batches ``1..first`` and of the last
 reports the table's metadata files (JSON and Avro: count and bytes) and snapshots at the
 end. Each sink stops at ``--max-seconds`` (the sizes it reached are printed). Sinks:
 ``iceberg``, ``delta``, ``parquet`` (its manifest), ``postgres`` (a throwaway server,
-needs Debian's ``postgresql``) and ``embedded`` (the embedded queue sink). Prints a
-table and writes JSON (``--out``).
+needs Debian's ``postgresql``), ``embedded`` (the embedded queue sink) and ``rabbitmq``
+(a throwaway broker; each batch is one partition published with confirms on its own
+connection into a queue capped at 100 000 messages). For Delta it also reports the
+entries of ``_delta_log`` at the end (bounded by ``keep_versions``). Prints a table and
+writes JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def batch(n: int, rows: int) -> pa.Table:
                      ROW_KEY: [f"m{i}#0" for i in ids]})
 
 
-def make(kind: str, folder: str, dsn: str | None) -> Sink:
+def make(kind: str, folder: str, dsn: str | None, amqp: str | None = None) -> Sink:
     from ackflow import sinks
 
     sink: Sink
@@ -57,6 +60,17 @@ def make(kind: str, folder: str, dsn: str | None) -> Sink:
         sink = sinks.Postgres(dsn, f"bench_{int(time.time() * 1000)}", create=True)
     elif kind == "embedded":
         sink = sinks.EmbeddedQueue(os.path.join(folder, "q.db"), "out")
+    elif kind == "rabbitmq":
+        assert amqp is not None
+        import pika
+
+        conn = pika.BlockingConnection(pika.URLParameters(amqp))
+        ch = conn.channel()
+        ch.exchange_declare("bench", "direct", durable=True)
+        ch.queue_declare("bench-out", durable=True, arguments={"x-max-length": 100_000})
+        ch.queue_bind("bench-out", "bench", routing_key="bench-out")
+        conn.close()
+        sink = sinks.RabbitMQSink(amqp, "bench", routing_key="bench-out")
     else:
         raise SystemExit(f"unknown sink {kind!r}")
     sink.open()
@@ -87,9 +101,9 @@ def iceberg_facts(sink: Any) -> dict[str, Any]:
 
 
 def measure(kind: str, first: int, total: int, rows: int, max_s: float,
-            dsn: str | None) -> dict[str, Any]:
+            dsn: str | None, amqp: str | None = None) -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix=f"ackflow-scale-{kind}-")
-    sink = make(kind, folder, dsn)
+    sink = make(kind, folder, dsn, amqp)
     try:
         costs: list[float] = []
         deadline = time.monotonic() + max_s
@@ -111,6 +125,8 @@ def measure(kind: str, first: int, total: int, rows: int, max_s: float,
                         if tail else None)
         if kind == "iceberg":
             out.update(iceberg_facts(sink))
+        if kind == "delta":
+            out["log_entries"] = len(os.listdir(os.path.join(sink.path, "_delta_log")))
         return out
     finally:
         sink.close()
@@ -119,7 +135,7 @@ def measure(kind: str, first: int, total: int, rows: int, max_s: float,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sinks", default="iceberg,delta,parquet,postgres,embedded")
+    p.add_argument("--sinks", default="iceberg,delta,parquet,postgres,embedded,rabbitmq")
     p.add_argument("--first", type=int, default=100, help="the batches compared (N)")
     p.add_argument("--total", type=int, default=1000, help="batches in all (10 N)")
     p.add_argument("--rows", type=int, default=10, help="rows per batch")
@@ -128,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     kinds = [k.strip() for k in a.sinks.split(",") if k.strip()]
     server: Any = None
-    dsn = None
+    broker: Any = None
+    dsn = amqp = None
     results = []
     try:
         if "postgres" in kinds:
@@ -136,13 +153,20 @@ def main(argv: list[str] | None = None) -> None:
 
             server = PostgresServer().start()
             dsn = server.dsn
+        if "rabbitmq" in kinds:
+            from ackflow.servers import RabbitMQServer
+
+            broker = RabbitMQServer().start()
+            amqp = broker.url
         for kind in kinds:
-            r = measure(kind, a.first, a.total, a.rows, a.max_seconds, dsn)
+            r = measure(kind, a.first, a.total, a.rows, a.max_seconds, dsn, amqp)
             results.append(r)
             print(json.dumps(r), flush=True)
     finally:
         if server is not None:
             server.close()
+        if broker is not None:
+            broker.close()
     head = (f"{'sink':<9} {'batches':>8} {'median 1..N ms':>15} {'median last N ms':>17} "
             f"{'ratio':>6} {'mean 1..N':>10} {'mean last N':>12} {'p99 last N':>11}")
     print("\n" + head)
