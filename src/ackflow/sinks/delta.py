@@ -247,7 +247,7 @@ class DeltaSink(TableSink):
         entries = [(int(m.group(2) or m.group(1)), name) for name in os.listdir(log_dir)
                    if (m := _LOG_NAME.match(name))]
         checkpoints = {v for v, name in entries if ".checkpoint." in name}
-        if not any(version - 2 * keep < v <= version for v in checkpoints):
+        if not any(version - keep < v <= version for v in checkpoints):
             self._table.create_checkpoint()  # a table whose checkpoint interval is longer
             faults.point("delta.after_checkpoint")
             return  # used once ``keep`` more versions exist
