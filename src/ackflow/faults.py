@@ -50,6 +50,9 @@ POINTS: dict[str, str] = {
                            "no Delta version yet",
     "delta.after_commit": "Delta commit: the version is in the log, its keys not yet recorded",
     "delta.after_record": "Delta commit: version and keys recorded, nothing acked yet",
+    "delta.after_checkpoint": "Delta log trim: a checkpoint created (none recent enough), "
+                              "nothing deleted",
+    "delta.after_trim": "Delta log trim: entries older than a checkpoint deleted",
     "iceberg.before_commit": "Iceberg commit: task files written, no snapshot yet",
     "iceberg.committed": "Iceberg commit: the catalog points at the new snapshot; none of "
                          "its files fsynced yet",

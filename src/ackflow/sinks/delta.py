@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from ackflow import faults
 from ackflow.core.durable import fsync_dir
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.sinks.lakehouse import TableSink
@@ -16,6 +18,10 @@ log = logging.getLogger("ackflow.sinks.delta")
 #: how often a commit is retried when another writer committed first (delta-rs re-checks
 #: the conflict and rebases an append on top of the winner)
 COMMIT_RETRIES = 15
+
+#: a log file's name: its version (20 digits), then ``.json``, ``.checkpoint[...].parquet``,
+#: ``.crc`` or ``.<version>.compacted.json``
+_LOG_NAME = re.compile(r"^(\d{20})\.(?:(\d{20})\.compacted\.json|json|crc|checkpoint\..*parquet)$")
 
 
 class DeltaSink(TableSink):
@@ -52,6 +58,19 @@ class DeltaSink(TableSink):
     take turns; other writers' commits are retried over by delta-rs's optimistic
     concurrency (``COMMIT_RETRIES``). The driver and the executors must see the same
     ``path`` (local mode, or a shared file system).
+
+    The log is bounded (``keep_versions``, 100): delta-rs lists the whole ``_delta_log``
+    folder to find new versions (several times per commit), and the format keeps one
+    JSON per version for ``delta.logRetentionDuration`` (30 days), so left alone a
+    commit's cost grows with the number of batches (26 -> 75 ms over 5 000). After a
+    batch's keys are recorded, once ``keep_versions / 2`` versions were committed since
+    the last trim, the sink deletes the log entries (commit JSON, checkpoints, CRC and
+    compacted files) older than the newest checkpoint that is at least ``keep_versions``
+    versions old (creating a checkpoint when the table has none recent enough). Readers
+    need only the newest checkpoint and the entries after it, so the table is unchanged;
+    time travel (``load_as_version``, ``history()``) reaches ``keep_versions`` versions
+    back and at most one checkpoint interval (``delta.checkpointInterval``, 100) more.
+    ``keep_versions=None`` leaves the log to the format's own retention.
     """
 
     POINTS = ("delta.before_commit", "delta.after_commit", "delta.after_record")
@@ -59,9 +78,16 @@ class DeltaSink(TableSink):
     def __init__(self, path: str | os.PathLike[str], *, key: Sequence[str] | str | None = None,
                  partition_by: Sequence[str] | str | None = None, create: bool = True,
                  key_column: str = "ackflow_key", compression: str = "snappy",
-                 name: str = "delta") -> None:
+                 keep_versions: int | None = 100, name: str = "delta") -> None:
         super().__init__(name, key=key, key_column=key_column, create=create,
                          compression=compression)
+        if keep_versions is not None and (not isinstance(keep_versions, int)
+                                          or isinstance(keep_versions, bool)
+                                          or keep_versions < 2):
+            raise ConfigError(f"sink {name!r}: keep_versions must be an integer of at least 2 "
+                              f"(or None to keep the whole log), got {keep_versions!r}")
+        self.keep_versions = keep_versions
+        self._trimmed = -1  # the table version at this sink's last trim of the log
         self.path = os.path.abspath(os.fspath(path))
         if isinstance(partition_by, str):
             partition_by = [partition_by]
@@ -196,6 +222,57 @@ class DeltaSink(TableSink):
         self._sync_log(before, version)
         return version
 
+    def maintain(self) -> None:
+        """Trim the log to about ``keep_versions`` versions (see the class docstring),
+        every ``keep_versions / 2`` versions. A failure is logged; the batch is written."""
+        keep = self.keep_versions
+        if keep is None or self._table is None:
+            return
+        version = int(self._table.version())
+        if version - self._trimmed < max(1, keep // 2):
+            return
+        assert self._lock is not None
+        try:
+            with self._lock:  # not beside this process's own commits
+                self._trim_log(version, keep)
+            self._trimmed = version
+        except Exception as e:  # noqa: BLE001 - maintenance: tried again after the next batch
+            log.warning("sink %r: could not trim the log of %s: %s", self.name, self.path,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    def _trim_log(self, version: int, keep: int) -> None:
+        """Delete the log entries older than the newest checkpoint at or below
+        ``version - keep`` (only entries a reader of any newer version never opens)."""
+        log_dir = os.path.join(self.path, "_delta_log")
+        entries = [(int(m.group(2) or m.group(1)), name) for name in os.listdir(log_dir)
+                   if (m := _LOG_NAME.match(name))]
+        checkpoints = {v for v, name in entries if ".checkpoint." in name}
+        if not any(version - keep < v <= version for v in checkpoints):
+            self._table.create_checkpoint()  # a table whose checkpoint interval is longer
+            faults.point("delta.after_checkpoint")
+            return  # used once ``keep`` more versions exist
+        usable = [v for v in checkpoints if v <= version - keep]
+        if not usable:
+            return
+        floor = max(usable)
+        for v, name in entries:  # delta-rs writes checkpoints without fsync
+            if v == floor and ".checkpoint." in name:
+                _fsync(os.path.join(log_dir, name))
+        gone = 0
+        for v, name in sorted(entries):
+            if v < floor:
+                try:
+                    os.remove(os.path.join(log_dir, name))
+                    gone += 1
+                except FileNotFoundError:  # another writer trimmed it
+                    pass
+        if gone:
+            fsync_dir(log_dir)
+            faults.point("delta.after_trim")
+            log.info("sink %r: deleted %d log entries of %s older than the checkpoint of "
+                     "version %d (the table is at version %d)", self.name, gone, self.path,
+                     floor, version)
+
     def _sync_log(self, after: int, upto: int) -> None:
         """fsync the log entries written since version ``after`` and the log folder:
         delta-rs writes them without fsync, and the keys recorded next (fsynced) must
@@ -203,14 +280,18 @@ class DeltaSink(TableSink):
         log_dir = os.path.join(self.path, "_delta_log")
         for v in range(after + 1, upto + 1):
             try:
-                fd = os.open(os.path.join(log_dir, f"{v:020d}.json"), os.O_RDONLY)
+                _fsync(os.path.join(log_dir, f"{v:020d}.json"))
             except FileNotFoundError:  # another writer's checkpoint-only version
                 continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
         fsync_dir(log_dir)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _partition_type(t: Any) -> bool:

@@ -44,6 +44,12 @@ UNNAMED = "delivery:"
 ACK_HOLD_S = 1.0
 # AMQP's prefetch count is 16 bits: a window past it is split over several consumers
 PREFETCH_MAX = 65535
+#: message ids whose delivery count a classic queue's source remembers (and their
+#: give-backs), the most recent ones; older ones are forgotten (a redelivery of one then
+#: counts from the broker's ``redelivered`` flag: 2)
+SEEN_MAX = 100_000
+#: deliveries whose retry key is kept for a give-back (the most recent)
+RETRY_KEYS_MAX = 200_000
 MAX_CONSUMERS = 16
 
 
@@ -382,11 +388,11 @@ class RabbitMQSource(Source):
                 count = max(count, 2)
             self._seen[seen_key] = count
             self._seen.move_to_end(seen_key)
-            if len(self._seen) > 100_000:
+            if len(self._seen) > SEEN_MAX:
                 self._seen.popitem(last=False)
         handle = (self._gen, method.delivery_tag)
         self._retry_keys[handle] = seen_key
-        if len(self._retry_keys) > 200_000:
+        if len(self._retry_keys) > RETRY_KEYS_MAX:
             self._retry_keys.popitem(last=False)
         d = Delivery(0, key, body, headers, count, handle=handle)
         self._outstanding[method.delivery_tag] = d
@@ -604,6 +610,7 @@ class RabbitMQSource(Source):
         return self._ack_now(deliveries)
 
     def _ack_now(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        self._forget(deliveries)
         tags, stale = self._current(deliveries)
         if tags:
             done = self._settle_tags(tags, "ack")
@@ -619,7 +626,14 @@ class RabbitMQSource(Source):
             return True
         return self.policy.exhausted(delivery.delivery_count)
 
+    def _forget(self, deliveries: Sequence[Delivery]) -> None:
+        """Settled deliveries are never given back: their retry keys go (memory follows
+        the window, not the stream's length)."""
+        for d in deliveries:
+            self._retry_keys.pop(d.handle, None)
+
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        self._forget([d for d, _ in failures])
         out = []
         retry, dead = [], []
         for d, f in failures:
@@ -724,7 +738,7 @@ class RabbitMQSource(Source):
             k = self._retry_keys.pop(d.handle, None)
             if k is not None:
                 self._backs[k] = self._backs.get(k, 0) + 1
-                if len(self._backs) > 100_000:
+                if len(self._backs) > SEEN_MAX:
                     self._backs.popitem(last=False)
         self._schedule_nacks([(d, Failure("release", "")) for d in deliveries], backoff=False)
 
