@@ -18,12 +18,6 @@ from typing import Any
 
 Promote = Callable[[Any, Any], bool]
 
-#: Integer widths that widen to int64 and to float64 (and float32 to float64) in every
-#: format that can widen: these are the promotions Spark 4 reads in old Parquet files
-#: (measured: int8/16/32 files read as bigint or double, float as double; an INT64 file
-#: read as double fails with PARQUET_COLUMN_DATA_TYPE_MISMATCH).
-
-
 def _small_int(t: Any) -> bool:
     import pyarrow.types as pt
 
@@ -41,7 +35,9 @@ def promote_ints(have: Any, want: Any) -> bool:
 
 
 def promote_parquet(have: Any, want: Any) -> bool:
-    """:func:`promote_ints`, and int8/16/32 -> float64 (what Spark 4 reads back)."""
+    """:func:`promote_ints`, and int8/16/32 -> float64: the promotions Spark 4 reads in
+    older Parquet files (measured: int8/16/32 files read as bigint or double, float as
+    double; an INT64 file read as double fails with PARQUET_COLUMN_DATA_TYPE_MISMATCH)."""
     import pyarrow.types as pt
 
     return promote_ints(have, want) or bool(_small_int(have) and pt.is_float64(want))
@@ -70,6 +66,9 @@ def merge_type(have: Any, want: Any, promote: Promote, path: str,
 
     if have.equals(want) or pt.is_null(want):
         return have
+    if pt.is_null(have):  # held no value yet (a field null in every row, an empty list)
+        changes.append(f"{path}: null -> {want}")
+        return want
     if pt.is_struct(have) and pt.is_struct(want):
         fields, names = [], set()
         for i in range(have.num_fields):

@@ -267,7 +267,6 @@ class TableSink(Sink):
             found = self.table_schema()
             assert found is not None
         table, partitions = found
-        self.partition_by = partitions  # the table's (a merge must name them)
         if self.evolve:
             from ackflow.sinks.evolution import evolved
 

@@ -103,10 +103,11 @@ class PostgresSink(Sink):
     changes nothing): ``ADD COLUMN IF NOT EXISTS`` (nullable, typed like ``create=True``;
     nested values are ``jsonb``, so new struct fields need no change) and safe widening,
     ``ALTER COLUMN ... TYPE`` smallint -> integer -> bigint -> double precision and
-    real -> double precision (never narrower). If the change is refused (no privilege
-    on a table someone else owns), or with ``evolve=False``, the table is left as it is:
-    a column it lacks is refused (the rows holding a value in it fail alone) and a wider
-    value fails its row only if the column cannot hold it.
+    real -> double precision (never narrower; a key column never becomes a double).
+    If the change is refused (no privilege on a table someone else owns), or with
+    ``evolve=False``, the table is left as it is: a column it lacks is refused (the rows
+    holding a value in it fail alone) and a wider value fails its row only if the
+    column cannot hold it.
     """
 
     wants_keys = True
@@ -274,7 +275,8 @@ class PostgresSink(Sink):
             if c not in current and c not in self.conflict_key:  # a key needs its index
                 clauses.append(sql.SQL("ADD COLUMN IF NOT EXISTS {} {}").format(
                     sql.Identifier(c), sql.SQL(types[c])))
-            elif types[c] in WIDER.get(current[c], ()):
+            elif types[c] in WIDER.get(current[c], ()) and not (
+                    c in self.conflict_key and types[c] == "double precision"):
                 clauses.append(sql.SQL("ALTER COLUMN {} TYPE {}").format(
                     sql.Identifier(c), sql.SQL(types[c])))
         return clauses
