@@ -80,11 +80,11 @@ def stage(sink, batch, keys, start=0):
     return [sink.write_partition(batch, 0, rows).token]
 
 
-def make(kind, tmp_path):
+def make(kind, tmp_path, **options):
     if kind == "delta":
-        sink = Delta(tmp_path / "t")
+        sink = Delta(tmp_path / "t", **options)
     else:
-        sink = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+        sink = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t", **options)
     sink.open()
     sink.prepare(pa.schema([("n", pa.int64())]))
     return sink
@@ -137,9 +137,9 @@ def test_a_refused_value_fails_only_its_row_and_a_type_the_table_cannot_take_sto
                                                                                    kind):
     from ackflow.core.errors import FlowError
 
-    sink = make(kind, tmp_path)
-    narrow = Delta(tmp_path / "narrow") if kind == "delta" else \
-        Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.narrow")
+    sink = make(kind, tmp_path, evolve=False)  # evolution: tests/test_sink_evolution.py
+    narrow = Delta(tmp_path / "narrow", evolve=False) if kind == "delta" else \
+        Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.narrow", evolve=False)
     narrow.open()
     narrow.prepare(pa.schema([pa.field("n", pa.int32())]))
     rows = pa.table({"n": pa.array([1, 2**40, 3], pa.int64()), "__af_key": ["a", "b", "c"]})

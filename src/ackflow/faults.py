@@ -43,9 +43,13 @@ POINTS: dict[str, str] = {
     "embedded.schema": "embedded queue file creation: after each table or index of the "
                        "schema, inside its one transaction",
     "engine.drain": "shutdown: while draining in-flight batches",
+    "parquet.evolved": "Parquet prepare: the dataset's schema (_common_metadata) was "
+                       "evolved; prepare not returned",
     "parquet.before_record": "Parquet commit: files staged, batch not yet in the manifest",
     "parquet.after_record": "Parquet commit: batch recorded in the manifest, not renamed",
     "parquet.after_rename": "Parquet commit: batch directory renamed into place",
+    "delta.evolved": "Delta prepare: the schema merge's version is committed (and fsynced); "
+                     "prepare not returned",
     "delta.before_commit": "Delta commit: task files written, rows already written left out, "
                            "no Delta version yet",
     "delta.after_commit": "Delta commit: the version is in the log, its keys not yet recorded",
@@ -53,6 +57,8 @@ POINTS: dict[str, str] = {
     "delta.after_checkpoint": "Delta log trim: a checkpoint created (none recent enough), "
                               "nothing deleted",
     "delta.after_trim": "Delta log trim: entries older than a checkpoint deleted",
+    "iceberg.evolved": "Iceberg prepare: the schema update is committed; prepare not "
+                       "returned",
     "iceberg.before_commit": "Iceberg commit: task files written, no snapshot yet",
     "iceberg.committed": "Iceberg commit: the catalog points at the new snapshot; none of "
                          "its files fsynced yet",
@@ -65,6 +71,8 @@ POINTS: dict[str, str] = {
     "iceberg.after_expire": "Iceberg maintenance: old snapshots expired, the files only "
                             "they referenced not yet deleted",
     "iceberg.after_record": "Iceberg commit: snapshot and keys recorded, nothing acked yet",
+    "postgres.evolved": "Postgres prepare: ALTER TABLE (new columns, widened types) "
+                        "committed; prepare not returned",
     "postgres.before_commit": "Postgres partition write: rows upserted, COMMIT not sent",
     "postgres.after_commit": "Postgres partition write: COMMIT done, task not returned",
     "source.reconnect": "a source is about to reconnect to its broker",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,10 +50,16 @@ class DeltaSink(TableSink):
     can take, never 0 while a pipeline writes.
 
     Schema: with ``create=True`` a missing table is created from the flow's columns
-    (and ``partition_by``). An existing table is never changed: a column it lacks, or a
-    type it cannot take (a string into a number), stops the run at the first batch,
-    naming the columns. A value that does not fit (an integer too large for the column,
-    a null in a NOT NULL column) fails only its message.
+    (and ``partition_by``). ``evolve=True`` (the default): before a batch with new
+    columns is written, the table's schema is merged with them in one metadata-only
+    Delta version (``DeltaTable.alter.add_columns``): new nullable columns, new fields
+    inside structs (also inside lists and map values).
+    Types never widen (delta-rs has no ``typeWidening`` table feature): a wider value
+    is written value by value in the table's type and fails its message only if it
+    does not fit. ``evolve=False``: the table is never changed; a column it lacks, or a
+    type it cannot take (a string into a number), is refused, naming the columns. A
+    value that does not fit (an integer too large for the column, a null in a NOT NULL
+    column) fails only its message.
 
     Several processes may write one table: commits of processes that share the manifest
     take turns; other writers' commits are retried over by delta-rs's optimistic
@@ -74,13 +81,15 @@ class DeltaSink(TableSink):
     """
 
     POINTS = ("delta.before_commit", "delta.after_commit", "delta.after_record")
+    EVOLVED_POINT = "delta.evolved"
 
     def __init__(self, path: str | os.PathLike[str], *, key: Sequence[str] | str | None = None,
                  partition_by: Sequence[str] | str | None = None, create: bool = True,
                  key_column: str = "ackflow_key", compression: str = "snappy",
-                 keep_versions: int | None = 100, name: str = "delta") -> None:
+                 keep_versions: int | None = 100, evolve: bool = True,
+                 name: str = "delta") -> None:
         super().__init__(name, key=key, key_column=key_column, create=create,
-                         compression=compression)
+                         compression=compression, evolve=evolve)
         if keep_versions is not None and (not isinstance(keep_versions, int)
                                           or isinstance(keep_versions, bool)
                                           or keep_versions < 2):
@@ -172,6 +181,53 @@ class DeltaSink(TableSink):
                             f"{str(e).splitlines()[0]}") from None
         log.info("sink %r: created the Delta table %s (%s)", self.name, self.path,
                  ", ".join(schema.names))
+
+    def holds(self, field: Any) -> bool:
+        import pyarrow as pa
+        from deltalake import Schema as DeltaSchema
+
+        try:
+            DeltaSchema.from_arrow(pa.schema([field]))
+        except Exception:  # noqa: BLE001 - a type Delta cannot hold: refused, named
+            return False
+        return True
+
+    def evolve_table(self, schema: Any) -> None:
+        """Add the columns of ``schema`` that are new or grew (new struct fields) in one
+        Delta version that adds no rows (``DeltaTable.alter.add_columns``); fsynced like
+        a batch's commit (a later batch's version must never outlive it). A commit that
+        lost the race to another writer is made again on the newest version.
+        (``write_deltalake(..., schema_mode="merge")`` of no rows merges as well; this
+        commits only the metadata and leaves the columns it does not name alone.)"""
+        import pyarrow as pa
+        from deltalake import DeltaTable
+        from deltalake import Schema as DeltaSchema
+        from deltalake.exceptions import CommitFailedError
+        from deltalake.transaction import CommitProperties
+
+        before = int(DeltaTable(self.path).version())
+        for attempt in range(COMMIT_RETRIES + 1):
+            dt = DeltaTable(self.path)
+            live = pa.schema(dt.schema().to_arrow())
+            grown = [f for f in schema if f.name not in live.names
+                     or not live.field(f.name).type.equals(f.type)]
+            if not grown:  # another writer did it first
+                break
+            try:
+                dt.alter.add_columns(DeltaSchema.from_arrow(pa.schema(grown)).fields,
+                                     commit_properties=CommitProperties(
+                                         custom_metadata={"ackflow.evolve": self.name}))
+                break
+            except CommitFailedError as e:  # "Metadata changed since last commit"
+                if attempt == COMMIT_RETRIES:
+                    raise FlowError(self.name, f"evolving the Delta table at {self.path!r} "
+                                    f"lost the race {attempt + 1} times: "
+                                    f"{str(e).splitlines()[0]}") from None
+                time.sleep(min(1.0, 0.02 * 2 ** attempt))
+            except Exception as e:  # noqa: BLE001 - reported as what to fix
+                raise FlowError(self.name, f"cannot evolve the Delta table at {self.path!r}: "
+                                f"{str(e).splitlines()[0]}") from None
+        self._sync_log(before, int(DeltaTable(self.path).version()))
 
     def table_state(self, app: str) -> tuple[str, int | None] | None:
         from deltalake import DeltaTable

@@ -79,9 +79,14 @@ class IcebergSink(TableSink):
     columns instead (first write wins).
 
     Schema: with ``create=True`` a missing table (and namespace) is created from the
-    flow's columns; an existing table is never changed, and a column it lacks or a type
-    it cannot take stops the run naming the columns. A value that does not fit fails
-    only its message. A commit that loses the race to another writer is tried again
+    flow's columns. ``evolve=True`` (the default): before a batch with new columns is
+    written, ``table.update_schema().union_by_name(...)`` adds them (nullable), adds new
+    fields inside structs (also inside lists and map values) and makes Iceberg's
+    promotions (int -> long, float -> double; long -> double is not one: such a column
+    keeps its type and a value that is not a whole number fails its message).
+    ``evolve=False``: the table is never changed, and a column it lacks or a type it
+    cannot take is refused naming the columns. A value that does not fit fails only its
+    message. A commit that loses the race to another writer is tried again
     on the refreshed table (``COMMIT_RETRIES``). Files of a batch that never committed
     are in no snapshot (remove them with an orphan-file clean-up that spares files
     younger than a batch). Passwords in the catalog URL never appear in errors or logs.
@@ -98,6 +103,7 @@ class IcebergSink(TableSink):
     """
 
     POINTS = ("iceberg.before_commit", "iceberg.after_commit", "iceberg.after_record")
+    EVOLVED_POINT = "iceberg.evolved"
     #: inside the commit, between the catalog's commit and ``after_commit``
     SYNC_POINTS = ("iceberg.committed", "iceberg.synced_data", "iceberg.synced_manifests",
                    "iceberg.synced_manifest_list")
@@ -106,9 +112,10 @@ class IcebergSink(TableSink):
                  key: Sequence[str] | str | None = None, create: bool = True,
                  warehouse: str | None = None, manifest: str | None = None,
                  key_column: str = "ackflow_key", compression: str = "snappy",
-                 keep_snapshots: int | None = 20, name: str = "iceberg") -> None:
+                 keep_snapshots: int | None = 20, evolve: bool = True,
+                 name: str = "iceberg") -> None:
         super().__init__(name, key=key, key_column=key_column, create=create,
-                         compression=compression)
+                         compression=compression, evolve=evolve)
         if keep_snapshots is not None and (not isinstance(keep_snapshots, int)
                                            or keep_snapshots < 1):
             raise ConfigError(f"sink {name!r}: keep_snapshots must be a positive integer (or "
@@ -244,6 +251,43 @@ class IcebergSink(TableSink):
             raise FlowError(self.name, f"{self.describe()} is partitioned; ackflow's Iceberg "
                             "sink writes unpartitioned tables only")
         return schema_to_pyarrow(table.schema(), include_field_ids=False), []
+
+    def promote(self, have: Any, want: Any) -> bool:
+        from ackflow.sinks.evolution import promote_ints
+
+        return promote_ints(have, want)
+
+    def holds(self, field: Any) -> bool:
+        import pyarrow as pa
+        from pyiceberg.io.pyarrow import _ConvertToIcebergWithoutIDs, visit_pyarrow
+
+        try:
+            visit_pyarrow(pa.schema([field]), _ConvertToIcebergWithoutIDs())
+        except Exception:  # noqa: BLE001 - a type Iceberg cannot hold: refused, named
+            return False
+        return True
+
+    def evolve_table(self, schema: Any) -> None:
+        """``update_schema().union_by_name(schema)`` on the freshly loaded table; a commit
+        that lost the race to another writer is made again on the refreshed table (where
+        the union may have nothing left to do)."""
+        from pyiceberg.exceptions import CommitFailedException
+
+        for attempt in range(COMMIT_RETRIES + 1):
+            table = self._load()
+            try:
+                with table.update_schema() as update:
+                    update.union_by_name(schema)
+                return
+            except CommitFailedException as e:
+                if attempt == COMMIT_RETRIES:
+                    raise FlowError(self.name, self._hide(
+                        f"evolving {self.describe()} lost the race {attempt + 1} times: "
+                        f"{_first(e)}")) from None
+                time.sleep(min(1.0, 0.02 * 2 ** attempt))
+            except Exception as e:  # noqa: BLE001 - reported as what to fix
+                raise FlowError(self.name, self._hide(f"cannot evolve {self.describe()}: "
+                                                      f"{_first(e)}")) from None
 
     def create_table(self, schema: Any) -> None:
         import pyarrow as pa

@@ -115,9 +115,11 @@ class TableSink(Sink):
     #: fault point names, in order: before the table commit, after it (keys not yet
     #: recorded), after the record (nothing acked yet)
     POINTS: tuple[str, str, str] = ("", "", "")
+    #: fault point after the table's schema was evolved, before prepare returns
+    EVOLVED_POINT = ""
 
     def __init__(self, name: str, *, key: Sequence[str] | str | None, key_column: str,
-                 create: bool, compression: str) -> None:
+                 create: bool, compression: str, evolve: bool = True) -> None:
         super().__init__(name)
         if isinstance(key, str):
             key = [key]
@@ -127,6 +129,7 @@ class TableSink(Sink):
         self.key = list(key) if key is not None else None
         self.key_column = key_column
         self.create = create
+        self.evolve = evolve
         self.compression = compression
         self.target: Any = None  # the data files' pyarrow schema, set by prepare
         self.partition_by: list[str] = []
@@ -190,6 +193,19 @@ class TableSink(Sink):
     def fmt_type(self, t: Any) -> str:
         return str(t)
 
+    def promote(self, have: Any, want: Any) -> bool:
+        """Whether the table format widens a column of type ``have`` to ``want``."""
+        return False
+
+    def holds(self, field: Any) -> bool:
+        """Whether the table format can hold a column like ``field`` (``pyarrow.Field``)."""
+        return True
+
+    def evolve_table(self, schema: Any) -> None:
+        """Change the table's schema to ``schema`` (:func:`~ackflow.sinks.evolution.evolved`
+        of the live table's: only additions and widenings; idempotent)."""
+        raise NotImplementedError
+
     # -- driver side: start and schema --------------------------------------------------
 
     def open(self) -> None:
@@ -231,7 +247,9 @@ class TableSink(Sink):
 
     def prepare(self, schema: Any) -> None:
         """Create the table (``create=True``) or check that it takes the flow's columns;
-        otherwise stop the run naming the columns (the table is never changed)."""
+        with ``evolve=True`` first grow it to take them (new columns, new struct fields,
+        the format's widenings: :mod:`ackflow.sinks.evolution`); what it still cannot
+        take is refused naming the columns (:class:`ColumnsRefused`)."""
         signature = tuple(f"{f.name}:{f.type}" for f in schema)
         if signature in self._prepared:
             return
@@ -249,6 +267,24 @@ class TableSink(Sink):
             found = self.table_schema()
             assert found is not None
         table, partitions = found
+        if self.evolve:
+            from ackflow.sinks.evolution import evolved
+
+            grown, changes = evolved(table, incoming, self.promote, self.holds)
+            if changes:
+                assert self._lock is not None
+                with self._lock:  # never beside this process's own commit of a batch
+                    found = self.table_schema()  # live: another process may have done it
+                    assert found is not None
+                    grown, changes = evolved(found[0], incoming, self.promote, self.holds)
+                    if changes:
+                        self.evolve_table(grown)
+                        log.info("sink %r: evolved %s: %s", self.name, self.describe(),
+                                 "; ".join(changes))
+                faults.point(self.EVOLVED_POINT)
+                found = self.table_schema()
+                assert found is not None
+                table, partitions = found
         lacking = [f.name for f in incoming if f.name not in table.names]
         if lacking:
             raise ColumnsRefused(
@@ -529,6 +565,15 @@ def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
             arrays.append(pa.nulls(n, field.type))
             continue
         col = data.column(field.name)
+        if pa.types.is_nested(col.type) and not col.type.equals(field.type):
+            # a cast to a struct without some field drops its values silently: fail the
+            # rows that hold one instead (the rows without lose nothing)
+            for path, rows in outside_fields(col.combine_chunks(), field.type,
+                                             field.name).items():
+                for i in rows:
+                    failed.setdefault(i, f"column {field.name!r}: the table has no field "
+                                      f"{path!r} (its type is {field.type}); the row's "
+                                      "value there would be lost")
         try:
             arrays.append(col.cast(field.type, safe=True))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError):
@@ -548,6 +593,47 @@ def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
                     failed.setdefault(i, f"column {field.name!r} is NOT NULL and the row has "
                                       "no value")
     return pa.table(arrays, schema=target), failed
+
+
+def outside_fields(array: Any, dst: Any, path: str) -> dict[str, list[int]]:
+    """Nested fields of ``array`` that type ``dst`` lacks (a struct field, also inside
+    lists and map values), each with the rows (indexes into ``array``) holding a
+    non-null value there."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.types as t
+
+    out: dict[str, list[int]] = {}
+    src = array.type
+    valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    if t.is_struct(src) and t.is_struct(dst):
+        for i in range(src.num_fields):
+            name = src.field(i).name
+            child = array.field(i)
+            j = dst.get_field_index(name)
+            if j < 0:
+                held = valid & np.asarray(child.is_valid().to_numpy(zero_copy_only=False),
+                                          dtype=bool)
+                if held.any():
+                    out[f"{path}.{name}"] = np.flatnonzero(held).tolist()
+                continue
+            for p, rows in outside_fields(child, dst.field(j).type, f"{path}.{name}").items():
+                kept = [r for r in rows if valid[r]]
+                if kept:
+                    out[p] = kept
+        return out
+    lists = (t.is_list, t.is_large_list)
+    maps = t.is_map(src) and t.is_map(dst)
+    if maps or (any(f(src) for f in lists) and any(f(dst) for f in lists)):
+        # a map's entries as a list of its values (null entries hold none)
+        flat = pa.ListArray.from_arrays(array.offsets, array.items) if maps else array
+        values = flat.flatten()
+        parents = pc.list_parent_indices(flat).to_numpy(zero_copy_only=False)
+        inner = dst.item_type if maps else dst.value_type
+        for p, rows in outside_fields(values, inner, f"{path}[]").items():
+            out[p] = sorted({int(parents[r]) for r in rows})
+    return out
 
 
 def _value(one: Any) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ackflow import faults
 from ackflow.core.durable import WriteTx, fsync_dir, open_db, try_lock
-from ackflow.core.errors import ConfigError
+from ackflow.core.errors import ColumnsRefused, ConfigError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
 
@@ -29,8 +29,10 @@ class ParquetSink(Sink):
     replaced atomically, so a retried task attempt overwrites rather than adds).
     When the job has succeeded, the driver commits the batch: one ``rename`` of the
     staging directory, so a batch is either wholly visible or not at all. Read the
-    result with ``pyarrow.parquet.read_table(PATH)`` or ``spark.read.parquet(PATH)``;
-    the ``batch`` column names the batch a row came in.
+    result with ``spark.read.parquet(PATH)``, or with pyarrow in the dataset's schema
+    (``schema=pyarrow.parquet.read_schema(PATH + "/_common_metadata")``: without it a
+    dataset whose schema grew is read in one file's schema); the ``batch`` column names
+    the batch a row came in.
 
     Effectively-once (``dedupe=True``, the default): the sink keeps a manifest,
     ``PATH/_manifest.db`` (SQLite), of the committed batches and of every row key
@@ -63,11 +65,23 @@ class ParquetSink(Sink):
 
     The driver and the executors must see the same ``PATH`` (local mode, or a
     shared file system on a cluster).
+
+    The dataset's schema is kept in ``PATH/_common_metadata`` (a Parquet footer without
+    rows, written atomically by :meth:`prepare`: the first batch's columns; with
+    ``evolve=True``, the default, grown by each batch that brings new columns, new
+    struct fields, or a widening Spark reads in older files: int8/16/32 to int64 or
+    float64, float32 to float64). Every file is written in that schema (a narrower type
+    of a later batch is cast to the stored one); files of older batches keep theirs.
+    int64 never becomes float64 (Spark cannot read an INT64 file column as double): the
+    column stays int64 and a value that is not a whole number fails its message.
+    ``evolve=False``: a column outside the stored schema is refused (the rows holding
+    a value in it fail alone). How Spark, pyarrow and polars read such a dataset as
+    one table: README, "Parquet: a schema that grows".
     """
 
     def __init__(self, path: str | os.PathLike[str], *, name: str = "parquet",
                  compression: str = "snappy", dedupe: bool = True,
-                 dedupe_retention_s: float | None = None) -> None:
+                 dedupe_retention_s: float | None = None, evolve: bool = True) -> None:
         super().__init__(name)
         if dedupe_retention_s is not None and dedupe_retention_s <= 0:
             raise ConfigError(f"sink {name!r}: dedupe_retention_s must be positive (or None "
@@ -78,14 +92,82 @@ class ParquetSink(Sink):
         self.wants_keys = dedupe
         self.dedupe_retention_s = dedupe_retention_s
         self._last_sweep = 0.0
+        self.evolve = evolve
+        self.target: Any = None  # the dataset's schema, set by prepare
         self._lock_fd: int | None = None
         self._commit_lock = threading.Lock()
+        self._schema_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # tasks get the configuration only
         state = dict(self.__dict__)
         state["_lock_fd"] = None
         state["_commit_lock"] = None
+        state["_schema_lock"] = None
         return state
+
+    @property
+    def schema_file(self) -> str:
+        return os.path.join(self.path, "_common_metadata")
+
+    def stored_schema(self) -> Any:
+        """The dataset's schema (``_common_metadata``), or None before the first batch."""
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_schema(self.schema_file)
+        except FileNotFoundError:
+            return None
+
+    def _store_schema(self, schema: Any) -> None:
+        import pyarrow.parquet as pq
+
+        os.makedirs(self.path, exist_ok=True)
+        tmp = os.path.join(self.path, f"._common_metadata.{uuid.uuid4().hex}.tmp")
+        pq.write_metadata(schema, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.schema_file)
+        fsync_dir(self.path)
+
+    def prepare(self, schema: Any) -> None:
+        """Record the dataset's schema at the first batch; with ``evolve=True`` grow it
+        to take ``schema`` (see the class docstring); refuse what it cannot take."""
+        import pyarrow as pa
+
+        from ackflow.sinks.evolution import evolved, promote_parquet
+        from ackflow.sinks.lakehouse import can_take
+
+        incoming = pa.schema([f.with_nullable(True) for f in schema if f.name != KEY])
+        assert self._schema_lock is not None
+        with self._schema_lock:  # re-read each time: the file is the truth after a crash
+            stored = self.stored_schema()
+            if stored is None:
+                self._store_schema(incoming)
+                stored = incoming
+            elif self.evolve:
+                grown, changes = evolved(stored, incoming, promote_parquet)
+                if changes:
+                    self._store_schema(grown)
+                    log.info("sink %r: evolved the schema of %s: %s", self.name, self.path,
+                             "; ".join(changes))
+                    faults.point("parquet.evolved")
+                    stored = grown
+        where = f"the Parquet dataset {self.path!r}"
+        lacking = [n for n in incoming.names if n not in stored.names]
+        if lacking:
+            raise ColumnsRefused(
+                self.name, f"{where} has no column(s) {', '.join(lacking)} (evolve=False); "
+                "write them to another path, or pass evolve=True",
+                {c: f"{where} has no such column (evolve=False)" for c in lacking})
+        wrong = {f.name: f"{f.type} into {stored.field(f.name).type}" for f in incoming
+                 if not can_take(f.type, stored.field(f.name).type)}
+        if wrong:
+            raise ColumnsRefused(
+                self.name, f"{where} cannot take column(s) "
+                f"{', '.join(f'{c} ({t})' for c, t in wrong.items())}; cast them in the flow",
+                {c: f"{where} cannot take {t}" for c, t in wrong.items()},
+                retype={c: stored.field(c).type for c in wrong})
+        self.target = stored
 
     @property
     def staging(self) -> str:
@@ -145,6 +227,7 @@ class ParquetSink(Sink):
             self._lock_fd = None
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         if rows.num_rows == 0:
@@ -153,13 +236,34 @@ class ParquetSink(Sink):
         if KEY in rows.column_names:
             keys = rows.column(KEY).to_pylist()
             rows = rows.drop_columns([KEY])
+        failed: dict[int, str] = {}
+        if self.target is not None and not rows.schema.equals(self.target):
+            rows, failed = self._conform(rows)
+            if failed:
+                kept = [i not in failed for i in range(rows.num_rows)]
+                rows = rows.filter(pa.array(kept))
+                keys = None if keys is None else [k for k, m in zip(keys, kept,
+                                                                     strict=True) if m]
+                if rows.num_rows == 0:
+                    return PartitionResult(failed=failed)
         folder = os.path.join(self.staging, batch_id)
         os.makedirs(folder, exist_ok=True)
         final = os.path.join(folder, f"part-{partition:05d}.parquet")
         _write_atomically(rows, final, self.compression, pq)  # the file and its folder
         fsync_dir(self.staging)  # the folder's entry in _staging
-        return PartitionResult(token=json.dumps({"file": final, "keys": keys,
-                                                 "rows": rows.num_rows}).encode())
+        return PartitionResult(failed=failed, token=json.dumps(
+            {"file": final, "keys": keys, "rows": rows.num_rows}).encode())
+
+    def _conform(self, rows: Any) -> tuple[Any, dict[int, str]]:
+        """The rows in the dataset's schema (columns it has and the rows lack are null; a
+        value that does not fit the stored type fails its row)."""
+        from ackflow.sinks.lakehouse import conform
+
+        extra = [c for c in rows.column_names if c not in self.target.names]
+        if extra:  # never dropped silently: the job fails, its messages are retried
+            raise RuntimeError(f"sink {self.name!r}: column(s) {', '.join(extra)} are not in "
+                               f"the dataset's schema; prepare() was not given them")
+        return conform(rows, self.target)
 
     def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
         if not tokens:

@@ -64,6 +64,15 @@ def pg_type(t: Any) -> str:
     return "text"
 
 
+#: column type -> the wider types ``evolve=True`` may change it to (no value changes)
+WIDER = {
+    "smallint": ("integer", "bigint", "double precision"),
+    "integer": ("bigint", "double precision"),
+    "bigint": ("double precision",),
+    "real": ("double precision",),
+}
+
+
 class PostgresSink(Sink):
     """Write rows to ``table`` with keyed upserts (or inserts that keep the first write).
 
@@ -86,15 +95,27 @@ class PostgresSink(Sink):
     partition (its messages are retried), never acks it.
 
     ``create=True`` creates the table from the flow's columns if it does not exist;
-    otherwise the table must exist and have every column the flow writes (checked
-    before the first write: a missing column stops the run with its name).
+    otherwise the table must exist.
+
+    ``evolve=True`` (the default): before a batch with new columns is written, the table
+    is changed to take them, in one transaction that holds the table's lock and re-reads
+    its columns first (so a repeated prepare, or another process that evolved it first,
+    changes nothing): ``ADD COLUMN IF NOT EXISTS`` (nullable, typed like ``create=True``;
+    nested values are ``jsonb``, so new struct fields need no change) and safe widening,
+    ``ALTER COLUMN ... TYPE`` smallint -> integer -> bigint -> double precision and
+    real -> double precision (never narrower; a key column never becomes a double).
+    If the change is refused (no privilege on a table someone else owns), or with
+    ``evolve=False``, the table is left as it is: a column it lacks is refused (the rows
+    holding a value in it fail alone) and a wider value fails its row only if the
+    column cannot hold it.
     """
 
     wants_keys = True
 
     def __init__(self, dsn: str, table: str, *, key: Sequence[str] | None = None,
                  mode: str = "upsert", create: bool = False, key_column: str = "ackflow_key",
-                 connect_timeout: float = 10, name: str | None = None) -> None:
+                 connect_timeout: float = 10, evolve: bool = True,
+                 name: str | None = None) -> None:
         super().__init__(name or f"postgres:{table}")
         if mode not in MODES:
             raise ConfigError(f"sink {self.name!r}: mode must be one of {MODES}, got {mode!r}")
@@ -111,6 +132,7 @@ class PostgresSink(Sink):
         self.key = list(key) if key is not None else None
         self.mode = mode
         self.create = create
+        self.evolve = evolve
         self.key_column = key_column
         self.connect_timeout = connect_timeout
         self._prepared: set[tuple[str, ...]] = set()
@@ -210,6 +232,11 @@ class PostgresSink(Sink):
             if not have:
                 raise FlowError(self.name, f"table {self.table!r} does not exist; create it, "
                                 "or pass create=True")
+            if self.evolve and self._evolve(conn, schema, columns):
+                faults.point("postgres.evolved")
+                have = {r[0] for r in conn.execute(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                    "AND attnum > 0 AND NOT attisdropped", [ident.as_string(conn)])}
             unfilled = sorted(r[0] for r in attrs if r[1] and r[0] not in columns)
             if unfilled:  # every insert would fail: the table's problem, not a row's
                 raise FlowError(self.name, f"table {self.table!r} has NOT NULL column(s) "
@@ -231,6 +258,58 @@ class PostgresSink(Sink):
                     f"{str(e).strip().splitlines()[0]} (the key needs a PRIMARY KEY or a "
                     "UNIQUE index on exactly those columns)")) from None
         self._prepared.add(signature)
+
+    def _alterations(self, conn: Any, schema: Any, columns: list[str]) -> list[Any]:
+        """The ALTER TABLE clauses that make the live table take ``schema``: new columns,
+        and widenings along :data:`WIDER` (nothing for a table that takes it already)."""
+        from psycopg import sql
+
+        current = dict(conn.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+            "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+            [self._ident().as_string(conn)]).fetchall())
+        types = {f.name: pg_type(f.type) for f in schema}
+        types.setdefault(self.key_column, "text")
+        clauses = []
+        for c in columns:
+            if c not in current and c not in self.conflict_key:  # a key needs its index
+                clauses.append(sql.SQL("ADD COLUMN IF NOT EXISTS {} {}").format(
+                    sql.Identifier(c), sql.SQL(types[c])))
+            elif types[c] in WIDER.get(current[c], ()) and not (
+                    c in self.conflict_key and types[c] == "double precision"):
+                clauses.append(sql.SQL("ALTER COLUMN {} TYPE {}").format(
+                    sql.Identifier(c), sql.SQL(types[c])))
+        return clauses
+
+    def _evolve(self, conn: Any, schema: Any, columns: list[str]) -> bool:
+        """Change the table to take ``schema`` (see the class docstring); True if it did.
+        A change the server refuses is logged and left out (the columns are refused)."""
+        import psycopg
+        from psycopg import sql
+
+        conn.commit()  # end the reading transaction: the change holds its own lock
+        needed = bool(self._alterations(conn, schema, columns))
+        conn.commit()
+        if not needed:
+            return False
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
+                    self._ident()))
+                clauses = self._alterations(conn, schema, columns)  # under the lock: live
+                if clauses:
+                    conn.execute(sql.SQL("ALTER TABLE {} {}").format(
+                        self._ident(), sql.SQL(", ").join(clauses)))
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as e:
+            log.warning("sink %r: cannot evolve table %r (%s); it is left as it is", self.name,
+                        self.table, self._hide(_describe_pg(e)))
+            return False
+        if clauses:
+            log.info("sink %r: evolved table %r: %s", self.name, self.table,
+                     "; ".join(c.as_string(conn) for c in clauses))
+        return True
 
     def columns(self, data_cols: Sequence[str]) -> list[str]:
         """The table columns written: the flow's, plus ackflow's key column by default."""
