@@ -224,9 +224,12 @@ class DeltaSink(TableSink):
                                     f"lost the race {attempt + 1} times: "
                                     f"{str(e).splitlines()[0]}") from None
                 time.sleep(min(1.0, 0.02 * 2 ** attempt))
-            except Exception as e:  # noqa: BLE001 - reported as what to fix
-                raise FlowError(self.name, f"cannot evolve the Delta table at {self.path!r}: "
-                                f"{str(e).splitlines()[0]}") from None
+            except OSError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the table stays: its columns are refused
+                log.warning("sink %r: cannot evolve the Delta table at %s (%s); it is left "
+                            "as it is", self.name, self.path, str(e).splitlines()[0])
+                return
         self._sync_log(before, int(DeltaTable(self.path).version()))
 
     def table_state(self, app: str) -> tuple[str, int | None] | None:

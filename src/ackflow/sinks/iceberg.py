@@ -285,9 +285,12 @@ class IcebergSink(TableSink):
                         f"evolving {self.describe()} lost the race {attempt + 1} times: "
                         f"{_first(e)}")) from None
                 time.sleep(min(1.0, 0.02 * 2 ** attempt))
-            except Exception as e:  # noqa: BLE001 - reported as what to fix
-                raise FlowError(self.name, self._hide(f"cannot evolve {self.describe()}: "
-                                                      f"{_first(e)}")) from None
+            except OSError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the table stays: its columns are refused
+                log.warning("sink %r: cannot evolve %s (%s); it is left as it is", self.name,
+                            self.describe(), self._hide(_first(e)))
+                return
 
     def create_table(self, schema: Any) -> None:
         import pyarrow as pa
