@@ -79,6 +79,8 @@ from ackflow.spark.rows import (
 
 log = logging.getLogger("ackflow.engine")
 
+#: a probe runs the steps over one message in this many (see Plan.probe)
+PROBE_STRIDE = 20
 INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
                           (SRC, pa.int32()), (HDR, pa.string())])
 
@@ -138,6 +140,8 @@ class Plan:
         self.schema_scope = "rows:" if rows_input else ""  # two plans, one store
         #: every evolution of this run: segment, version, changes, brought_by
         self.schema_changes: list[dict[str, Any]] = []
+        #: segments whose columns changed lately: each batch is probed first (see probe)
+        self._probing: set[tuple[int, ...]] = set()
         self._data_columns: set[str] = set()  # every column name inferred from data
         #: (sink, schema signature) -> columns its table refused (name -> why), and
         #: columns it takes value by value in its own type (name -> type)
@@ -365,7 +369,35 @@ class Plan:
                 self._schemas[index] = merged
                 self._data_columns.update(merged.names)
                 self._note(segment, version, changes, brought)
+                if index == (0,):
+                    self._probing.add(index)
         return refused
+
+    def probe(self, index: tuple[int, ...], seg: Segment,
+              sample: Callable[[Any], list[tuple[str, int]]], data_in: list[str] | None,
+              lineage: str) -> None:
+        """While the first segment's columns keep changing (a producer rolling out new
+        fields), each batch first runs its steps over every ``PROBE_STRIDE``-th message
+        and evolves the columns with what they bring: most rows of the batch then fit,
+        and few run again after a schema miss. A probe that finds nothing new ends the
+        probing until the next evolution. Only an optimisation: misses stay correct."""
+        if index not in self._probing:
+            return
+        sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage,
+                               stride=PROBE_STRIDE)
+        found = pa.schema([])
+        for text, _ in sample(sampler):
+            found = merge_schemas(found, from_text(text))[0]
+        name = self.segment_name(index, seg)
+        with self._lock:
+            current = self._schemas.get(index)
+        if current is None:
+            return
+        if not merge_schemas(current, _new_fields_safe(current, found))[1]:
+            with self._lock:
+                self._probing.discard(index)
+            return
+        self.evolve([(name, found, "a probe of its batch")])
 
     def input_table(self, deliveries: Sequence[Delivery]) -> pa.Table:
         """One Arrow table, chunked so the executor makes ``parallelism`` partitions of it.
@@ -492,8 +524,11 @@ class CompiledFlow(Plan):
         for index, seg in enumerate(segs):
             if seg.python:
                 data_in = None if decode and index == 0 else data_cols
-                schema = self._schema((*key, index), seg, functools.partial(self._sample, df),
-                                      data_in, lineage)
+                sample = functools.partial(self._sample, df)
+                schema = self._schema((*key, index), seg, sample, data_in, lineage)
+                if schema is not None and (*key, index) in self._probing:
+                    self.probe((*key, index), seg, sample, data_in, lineage)
+                    schema = self._schemas[(*key, index)]
                 dead_end = schema is None  # no live row past this segment in this batch
                 if schema is None:
                     schema = pa.schema([])

@@ -140,8 +140,11 @@ class LocalFlow(Plan):
                decode: bool) -> tuple[Partitions, pa.Schema, bool]:
         for index, seg in enumerate(segs):
             data_in = None if decode and index == 0 else list(schema.names)
-            out = self._schema((*key, index), seg, functools.partial(self._sample, parts),
-                               data_in, lineage)
+            sample = functools.partial(self._sample, parts)
+            out = self._schema((*key, index), seg, sample, data_in, lineage)
+            if out is not None and (*key, index) in self._probing:
+                self.probe((*key, index), seg, sample, data_in, lineage)
+                out = self._schemas[(*key, index)]
             dead_end = out is None
             schema = out if out is not None else pa.schema([])
             out_schema = pa.schema([*schema, *internal_schema(lineage)])

@@ -644,17 +644,20 @@ def make_segment(
 
 def make_sampler(
     steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None,
-    lineage: str = ID,
+    lineage: str = ID, stride: int = 1,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function returning, per partition, the columns inferred from
     every good output row of the steps (a schema as text, see
     :func:`~ackflow.core.schema.to_text`), and how many rows it saw: a field that
-    appears in one row of the batch takes part."""
+    appears in one row of the batch takes part. ``stride`` > 1: only every
+    ``stride``-th message is run (a probe, see ``Plan.probe``)."""
     name = steps[-1].name if steps else "decode"
 
     def sample(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         good: list[dict[str, Any]] = []
         for b in batches:
+            if stride > 1:
+                b = b.take(pa.array(range(0, b.num_rows, stride), pa.int64()))
             ids = b.column(lineage).to_pylist()
             if data_in is None:
                 rows, status, _, _ = decode_batch(b, formats)
