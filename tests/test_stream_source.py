@@ -204,3 +204,40 @@ def test_a_broker_restart_with_messages_in_flight_loses_and_repeats_nothing(rabb
     assert seen["down"], "ackflow_source_connected stayed 1 while the broker was down"
     assert gauge(engine) == 1
     assert _stored_offset(rabbitmq, stream, "c1") == committed - 1
+
+
+def test_a_deleted_stream_stops_the_run_with_one_line(rabbitmq):
+    """Issue 27 #9: a stream deleted under the consumer: the source reconnects, finds it
+    missing, and after gone_timeout_s stops with SourceGone naming the stream."""
+    import asyncio
+    import time
+
+    from rstream import Producer
+
+    from ackflow.core.errors import SourceGone
+
+    stream = names("s")
+    stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(5)])
+    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
+                         reconnect_max_s=0.2, gone_timeout_s=1.0)
+    src.configure(max_inflight=10, error_sink=True)
+    src.open()
+    try:
+        got = []
+        while len(got) < 5:
+            got += src.pull(5, 2.0)
+        src.ack(got)
+
+        async def delete():
+            async with Producer("127.0.0.1", rabbitmq.stream_port, username="guest",
+                                password="guest") as p:
+                await p.delete_stream(stream)
+
+        asyncio.run(delete())
+        deadline = time.monotonic() + 30
+        with pytest.raises(SourceGone, match=f"stream '{stream}' does not exist"):
+            while time.monotonic() < deadline:
+                src.pull(5, 0.1)
+        assert not src.connected
+    finally:
+        src.close()
