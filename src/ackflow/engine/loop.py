@@ -840,8 +840,9 @@ class Engine:
                 self._connected_seen = connected
                 self.metrics.source_connected.set(1 if connected else 0)
             if (not connected or self.systemic.episode is not None
-                    or now < self._pause_until):
-                # reconnecting, or a systemic (or suspect) failure gave messages back: not idle
+                    or now < self._pause_until or source.retries_waiting):
+                # reconnecting, a systemic (or suspect) failure gave messages back, or
+                # failed messages wait for their retry at the source: not idle
                 last_message = time.monotonic()
             now = time.monotonic()
             if pending and len(self._running) < self.max_concurrent and (

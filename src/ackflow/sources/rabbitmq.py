@@ -600,6 +600,11 @@ class RabbitMQSource(Source):
         """A channel, and no consumer the broker cancelled waiting to consume again."""
         return self._ch is not None and not self._cancelled
 
+    @property
+    def retries_waiting(self) -> int:
+        """Failed deliveries whose nack waits for its backoff (held on the channel)."""
+        return len(self._delayed)
+
     def take_lost(self) -> list[Delivery]:
         lost, self._lost = self._lost, []
         return lost

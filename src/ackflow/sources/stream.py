@@ -200,6 +200,10 @@ class RabbitMQStreamSource(Source):
     def connected(self) -> bool:
         return self._connected
 
+    @property
+    def retries_waiting(self) -> int:
+        return len(self._retry)
+
     def _reconnect(self) -> None:
         """Connect again with backoff (the engine's thread, from ``pull``). A stream that
         stays missing for ``gone_timeout_s`` stops the run (:class:`SourceGone`)."""
