@@ -5,11 +5,13 @@ broker's dead-letter queue), how many deliveries it spent, and that none is lost
 README's "What a release costs" table and the RabbitMQ section claim.
 
 Queue kinds: classic; quorum; quorum with ``x-delivery-limit: 1``. Dead-letter routes:
-none (the source refuses to start); the flow's error sink (``on_error``); the queue's
-own ``x-dead-letter-exchange`` (``reject_to_dlx=True``). Events: a poison message; a
-transient failure then success; a stop with messages waiting (release; they failed once
-before, so a quorum queue with a limit holds them at their last delivery); a systemic
-failure (a sink down for every message) given back until the sink heals.
+none (the source refuses to start; so does a dead-letter exchange named but missing);
+the flow's error sink (``on_error``); the queue's own ``x-dead-letter-exchange``
+(``reject_to_dlx=True``); ackflow's copies with provenance (``dead_letter_exchange=``).
+Events: a poison message; a transient failure then success; a stop with messages
+waiting (release; they failed once before, so a quorum queue with a limit holds them at
+their last delivery); a systemic failure (a sink down for every message) given back
+until the sink heals.
 
 One broker for the session, the in-process executor (no Spark: the source's and the
 engine's behaviour is what is tested), a few small messages per cell.
@@ -46,14 +48,14 @@ MAX_DELIVERIES = 4  # the retry policy's; a quorum queue's limit of 1 binds firs
 #: a retry's backoff longer than the until_idle wait: a run must not end as idle while the
 #: source holds a failed message for its retry (it did: the message was neither retried
 #: nor dead-lettered in that run, and went back to the queue when the channel closed)
-BACKOFF_S, IDLE_S = 0.5, 0.3
+BACKOFF_S, IDLE_S = 0.35, 0.2
 LIMIT = 1
 KINDS = {
     "classic": {"x-queue-type": "classic"},
     "quorum": {"x-queue-type": "quorum"},
     "quorum-limit": {"x-queue-type": "quorum", "x-delivery-limit": LIMIT},
 }
-ROUTES = ("error-sink", "broker-dlx")
+ROUTES = ("error-sink", "broker-dlx", "ackflow-dlx")
 EVENTS = ("poison", "transient", "release", "systemic")
 
 
@@ -108,10 +110,11 @@ class Cell:
         args = dict(KINDS[kind])
         conn = connect(url)
         ch = conn.channel()
-        if route == "broker-dlx":
+        if route in ("broker-dlx", "ackflow-dlx"):
             ch.exchange_declare(self.dlx, "fanout", durable=True)
             ch.queue_declare(self.dead_queue, durable=True)
             ch.queue_bind(self.dead_queue, self.dlx)
+        if route == "broker-dlx":
             args["x-dead-letter-exchange"] = self.dlx
         ch.queue_declare(self.queue, durable=True, arguments=args)
         conn.close()
@@ -127,7 +130,8 @@ class Cell:
         return Counting(self.url, self.queue, name=self.queue,
                         policy=RetryPolicy(max_deliveries=MAX_DELIVERIES, backoff_s=BACKOFF_S,
                                            max_backoff_s=BACKOFF_S),
-                        reject_to_dlx=self.route == "broker-dlx")
+                        reject_to_dlx=self.route == "broker-dlx",
+                        dead_letter_exchange=self.dlx if self.route == "ackflow-dlx" else None)
 
     def left(self, queue: str) -> list[tuple[int, dict]]:
         """Take every message of ``queue``: (n, headers)."""
@@ -140,7 +144,9 @@ class Cell:
             method, props, body = ch.basic_get(queue, auto_ack=True)
             if method is None:
                 break
-            out.append((json.loads(body)["n"], dict(props.headers or {})))
+            headers = dict(props.headers or {})
+            headers["redelivered"] = method.redelivered
+            out.append((json.loads(body)["n"], headers))
         conn.close()
         return out
 
@@ -181,6 +187,12 @@ def dead_letters(cell: Cell, dead: Memory | None) -> dict[int, dict]:
                                              "deliveries": r["deliveries"]}
                 for r in dead.rows}
     out = {}
+    if cell.route == "ackflow-dlx":  # ackflow's copies, with their provenance headers
+        for n, h in cell.left(cell.dead_queue):
+            out[n] = {"step": h["x-ackflow-step"].decode() if isinstance(
+                h["x-ackflow-step"], bytes) else h["x-ackflow-step"],
+                "error": str(h["x-ackflow-error"]), "deliveries": h["x-ackflow-deliveries"]}
+        return out
     for n, h in cell.left(cell.dead_queue):
         death = h["x-death"][0]
         out[n] = {"reason": death["reason"].decode() if isinstance(death["reason"], bytes)
@@ -224,6 +236,22 @@ def test_no_dead_letter_route_is_refused_at_start(url, kind):
     assert [n for n, _ in cell.left(cell.queue)] == [0]
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_dead_letter_exchange_named_but_missing_is_refused_at_start(url, kind):
+    """README: a dead letter must reach a queue, proven at start: a queue whose
+    x-dead-letter-exchange does not exist is refused with one line."""
+    cell = Cell(url, kind, "none", "missing-dlx")
+    conn = connect(url)
+    q = cell.queue + "-m"
+    conn.channel().queue_declare(q, durable=True, arguments={
+        **KINDS[kind], "x-dead-letter-exchange": cell.id + "-nowhere"})
+    conn.close()
+    flow = Flow(RabbitMQ(url, q, reject_to_dlx=True)).map(step, name="check").to(Memory())
+    with pytest.raises(ConfigError, match="dead letters would be lost") as e:
+        Engine(flow, executor="local", until_idle=0.2, handle_signals=False).run()
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(("kind", "route", "event"), CELLS)
 def test_conformance(url, kind, route, event):
     cell = Cell(url, kind, route, event)
@@ -243,7 +271,7 @@ def test_conformance(url, kind, route, event):
         assert report.acked == 2
         assert report.dead_lettered == 1
         assert DELIVERED[(cell.id, 1)] == last  # deliveries spent
-        if route == "error-sink":
+        if route != "broker-dlx":
             assert dls[1]["step"] == "check" and "is poison" in dls[1]["error"]
             assert dls[1]["deliveries"] == last
         else:
@@ -289,7 +317,7 @@ def test_conformance(url, kind, route, event):
         if limited:  # README: at its last delivery a give-back would be dropped
             assert sorted(dls) == [0, 1, 2] and not queued
             assert report.dead_lettered == 3 and report.released == 0
-            if route == "error-sink":
+            if route != "broker-dlx":
                 assert {d["step"] for d in dls.values()} == {"release"}
                 assert {d["deliveries"] for d in dls.values()} == {2}
             else:
@@ -299,6 +327,9 @@ def test_conformance(url, kind, route, event):
             counts = {n: h.get("x-delivery-count") for n, h in left}
             if kind == "quorum":  # one failure and one give-back, each a delivery
                 assert set(counts.values()) == {2}, counts
+            else:  # classic: nothing the broker counts; it comes back redelivered
+                assert set(counts.values()) == {None}
+                assert all(h["redelivered"] for _, h in left)
             assert src.stats["nacks"] >= 6  # 3 failures and 3 give-backs
 
     else:  # systemic: the sink is down for every message until each was tried twice
@@ -324,7 +355,7 @@ def test_conformance(url, kind, route, event):
             # README: a message at its last delivery is dead-lettered with its failure
             # rather than given back for the broker to drop
             assert sorted(dls) == list(range(6)) and written == [6]
-            if route == "error-sink":
+            if route != "broker-dlx":
                 assert {d["step"] for d in dls.values()} == {"orders"}
                 assert all("connection refused" in d["error"] for d in dls.values())
         else:  # given back, never dead-lettered; written once the sink heals
