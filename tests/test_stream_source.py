@@ -241,3 +241,39 @@ def test_a_deleted_stream_stops_the_run_with_one_line(rabbitmq):
         assert not src.connected
     finally:
         src.close()
+
+
+PULLED = {}
+
+
+class CountingStream(RabbitMQStream):
+    def pull(self, max_messages, timeout):
+        got = super().pull(max_messages, timeout)
+        for d in got:
+            PULLED[d.key] = PULLED.get(d.key, 0) + 1
+        return got
+
+
+def fails_on_first_delivery(row):
+    if PULLED[row["key"]] == 1:
+        raise ConnectionError("a transient failure")
+    return row
+
+
+def test_an_idle_run_waits_for_the_retries_the_stream_holds(rabbitmq):
+    """A retry's backoff (1 s) longer than until_idle (0.3 s): before, the run ended as
+    idle with the failed message waiting in memory (never retried in that run, its offset
+    left uncommitted); now it is retried and acked, and the offset committed."""
+    from ackflow.engine.loop import Engine
+
+    stream = names("s")
+    stream_publish(rabbitmq, stream, [json.dumps({"key": f"{stream}@{i}"}).encode()
+                                      for i in range(3)])
+    src = CountingStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
+                         policy=RetryPolicy(max_deliveries=3, backoff_s=1.0))
+    sink = Memory()
+    report = Engine(ackflow.Flow(src).map(fails_on_first_delivery, name="flaky").to(sink)
+                    .on_error(Memory("dead")), executor="local", until_idle=0.3,
+                    batch_timeout_s=0.05, handle_signals=False).run()
+    assert report.nacked == 3 and report.acked == 3 and len(sink.rows) == 3
+    assert src.committed == 3 and _stored_offset(rabbitmq, stream, "c1") == 2
