@@ -3,6 +3,7 @@ stored offset follows the contiguous commit, poison goes to the error sink, a
 restart resumes after the stored offset and re-reads what was in flight."""
 
 import json
+import os
 
 import pytest
 
@@ -277,3 +278,44 @@ def test_an_idle_run_waits_for_the_retries_the_stream_holds(rabbitmq):
                     batch_timeout_s=0.05, handle_signals=False).run()
     assert report.nacked == 3 and report.acked == 3 and len(sink.rows) == 3
     assert src.committed == 3 and _stored_offset(rabbitmq, stream, "c1") == 2
+
+
+def test_a_frozen_broker_is_a_lost_connection(rabbitmq):
+    """A broker that stops answering without closing the socket (SIGSTOP: what a frozen
+    host or a half-open TCP connection looks like): rstream only logs missing heartbeats
+    and waits for ever; the source counts three silent heartbeat intervals as a lost
+    connection, reconnects once the broker answers, and reads on."""
+    import signal
+    import time
+
+    from helpers import wait_until
+
+    stream = names("s")
+    stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(5)])
+    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1", heartbeat_s=1,
+                         reconnect_max_s=0.5)
+    src.configure(max_inflight=50, error_sink=True)
+    src.open()
+    got = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(got) < 5 and time.monotonic() < deadline:
+            got += src.pull(5, 0.5)
+        src.ack(got)
+        os.killpg(rabbitmq.proc.pid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: src.pull(5, 0.1) == [] and not src.connected,
+                              timeout=30, every=0.1), "a silent broker went unnoticed"
+        finally:
+            os.killpg(rabbitmq.proc.pid, signal.SIGCONT)
+        assert wait_until(lambda: src.pull(5, 0.1) == [] and src.connected, timeout=60,
+                          every=0.1), "no reconnection"
+        stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(5, 8)])
+        more = []
+        deadline = time.monotonic() + 20
+        while len(more) < 3 and time.monotonic() < deadline:
+            more += src.pull(3, 0.5)
+        assert [json.loads(d.body)["n"] for d in more] == [5, 6, 7]
+        assert src.reconnects >= 1
+    finally:
+        src.close()

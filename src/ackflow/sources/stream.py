@@ -10,6 +10,7 @@ was not settled again.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import logging
 import queue as queue_mod
@@ -98,6 +99,8 @@ class RabbitMQStreamSource(Source):
         self._next_connect = 0.0
         self._backoff = 0.5
         self._gen = 0
+        self._lost_gen = -1
+        self._pending: concurrent.futures.Future[tuple[int, int]] | None = None
 
     def configure(self, *, max_inflight: int, error_sink: bool,
                   keepalive_s: float = 30.0) -> None:
@@ -119,7 +122,7 @@ class RabbitMQStreamSource(Source):
                                         daemon=True)
         self._thread.start()
         try:
-            start_at = self._run(self._subscribe())
+            start_at, self._stored = self._run(self._subscribe(None))
         except ConfigError:
             self.close()
             raise
@@ -136,13 +139,14 @@ class RabbitMQStreamSource(Source):
                          self.stream, self._stored)
         return 0
 
-    async def _subscribe(self) -> int:
+    async def _subscribe(self, committed: int | None) -> tuple[int, int]:
         """Connect and subscribe (the loop's thread). The first time: after the stored
-        offset, else at ``offset``. After a lost connection: at the committed offset (the
-        first one not settled), so that nothing unsettled is skipped; what is already in
-        memory (in flight, waiting for a retry, received) is not handed out twice
-        (``pull`` skips offsets up to the last one received). Returns the first offset
-        known to come (-1: not known yet)."""
+        offset, else at ``offset``. After a lost connection: at ``committed`` (the first
+        offset not settled, as the engine's thread saw it), so that nothing unsettled is
+        skipped; what is already in memory (in flight, waiting for a retry, received) is
+        not handed out twice (``pull`` skips offsets up to the last one received).
+        Returns the first offset known to come (-1: not known yet) and the broker's
+        stored offset (-1: none)."""
         from rstream import Consumer as StreamConsumer
         from rstream import ConsumerOffsetSpecification, OffsetNotFound, OffsetType
 
@@ -151,7 +155,7 @@ class RabbitMQStreamSource(Source):
 
         def closed(info: Any) -> None:
             if gen == self._gen:
-                self._on_closed(getattr(info, "reason", info))
+                self._on_closed(getattr(info, "reason", info), gen)
 
         self._consumer = StreamConsumer(self.host, self.port, username=self.username,
                                         password=self.password, vhost=self.vhost,
@@ -164,8 +168,8 @@ class RabbitMQStreamSource(Source):
             stored = await self._consumer.query_offset(self.stream, self.consumer)
         except OffsetNotFound:
             stored = -1
-        if self._tracker is not None:  # a reconnection: from the committed offset
-            start_at = self._tracker.committed
+        if committed is not None:  # a reconnection: from the committed offset
+            start_at = committed
             spec = ConsumerOffsetSpecification(OffsetType.OFFSET, start_at)
         elif stored >= 0:
             spec = ConsumerOffsetSpecification(OffsetType.OFFSET, stored + 1)
@@ -185,13 +189,33 @@ class RabbitMQStreamSource(Source):
         await self._consumer.subscribe(self.stream, self._on_message,
                                        offset_specification=spec,
                                        subscriber_name=self.consumer, initial_credit=4)
-        self._stored = stored
-        return start_at
+        return start_at, stored
 
-    def _on_closed(self, why: Any) -> None:
+    async def _resubscribe(self, committed: int | None) -> tuple[int, int]:
+        """Close the old consumer and subscribe anew (the loop's thread), each step
+        bounded in time; a consumer that failed half way is closed again."""
+        old, self._consumer = self._consumer, None
+        if old is not None:
+            try:
+                await asyncio.wait_for(old.close(), 5)
+            except Exception as e:  # noqa: BLE001 - it is dead already
+                log.debug("source %r: closing the old stream consumer: %s", self.name, e)
+        try:
+            return await asyncio.wait_for(self._subscribe(committed), 15)
+        except BaseException:
+            failed, self._consumer = self._consumer, None
+            if failed is not None:
+                try:
+                    await asyncio.wait_for(failed.close(), 5)
+                except Exception:  # noqa: BLE001 - it failed already
+                    pass
+            raise
+
+    def _on_closed(self, why: Any, gen: int | None = None) -> None:
         """The connection died, or the stream's metadata changed (deleted, its leader
-        moved): rstream's close handler (the loop's thread), or a failed store. The
-        engine's thread reconnects (``pull``)."""
+        moved): rstream's close handler (the loop's thread, ``gen``: of which consumer),
+        a failed store or a silent connection. The engine's thread reconnects."""
+        self._lost_gen = gen if gen is not None else self._gen
         if self._connected:
             self._connected = False
             self._lost_why = str(why)
@@ -205,22 +229,33 @@ class RabbitMQStreamSource(Source):
         return len(self._retry)
 
     def _reconnect(self) -> None:
-        """Connect again with backoff (the engine's thread, from ``pull``). A stream that
-        stays missing for ``gone_timeout_s`` stops the run (:class:`SourceGone`)."""
+        """Connect again with backoff, from ``pull`` on the engine's thread, which it
+        never blocks: the reconnection runs on the consumer's thread and is looked at on
+        the next pulls. A stream that stays missing for ``gone_timeout_s`` stops the run
+        (:class:`SourceGone`)."""
         now = time.monotonic()
         if self._down_since is None:
             self._down_since = now
             log.warning("source %r: lost the stream connection to %s:%d (%s); reconnecting "
                         "from committed offset %d", self.name, self.host, self.port,
                         self._lost_why, self.committed)
-        if now < self._next_connect:
+        fut = self._pending
+        if fut is None:
+            if now >= self._next_connect:
+                assert self._loop is not None
+                self._pending = asyncio.run_coroutine_threadsafe(
+                    self._resubscribe(self.committed if self._tracker is not None else None),
+                    self._loop)
             return
-        self._close_consumer()
+        if not fut.done():
+            return
+        self._pending = None
         try:
             faults.point("source.reconnect")
-            self._run(self._subscribe(), timeout=15)
+            start_at, stored = fut.result()
+            if self._lost_gen == self._gen:
+                raise ConnectionError(f"the new connection was lost at once ({self._lost_why})")
         except Exception as e:  # noqa: BLE001 - retried with backoff
-            self._close_consumer()
             self._next_connect = time.monotonic() + self._backoff
             self._backoff = min(self.reconnect_max_s, self._backoff * 2)
             if isinstance(e, StreamMissing):
@@ -235,6 +270,10 @@ class RabbitMQStreamSource(Source):
             log.warning("source %r: cannot reconnect to %s:%d yet: %s: %s", self.name,
                         self.host, self.port, type(e).__name__, e)
             return
+        if self._tracker is None and start_at >= 0:
+            self._tracker = OffsetTracker(start=start_at)
+            self._last_seen = start_at - 1
+        self._stored = stored
         self._connected = True
         self.reconnects += 1
         log.warning("source %r: reconnected to %s:%d after %.1f s; reading %s from offset %d",
@@ -244,14 +283,16 @@ class RabbitMQStreamSource(Source):
         self._backoff = 0.5
         self._store(force=True)
 
-    def _close_consumer(self) -> None:
-        consumer, self._consumer = self._consumer, None
-        if consumer is None or self._loop is None:
-            return
-        try:
-            self._run(consumer.close(), timeout=5)
-        except Exception as e:  # noqa: BLE001 - it is dead already
-            log.debug("source %r: closing the old stream consumer: %s", self.name, e)
+    def _check_heartbeat(self) -> None:
+        """A connection that went silent (no frame, not even a heartbeat, for three
+        heartbeat intervals: a broker frozen, a half-open TCP connection) is a lost one.
+        rstream itself only logs a warning then, and would wait for ever."""
+        client = getattr(self._consumer, "_clients", {}).get(self.stream)
+        beat = getattr(client, "_heartbeat", 0)
+        last = getattr(client, "_last_heartbeat", 0.0)
+        if beat and last and time.monotonic() - last > 3 * beat:
+            self._on_closed(f"no frame from the broker for {time.monotonic() - last:.0f} s "
+                            f"(heartbeat {beat} s)")
 
     async def _on_message(self, body: Any, ctx: Any) -> None:
         while self._inbox.qsize() >= self._window:  # backpressure: stop taking credits
@@ -261,6 +302,8 @@ class RabbitMQStreamSource(Source):
     # -- pulling -------------------------------------------------------------------------
 
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        if self._connected:
+            self._check_heartbeat()
         if not self._connected and self._loop is not None:
             self._reconnect()
         out: list[Delivery] = []
