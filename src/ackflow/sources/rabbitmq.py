@@ -850,6 +850,8 @@ class RabbitMQSource(Source):
             if self._ch is None or not self._broker(self._ch.basic_cancel, tag):
                 break
         self._consumer_tags = []
+        self._cancelled.clear()  # nothing to consume again: the run is ending
+        self._cancelled_since = None
         left = [d for d in self._buffer if self._live(d)]
         self._buffer.clear()
         return left
