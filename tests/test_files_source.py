@@ -133,3 +133,38 @@ def test_not_a_directory_is_a_clear_error(tmp_path):
         Files(tmp_path / "nope").open()
     with pytest.raises(ConfigError, match="format"):
         Files(tmp_path, "parquet")
+
+
+PULLED = {}
+
+
+class CountingFiles(Files):
+    def pull(self, max_messages, timeout):
+        got = super().pull(max_messages, timeout)
+        for d in got:
+            PULLED[d.key] = PULLED.get(d.key, 0) + 1
+        return got
+
+
+def fails_first_time(row):
+    if row["n"] == 1 and sum(PULLED.values()) == 3:  # the first batch: each line once
+        raise ConnectionError("a transient failure")
+    return row
+
+
+def test_an_idle_run_waits_for_the_retries_the_source_holds(tmp_path):
+    """A line failing once, with a retry's backoff (1 s) longer than until_idle (0.3 s):
+    before, the run ended as idle with the line waiting in memory for its retry (its file
+    never finished in that run); now it is retried, acked and its file finished."""
+    from ackflow.engine.loop import Engine
+
+    PULLED.clear()
+    drop_file(tmp_path, "f.jsonl", [json.dumps({"n": i}) for i in range(3)])
+    src = CountingFiles(tmp_path, policy=RetryPolicy(max_deliveries=3, backoff_s=1.0))
+    sink = Memory()
+    report = Engine(ackflow.Flow(src).map(fails_first_time, name="flaky").to(sink),
+                    executor="local", until_idle=0.3, batch_timeout_s=0.05,
+                    handle_signals=False).run()
+    assert report.nacked == 1 and report.acked == 3
+    assert sorted(r["n"] for r in sink.rows) == [0, 1, 2]
+    assert os.path.exists(tmp_path / "done" / "f.jsonl")

@@ -77,3 +77,9 @@ class SystemicFailure(FlowError):
         self.messages = messages
         self.seconds = seconds
         self.detail = detail
+
+
+class SourceGone(AckflowError):
+    """A source's queue or stream was deleted (or its consumer cancelled by the broker)
+    and did not come back within the source's ``gone_timeout_s``: the run stops. What was
+    in flight was settled or given back first; the message names the queue or stream."""

@@ -134,6 +134,7 @@ class Engine:
             max_backoff_s=systemic_max_backoff_s)
         self._idle_since: float | None = None  # when the closing until_idle wait began
         self._pause_until = 0.0  # no pulling before this (a systemic failure's backoff)
+        self._connected_seen = True  # the source_connected gauge as last set
         self._counts_lock = threading.Lock()
         self.flow = flow
         self.executor = executor
@@ -866,9 +867,14 @@ class Engine:
                     self.metrics.pulled.inc(pulled)
                     self._window_metrics()
                     last_message = time.monotonic()
-            if (not source.connected or self.systemic.episode is not None
-                    or now < self._pause_until):
-                # reconnecting, or a systemic (or suspect) failure gave messages back: not idle
+            connected = source.connected
+            if connected != self._connected_seen:
+                self._connected_seen = connected
+                self.metrics.source_connected.set(1 if connected else 0)
+            if (not connected or self.systemic.episode is not None
+                    or now < self._pause_until or source.retries_waiting):
+                # reconnecting, a systemic (or suspect) failure gave messages back, or
+                # failed messages wait for their retry at the source: not idle
                 last_message = time.monotonic()
             now = time.monotonic()
             if pending and len(self._running) < self.max_concurrent and (

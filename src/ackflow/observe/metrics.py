@@ -60,6 +60,11 @@ class Metrics:
             "Failed deliveries given back because the failure was systemic", registry=r)
         self.jobs = Counter("ackflow_spark_jobs", "Spark jobs run (bisection jobs included)",
                             registry=r)
+        self.source_connected = Gauge(
+            "ackflow_source_connected",
+            "1 while the source is connected and consuming; 0 while it reconnects (a lost "
+            "connection, a broker restart, a consumer the broker cancelled)", registry=r)
+        self.source_connected.set(1)
         self.max_inflight.set(max_inflight)
         self._episodes_seen = 0
         self._server: Any = None

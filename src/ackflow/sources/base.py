@@ -69,6 +69,13 @@ class Source(ABC):
         end then: the broker still holds messages)."""
         return True
 
+    @property
+    def retries_waiting(self) -> int:
+        """Failed deliveries this source holds for a retry after their backoff (they
+        come back by themselves): an ``until_idle`` run is not idle while there are any.
+        From memory only; called often, from the engine's thread. Default: none."""
+        return 0
+
     def take_lost(self) -> list[Delivery]:
         """Deliveries this source can no longer settle (their channel or lease died; the
         broker delivers them again). The engine stops tracking them and counts them as

@@ -394,6 +394,10 @@ class FilesSource(Source):
             time.sleep(min(0.02, max(0.0, deadline - now)))
         return out
 
+    @property
+    def retries_waiting(self) -> int:
+        return len(self._retry)
+
     def status(self) -> dict[str, object]:
         files = list(self._files.values())
         out: dict[str, object] = {"kind": "files", "path": self.path, "files_open": len(files),

@@ -64,6 +64,10 @@ class MergedSource(Source):
     def connected(self) -> bool:
         return all(s.connected for s in self.sources)
 
+    @property
+    def retries_waiting(self) -> int:
+        return sum(s.retries_waiting for s in self.sources)
+
     def status(self) -> dict[str, object]:
         out: dict[str, object] = {"kind": "merge"}
         for s in self.sources:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.errors import ConfigError
+from ackflow.core.errors import ConfigError, SourceGone
 from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.secrets import redact
@@ -51,6 +51,11 @@ SEEN_MAX = 100_000
 #: deliveries whose retry key is kept for a give-back (the most recent)
 RETRY_KEYS_MAX = 200_000
 MAX_CONSUMERS = 16
+
+
+class QueueMissing(ConfigError):
+    """The queue does not exist (at start: the run does not start; later: wait for it,
+    up to ``gone_timeout_s``)."""
 
 
 def consumer_prefetch(window: int) -> tuple[int, int]:
@@ -160,7 +165,8 @@ class RabbitMQSource(Source):
                  dead_letter_exchange: str | None = None, dead_letter_routing_key: str | None = None,
                  reject_to_dlx: bool = False, delivery_limit: int | None = None,
                  reconnect_max_s: float = 10.0, headers_field: str | None = None,
-                 dlx_by_policy: bool = False, name: str | None = None) -> None:
+                 dlx_by_policy: bool = False, gone_timeout_s: float = 60.0,
+                 name: str | None = None) -> None:
         super().__init__(format=format, name=name or f"rabbitmq:{queue}")
         if not queue:
             raise ConfigError("RabbitMQ source: queue name is empty")
@@ -180,7 +186,14 @@ class RabbitMQSource(Source):
             "x-delivery-limit")
         self.delivery_limit = int(limit) if limit is not None else None
         self.reconnect_max_s = reconnect_max_s
+        self.gone_timeout_s = gone_timeout_s
         self.headers_field = headers_field
+        # consumers the broker cancelled (basic.cancel), and since when it has been so
+        self._cancelled: set[str] = set()
+        self._cancelled_since: float | None = None
+        self._missing_since: float | None = None
+        self._next_consume = 0.0
+        self._gone_backoff = 0.5
         #: "classic", "quorum", "stream", or "unknown" (learned at the first connection)
         self.queue_type = "unknown"
         self._consumer_tags: list[str] = []
@@ -260,9 +273,9 @@ class RabbitMQSource(Source):
                     ch.queue_declare(self.queue, passive=True)
             except ChannelClosedByBroker as e:
                 if e.reply_code == 404:
-                    raise ConfigError(f"source {self.name!r}: queue {self.queue!r} does not "
-                                      f"exist on {self.where}; create it or pass "
-                                      "declare=True") from None
+                    raise QueueMissing(f"source {self.name!r}: queue {self.queue!r} does not "
+                                       f"exist on {self.where}; create it or pass "
+                                       "declare=True") from None
                 raise ConfigError(f"source {self.name!r}: cannot use queue {self.queue!r}: "
                                   f"{e.reply_text}") from None
             if self._gen == 0:
@@ -275,6 +288,7 @@ class RabbitMQSource(Source):
             consumers, prefetch = ((1, min(self.prefetch, self._window)) if self.prefetch
                                    else consumer_prefetch(self._window))
             ch.basic_qos(prefetch_count=prefetch)  # per consumer (AMQP's global=False)
+            ch.add_on_cancel_callback(self._on_cancelled)
             tags = []
             for _ in range(0 if self._stopped_consuming else consumers):
                 # one channel: one space of delivery tags
@@ -284,6 +298,8 @@ class RabbitMQSource(Source):
             raise
         self._conn, self._ch = conn, ch
         self._consumer_tags = tags
+        self._cancelled.clear()
+        self._cancelled_since = self._missing_since = None
         self._gen += 1
         self._backoff = 0.5
         if self._gen > 1:
@@ -441,11 +457,92 @@ class RabbitMQSource(Source):
             self._connect()
             return True
         except Exception as e:  # noqa: BLE001 - retried with backoff
+            self._gone_check(isinstance(e, QueueMissing), "after a reconnection")
             log.warning("source %r: cannot reconnect to %s yet: %s", self.name, self.where,
                         redact(str(e)))
             self._next_connect = time.monotonic() + self._backoff
             self._backoff = min(self.reconnect_max_s, self._backoff * 2)
             return False
+
+    def _gone_check(self, missing: bool, when: str) -> None:
+        """Count how long the queue has been missing; past ``gone_timeout_s`` stop the run
+        with one line (:class:`SourceGone`)."""
+        if not missing:
+            self._missing_since = None
+            return
+        now = time.monotonic()
+        self._missing_since = self._missing_since or now
+        if now - self._missing_since >= self.gone_timeout_s:
+            raise SourceGone(f"source {self.name!r}: queue {self.queue!r} does not exist on "
+                             f"{self.where} any more ({when}; deleted?), for "
+                             f"{now - self._missing_since:.0f} s; stopping")
+
+    def _on_cancelled(self, frame: Any) -> None:
+        """The broker cancelled a consumer (``basic.cancel``: the queue was deleted, or
+        the consumer cancelled on the broker's side). pika calls this while it processes
+        events, on the owner's thread; :meth:`_reconsume` acts on it."""
+        tag = frame.method.consumer_tag
+        if tag not in self._consumer_tags:
+            return
+        self._consumer_tags.remove(tag)
+        self._cancelled.add(tag)
+        if self._cancelled_since is None:
+            self._cancelled_since = time.monotonic()
+            self._next_consume = 0.0
+            self.stats["cancelled_by_broker"] += 1
+            log.warning("source %r: the broker cancelled the consumer of queue %r on %s "
+                        "(basic.cancel: the queue was deleted, or its consumer cancelled); "
+                        "consuming again when the queue is there (waiting up to %.0f s)",
+                        self.name, self.queue, self.where, self.gone_timeout_s)
+
+    def _reconsume(self) -> None:
+        """After a ``basic.cancel``: consume again on the same channel once the queue
+        exists (the deliveries in flight keep their tags on it), checked with a passive
+        declaration on a channel of its own (a 404 closes the channel it is made on)."""
+        from pika.exceptions import ChannelClosedByBroker
+
+        if not self._cancelled or self._ch is None or time.monotonic() < self._next_consume:
+            return
+        if self._stopped_consuming:
+            self._cancelled.clear()
+            self._cancelled_since = None
+            return
+        missing = False
+        try:
+            probe = self._conn.channel()
+            try:
+                probe.queue_declare(self.queue, passive=True)
+            finally:
+                if probe.is_open:
+                    probe.close()
+        except ChannelClosedByBroker as e:
+            missing = e.reply_code == 404
+            if not missing:
+                log.warning("source %r: cannot check queue %r: %s", self.name, self.queue,
+                            redact(str(e)))
+        except Exception as e:  # noqa: BLE001 - the connection itself: handled as a loss
+            self._lose_connection(e)
+            return
+        if not missing:
+            tags: list[str] = []
+            if not self._broker(self._consume, len(self._cancelled), tags):
+                return
+            waited = time.monotonic() - (self._cancelled_since or time.monotonic())
+            self._consumer_tags.extend(tags)
+            self._cancelled.clear()
+            self._cancelled_since = self._missing_since = None
+            self.stats["reconsumed"] += 1
+            self._gone_backoff = 0.5
+            log.warning("source %r: consuming queue %r again after %.1f s", self.name,
+                        self.queue, waited)
+            return
+        self._next_consume = time.monotonic() + self._gone_backoff
+        self._gone_backoff = min(self.reconnect_max_s, self._gone_backoff * 2)
+        self._gone_check(True, "the broker cancelled its consumer")
+
+    def _consume(self, n: int, tags: list[str]) -> None:
+        for _ in range(n):
+            tags.append(self._ch.basic_consume(self.queue, self._on_message, auto_ack=False))
 
     def _broker(self, fn: Any, *args: Any, **kw: Any) -> bool:
         """Run one broker operation; on a connection error, handle the loss."""
@@ -482,6 +579,7 @@ class RabbitMQSource(Source):
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout
         self._service()
+        self._reconsume()
         while len(self._buffer) < max_messages:
             if not self._ensure():
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -499,11 +597,19 @@ class RabbitMQSource(Source):
         return {"kind": "RabbitMQ queue", "url": self.where, "queue": self.queue,
                 "retries_waiting": len(self._delayed), "buffered": len(self._buffer),
                 "unsettled_on_channel": len(self._outstanding),
-                "dead_letters_refused": self.stats["dead_letters_refused"]}
+                "dead_letters_refused": self.stats["dead_letters_refused"],
+                "connected": self.connected,
+                "cancelled_by_broker": self.stats["cancelled_by_broker"]}
 
     @property
     def connected(self) -> bool:
-        return self._ch is not None
+        """A channel, and no consumer the broker cancelled waiting to consume again."""
+        return self._ch is not None and not self._cancelled
+
+    @property
+    def retries_waiting(self) -> int:
+        """Failed deliveries whose nack waits for its backoff (held on the channel)."""
+        return len(self._delayed)
 
     def take_lost(self) -> list[Delivery]:
         lost, self._lost = self._lost, []
@@ -758,6 +864,8 @@ class RabbitMQSource(Source):
             if self._ch is None or not self._broker(self._ch.basic_cancel, tag):
                 break
         self._consumer_tags = []
+        self._cancelled.clear()  # nothing to consume again: the run is ending
+        self._cancelled_since = None
         left = [d for d in self._buffer if self._live(d)]
         self._buffer.clear()
         return left
@@ -774,6 +882,7 @@ class RabbitMQSource(Source):
         if self._ch is not None:
             self._broker(self._conn.process_data_events, time_limit=0)
         self._service()
+        self._reconsume()
 
     def close(self) -> None:
         self._service()
