@@ -116,7 +116,6 @@ def test_embedded_queue_source_many_messages_dead_letters_ids_and_a_restart(tmp_
         return src, src.open()
 
     ledger, poisoned = Ledger(), MESSAGES // 10
-    began = time.monotonic()
     src, _ = start()
     drive(src, ledger, settled_before_crash=MESSAGES // 2, deadline_s=60, done=lambda: False)
     src.close()  # a crash: the leases of the in-flight messages are given back at the next open
@@ -128,7 +127,6 @@ def test_embedded_queue_source_many_messages_dead_letters_ids_and_a_restart(tmp_
           and src.q.stats("in")["delayed"] == 0)
     stats = src.q.stats("in")
     src.close()
-    took = time.monotonic() - began
     ledger.check_once(good)
     assert stats["dead_lettered"] == poisoned and stats["leased"] == 0 and stats["ready"] == 0
     dead = EmbeddedQueue(db).dead_letters("in")
@@ -139,7 +137,6 @@ def test_embedded_queue_source_many_messages_dead_letters_ids_and_a_restart(tmp_
     q = EmbeddedQueue(db)
     assert q.publish("in", [b"{}"] * MESSAGES, msg_ids=ids, remember=True) == 0
     q.close()
-    assert took < 60, f"{MESSAGES} messages took {took:.1f} s"
 
 
 @pytest.fixture
@@ -175,7 +172,6 @@ def test_rabbitmq_queue_source_many_messages_dead_letters_and_a_restart(rabbitmq
         return src
 
     ledger, poisoned, good = Ledger(), MESSAGES // 10, MESSAGES - MESSAGES // 10
-    began = time.monotonic()
     src = start()
     drive(src, ledger, settled_before_crash=MESSAGES // 2, deadline_s=90, done=lambda: False)
     assert len(src._retry_keys) <= 2000 + IN_FLIGHT_AT_CRASH
@@ -195,7 +191,6 @@ def test_rabbitmq_queue_source_many_messages_dead_letters_and_a_restart(rabbitmq
         assert len(src._retry_keys) == len(src._outstanding) == 0
     finally:
         src.close()
-    took = time.monotonic() - began
     ledger.check_once(good)
     assert count(rabbitmq.url, q) == 0
     dead, deadline = [], time.monotonic() + 30
@@ -203,7 +198,6 @@ def test_rabbitmq_queue_source_many_messages_dead_letters_and_a_restart(rabbitmq
         dead += drain(rabbitmq.url, dead_q)
     assert sorted(mid for mid, _, _ in dead) == sorted(f"k{i}" for i in range(0, MESSAGES, 10))
     assert all(h["x-ackflow-step"] == "check" for _, _, h in dead)
-    assert took < 90, f"{MESSAGES} messages took {took:.1f} s"
 
 
 def test_rabbitmq_stream_source_many_offsets_retries_and_a_restart(rabbitmq):
@@ -239,7 +233,6 @@ def test_rabbitmq_stream_source_many_offsets_retries_and_a_restart(rabbitmq):
                 [Settlement.NACKED] * len(first)
             retried.update(d.key for d in first)
 
-    began = time.monotonic()
     src = start()
     deadline = time.monotonic() + 60
     held = []
@@ -267,7 +260,6 @@ def test_rabbitmq_stream_source_many_offsets_retries_and_a_restart(rabbitmq):
         assert src.status()["lag"] == 0
     finally:
         src.close()
-    took = time.monotonic() - began
     ledger.check_once(MESSAGES)
     assert {f"{stream}@{i}" for i in range(0, MESSAGES, 10)} <= retried
     # a third start: nothing more to read
@@ -276,7 +268,6 @@ def test_rabbitmq_stream_source_many_offsets_retries_and_a_restart(rabbitmq):
         assert src.committed == MESSAGES and src.pull(100, 0.5) == []
     finally:
         src.close()
-    assert took < 90, f"{MESSAGES} offsets took {took:.1f} s"
 
 
 # -- sinks --------------------------------------------------------------------------------
@@ -315,7 +306,7 @@ def test_parquet_sink_many_batches_keys_and_a_restart(tmp_path):
     sink = ParquetSink(path)
     sink.open()
     sink.prepare(SCHEMA)
-    took = commit_batches(sink, range(BATCHES))
+    commit_batches(sink, range(BATCHES))
     staged = sink.write_partition("crashed", 0, rows(BATCHES))  # never committed
     assert staged.token
     sink.close()
@@ -337,7 +328,6 @@ def test_parquet_sink_many_batches_keys_and_a_restart(tmp_path):
     assert db.execute("SELECT SUM(dropped) FROM batches").fetchone()[0] == \
         len(redelivered(BATCHES)) * 10  # every redelivered row left out, and counted
     db.close()
-    assert took < 60, f"{BATCHES} batches took {took:.1f} s"
 
 
 def test_postgres_sink_many_batches_and_a_restart(postgres, pg_table):
@@ -353,11 +343,9 @@ def test_postgres_sink_many_batches_and_a_restart(postgres, pg_table):
     sink = Postgres(postgres.dsn, pg_table, create=True)
     sink.open()
     sink.prepare(SCHEMA)
-    began = time.monotonic()
     for n in range(BATCHES // 2):
         result = sink.write_partition(f"b{n}", 0, batch(n))
         assert not result.failed
-    took = time.monotonic() - began
     again = Postgres(postgres.dsn, pg_table, create=True)
     again.open()
     again.prepare(SCHEMA)
@@ -367,7 +355,6 @@ def test_postgres_sink_many_batches_and_a_restart(postgres, pg_table):
         total, distinct = c.execute(f'SELECT COUNT(*), COUNT(DISTINCT id) FROM "{pg_table}"'
                                     ).fetchone()
     assert total == distinct == BATCHES // 2 * 40
-    assert took < 60, f"{BATCHES} batches took {took:.1f} s"
 
 
 def test_delta_sink_log_stays_bounded_over_many_batches_and_a_crash(tmp_path):
@@ -388,11 +375,9 @@ def test_delta_sink_log_stays_bounded_over_many_batches_and_a_crash(tmp_path):
     sink.prepare(SCHEMA)
     log_dir = path / "_delta_log"
     longest = 0
-    began = time.monotonic()
     for start in range(0, total, 50):
         commit_batches(sink, range(start, min(start + 50, total)))
         longest = max(longest, len(os.listdir(log_dir)))
-    took = time.monotonic() - began
     # keep versions + one checkpoint interval (100) + half a keep between trims +
     # checkpoints and the pointer (before: one entry per version, 500 here)
     assert longest <= keep + 100 + keep // 2 + 4, f"the log held {longest} entries"
@@ -418,7 +403,6 @@ def test_delta_sink_log_stays_bounded_over_many_batches_and_a_crash(tmp_path):
     assert version == total + 2  # the create, then one version per batch with new rows
     assert DeltaTable(str(path), version=version - keep).version() == version - keep
     assert len(os.listdir(log_dir)) <= keep + 100 + keep // 2 + 4
-    assert took < 60, f"{total} batches took {took:.1f} s"
 
 
 def test_rabbitmq_sink_many_partitions_bad_rows_and_a_restart(rabbitmq):
@@ -443,12 +427,10 @@ def test_rabbitmq_sink_many_partitions_bad_rows_and_a_restart(rabbitmq):
     sink = RabbitMQSink(rabbitmq.url, ex, routing_key_column="rk")
     sink.open()
     bad: set[int] = set()
-    began = time.monotonic()
     for p in range(200):
         result = sink.write_partition("b", p, part(p))
         bad.update(p * per + i for i in result.failed)
         assert all("routing key" in why for why in result.failed.values())
-    took = time.monotonic() - began
     again = RabbitMQSink(rabbitmq.url, ex, routing_key_column="rk")
     again.open()
     for p in range(0, 200, 10):
@@ -468,7 +450,6 @@ def test_rabbitmq_sink_many_partitions_bad_rows_and_a_restart(rabbitmq):
     assert len(ids) == expected
     assert all(body["n"] == int(mid[1:-2]) for mid, body, _ in got)
     assert len(os.listdir("/proc/self/fd")) <= fds + 5  # every connection closed
-    assert took < 60, f"{MESSAGES} rows took {took:.1f} s"
 
 
 def test_delta_log_is_bounded_when_the_table_writes_no_checkpoints_of_its_own(tmp_path):
@@ -496,3 +477,38 @@ def test_delta_log_is_bounded_when_the_table_writes_no_checkpoints_of_its_own(tm
     assert longest <= 2 * 6 + 3 + 4, f"the log held {longest} entries"
     data = DeltaTable(str(path)).to_pyarrow_table()
     assert data.num_rows == 600 and len(set(data.column("id").to_pylist())) == 600
+
+
+def test_embedded_queue_sink_many_batches_remembered_ids_and_a_restart(tmp_path):
+    """BATCHES batches of 10 rows published into an embedded queue (every id remembered),
+    then a new sink (a restart) publishing ~100 old batches again: each row is queued
+    once. With ``remember_for_s``, ids past the horizon are forgotten: the remembered ids
+    stay bounded by what the horizon holds, not by the history."""
+    from ackflow.embedded import EmbeddedQueue
+    from ackflow.sinks import EmbeddedQueue as EmbeddedQueueSink
+
+    path = str(tmp_path / "out.db")
+    sink = EmbeddedQueueSink(path, "next")
+    sink.open()
+    sink.prepare(SCHEMA)
+    commit_batches(sink, range(BATCHES))
+    again = EmbeddedQueueSink(path, "next")
+    again.open()
+    commit_batches(again, redelivered(BATCHES), prefix="r")
+    q = EmbeddedQueue(path)
+    assert q.stats("next")["ready"] == BATCHES * 10  # the redelivered rows were not queued
+    ids = {json.loads(m["body"])["id"] for m in q.peek("next", BATCHES * 10)}
+    assert ids == set(range(BATCHES * 10))
+    q.close()
+    # a horizon: ids older than it are forgotten, so the file stops growing
+    bounded = EmbeddedQueueSink(str(tmp_path / "bounded.db"), "next", remember_for_s=0.05)
+    bounded.open()
+    for k in range(5):
+        commit_batches(bounded, range(k * 100, (k + 1) * 100), prefix=f"h{k}")
+        time.sleep(0.06)
+    commit_batches(bounded, [499], prefix="last")  # its commit applies the retention
+    import sqlite3
+    db = sqlite3.connect(tmp_path / "bounded.db")
+    remembered = db.execute("SELECT COUNT(*) FROM published_ids").fetchone()[0]
+    db.close()
+    assert remembered <= 110, remembered  # the last batches' ids, not all 5,000
