@@ -408,3 +408,90 @@ def test_the_store_sits_beside_the_flows_durable_state(tmp_path):
     q = str(tmp_path / "q.db")
     assert default_location(Flow(EmbeddedQueueSource(q, "q")).to(MemorySink())) == \
         q + ".schemas.db"
+
+
+# -- found by an adversarial review (each failed before its fix) -----------------------------
+
+
+def test_rescue_over_columns_stored_by_an_evolve_run_keeps_every_field(tmp_path):
+    """The stored columns had no _rescued column: rescue mode then dropped new fields and
+    acked. Now the column is added as a new version."""
+    state = tmp_path / "s"
+    run([{"id": 1, "a": "x"}], state, mode="evolve")
+    src, sink, _ = run([{"id": 2, "a": "y", "new": 42, "c": {"deep": 1}}], state,
+                       mode="rescue")
+    assert src.final() == {"m0": "acked"}
+    assert json.loads(sink.rows[0]["_rescued"]) == {"new": 42, "c": {"deep": 1}}
+    assert history(state)[-1]["changes"] == ["+_rescued: string"]
+
+
+def test_a_data_field_named_rescued_is_kept_inside_the_rescued_column(tmp_path):
+    src, sink, _ = run([{"id": 1, "_rescued": 7}, {"id": 2, "_rescued": "x", "z": 1}],
+                       tmp_path / "s", mode="rescue")
+    assert set(src.final().values()) == {"acked"}
+    kept = [json.loads(r["_rescued"]) for r in sink.rows]
+    assert {"_rescued": 7} in kept and {"_rescued": "x"} in kept
+    assert [r["z"] for r in sink.rows if r["id"] == 2] == [1]  # z: a column of version 1
+
+
+def test_a_value_arrow_cannot_hold_never_makes_a_column(tmp_path):
+    """A new field first seen as 2**64 made the column a string, recorded for good, and
+    every later integer was dead-lettered. Now that message fails alone, naming the
+    field, and the next integer makes the column bigint."""
+    state = tmp_path / "s"
+    run([{"id": 1}], state)
+    src, _, _ = run([{"id": 2, "n": 2**64}, {"id": 3, "n": 5}], state, batch_size=1,
+                    max_inflight=1)
+    assert src.final() == {"m0": "dead_lettered", "m1": "acked"}
+    assert "'n'" in str(src.failures["m0"])
+    assert history(state)[-1]["columns"] == ["id: int64", "n: int64"]
+
+
+def test_evolution_runs_outside_the_bisection_budget(tmp_path):
+    """max_bisect_jobs=1 and a new field: the run used to stop with an IndexError."""
+    state = tmp_path / "s"
+    run([{"id": 1}], state)
+    src, sink, _ = run([{"id": 2, "new": 1}], state, max_bisect_jobs=1)
+    assert src.final() == {"m0": "acked"} and sink.rows == [{"id": 2, "new": 1}]
+
+
+def test_decimals_datetimes_and_map_values_are_never_cut(tmp_path):
+    import datetime as dt
+    from decimal import Decimal
+
+    given = pa.schema([("price", pa.int64()), ("day", pa.date32()),
+                       ("m", pa.map_(pa.string(), pa.int64()))])
+    values = [{"price": Decimal("1.99")}, {"day": dt.datetime(2020, 1, 1, 23, 59)},
+              {"m": {"k": 1.7}}, {"price": Decimal("2"), "day": dt.datetime(2020, 1, 2),
+                                  "m": {"k": 3.0}}]
+    sink = MemorySink()
+    src = ListSource([json.dumps({"i": i}) for i in range(len(values))])
+    ackflow.run(Flow(src).map(lambda r, v=tuple(values): v[r["i"]], name="m", schema=given)
+                .to(sink), **LOCAL)
+    final = src.final()
+    assert [final[f"m{i}"] for i in range(4)] == ["dead_lettered"] * 3 + ["acked"]
+    assert "fraction" in str(src.failures["m0"]) and "time of day" in str(src.failures["m1"])
+    assert "['k']" in str(src.failures["m2"])
+    assert sink.rows == [{"price": 2, "day": dt.date(2020, 1, 2), "m": [("k", 3)]}]
+
+
+def test_a_damaged_store_is_refused_at_start_naming_it(tmp_path):
+    import sqlite3
+
+    state = tmp_path / "s"
+    run([{"id": 1}], state)
+    with sqlite3.connect(state / "schemas.db") as c:
+        c.execute("UPDATE schema_versions SET schema = 'bm90IGEgc2NoZW1h'")
+    with pytest.raises(ConfigError, match=r"schemas\.db.*cannot be read"):
+        run([{"id": 2}], state)
+
+
+def test_two_writers_of_one_store_never_lose_a_column(tmp_path):
+    a, b = SchemaStore(tmp_path / "s.db"), SchemaStore(tmp_path / "s.db")
+    base = pa.schema([("id", pa.int64())])
+    a.record("0:x", base, ["+id"], None)
+    a.record("0:x", base.append(pa.field("p", pa.string())), ["+p"], "m1")
+    b.record("0:x", base.append(pa.field("q", pa.string())), ["+q"], "m2")  # from v1
+    assert a.current("0:x")[1].names == ["id", "p", "q"]
+    a.close()
+    b.close()

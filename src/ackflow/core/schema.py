@@ -31,17 +31,19 @@ list or object) makes no column until a value arrives: its rows lose nothing.
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import os
 import sqlite3
 import threading
 import time
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
 
 from ackflow.core.durable import WriteTx, apply_schema
-from ackflow.core.errors import ConfigError
+from ackflow.core.errors import ConfigError, FlowError
 
 EVOLVE, RESCUE, FREEZE = "evolve", "rescue", "freeze"
 MODES = (EVOLVE, RESCUE, FREEZE)
@@ -175,6 +177,7 @@ def empty(value: Any) -> bool:
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest float32 above 0
 
 
 def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
@@ -184,8 +187,15 @@ def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
     a boolean made a number, a number made a date or a time, a float32 overflow."""
     if empty(value):
         return None
-    if isinstance(value, float) and pa.types.is_integer(t) and not value.is_integer():
+    if isinstance(value, float | Decimal) and pa.types.is_integer(t) and (
+            value != value.to_integral_value() if isinstance(value, Decimal)
+            else not value.is_integer()):
         return f"a number with a fraction ({value!r}) would be cut by the integer type {t}"
+    if isinstance(value, dt.datetime) and pa.types.is_date(t) and value.time() != dt.time():
+        return f"a date with a time of day ({value.isoformat()}) would lose it in the type {t}"
+    if isinstance(value, float) and pa.types.is_float32(t) and value != 0.0 and (
+            abs(value) < FLOAT32_TINY):
+        return f"{value!r} is too small for the type {t} (it would become 0)"
     if pa.types.is_struct(t) and not isinstance(value, dict):
         return f"a {type(value).__name__} value would be read as the struct type {t}"
     if isinstance(value, str | bytes | dict) and _is_list(t):
@@ -226,13 +236,18 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | N
                 sub = outside(v, vt, f"{path}[]")
                 if sub is not None:
                     return sub
+    if isinstance(value, dict) and pa.types.is_map(t) and _checked(t.item_type):
+        for k, v in value.items():
+            sub = outside(v, t.item_type, f"{path}[{k!r}]")
+            if sub is not None:
+                return sub
     return None
 
 
 def _checked(t: pa.DataType) -> bool:
     """Whether values of type ``t`` need :func:`outside` before Arrow converts them."""
     return bool(pa.types.is_struct(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
-                or pa.types.is_temporal(t) or _is_list(t))
+                or pa.types.is_temporal(t) or _is_list(t) or pa.types.is_map(t))
 
 
 def checked_columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
@@ -353,6 +368,14 @@ CREATE TABLE IF NOT EXISTS schema_versions (
 )
 """
 
+class StoreError(FlowError):
+    """The schema store cannot be read or written (a locked or damaged file): the run
+    stops with one line naming it; no message is failed for it."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__("schema store", cause)
+
+
 #: the file name of the store inside a state directory
 STORE_FILE = "schemas.db"
 
@@ -380,36 +403,56 @@ class SchemaStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
             apply_schema(self._db, _TABLES)
+            segment = None
+            for row in self._db.execute("SELECT segment, schema FROM schema_versions"):
+                segment = row[0]
+                from_text(row[1])  # every version readable, or the store is refused at start
         except (sqlite3.DatabaseError, OSError) as e:
             raise ConfigError(f"schema store {self.path!r} cannot be used: {e}") from None
+        except (pa.ArrowException, ValueError) as e:
+            raise ConfigError(f"schema store {self.path!r} holds a version of {segment!r} "
+                              f"that cannot be read ({e}): restore the file, or move it "
+                              "away to infer the columns again") from None
 
     @property
     def durable(self) -> bool:
         return self.path is not None
 
     def current(self, segment: str) -> tuple[int, pa.Schema] | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT version, schema FROM schema_versions WHERE segment = ? "
-                "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
-        return None if row is None else (int(row[0]), from_text(row[1]))
+        try:
+            with self._lock:
+                row = self._db.execute(
+                    "SELECT version, schema FROM schema_versions WHERE segment = ? "
+                    "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
+            return None if row is None else (int(row[0]), from_text(row[1]))
+        except (sqlite3.Error, pa.ArrowException, ValueError) as e:
+            raise StoreError(f"schema store {self.path!r}: {e}") from None
 
     def record(self, segment: str, schema: pa.Schema, changes: list[str],
                brought_by: str | None) -> int:
         """Store ``schema`` as the segment's next version (unless it is the current one
-        already); return its version."""
-        with self._lock, WriteTx(self._db):
-            row = self._db.execute(
-                "SELECT version, schema FROM schema_versions WHERE segment = ? "
-                "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
-            if row is not None and from_text(row[1]).equals(schema):
-                return int(row[0])
-            version = 1 if row is None else int(row[0]) + 1
-            self._db.execute(
-                "INSERT INTO schema_versions VALUES (?, ?, ?, ?, ?, ?)",
-                (segment, version, to_text(schema), json.dumps(changes), brought_by,
-                 time.time()))
-            return version
+        already); return its version. Another process (or flow) that recorded a version
+        in between is merged, never lost: what is stored is the latest version merged
+        with ``schema``, and ``schema`` is expected to hold the latest one already when
+        this process is the only writer."""
+        try:
+            with self._lock, WriteTx(self._db):
+                row = self._db.execute(
+                    "SELECT version, schema FROM schema_versions WHERE segment = ? "
+                    "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
+                if row is not None:
+                    latest = from_text(row[1])
+                    schema = merge_schemas(latest, schema)[0]
+                    if latest.equals(schema):
+                        return int(row[0])
+                version = 1 if row is None else int(row[0]) + 1
+                self._db.execute(
+                    "INSERT INTO schema_versions VALUES (?, ?, ?, ?, ?, ?)",
+                    (segment, version, to_text(schema), json.dumps(changes), brought_by,
+                     time.time()))
+                return version
+        except (sqlite3.Error, pa.ArrowException, ValueError) as e:
+            raise StoreError(f"schema store {self.path!r}: {e}") from None
 
     def history(self, segment: str | None = None) -> list[dict[str, Any]]:
         """Every version, oldest first: segment, version, columns, changes, brought_by, at."""

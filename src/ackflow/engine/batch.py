@@ -85,13 +85,15 @@ def execute(
 
     last_error: list[str] = []
 
-    def run_once(ds: list[Delivery], bid: str) -> str | None:
+    def run_once(ds: list[Delivery], bid: str, evolving: bool = False) -> str | None:
         """One job over ``ds``: None when it ran (its outcomes recorded, or released when
-        cancelled, or failed by the budget), else the error that failed it as a whole."""
+        cancelled, or failed by the budget), else the error that failed it as a whole.
+        ``evolving``: the run again after the columns evolved, outside the bisection's
+        budget (bounded by MAX_EVOLUTIONS)."""
         if cancelled.is_set():
             result.released.extend(d.lineage_id for d in ds)
             return None
-        if result.jobs >= max_jobs:  # the budget went to earlier jobs
+        if result.jobs - result.evolutions >= max_jobs and not evolving and last_error:
             fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
                                  f"after {max_jobs} jobs: {last_error[-1]}"))
             return None
@@ -173,11 +175,11 @@ def execute(
             else:
                 again.append(d)
         if again:
-            attempt(again, f"{bid}e{result.evolutions}")
+            attempt(again, f"{bid}e{result.evolutions}", evolving=True)
 
-    def attempt(ds: list[Delivery], bid: str) -> None:
+    def attempt(ds: list[Delivery], bid: str, evolving: bool = False) -> None:
         """One job over ``ds``, bisected if it fails as a whole."""
-        error = run_once(ds, bid)
+        error = run_once(ds, bid, evolving)
         if error is not None:
             if len(ds) == 1:
                 alone(ds[0], error)
@@ -197,7 +199,7 @@ def execute(
 
     def split(ds: list[Delivery], bid: str, error: str, probe: bool) -> None:
         """``ds`` (two or more messages) failed as a whole with ``error``: isolate."""
-        if result.jobs + 2 > max_jobs:
+        if result.jobs - result.evolutions + 2 > max_jobs:
             log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
                       "failing %d messages: %s", batch_id, max_jobs, len(ds), error)
             fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "

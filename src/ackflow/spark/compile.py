@@ -134,6 +134,7 @@ class Plan:
         #: ackflow.core.schema; with ``schema=`` given, the user chose the columns)
         self._inferred: dict[tuple[int, ...], str] = {}
         self._segment_names: dict[str, tuple[int, ...]] = {}
+        self._names: tuple[str, ...] = ()
         #: where inferred columns are kept and versioned (the engine gives a durable one)
         self.schema_store = SchemaStore(None)
         self.schema_mode = EVOLVE  # the flow's default; a step's schema_mode= overrides
@@ -256,9 +257,9 @@ class Plan:
         return f"{self.schema_scope}{'.'.join(map(str, index))}:{seg.name}"
 
     def segment_names(self) -> list[str]:
-        """The stored names of the segments whose columns are known so far."""
-        with self._lock:
-            return list(self._segment_names)
+        """The stored names of the segments whose columns are known so far (without the
+        lock: the engine's thread asks while a batch's thread may hold it for a job)."""
+        return list(self._names)
 
     def _mode(self, seg: Segment) -> str:
         shaping = [s for s in seg.steps if isinstance(s, (Map, FlatMap))]
@@ -289,6 +290,8 @@ class Plan:
                 stored = self.schema_store.current(name)
                 if stored is not None:
                     schema = stored[1]
+                    if mode == RESCUE:  # stored by a run in another mode: add the column
+                        schema = self._with_rescued(name, seg, schema)
                 else:
                     # Run the steps where tasks run (never on the driver: a user function
                     # may crash its process or have side effects); every good row counts.
@@ -301,8 +304,9 @@ class Plan:
                     for part, _ in found:
                         schema = merge_schemas(schema, part)[0]
                     schema = _spark_safe(schema)
-                    if mode == RESCUE and RESCUED not in schema.names:
-                        schema = schema.append(pa.field(RESCUED, pa.string()))
+                    if mode == RESCUE:  # ackflow's column; a data field of that name is
+                        schema = pa.schema([f for f in schema if f.name != RESCUED])  # kept
+                        schema = schema.append(pa.field(RESCUED, pa.string()))  # inside it
                     try:
                         schema = self.spark_types(schema)
                     except Exception as e:
@@ -314,9 +318,27 @@ class Plan:
                     self._note(name, version, describe_schema(schema), None)
                 self._inferred[index] = mode
                 self._segment_names[name] = index
+                self._names = (*self._names, name)  # one assignment: read without the lock
                 self._data_columns.update(schema.names)
             self._schemas[index] = schema
             return schema
+
+    def _with_rescued(self, name: str, seg: Segment, schema: pa.Schema) -> pa.Schema:
+        """``schema`` with the ``_rescued`` string column that mode rescue writes into,
+        recorded as a new version if it lacked it."""
+        if RESCUED in schema.names:
+            if not pa.types.is_string(schema.field(RESCUED).type):
+                raise FlowError(seg.name, f"schema mode rescue writes a JSON string column "
+                                f"{RESCUED!r}, but the stored columns of {name!r} hold one of "
+                                f"type {schema.field(RESCUED).type} (from the data of a run in "
+                                "another mode): rename that field in a map step, or keep "
+                                "the other mode")
+            return schema
+        schema = self.spark_types(schema.append(pa.field(RESCUED, pa.string())))
+        version = self.schema_store.record(name, schema, [f"+{RESCUED}: string"], None)
+        faults.point("schema.recorded")
+        self._note(name, version, [f"+{RESCUED}: string"], None)
+        return schema
 
     def spark_types(self, schema: pa.Schema) -> pa.Schema:
         """``schema`` round-tripped through Spark's types, so tasks produce exactly what

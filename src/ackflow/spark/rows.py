@@ -366,6 +366,8 @@ def conform(
             continue
         # an empty value outside the columns has nothing to lose and no column to make yet
         bad = None if mode is None else next((str(k) for k in extra if not empty(r[k])), None)
+        if mode == RESCUE and bad is None and not empty(r.get(RESCUED)):
+            bad = RESCUED  # a data field of that name is kept inside ackflow's column
         if bad is not None:  # a name Spark cannot hold fails the row, never makes a column
             odd = next((str(k) for k in extra if not empty(r[k]) and _unfit_name(
                 str(k), data_schema.names)), None)
@@ -492,9 +494,23 @@ def _misfit(rows: list[dict[str, Any]], status: list[int], step: list[str | None
     elif changes:
         _fail(rows, status, step, err, i, step_name, miss_error(segment, row_schema))
     else:
-        why = describe(error) if error is not None else f"field {bad!r} does not fit"
+        why = _unfit(r, data_schema) or (describe(error) if error is not None else
+                                        f"field {bad!r} does not fit")
         _fail(rows, status, step, err, i, step_name,
-              f"row does not fit the columns {names} of the step: {why}")
+              f"row does not fit the columns {_shown(names)} of the step: {why}")
+
+
+def _unfit(row: dict[str, Any], data_schema: pa.Schema) -> str | None:
+    """The first field of ``row`` whose value Arrow cannot hold (in its column's type,
+    or at all for a new field), and why."""
+    for k, v in row.items():
+        i = data_schema.get_field_index(k) if isinstance(k, str) else -1
+        try:
+            pa.array([v], data_schema.field(i).type) if i >= 0 else pa.array([v])
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError,
+                OverflowError) as e:
+            return f"field {k!r}: {describe(e)}"
+    return None
 
 
 def _unfit_name(name: str, columns: list[str]) -> bool:
@@ -842,6 +858,8 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
             t = pa.array(values).type
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
             t = _majority_type(values)
+            if t is None:
+                continue
         pruned = prune_nulls(t)
         if pruned is not None:
             fields.append(pa.field(k, pruned))
@@ -860,9 +878,14 @@ def _hollow(value: Any) -> Any:
     return value
 
 
-def _majority_type(values: list[Any]) -> pa.DataType:
+def _majority_type(values: list[Any]) -> pa.DataType | None:
     """The Arrow type of the largest group of values of one Python type that Arrow can
-    take (numbers of both kinds count as one group)."""
+    take (numbers of both kinds count as one group); in a group Arrow refuses as a
+    whole, the type most of its values take one by one. None if Arrow can hold none of
+    them: such a value fails its own message, and never makes a column (one ``2**64``
+    must not make a string column that refuses every later integer)."""
+    from collections import Counter
+
     groups: dict[str, list[Any]] = {}
     for v in values:
         if v is None:
@@ -874,5 +897,13 @@ def _majority_type(values: list[Any]) -> pa.DataType:
         try:
             return pa.array(group).type
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-            continue
-    return pa.string()
+            pass
+        types: Counter[pa.DataType] = Counter()
+        for v in group:
+            try:
+                types[pa.array([v]).type] += 1
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+                continue
+        if types:
+            return types.most_common(1)[0][0]
+    return None
