@@ -207,12 +207,16 @@ def publish(db: str, n: int, queue: str = QUEUE, make: Any = None) -> None:
 SHAPE_EVERY = 10_000
 
 
-def shaped(evolving: bool) -> Any:
-    """A message maker: ``body(i)`` plus one field, ``f<k>`` where k changes every
-    :data:`SHAPE_EVERY` messages (evolving: the columns grow by one each time), or
-    always ``f0`` (fixed). The rows are as wide either way."""
+def shaped(evolving: bool, n: int = 200_000) -> Any:
+    """A message maker: ``body(i)`` plus one field ``f<k>``. Evolving: k changes every
+    :data:`SHAPE_EVERY` messages, so a new column arrives that often. Fixed: k cycles
+    over the same names (``i % (n / SHAPE_EVERY)``), so every column is in the first
+    batch and the columns never change. Both end with the same columns, as sparse,
+    from messages of the same size: the difference is the cost of evolving."""
+    kinds = max(1, n // SHAPE_EVERY)
+
     def make(i: int) -> bytes:
-        k = i // SHAPE_EVERY if evolving else 0
+        k = i // SHAPE_EVERY if evolving else i % kinds
         return body(i)[:-1] + f',"f{k}":{i}}}'.encode()
     return make
 
@@ -634,7 +638,8 @@ def prepare(name: str, n: int, tmp: str, url: str | None) -> list[str]:
         shutil.rmtree(files, ignore_errors=True)
         write_files(files, n)
         return ["--db", db, "--files", files]
-    publish(db, n, make=shaped(name == "shape_evolving") if name.startswith("shape_") else None)
+    publish(db, n, make=shaped(name == "shape_evolving", n) if name.startswith("shape_")
+            else None)
     return ["--db", db]
 
 

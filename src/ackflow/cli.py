@@ -145,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
 def cmd_schema(args: argparse.Namespace) -> int:
     import datetime as dt
 
-    from ackflow.core.schema import open_readonly
+    from ackflow.core.schema import brought, open_readonly
 
     store = open_readonly(args.store)
     try:
@@ -167,7 +167,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
         print("(no columns stored)")
     for v in versions:
         when = dt.datetime.fromtimestamp(v["at"], dt.UTC).isoformat(timespec="seconds")
-        who = f", brought by message {v['brought_by']}" if v["brought_by"] else ""
+        who = f", {brought(v['brought_by'])}" if v["brought_by"] else ""
         print(f"{v['segment']}  version {v['version']}  ({when}{who})")
         lines = v["columns"] if args.action == "show" else v["changes"]
         for line in lines:

@@ -350,6 +350,17 @@ def parse_miss(error: str) -> tuple[str, pa.Schema] | None:
     return str(data["segment"]), from_text(str(data["schema"]))
 
 
+#: ``brought_by`` of a version a probe found (no one message brought it)
+PROBED = "(a probe of a batch)"
+
+
+def brought(who: str | None) -> str:
+    """How a log line or the CLI says what brought a version."""
+    if not who:
+        return ""
+    return "found by a probe of a batch" if who == PROBED else f"brought by message {who}"
+
+
 def describe_schema(schema: pa.Schema) -> list[str]:
     return [f"{f.name}: {show(f.type)}" for f in schema]
 

@@ -28,9 +28,11 @@ from ackflow import faults
 from ackflow.core.errors import ColumnsRefused, FlowError
 from ackflow.core.schema import (
     EVOLVE,
+    PROBED,
     RESCUE,
     RESCUED,
     SchemaStore,
+    brought,
     describe_schema,
     from_text,
     merge_schemas,
@@ -81,6 +83,8 @@ log = logging.getLogger("ackflow.engine")
 
 #: a probe runs the steps over one message in this many (see Plan.probe)
 PROBE_STRIDE = 20
+#: probes that find nothing new before the probing stops
+PROBE_QUIET = 3
 INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
                           (SRC, pa.int32()), (HDR, pa.string())])
 
@@ -141,8 +145,9 @@ class Plan:
         self.schema_scope = "rows:" if rows_input else ""  # two plans, one store
         #: every evolution of this run: segment, version, changes, brought_by
         self.schema_changes: list[dict[str, Any]] = []
-        #: segments whose columns changed lately: each batch is probed first (see probe)
-        self._probing: set[tuple[int, ...]] = set()
+        #: segments whose columns changed lately -> probes left that may find nothing
+        #: before the probing stops (see probe)
+        self._probing: dict[tuple[int, ...], int] = {}
         self._data_columns: set[str] = set()  # every column name inferred from data
         #: (sink, schema signature) -> columns its table refused (name -> why), and
         #: columns it takes value by value in its own type (name -> type)
@@ -351,7 +356,7 @@ class Plan:
                                     "changes": changes, "brought_by": brought_by,
                                     "at": time.time()})
         log.info("columns of %s: version %d%s: %s", segment, version,
-                 f" (brought by message {brought_by})" if brought_by else "",
+                 f" ({brought(brought_by)})" if brought_by else "",
                  "; ".join(changes[:20]) + (" ..." if len(changes) > 20 else ""))
 
     def evolve(self, misses: Sequence[tuple[str, pa.Schema, str]]) -> dict[str, str]:
@@ -392,7 +397,7 @@ class Plan:
                 self._data_columns.update(merged.names)
                 self._note(segment, version, changes, brought)
                 if index == (0,):
-                    self._probing.add(index)
+                    self._probing[index] = PROBE_QUIET
         return refused
 
     def probe(self, index: tuple[int, ...], seg: Segment,
@@ -401,8 +406,9 @@ class Plan:
         """While the first segment's columns keep changing (a producer rolling out new
         fields), each batch first runs its steps over every ``PROBE_STRIDE``-th message
         and evolves the columns with what they bring: most rows of the batch then fit,
-        and few run again after a schema miss. A probe that finds nothing new ends the
-        probing until the next evolution. Only an optimisation: misses stay correct."""
+        and few run again after a schema miss. After ``PROBE_QUIET`` probes in a row that
+        find nothing new (a re-run after a miss, a batch of known shapes) the probing
+        stops until the next evolution. Only an optimisation: misses stay correct."""
         if index not in self._probing:
             return
         sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage,
@@ -417,9 +423,13 @@ class Plan:
             return
         if not merge_schemas(current, _new_fields_safe(current, found))[1]:
             with self._lock:
-                self._probing.discard(index)
+                left = self._probing.get(index, 0) - 1
+                if left > 0:
+                    self._probing[index] = left
+                else:
+                    self._probing.pop(index, None)
             return
-        self.evolve([(name, found, "a probe of its batch")])
+        self.evolve([(name, found, PROBED)])
 
     def input_table(self, deliveries: Sequence[Delivery]) -> pa.Table:
         """One Arrow table, chunked so the executor makes ``parallelism`` partitions of it.

@@ -264,7 +264,8 @@ function drawSchema(s) {
   const list = $("schema-changes");
   clear(list);
   for (const c of sc.changes.slice().reverse()) {
-    const who = c.brought_by ? ` (message ${c.brought_by})` : "";
+    const who = !c.brought_by ? "" : c.brought_by === "(a probe of a batch)"
+      ? " (found by a probe)" : ` (message ${c.brought_by})`;
     list.appendChild(el("li", {}, `${c.segment} v${c.version}${who}: ${c.changes.join("; ")}`));
   }
 }
