@@ -91,7 +91,12 @@ def nv(x: int | None) -> int:
     the sinks' predicates read it: 0. The row keeps its null to the sinks, which must
     hold it; Column steps follow SQL: a null never fails the cast (``(n + c) % m = 0`` is
     null, not true), never matches a join, and all null-``n`` rows form one group of
-    ``group_by("n")`` and of ``grouped_within(..., "n")``, as any other value does."""
+    ``group_by("n")`` and of ``grouped_within(..., "n")``, as any other value does.
+
+    The steps read ``r.get("n")``: a column null in every row of a batch reaches a
+    Python step in a broadcast branch (or after a Column step) as no key at all, while
+    the same row in a batch where another row has a value has ``"n": None``
+    (``test_null_column_reaches_branch_step_as_none``, an expected failure)."""
     return 0 if x is None else x
 
 
@@ -342,7 +347,8 @@ def type_values(n: int | None, c: int | None) -> dict[str, Any]:
 def shape_fields(r: dict[str, Any]) -> dict[str, Any]:
     """The fields the "shape" step adds: their names depend on n, so each batch may
     bring new ones (a top-level column, a field inside a struct)."""
-    return {f"x{nv(r['n']) % 3}": r["n"], "d": {f"k{(nv(r['n']) + nv(r['c'])) % 2}": r["c"]}}
+    n, c = r.get("n"), r.get("c")
+    return {f"x{nv(n) % 3}": n, "d": {f"k{(nv(n) + nv(c)) % 2}": c}}
 
 
 def norm(row: dict[str, Any]) -> Any:
@@ -416,20 +422,20 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
     schema = pa.schema([("n", pa.int64()), ("c", pa.int64())])
     if kind == "map":
         def fn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
-            if (nv(r["n"]) + nv(r["c"])) % m == 0:
+            if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise ValueError("poison row")
-            return {"n": r["n"], "c": nv(r["c"]) + 1}
+            return {"n": r.get("n"), "c": nv(r.get("c")) + 1}
         return flow.map(fn, name=name, schema=schema)
     if kind == "bmap":
         def bfn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
-            if (nv(r["n"]) + nv(r["c"])) % m == 0:
+            if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise ValueError("poison row in a branch")
-            return {"n": r["n"], "c": nv(r["c"]) + 10}
+            return {"n": r.get("n"), "c": nv(r.get("c")) + 10}
         return flow.map(bfn, name=name)  # columns inferred from the batch
     if kind in ("filter", "bfilter"):
-        return flow.filter(lambda r, m=arg: (nv(r["n"]) + nv(r["c"])) % m != 0, name=name)
+        return flow.filter(lambda r, m=arg: (nv(r.get("n")) + nv(r.get("c"))) % m != 0, name=name)
     if kind == "flat_map":
-        return flow.flat_map(lambda r, k=arg: [{"n": r["n"], "c": j} for j in range(k)],
+        return flow.flat_map(lambda r, k=arg: [{"n": r.get("n"), "c": j} for j in range(k)],
                              name=name)
     if kind == "shape":
         def reshape(r: dict[str, Any]) -> dict[str, Any]:
@@ -437,7 +443,7 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
         return flow.map(reshape, name=name, schema_mode="rescue" if arg == 2 else "evolve")
     if kind == "crash":
         def crash(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
-            if (nv(r["n"]) + nv(r["c"])) % m == 0:
+            if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise SystemExit("the task dies")  # not an Exception: fails the whole job
             return r
         return flow.map(crash, name=name, schema=schema)

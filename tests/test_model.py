@@ -162,6 +162,11 @@ NULL_KEY_AT_SINK = Example((0,), 1, (), False, "all", (Branch("refuse", 2, 1),),
 # in _rescued (schema mode "rescue"); the keyed sink called that two different rows
 RESCUED_AFTER_RESTART = Example((0, 1), 1, (("shape", 2),), False, "all", OK, False, (),
                                 (("batch.after_commit", 1),), 1, 1, 1)
+# a null key in a broadcast branch's step (found by 1000 examples): its batch holds only
+# that row, the column is null in every row and the branch step got no "n" at all
+BRANCH_NULL_KEY = Example((0,), 1, (), False, "all",
+                          (Branch("ok", 2, 0, (("bfilter", 2),)), Branch("ok", 2, 0)), False,
+                          (), (), 1, 1, 1, (), (0,))
 # the shape of issue 27 #10: copies of a message in one pull through flat_map and group_by
 REPEAT_GROUPED = Example((3, 3, 5), 1, (("flat_map", 2), ("group", 0)), False, "all", OK,
                          False, (), (), 8, 8, 1, ((0, "next"), (0, "next")), (2,))
@@ -175,6 +180,7 @@ REPEAT_GROUPED = Example((3, 3, 5), 1, (("flat_map", 2), ("group", 0)), False, "
 @example(ex=REPEATS)
 @example(ex=NULL_KEY_AT_SINK)
 @example(ex=RESCUED_AFTER_RESTART)
+@example(ex=BRANCH_NULL_KEY)
 def test_model_local(ex: Example) -> None:
     run_example(ex, executor="local")
 
@@ -190,6 +196,34 @@ def test_model_local(ex: Example) -> None:
 @example(ex=REPEAT_GROUPED)
 def test_model_spark(spark: object, ex: Example) -> None:
     run_example(ex, spark=spark)
+
+
+@pytest.mark.xfail(strict=True, reason="engine: a column null in every row of a batch is "
+                   "pruned at a segment boundary, so a branch step gets no key for it")
+def test_null_column_reaches_branch_step_as_none() -> None:
+    """A Python step sees the same row for the same message whatever its batch mates: a
+    field that is null reaches it as ``None``. Today a step in a broadcast branch (and a
+    Python step after a Column step) gets no key at all when the field is null in every
+    row of the batch (``prune_nulls`` in ackflow/spark/rows.py drops the null-typed
+    column), but ``None`` when another row of the batch has a value: ``r["n"]`` then
+    fails the message in one batch and not in another."""
+    import ackflow
+    from ackflow.sinks import MemorySink
+    from ackflow.testing import ListSource
+
+    def look(r: dict) -> dict:
+        return {"has_n": "n" in r}
+
+    seen = []
+    for bodies in (['{"n": null, "c": 0}', '{"n": 1, "c": 0}'], ['{"n": null, "c": 0}']):
+        src, out = ListSource(bodies), MemorySink("out")
+        flow = ackflow.Flow(src).broadcast(ackflow.branch().map(look, name="look").to(out),
+                                           MemorySink("plain"))
+        Engine(flow, batch_size=10, max_inflight=10, batch_timeout_s=0.05, until_idle=0.1,
+               handle_signals=False, executor="local").run()
+        assert src.final() == {f"m{i}": "acked" for i in range(len(bodies))}
+        seen.append(out.rows[0]["has_n"])
+    assert seen == [True, True], f"\"n\" in the branch step's row, per batch: {seen}"
 
 
 # -- a sink that fails for every message: systemic, never dead letters --------------------
