@@ -5,17 +5,23 @@ armed fault points, then checked message by message against what was published.
 
 It starts its own RabbitMQ (with streams) and PostgreSQL on 127.0.0.1 (free ports) and
 a temporary directory. A publisher thread feeds, at a steady bounded rate, a quorum
-queue, a stream and a Files directory; each message has a unique ``id`` and about 1%
-are poison (invalid JSON, or ``qty`` 0 which the ``validate`` step refuses). The
-pipeline (``benchmarks.chaos_pipeline``) runs in a child process. A fault schedule,
+queue (``x-delivery-limit`` and a dead-letter exchange into a queue of its own), a
+stream and a Files directory; each message has a unique ``id``, an optional nested
+object, a list that is often empty and a field that is often null, and about 1% are
+poison (invalid JSON, or ``qty`` 0 which the ``validate`` step refuses). The queue's
+producer re-sends a batch it holds no confirm for with the same ``message_id``s: after
+a connection reset the whole batch, and at random (``--resend``) a batch whose confirm
+it pretends was lost. The pipeline (``benchmarks.chaos_pipeline``) runs in a child process. A fault schedule,
 drawn from ``--seed`` and printed at the start, SIGKILLs the child's process group at
 random moments and restarts it, restarts the broker twice, stops PostgreSQL twice, and
 arms a random fault point (``ACKFLOW_FAULTS``) for some child starts.
 
 At the end the publisher stops, a last child runs until idle without faults, and the
-output is checked against what was published: every good message exactly once in
-PostgreSQL and in Parquet, every poison message dead-lettered exactly once, no good
-message dead-lettered, the queue empty, the stream's stored offset at its end, every
+output is checked against what was published: every message accounted for exactly
+once (a good one written once in PostgreSQL and once in Parquet with its values as
+published, or a poison one dead-lettered once by ackflow; either may instead be in the
+broker's dead-letter queue, never also elsewhere), no good message dead-lettered by
+ackflow, the queue empty, the stream's stored offset at its end, every
 file processed. It prints a table and, with ``--json``, one JSON object on the last
 line. The exit status is 1 when anything was lost or duplicated (or a check failed).
 """
@@ -43,6 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUEUE = "chaos-orders"
+DLX = "chaos-dlx"  # the quorum queue's dead-letter exchange (fanout) ...
+DLX_QUEUE = "chaos-dlx-q"  # ... and the queue it routes to
 STREAM = "chaos-events"
 TABLE = "chaos_rows"
 DEAD_TABLE = "chaos_dead"
@@ -114,6 +122,9 @@ class Published:
     good: set[str] = field(default_factory=set)
     poison: set[str] = field(default_factory=set)
     per_source: Counter[str] = field(default_factory=Counter)
+    copies: Counter[str] = field(default_factory=Counter)  # queue message -> publishes
+    expect: dict[str, dict[str, Any]] = field(default_factory=dict)  # good id -> its row
+    resent: int = 0  # queue messages published again with the same message_id
     stream_count: int = 0
     errors: int = 0
     error_log: list[str] = field(default_factory=list)
@@ -123,9 +134,10 @@ class Publisher(threading.Thread):
     """Publishes ``rate`` messages a second to each of the three sources, recording
     every message once the broker confirmed it (or the file was renamed in)."""
 
-    def __init__(self, rmq: Any, files_dir: str, rate: float, seed: int) -> None:
+    def __init__(self, rmq: Any, files_dir: str, rate: float, seed: int,
+                 resend: float = 0.05) -> None:
         super().__init__(name="publisher", daemon=True)
-        self.rmq, self.files_dir, self.rate = rmq, files_dir, rate
+        self.rmq, self.files_dir, self.rate, self.resend = rmq, files_dir, rate, resend
         self.rng = random.Random(seed * 7919 + 1)
         self.out = Published()
         self.stop_event = threading.Event()
@@ -146,11 +158,33 @@ class Publisher(threading.Thread):
         if r < 0.005:  # invalid JSON
             return mid, f'{{"id": "{mid}", "kind": "{kind}", "qty": ', True
         qty = 0 if r < 0.01 else self.rng.randint(1, 9)  # qty 0 fails `validate`
-        body = {"id": mid, "kind": kind, "qty": qty, "lines": self.rng.randint(1, 3),
-                "pad": "x" * 40}
+        n = self.rng.randint(1, 3)
+        body: dict[str, Any] = {"id": mid, "kind": kind, "qty": qty, "lines": n, "pad": "x" * 40}
+        # null, empty and nested values: an optional object (present, null or absent)
+        # with a nested object holding a null and a list that may be empty; a list that
+        # is often empty; a field that is often null (or the empty string)
+        shape = self.rng.random()
+        if shape < 0.5:
+            body["opt"] = {"code": self.rng.choice(["", "a1", "zz"]),
+                           "dims": {"w": self.rng.randint(0, 5),
+                                    "h": None if self.rng.random() < 0.5 else 7},
+                           "marks": [] if self.rng.random() < 0.5 else [1, n]}
+        elif shape < 0.75:
+            body["opt"] = None
+        body["tags"] = [] if self.rng.random() < 0.4 else ["x", kind]
+        body["note"] = self.rng.choice([None, None, "", "ok"])
+        if r >= 0.01:
+            self.out.expect[mid] = {"total": qty * n, "n_lines": n, "members": list(range(n)),
+                                    "opt": body.get("opt"), "tags": body["tags"],
+                                    "note": body["note"]}
         return mid, json.dumps(body), r < 0.01
 
     def record(self, src: str, mid: str, poison: bool) -> None:
+        if src == "queue":
+            self.out.copies[mid] += 1
+            if self.out.copies[mid] > 1:
+                self.out.resent += 1
+                return
         (self.out.poison if poison else self.out.good).add(mid)
         self.out.per_source[src] += 1
 
@@ -187,6 +221,11 @@ class Publisher(threading.Thread):
         return m[0], m[1].encode(), m[2]
 
     def publish_queue(self, msgs: list[tuple[str, bytes, bool]]) -> None:
+        """Publish a batch, as a producer that waits for the batch's confirms does: a
+        batch not wholly confirmed (a connection reset) is published again whole, with
+        the same ``message_id``s (the same identities: the copies that did arrive are
+        repeats), at the next tick; and with probability ``resend`` a confirmed batch is
+        published again at once, as after a confirm that timed out."""
         import pika
 
         self._carry["q"] = []
@@ -196,16 +235,17 @@ class Publisher(threading.Thread):
                 self._conn = pika.BlockingConnection(pika.URLParameters(self.rmq.url))
                 self._ch = self._conn.channel()
                 self._ch.confirm_delivery()
-            for mid, body, poison in msgs:
+            again = bool(msgs) and self.rng.random() < self.resend
+            for mid, body, poison in [*msgs, *(msgs if again else [])]:
                 self._ch.basic_publish("", QUEUE, body, pika.BasicProperties(
                     delivery_mode=2, message_id=mid), mandatory=True)
                 self.record("queue", mid, poison)
                 k += 1
         except (OSError, pika.exceptions.AMQPError) as e:
-            # not confirmed: publish again with the same message_id (the same identity)
+            # not all confirmed: the whole batch again, with the same message_ids
             self.out.errors += 1
             self.out.error_log.append(f"queue at {k}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
-            self._carry["q"] = msgs[k:]
+            self._carry["q"] = msgs
             self._conn = None
 
     def publish_stream(self, msgs: list[tuple[str, bytes, bool]]) -> None:
@@ -363,10 +403,16 @@ class Soak:
         self.files_dir = os.path.join(work, "in")
         self.parquet_dir = os.path.join(work, "parquet")
         os.makedirs(self.files_dir)
+        policy = sched.retry_policy()
+        # the broker's limit is above ackflow's own (its last delivery dead-letters with
+        # provenance first); a message past it (given back too often: crashes, stops) goes
+        # to the dead-letter exchange, and is accounted there
+        self.delivery_limit = a.delivery_limit or int(policy["max_deliveries"]) + 2
         self.cfg = {"amqp_url": rmq.url, "queue": QUEUE, "stream_port": rmq.stream_port,
+                    "delivery_limit": self.delivery_limit, "dlx": DLX,
                     "stream": STREAM, "files_dir": self.files_dir, "dsn": pg.dsn,
                     "table": TABLE, "dead_table": DEAD_TABLE, "parquet_dir": self.parquet_dir,
-                    "batch_size": 2000, "max_inflight": 6000, **sched.retry_policy()}
+                    "batch_size": 2000, "max_inflight": 6000, **policy}
         self.stats = Stats()
         self.fault_rng = random.Random(sched.seed * 31 + 7)
         self.log = open(os.path.join(work, "pipeline.log"), "ab")
@@ -382,7 +428,13 @@ class Soak:
         from rstream import Producer
 
         conn = pika.BlockingConnection(pika.URLParameters(self.rmq.url))
-        conn.channel().queue_declare(QUEUE, durable=True, arguments={"x-queue-type": "quorum"})
+        ch = conn.channel()
+        ch.exchange_declare(DLX, "fanout", durable=True)
+        ch.queue_declare(DLX_QUEUE, durable=True)
+        ch.queue_bind(DLX_QUEUE, DLX)
+        ch.queue_declare(QUEUE, durable=True, arguments={
+            "x-queue-type": "quorum", "x-delivery-limit": self.delivery_limit,
+            "x-dead-letter-exchange": DLX})
         conn.close()
 
         async def go() -> None:
@@ -453,7 +505,8 @@ class Soak:
 
     def run(self) -> Published:
         self.setup()
-        publisher = Publisher(self.rmq, self.files_dir, self.a.rate, self.sched.seed)
+        publisher = Publisher(self.rmq, self.files_dir, self.a.rate, self.sched.seed,
+                              self.a.resend)
         publisher.start()
         chaos = self.chaos_thread(publisher)
         kills = list(self.sched.kills)
@@ -540,6 +593,58 @@ def queue_depth(url: str) -> int:
         conn.close()
 
 
+def dlx_messages(url: str) -> tuple[Counter[str], Counter[str], int]:
+    """What the broker dead-lettered: (message id -> copies, x-death reasons, messages
+    without a message id). Read with ``basic_get`` and left in the queue (not acked)."""
+    import pika
+
+    ids: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    nameless = 0
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        for _ in range(10**6):  # bounded: the queue holds far fewer
+            method, props, _body = ch.basic_get(DLX_QUEUE, auto_ack=False)
+            if method is None:
+                break
+            if props.message_id:
+                ids[props.message_id] += 1
+            else:
+                nameless += 1
+            for death in (props.headers or {}).get("x-death") or []:
+                reason = death.get("reason")
+                reasons[reason.decode() if isinstance(reason, bytes) else str(reason)] += 1
+    finally:
+        conn.close()
+    return ids, reasons, nameless
+
+
+def _as_py(v: Any) -> Any:
+    """A value read back from a sink, comparable with the published JSON value."""
+    if isinstance(v, str) and v[:1] in "[{":
+        try:
+            return json.loads(v)
+        except ValueError:
+            return v
+    return v
+
+
+def value_mismatches(rows: list[dict[str, Any]], expect: dict[str, dict[str, Any]],
+                     sink: str) -> list[str]:
+    """Rows whose values are not what was published (nulls, empty lists and nested
+    values must land intact)."""
+    bad = []
+    for r in rows:
+        want = expect.get(r["id"])
+        if want is None:
+            continue
+        got = {k: _as_py(r.get(k)) for k in want}
+        if got != want:
+            bad.append(f"{sink} {r['id']}: {got} != {want}"[:300])
+    return bad
+
+
 def files_left(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.endswith(".jsonl") and not n.startswith("."))
 
@@ -596,14 +701,22 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
     import psycopg
     import pyarrow.parquet as pq
 
+    cols = ["id", "total", "n_lines", "members", "opt", "tags", "note"]
     with psycopg.connect(pg.dsn) as conn:
-        pg_ids = Counter({r[0]: r[1] for r in conn.execute(
-            f"SELECT id, count(*) FROM {TABLE} GROUP BY id")})
+        pg_rows = [dict(zip(cols, r, strict=True)) for r in conn.execute(
+            f"SELECT {', '.join(cols)} FROM {TABLE}")]
         dead_rows = conn.execute(f"SELECT message, body FROM {DEAD_TABLE}").fetchall()
+    pg_ids = Counter(r["id"] for r in pg_rows)
     pq_ids: Counter[str] = Counter()
+    pq_rows: list[dict[str, Any]] = []
     for path in glob.glob(os.path.join(soak.parquet_dir, "batch=*", "**", "*.parquet"),
                           recursive=True):
-        pq_ids.update(pq.read_table(path, columns=["id"]).column("id").to_pylist())
+        rows = pq.read_table(path, columns=cols).to_pylist()
+        pq_rows += rows
+        pq_ids.update(r["id"] for r in rows)
+    mismatched = (value_mismatches(pg_rows, pub.expect, "postgres")
+                  + value_mismatches(pq_rows, pub.expect, "parquet"))
+    dlx_ids, dlx_reasons, dlx_nameless = dlx_messages(rmq.url)
     dead_ids: Counter[str] = Counter()
     unknown_dead = 0
     for _, body in dead_rows:
@@ -627,14 +740,19 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
             (pub.poison if is_poison(text) else pub.good).add(mid.group(1))
     stream_end = max((off for off, _ in in_stream), default=-1)
     good, poison = pub.good, pub.poison
-    lost_pg = good - set(pg_ids)
-    lost_pq = good - set(pq_ids)
-    poison_missing = poison - set(dead_ids)
+    in_dlx = set(dlx_ids)  # the broker's dead letters: accounted there, and only there
+    lost_pg = good - set(pg_ids) - in_dlx
+    lost_pq = good - set(pq_ids) - in_dlx
+    poison_missing = poison - set(dead_ids) - in_dlx
     dup_pg = {k for k, n in pg_ids.items() if n > 1}
     dup_pq = {k for k, n in pq_ids.items() if n > 1}
     dup_dead = {k for k, n in dead_ids.items() if n > 1}
+    dup_dlx = {k for k, n in dlx_ids.items() if n > max(1, pub.copies[k])}
+    # one message in two places (written or dead-lettered by ackflow, and dead-lettered
+    # by the broker too): counted twice
+    dlx_and_settled = in_dlx & (set(pg_ids) | set(pq_ids) | set(dead_ids))
     lost = lost_pg | lost_pq | poison_missing
-    duplicated = dup_pg | dup_pq | dup_dead
+    duplicated = dup_pg | dup_pq | dup_dead | dup_dlx | dlx_and_settled
     good_dead = good & set(dead_ids)
     poison_written = poison & (set(pg_ids) | set(pq_ids))
     unknown_rows = (set(pg_ids) | set(pq_ids)) - good - poison
@@ -646,6 +764,10 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         "poison_not_dead_lettered": sorted(poison_missing)[:20],
         "duplicated_in_postgres": sorted(dup_pg)[:20], "duplicated_in_parquet": sorted(dup_pq)[:20],
         "dead_lettered_twice": sorted(dup_dead)[:20],
+        "broker_dead_lettered_more_than_published": sorted(dup_dlx)[:20],
+        "broker_dead_lettered_and_settled_by_ackflow": sorted(dlx_and_settled)[:20],
+        "values_not_as_published": mismatched[:10],
+        "broker_dead_letters_without_id": dlx_nameless,
         "good_dead_lettered": sorted(good_dead)[:20],
         "poison_written": sorted(poison_written)[:20],
         "rows_not_published": sorted(unknown_rows)[:20],
@@ -659,8 +781,11 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
     checks["stream_offsets_not_messages"] = stream_end + 1 - len(in_stream)
     ok = (not lost and not duplicated and not good_dead and not poison_written
           and not unknown_rows and unknown_dead == 0 and depth == 0
-          and committed == stream_end and not left)
+          and committed == stream_end and not left and not mismatched)
     return {"lost": len(lost), "duplicated": len(duplicated), "dead_lettered": len(dead_rows),
+            "broker_dead_lettered": sum(dlx_ids.values()) + dlx_nameless,
+            "broker_dead_letter_reasons": dict(dlx_reasons),
+            "values_checked": len(pg_rows) + len(pq_rows), "values_wrong": len(mismatched),
             "good_dead_lettered": len(good_dead), "rows_postgres": sum(pg_ids.values()),
             "rows_parquet": sum(pq_ids.values()), "ok": ok, "checks": checks}
 
@@ -672,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--rate", type=float, default=20.0, help="messages/s to each source")
+    p.add_argument("--resend", type=float, default=0.05,
+                   help="chance per queue batch that the producer publishes it again at once")
+    p.add_argument("--delivery-limit", type=int, default=None,
+                   help="the quorum queue's x-delivery-limit (default: max_deliveries + 2)")
     p.add_argument("--json", action="store_true", help="end with one JSON object")
     p.add_argument("--quiet", action="store_true", help="no event log, only the summary")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -692,8 +821,11 @@ def main(argv: list[str] | None = None) -> int:
             result = verify(pub, pg, rmq, soak)
             soak.log.close()
             with open(os.path.join(work, "pipeline.log"), "rb") as f:
-                fired = Counter(m.decode() for m in re.findall(
-                    rb"ackflow: fault point '([a-z_.]+)' \(hit \d+\): exiting now", f.read()))
+                text = f.read()
+            fired = Counter(m.decode() for m in re.findall(
+                rb"ackflow: fault point '([a-z_.]+)' \(hit \d+\): exiting now", text))
+            # the children that ended cleanly print their report: repeats they held back
+            held = sum(int(n) for n in re.findall(rb'"duplicates": (\d+)', text))
     finally:
         if a.keep:
             print(f"work directory kept: {work}", flush=True)
@@ -711,6 +843,12 @@ def main(argv: list[str] | None = None) -> int:
         "lost": result["lost"], "duplicated": result["duplicated"],
         "dead_lettered": result["dead_lettered"],
         "good_dead_lettered": result["good_dead_lettered"],
+        "resent": pub.resent, "resent_ids": sum(1 for n in pub.copies.values() if n > 1),
+        "repeats_held": held,
+        "delivery_limit": soak.delivery_limit,
+        "broker_dead_lettered": result["broker_dead_lettered"],
+        "broker_dead_letter_reasons": result["broker_dead_letter_reasons"],
+        "values_checked": result["values_checked"], "values_wrong": result["values_wrong"],
         "rows_postgres": result["rows_postgres"], "rows_parquet": result["rows_parquet"],
         "longest_stall_s": round(st.longest_stall_s, 1),
         "acked_seen": int(st.acked),
@@ -744,7 +882,12 @@ def print_table(s: dict[str, Any]) -> None:
         ("messages published", f"{s['messages']:,} ({s['poison']} poison; "
          + ", ".join(f"{k} {v:,}" for k, v in sorted(s["per_source"].items())) + ")"),
         ("lost", s["lost"]), ("duplicated", s["duplicated"]),
-        ("dead-lettered", s["dead_lettered"]),
+        ("dead-lettered (by ackflow / by the broker)",
+         f"{s['dead_lettered']} / {s['broker_dead_lettered']} "
+         f"{s['broker_dead_letter_reasons'] or ''} (x-delivery-limit {s['delivery_limit']})"),
+        ("queue messages re-sent (ids)", f"{s['resent']} ({s['resent_ids']}); repeats held "
+         f"back in the final runs: {s['repeats_held']}"),
+        ("row values checked (wrong)", f"{s['values_checked']:,} ({s['values_wrong']})"),
         ("good messages dead-lettered", s["good_dead_lettered"]),
         ("rows in PostgreSQL / Parquet", f"{s['rows_postgres']:,} / {s['rows_parquet']:,}"),
         ("longest stall (no ack progress)", f"{s['longest_stall_s']} s"),

@@ -2,15 +2,23 @@
 
     python -m benchmarks.chaos_pipeline CONFIG.json [--until-idle S]
 
-Three sources merged (a RabbitMQ quorum queue, a RabbitMQ stream, a Files directory),
-``map`` (validate), ``flat_map`` (one row per line item), ``group_by("id", "kind")``
-(a Column aggregate: one row per message), ``join`` with a static DataFrame of kinds,
+Three sources merged (a RabbitMQ quorum queue with ``x-delivery-limit`` and a
+dead-letter exchange, a RabbitMQ stream, a Files directory), ``map`` (validate),
+``flat_map`` (one row per line item), ``grouped_within(4, 0.25, "id")`` (a message's
+line items gathered across the batch boundary: the group row carries its members),
+``map`` (one row per group), ``group_by("id", "kind")`` (a Column aggregate), ``join``
+with a static DataFrame of kinds, ``transform`` (a DataFrame function adding a column),
 then a broadcast to PostgreSQL (upserts on ackflow's row key) and Parquet, with dead
-letters to a PostgreSQL table keyed by the message identity.
+letters to a PostgreSQL table keyed by the message identity. The optional nested
+``opt``, the list ``tags`` (often empty) and the nullable ``note`` ride along to both
+sinks and must land as published.
 
-Every group holds the rows of one message only (the group key contains the message's
+Every group holds the rows of one message only (the group keys contain the message's
 unique ``id``), so each good message gives exactly one row in each sink, and a message
-written twice under two identities shows up as two rows with the same ``id``.
+written twice under two identities shows up as two rows with the same ``id``. (A
+group of several messages would get a new row key when one of them, re-sent by its
+producer after it was acked, joins another group: a second row. Law 12 holds a repeat
+only while the first delivery is in flight.)
 The config file holds the servers' addresses (no passwords: the throwaway servers use
 trust / guest on loopback).
 """
@@ -28,15 +36,35 @@ from ackflow.sources import Files, RabbitMQ, RabbitMQStream
 KINDS = ("book", "game", "tool", "food")
 
 
+EXTRA = ("opt STRUCT<code: STRING, dims: STRUCT<w: BIGINT, h: BIGINT>, marks: ARRAY<BIGINT>>, "
+         "tags ARRAY<STRING>, note STRING")
+
+
 def validate(order: dict[str, Any]) -> dict[str, Any]:
     if order["qty"] <= 0:
         raise ValueError(f"order {order['id']} has qty {order['qty']}")
-    return order
+    return {**order, "opt": order.get("opt")}  # optional: absent reads as null
 
 
 def lines(order: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"id": order["id"], "kind": order["kind"], "qty": order["qty"], "line": i}
+    return [{"id": order["id"], "kind": order["kind"], "qty": order["qty"], "line": i,
+             "opt": order["opt"], "tags": order["tags"], "note": order["note"]}
             for i in range(order["lines"])]
+
+
+def one_row(group: dict[str, Any]) -> dict[str, Any]:
+    """A ``grouped_within`` group (one message's line items) as one row."""
+    rows = group["rows"]
+    first = rows[0]
+    return {"id": group["id"], "kind": first["kind"], "qty": sum(r["qty"] for r in rows),
+            "n_lines": group["count"], "members": sorted(r["line"] for r in rows),
+            "opt": first["opt"], "tags": first["tags"], "note": first["note"]}
+
+
+def label_len(df: Any) -> Any:
+    from pyspark.sql import functions as F
+
+    return df.withColumn("label_len", F.length("label"))
 
 
 def build(cfg: dict[str, Any]) -> ackflow.Flow:
@@ -46,7 +74,9 @@ def build(cfg: dict[str, Any]) -> ackflow.Flow:
     policy = ackflow.RetryPolicy(max_deliveries=cfg["max_deliveries"],
                                  backoff_s=cfg["backoff_s"], max_backoff_s=cfg["max_backoff_s"])
     queue = RabbitMQ(cfg["amqp_url"], cfg["queue"], policy=policy, name="queue",
-                     arguments={"x-queue-type": "quorum"}, reconnect_max_s=2.0)
+                     arguments={"x-queue-type": "quorum",
+                                "x-delivery-limit": cfg["delivery_limit"],
+                                "x-dead-letter-exchange": cfg["dlx"]}, reconnect_max_s=2.0)
     stream = RabbitMQStream("127.0.0.1", cfg["stream_port"], cfg["stream"], "chaos",
                             offset="first", policy=policy, name="stream")
     files = Files(cfg["files_dir"], format="jsonl", policy=policy, name="files",
@@ -55,11 +85,19 @@ def build(cfg: dict[str, Any]) -> ackflow.Flow:
                                   "kind STRING, label STRING, rank INT")
     return (ackflow.merge(ackflow.Flow(queue), ackflow.Flow(stream), ackflow.Flow(files))
             .map(validate, name="validate",
-                 schema="id STRING, kind STRING, qty BIGINT, lines BIGINT, pad STRING")
-            .flat_map(lines, name="lines", schema="id STRING, kind STRING, qty BIGINT, line BIGINT")
+                 schema=f"id STRING, kind STRING, qty BIGINT, lines BIGINT, pad STRING, {EXTRA}")
+            .flat_map(lines, name="lines",
+                      schema=f"id STRING, kind STRING, qty BIGINT, line BIGINT, {EXTRA}")
+            .grouped_within(4, 0.25, "id", name="gather")
+            .map(one_row, name="one_row", schema="id STRING, kind STRING, qty BIGINT, "
+                 f"n_lines BIGINT, members ARRAY<BIGINT>, {EXTRA}")
             .group_by("id", "kind").agg(F.sum("qty").alias("total"),
-                                        F.count(F.lit(1)).alias("n_lines"), name="per_order")
+                                        F.sum("n_lines").alias("n_lines"),
+                                        F.first("members").alias("members"),
+                                        F.first("opt").alias("opt"), F.first("tags").alias("tags"),
+                                        F.first("note").alias("note"), name="per_order")
             .join(kinds, on="kind", how="inner", name="kinds")
+            .transform(label_len, name="label_len")
             .broadcast(Postgres(cfg["dsn"], cfg["table"], mode="upsert", create=True,
                                 connect_timeout=3, name="pg"),
                        Parquet(cfg["parquet_dir"], name="parquet"))
@@ -79,7 +117,7 @@ def main() -> None:
                          max_inflight=cfg["max_inflight"], until_idle=a.until_idle,
                          metrics_port=cfg.get("metrics_port"), drain_timeout_s=10)
     print(json.dumps({"acked": report.acked, "dead_lettered": report.dead_lettered,
-                      "nacked": report.nacked}), flush=True)
+                      "nacked": report.nacked, "duplicates": report.duplicates}), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ three keyed sinks (broadcast ``all``, with sub-flow branches, or ``primary`` wit
 fallbacks) that refuse rows, raise, or fail a commit before or after applying it;
 ``on_error`` dead letters; retries; batch size, window and concurrency; and fault points
 armed to raise (a crash: the run stops, and the next run starts from what is durable).
+Messages may be repeated: a copy with the same key and body (a producer's re-send) right
+after the original (in flight with it: law 12 holds it out of the batch until the
+first settles, then settles it as the first) or at the end of its source (in another
+batch, often after the first was settled: it runs again and must give the same rows).
+Some messages have a null key: ``"n": null`` (see :func:`nv` for what that means).
 
 The model predicts, for every message, the steps it surely fails in (``must``), the
 steps it may fail in as collateral (``may``: a raising sink fails its whole partition,
@@ -62,6 +67,10 @@ class Example:
     batch_size: int
     window: int
     concurrency: int
+    # copies: (index in ns, "next" | "end"): the same key and body again at its source,
+    # right after the original or at the end (new fields go last: pinned examples)
+    repeats: tuple[tuple[int, str], ...] = ()
+    null_keys: tuple[int, ...] = ()  # indices whose body is {"n": null, "c": 0}
 
     @property
     def transient(self) -> int:
@@ -71,6 +80,36 @@ class Example:
     def max_deliveries(self) -> int:
         # room for every transient fault and crash to hit one message, and one more try
         return self.transient + 2
+
+    def n(self, i: int) -> int | None:
+        """Message ``i``'s key ``n`` (None: a null key; see :func:`nv`)."""
+        return None if i in self.null_keys else self.ns[i]
+
+
+def nv(x: int | None) -> int:
+    """A null key (``"n": null``, or a ``c`` a group made null) as the Python steps and
+    the sinks' predicates read it: 0. The row keeps its null to the sinks, which must
+    hold it; Column steps follow SQL: a null never fails the cast (``(n + c) % m = 0`` is
+    null, not true), never matches a join, and all null-``n`` rows form one group of
+    ``group_by("n")`` and of ``grouped_within(..., "n")``, as any other value does.
+
+    The steps read ``r.get("n")``: a column null in every row of a batch reaches a
+    Python step in a broadcast branch (or after a Column step) as no key at all, while
+    the same row in a batch where another row has a value has ``"n": None``
+    (``test_null_column_reaches_branch_step_as_none``, an expected failure)."""
+    return 0 if x is None else x
+
+
+def layout(ex: Example) -> list[list[int]]:
+    """Per source, the message index of each body in its order (copies included)."""
+    per: list[list[int]] = [[] for _ in range(ex.sources)]
+    for i in range(len(ex.ns)):
+        per[i % ex.sources].append(i)
+        per[i % ex.sources].extend(i for j, where in ex.repeats if j == i and where == "next")
+    for j, where in ex.repeats:
+        if where == "end":
+            per[j % ex.sources].append(j)
+    return per
 
 
 PY_STEPS = st.one_of(
@@ -120,9 +159,15 @@ def examples(draw: Any, spark: bool = False, max_messages: int = 30) -> Example:
     batch_size = draw(st.integers(1, 16))
     sources = draw(st.sampled_from([1, 1, 2]))
     window = draw(st.integers(max(batch_size, sources), 40))  # merged: a share each
+    concurrency = draw(st.integers(1, 3))
+    index = st.integers(0, len(ns) - 1)
+    repeats = tuple(draw(st.lists(st.tuples(index, st.sampled_from(["next", "end"])),
+                                  max_size=3))) if draw(st.booleans()) else ()
+    null_keys = tuple(sorted({i for i in draw(st.lists(index, max_size=3))
+                              if ns[i] is not None})) if draw(st.booleans()) else ()
     return Example(ns, sources, steps, grouped, mode,
                    tuple(branches), on_error, commit_faults, engine_faults, batch_size,
-                   window, draw(st.integers(1, 3)))
+                   window, concurrency, repeats, null_keys)
 
 
 @st.composite
@@ -145,13 +190,17 @@ class ModelSource(ListSource):
     """A :class:`ListSource` that behaves like a broker across crashes: deliveries still
     unsettled when a run ended (the consumer died) come again at the next ``open()``,
     and the previous connection's late settlements are refused. It records every
-    settlement per delivery and the most messages ever outstanding."""
+    settlement per delivery and per copy (``handle``: a body's index; a re-sent message
+    is a second body with the same key, counted apart as a broker counts two published
+    copies), and the most messages ever outstanding."""
 
     def __init__(self, bodies: Sequence[str], *, window: list[int], **kw: Any) -> None:
         super().__init__(bodies, **kw)
         self.outstanding: dict[tuple[int, int], Delivery] = {}  # (index, count) -> delivery
         self.window = window  # [outstanding now over every source, the most ever]
-        self.per_delivery: Counter[tuple[str, int]] = Counter()
+        self.per_delivery: Counter[tuple[int, int]] = Counter()  # (handle, count)
+        self.per_copy: dict[int, list[str]] = {}  # handle -> its settlements
+        self.copy_deliveries: Counter[int] = Counter()
         self.epoch = 0
         self.limit = 10**9  # deliveries of one message that mean "retried forever"
         self._mine: dict[int, int] = {}  # id(delivery) -> epoch
@@ -168,6 +217,8 @@ class ModelSource(ListSource):
 
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         got = super().pull(max_messages, min(timeout, 0.005))
+        for d in got:  # counted per copy (ListSource counts per key)
+            d.delivery_count = self._count(int(d.handle))  # type: ignore[call-overload]
         looping = [d.key for d in got if d.delivery_count > self.limit]
         if looping:
             raise AssertionError(f"messages delivered more than {self.limit} times (retried "
@@ -180,6 +231,14 @@ class ModelSource(ListSource):
             self.window[1] = max(self.window[1], self.window[0])
         return got
 
+    def _count(self, handle: int) -> int:
+        self.copy_deliveries[handle] += 1
+        return self.copy_deliveries[handle]
+
+    def _record(self, d: Delivery, what: str) -> None:
+        super()._record(d, what)
+        self.per_copy.setdefault(int(d.handle), []).append(what)  # type: ignore[call-overload]
+
     def _settled(self, d: Delivery) -> bool:
         """Record a settlement; False if the delivery is not live (a stale receipt)."""
         with self._guard:
@@ -188,7 +247,7 @@ class ModelSource(ListSource):
                 return False
             del self.outstanding[key]
             self.window[0] -= 1
-            self.per_delivery[(d.key, d.delivery_count)] += 1
+            self.per_delivery[(int(d.handle), d.delivery_count)] += 1  # type: ignore[call-overload]
             return True
 
     def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
@@ -228,11 +287,21 @@ class ModelSource(ListSource):
         return len(self._ready) + len(self._delayed) + len(self.outstanding)
 
 
+class ModelSink(KeyedSink):
+    """A :class:`KeyedSink` whose rows are compared as the model compares them
+    (:func:`norm`): a row written again after a restart whose columns were inferred anew
+    (no ``state_dir``) may hold a field in ``_rescued`` that the first write had as a
+    column (schema mode "rescue"); the values are the same."""
+
+    def same(self, old: dict[str, Any], new: dict[str, Any]) -> bool:
+        return bool(norm(old) == norm(new))
+
+
 # -- the flow ----------------------------------------------------------------------------
 
 def _sink_pred(b: Branch) -> Any:
     def pred(r: dict[str, Any], m: int = b.mod, x: int = b.rest) -> bool:
-        return r["n"] % m == x % m
+        return nv(r.get("n")) % m == x % m  # a column null in every row of a batch is absent
     return pred
 
 
@@ -256,11 +325,15 @@ TYPE_COLUMNS = {
 }
 
 
-def type_values(n: int, c: int) -> dict[str, Any]:
+def type_values(n: int | None, c: int | None) -> dict[str, Any]:
     """The values of :data:`TYPE_COLUMNS` as a sink's Arrow rows give them back."""
     import datetime as dt
     from decimal import Decimal
 
+    if n is None:  # SQL: a null in, a null out (inside arrays, maps and structs too)
+        return {"ts": None, "ntz": None, "day": None, "dec": None, "bin": None,
+                "arr": [None, c], "mp": [("n", None)], "st": {"n": None, "at": None},
+                "ok": None, "f32": None, "i16": None}
     at = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=n)
     return {
         "ts": None if n % 3 == 0 else at, "ntz": at.replace(tzinfo=None),
@@ -274,15 +347,18 @@ def type_values(n: int, c: int) -> dict[str, Any]:
 def shape_fields(r: dict[str, Any]) -> dict[str, Any]:
     """The fields the "shape" step adds: their names depend on n, so each batch may
     bring new ones (a top-level column, a field inside a struct)."""
-    return {f"x{r['n'] % 3}": r["n"], "d": {f"k{(r['n'] + r['c']) % 2}": r["c"]}}
+    n, c = r.get("n"), r.get("c")
+    return {f"x{nv(n) % 3}": n, "d": {f"k{(nv(n) + nv(c)) % 2}": c}}
 
 
 def norm(row: dict[str, Any]) -> Any:
     """A row as the model compares it: ``_rescued`` put back in place, null fields
     dropped (a column added after the row was written reads null)."""
+    import copy
+
     from ackflow.testing import present
 
-    row = dict(row)
+    row = copy.deepcopy(row)  # never the sink's own row (put() fills nested dicts)
     rescued = json.loads(row.pop("_rescued", None) or "{}")
 
     def put(into: dict[str, Any], extra: dict[str, Any]) -> None:
@@ -298,12 +374,14 @@ def norm(row: dict[str, Any]) -> Any:
 def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSource],
                                                   list[KeyedSink], KeyedSink | None]:
     policy = RetryPolicy(max_deliveries=ex.max_deliveries, backoff_s=0)
-    bodies: list[list[str]] = [[] for _ in range(ex.sources)]
-    for i, n in enumerate(ex.ns):
-        bodies[i % ex.sources].append("{bad" if n is None else json.dumps({"n": n, "c": 0}))
     window = [0, 0]
-    sources = [ModelSource(b, policy=policy, name=f"src{k}", window=window)
-               for k, b in enumerate(bodies)]
+    sources = []
+    for k, order in enumerate(layout(ex)):
+        keys = [f"m{i // ex.sources}" for i in order]  # a copy has its original's key
+        bodies = ["{bad" if ex.ns[i] is None else json.dumps({"n": ex.n(i), "c": 0})
+                  for i in order]
+        sources.append(ModelSource(bodies, policy=policy, name=f"src{k}", window=window,
+                                   keys=keys))
     flow = (ackflow.Flow(sources[0]) if ex.sources == 1
             else ackflow.merge(*(ackflow.Flow(s) for s in sources)))
     for k, (kind, arg) in enumerate(ex.steps):
@@ -318,7 +396,7 @@ def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSourc
         pred = _sink_pred(br)
         kw = {"fail_if": pred} if br.sink == "refuse" else {"raise_if": pred} \
             if br.sink == "raise" else {"raise_if": _always} if br.sink == "down" else {}
-        sinks.append(KeyedSink(f"b{b}", fail_commits=commit_faults.get(b), **kw))
+        sinks.append(ModelSink(f"b{b}", fail_commits=commit_faults.get(b), **kw))
     if ex.mode == "primary":
         flow = flow.broadcast(sinks[0], mode="primary", fallback=sinks[1:])
     elif any(br.steps for br in ex.branches):
@@ -344,20 +422,20 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
     schema = pa.schema([("n", pa.int64()), ("c", pa.int64())])
     if kind == "map":
         def fn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
-            if (r["n"] + r["c"]) % m == 0:
+            if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise ValueError("poison row")
-            return {"n": r["n"], "c": r["c"] + 1}
+            return {"n": r.get("n"), "c": nv(r.get("c")) + 1}
         return flow.map(fn, name=name, schema=schema)
     if kind == "bmap":
         def bfn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
-            if (r["n"] + r["c"]) % m == 0:
+            if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise ValueError("poison row in a branch")
-            return {"n": r["n"], "c": r["c"] + 10}
+            return {"n": r.get("n"), "c": nv(r.get("c")) + 10}
         return flow.map(bfn, name=name)  # columns inferred from the batch
     if kind in ("filter", "bfilter"):
-        return flow.filter(lambda r, m=arg: (r["n"] + r["c"]) % m != 0, name=name)
+        return flow.filter(lambda r, m=arg: (nv(r.get("n")) + nv(r.get("c"))) % m != 0, name=name)
     if kind == "flat_map":
-        return flow.flat_map(lambda r, k=arg: [{"n": r["n"], "c": j} for j in range(k)],
+        return flow.flat_map(lambda r, k=arg: [{"n": r.get("n"), "c": j} for j in range(k)],
                              name=name)
     if kind == "shape":
         def reshape(r: dict[str, Any]) -> dict[str, Any]:
@@ -365,7 +443,7 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
         return flow.map(reshape, name=name, schema_mode="rescue" if arg == 2 else "evolve")
     if kind == "crash":
         def crash(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
-            if (r["n"] + r["c"]) % m == 0:
+            if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise SystemExit("the task dies")  # not an Exception: fails the whole job
             return r
         return flow.map(crash, name=name, schema=schema)
@@ -394,6 +472,7 @@ class Fate:
     key: str  # the message's identity in the flow (origin-prefixed in a merged flow)
     source: int
     local_key: str  # its key at its source
+    handles: list[int] = field(default_factory=list)  # its copies at its source (indices)
     must: list[str] = field(default_factory=list)  # steps it surely fails in, plan order
     may: set[str] = field(default_factory=set)  # steps it may fail in (collateral)
     crash: str | None = None  # fails the job on its own: the located segment
@@ -438,6 +517,9 @@ def model(ex: Example) -> list[Fate]:
         local = f"m{counts[origin]}"
         counts[origin] += 1
         fates.append(Fate(local if origin == 0 else f"{origin}|{local}", origin, local))
+    for order in layout(ex):
+        for h, i in enumerate(order):
+            fates[i].handles.append(h)
     segs = segment_names(ex)
     seg_of = {name: "+".join(seg) for seg in segs for name in seg}
     rows: list[tuple[int, str, dict[str, int]]] = []
@@ -445,17 +527,17 @@ def model(ex: Example) -> list[Fate]:
         if n is None:
             fates[i].must.append("decode")
         else:
-            rows.append((i, fates[i].key, {"n": n, "c": 0}))
+            rows.append((i, fates[i].key, {"n": ex.n(i), "c": 0}))
     for k, (kind, arg) in enumerate(ex.steps):
         name = f"s{k}"
         out = []
         for i, key, r in rows:
-            v = r["n"] + r["c"]
+            v = nv(r["n"]) + nv(r["c"])
             if kind == "map":
                 if v % arg == 0:
                     fates[i].must.append(name)
                 else:
-                    out.append((i, key, {"n": r["n"], "c": r["c"] + 1}))
+                    out.append((i, key, {"n": r["n"], "c": nv(r["c"]) + 1}))
             elif kind == "filter":
                 if v % arg != 0:
                     out.append((i, key, r))
@@ -468,15 +550,16 @@ def model(ex: Example) -> list[Fate]:
                     out.append((i, key, {"n": r["n"], "c": r["c"]}))
             elif kind == "shape":
                 out.append((i, key, {**r, **shape_fields(r)}))
-            elif kind == "cast":
-                if v % arg == 0 and _read_later(ex.steps, k):
+            elif kind == "cast":  # SQL: a null n or c never fails it
+                if (r["n"] is not None and r["c"] is not None and v % arg == 0
+                        and _read_later(ex.steps, k)):
                     fates[i].crash = fates[i].crash or name
                 else:
                     out.append((i, key, r))
             elif kind == "group":
                 out.append((i, "", {"n": r["n"], "c": r["n"]}))  # keys: digests of members
-            elif kind == "join":
-                if r["n"] % arg != 0:
+            elif kind == "join":  # a null never matches
+                if r["n"] is not None and r["n"] % arg != 0:
                     out.append((i, key, r))
             elif kind == "types":
                 out.append((i, key, {**r, **type_values(r["n"], r["c"])}))
@@ -489,12 +572,12 @@ def model(ex: Example) -> list[Fate]:
             name = f"b{b}s{j}"
             out = []
             for i, key, r in brows:
-                v = r["n"] + r["c"]
+                v = nv(r["n"]) + nv(r["c"])
                 if kind == "bmap":
                     if v % arg == 0:
                         fates[i].must.append(name)
                     else:
-                        out.append((i, key, {"n": r["n"], "c": r["c"] + 10}))
+                        out.append((i, key, {"n": r["n"], "c": nv(r["c"]) + 10}))
                 elif v % arg != 0:
                     out.append((i, key, r))
             brows = out
@@ -548,6 +631,8 @@ def settle_all(ex: Example, sources: list[ModelSource], run: Any,
     deadline = time.monotonic() + within_s
     for s in sources:  # every crash may release a message once; then it must end
         s.limit = ex.max_deliveries + len(ex.engine_faults) + 2
+        if ex.repeats:  # a held copy is given back (and counts one) when the first fails
+            s.limit *= 1 + len(ex.repeats)
     for name, nth in ex.engine_faults:
         faults.arm(name, "raise", nth=nth)
     try:
