@@ -42,7 +42,7 @@ POLICY = ackflow.RetryPolicy(max_deliveries=2, backoff_s=0.01)
 
 
 def run(flow, spark, idle=0.5):
-    return ackflow.run(flow, spark=spark, **{**FAST, "until_idle": idle})
+    return ackflow.run(flow, spark=spark, **{**FAST, "until_idle": idle, "systemic_stop_after_s": 15})
 
 
 @pytest.mark.parametrize("fmt", ["json", "text", "bytes"])

@@ -144,6 +144,28 @@ def merge_schemas(old: pa.Schema, new: pa.Schema) -> tuple[pa.Schema, list[str],
     return pa.schema(fields), changes, conflicts
 
 
+def duplicate_names(t: pa.Schema | pa.DataType, path: str = "") -> str | None:
+    """The path of the first struct (or the schema) holding two fields of one name (Arrow
+    allows it; reading such rows as Python fails for every row), or None."""
+    if isinstance(t, pa.Schema):
+        names = t.names
+        types = [f.type for f in t]
+    elif pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        types = [t.field(i).type for i in range(t.num_fields)]
+    elif _is_list(t):
+        return duplicate_names(t.value_type, f"{path}[]")
+    else:
+        return None
+    if len(set(names)) != len(names):
+        return path or "(top level)"
+    for n, sub in zip(names, types, strict=True):
+        found = duplicate_names(sub, f"{path}.{n}" if path else n)
+        if found is not None:
+            return found
+    return None
+
+
 def prune_nulls(t: pa.DataType) -> pa.DataType | None:
     """``t`` without what only nulls made: a null type, a struct field of one, a list of
     nulls, a struct left with no field (None: nothing is left)."""

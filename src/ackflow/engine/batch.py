@@ -170,8 +170,11 @@ def execute(
             if why is not None:
                 log.error("batch %s: message %s needs new columns that cannot be added: %s",
                           batch_id, d.key, why)
+                # fields Spark cannot hold are the message's own (its dead letter says
+                # why); running out of evolutions is not (given back if systemic)
                 result.outcomes.failed[d.lineage_id] = Failure(
-                    failure.step, f"the columns could not evolve: {why}", whole=True)
+                    failure.step, f"the columns could not evolve: {why}",
+                    whole=segment not in refused)
             else:
                 again.append(d)
         if again:

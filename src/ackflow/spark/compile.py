@@ -34,6 +34,7 @@ from ackflow.core.schema import (
     SchemaStore,
     brought,
     describe_schema,
+    duplicate_names,
     from_text,
     merge_schemas,
 )
@@ -390,6 +391,11 @@ class Plan:
                     merged = self.spark_types(merged)
                 except Exception as e:  # noqa: BLE001 - the rows' values, not the run
                     refused[segment] = f"the new columns cannot be Spark columns: {e}"
+                    continue
+                twice = duplicate_names(merged)
+                if twice is not None:  # names Spark made one (or that were one already)
+                    refused[segment] = (f"the new fields would give {twice!r} two fields of "
+                                        "one name")
                     continue
                 version = self.schema_store.record(segment, merged, changes, brought)
                 faults.point("schema.recorded")
