@@ -495,3 +495,23 @@ def test_two_writers_of_one_store_never_lose_a_column(tmp_path):
     assert a.current("0:x")[1].names == ["id", "p", "q"]
     a.close()
     b.close()
+
+
+def test_a_headers_field_of_strings_is_a_map_not_a_struct_that_grows(tmp_path):
+    """Header keys are whatever producers send: as struct fields they made a new version
+    per key (and, in CI's hostile fuzz, a struct Spark read with two fields of one name).
+    A headers field whose values are strings is a map of strings."""
+    from ackflow.embedded import EmbeddedQueue
+    from ackflow.sources import EmbeddedQueueSource
+
+    db = str(tmp_path / "q.db")
+    EmbeddedQueue(db).publish("in", [b"a", b"b", b"c"],
+                              headers=[{"x": "1"}, {"y": "2", "\n": "3"}, {"X": "4"}])
+    src = EmbeddedQueueSource(db, "in", format="text")
+    src.headers_field = "meta"
+    sink = MemorySink()
+    report = ackflow.run(Flow(src).map(lambda r: r, name="same").to(sink),
+                         **{**LOCAL, "batch_size": 1, "max_inflight": 1})
+    assert report.acked == 3 and [c["version"] for c in report.schema_changes] == [1]
+    assert sorted(sorted(r["meta"]) for r in sink.rows) == sorted(
+        [[("X", "4")], [("\n", "3"), ("y", "2")], [("x", "1")]])

@@ -309,6 +309,7 @@ class Plan:
                     schema = pa.schema([])
                     for part, _ in found:
                         schema = merge_schemas(schema, part)[0]
+                    schema = self._headers_as_maps(schema)
                     schema = _spark_safe(schema)
                     if mode == RESCUE:  # ackflow's column; a data field of that name is
                         schema = pa.schema([f for f in schema if f.name != RESCUED])  # kept
@@ -346,6 +347,27 @@ class Plan:
         self._note(name, version, [f"+{RESCUED}: string"], None)
         return schema
 
+    def _headers_as_maps(self, schema: pa.Schema,
+                         current: pa.Schema | None = None) -> pa.Schema:
+        """A source's headers field (``headers_field=``) whose values are all strings is a
+        map of strings, not a struct: its keys are whatever producers send, and must not
+        become struct fields one by one (nor names Spark cannot hold)."""
+        names = {n for n in self.flow.source.header_fields if n}
+        if not names:
+            return schema
+        as_map = pa.map_(pa.string(), pa.string())
+        out = []
+        for f in schema:
+            t = f.type
+            known = current.field(f.name).type if current is not None and \
+                f.name in current.names else None
+            if f.name in names and pa.types.is_struct(t) and all(
+                    pa.types.is_string(t.field(i).type) for i in range(t.num_fields)) and (
+                    known is None or known.equals(as_map)):
+                f = f.with_type(as_map)
+            out.append(f)
+        return pa.schema(out)
+
     def spark_types(self, schema: pa.Schema) -> pa.Schema:
         """``schema`` round-tripped through Spark's types, so tasks produce exactly what
         Spark expects."""
@@ -378,6 +400,7 @@ class Plan:
                 current = self._schemas[index]
                 merged, changes, brought = current, [], None
                 for row_schema, who in wanted:
+                    row_schema = self._headers_as_maps(row_schema, merged)
                     merged, more, _ = merge_schemas(merged, _new_fields_safe(merged, row_schema))
                     if more and brought is None:
                         brought = who
