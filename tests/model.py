@@ -354,9 +354,14 @@ def shape_fields(r: dict[str, Any]) -> dict[str, Any]:
 def norm(row: dict[str, Any]) -> Any:
     """A row as the model compares it: ``_rescued`` put back in place, null fields
     dropped (a column added after the row was written reads null)."""
-    import copy
-
     from ackflow.testing import present
+
+    return present(unrescued(row))
+
+
+def unrescued(row: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a rescue-mode row with its ``_rescued`` JSON put back in place."""
+    import copy
 
     row = copy.deepcopy(row)  # never the sink's own row (put() fills nested dicts)
     rescued = json.loads(row.pop("_rescued", None) or "{}")
@@ -368,7 +373,7 @@ def norm(row: dict[str, Any]) -> Any:
             else:
                 into[k] = v
     put(row, rescued)
-    return present(row)
+    return row
 
 
 def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSource],

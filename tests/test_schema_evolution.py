@@ -17,6 +17,8 @@ from ackflow.core.schema import SchemaStore, empty, merge_schemas, open_readonly
 from ackflow.sinks import MemorySink
 from ackflow.testing import ListSource
 from helpers import FAST
+from model import unrescued
+from realdata import same
 
 LOCAL = {**FAST, "executor": "local", "until_idle": 0.2}
 
@@ -318,39 +320,6 @@ def kinds(v, path, out):
             kinds(x, f"{path}[]", out)
 
 
-def same(given_, back):
-    """Whether ``back`` (a row as the sink holds it) keeps all of ``given_``: every value
-    equal (numbers as numbers), fields it lacks null."""
-    if kind(given_) == "empty":
-        return kind(back) == "empty"
-    if isinstance(given_, dict):
-        return isinstance(back, dict) and all(same(given_.get(k), back.get(k))
-                                              for k in set(given_) | set(back))
-    if isinstance(given_, list):
-        return isinstance(back, list) and len(given_) == len(back) and all(
-            same(a, b) for a, b in zip(given_, back, strict=True))
-    if isinstance(given_, bool) or isinstance(back, bool):
-        return given_ is back
-    if isinstance(given_, int | float):
-        return isinstance(back, int | float) and float(given_) == float(back)
-    return given_ == back
-
-
-def merge_rescued(row):
-    """A rescue-mode row with its ``_rescued`` JSON put back in place."""
-    row = dict(row)
-    rescued = json.loads(row.pop("_rescued") or "{}")
-
-    def put(into, extra):
-        for k, v in extra.items():
-            if isinstance(v, dict) and isinstance(into.get(k), dict):
-                put(into[k], v)
-            else:
-                into[k] = v
-    put(row, rescued)
-    return row
-
-
 @settings(max_examples=int(os.environ.get("AF_SHAPES", "40")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(records=RECORDS, batch=st.integers(1, 8), mode=st.sampled_from(["evolve", "rescue",
@@ -376,7 +345,7 @@ def test_evolving_shapes_lose_no_field_in_any_mode(tmp_path_factory, records, ba
         if final[f"m{i}"] == "acked":
             by_n[i] = r
     assert len(sink.rows) == len(by_n)
-    written = [merge_rescued(x) if mode == "rescue" else x for x in rows]
+    written = [unrescued(x) if mode == "rescue" else x for x in rows]
     for r in by_n.values():  # each acked record has a row that keeps all of it
         assert any(same(r, w) for w in written), (mode, r, written)
     for i, r in enumerate(records):

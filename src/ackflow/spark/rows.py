@@ -525,18 +525,13 @@ def _shown(columns: list[str]) -> list[str]:
 
 def _rescue(row: dict[str, Any], data_schema: pa.Schema) -> dict[str, Any]:
     """``row`` with what does not fit its column moved into ``_rescued`` (JSON)."""
-    kept: dict[str, Any] = {}
-    rest: dict[str, Any] = {}
-    for k, v in row.items():
-        i = data_schema.get_field_index(k) if isinstance(k, str) and k != RESCUED else -1
-        if i < 0:
-            if not empty(v):
-                rest[str(k)] = v
-            continue
-        a, b = split_rescued(v, data_schema.field(i).type)
-        kept[k] = a
-        if b is not None:
-            rest[str(k)] = b
+    # the row is a struct of the columns (ackflow's own _rescued aside: a data field of
+    # that name is rescued like any other that does not fit)
+    columns = pa.struct([f for f in data_schema if f.name != RESCUED])
+    kept, rest = split_rescued({k: v for k, v in row.items() if k != RESCUED}, columns)
+    rest = dict(rest or {})
+    if not empty(row.get(RESCUED)):
+        rest[RESCUED] = row[RESCUED]
     kept[RESCUED] = json.dumps(rest, default=_json_default, allow_nan=False,
                                sort_keys=True) if rest else None
     return kept
