@@ -738,16 +738,9 @@ class Engine:
         """Copy the plans' schema versions and this run's changes into the report."""
         versions: dict[str, int] = {}
         changes: list[dict[str, Any]] = []
-        for plan in self._plans:
+        for plan in self._plans:  # no store access: this runs a few times a second
             changes += plan.schema_changes
-        for c in sorted(changes, key=lambda c: c["at"]):
-            versions[c["segment"]] = max(versions.get(c["segment"], 0), c["version"])
-        for plan in self._plans:
-            for name in plan.segment_names():
-                if name not in versions and self.schema_store is not None:
-                    current = self.schema_store.current(name)
-                    if current is not None:
-                        versions[name] = current[0]
+            versions.update(plan.segment_versions())
         self.report.schema_versions = versions
         self.report.schema_changes = [{**c, "changes": c["changes"][:50]}
                                       for c in sorted(changes, key=lambda c: c["at"])]

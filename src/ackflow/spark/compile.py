@@ -139,7 +139,9 @@ class Plan:
         #: ackflow.core.schema; with ``schema=`` given, the user chose the columns)
         self._inferred: dict[tuple[int, ...], str] = {}
         self._segment_names: dict[str, tuple[int, ...]] = {}
-        self._names: tuple[str, ...] = ()
+        #: segment name -> its current version; replaced whole, never changed in place,
+        #: so the engine's thread reads it without the lock
+        self._versions: dict[str, int] = {}
         #: where inferred columns are kept and versioned (the engine gives a durable one)
         self.schema_store = SchemaStore(None)
         self.schema_mode = EVOLVE  # the flow's default; a step's schema_mode= overrides
@@ -262,10 +264,10 @@ class Plan:
         (renaming or moving the step starts a new history)."""
         return f"{self.schema_scope}{'.'.join(map(str, index))}:{seg.name}"
 
-    def segment_names(self) -> list[str]:
-        """The stored names of the segments whose columns are known so far (without the
-        lock: the engine's thread asks while a batch's thread may hold it for a job)."""
-        return list(self._names)
+    def segment_versions(self) -> dict[str, int]:
+        """The current version of each segment whose columns are known so far (without
+        the lock: the engine's thread asks while a batch's thread may hold it for a job)."""
+        return self._versions
 
     def _mode(self, seg: Segment) -> str:
         shaping = [s for s in seg.steps if isinstance(s, (Map, FlatMap))]
@@ -296,6 +298,7 @@ class Plan:
                 stored = self.schema_store.current(name)
                 if stored is not None:
                     schema = stored[1]
+                    self._versions = {**self._versions, name: stored[0]}
                     if mode == RESCUE:  # stored by a run in another mode: add the column
                         schema = self._with_rescued(name, seg, schema)
                 else:
@@ -325,7 +328,6 @@ class Plan:
                     self._note(name, version, describe_schema(schema), None)
                 self._inferred[index] = mode
                 self._segment_names[name] = index
-                self._names = (*self._names, name)  # one assignment: read without the lock
                 self._data_columns.update(schema.names)
             self._schemas[index] = schema
             return schema
@@ -375,6 +377,7 @@ class Plan:
 
     def _note(self, segment: str, version: int, changes: list[str],
               brought_by: str | None) -> None:
+        self._versions = {**self._versions, segment: version}
         self.schema_changes.append({"segment": segment, "version": version,
                                     "changes": changes, "brought_by": brought_by,
                                     "at": time.time()})
