@@ -93,10 +93,8 @@ def nv(x: int | None) -> int:
     null, not true), never matches a join, and all null-``n`` rows form one group of
     ``group_by("n")`` and of ``grouped_within(..., "n")``, as any other value does.
 
-    The steps read ``r.get("n")``: a column null in every row of a batch reaches a
-    Python step in a broadcast branch (or after a Column step) as no key at all, while
-    the same row in a batch where another row has a value has ``"n": None``
-    (``test_null_column_reaches_branch_step_as_none``, an expected failure)."""
+    A field null in every row of the first batch is a column of the null type: steps
+    see it as ``None`` whatever the batch (``test_null_column_reaches_branch_step_as_none``)."""
     return 0 if x is None else x
 
 

@@ -170,6 +170,10 @@ BRANCH_NULL_KEY = Example((0,), 1, (), False, "all",
 # the shape of issue 27 #10: copies of a message in one pull through flat_map and group_by
 REPEAT_GROUPED = Example((3, 3, 5), 1, (("flat_map", 2), ("group", 0)), False, "all", OK,
                          False, (), (), 8, 8, 1, ((0, "next"), (0, "next")), (2,))
+# found by CI: group_by("n") where the first batch's n is null in every row stopped the
+# run ("cannot resolve n"): a field null in every row made no column
+GROUP_NULL_ONLY = Example((0,), 1, (("group", 0),), False, "all", (Branch("ok", 2, 0),),
+                          False, (), (), 1, 1, 1, (), (0,))
 
 
 @settings(max_examples=LOCAL_EXAMPLES, deadline=None,
@@ -194,19 +198,17 @@ def test_model_local(ex: Example) -> None:
 @example(ex=CAST_READ)
 @example(ex=EVERY_TYPE)
 @example(ex=REPEAT_GROUPED)
+@example(ex=GROUP_NULL_ONLY)
 def test_model_spark(spark: object, ex: Example) -> None:
     run_example(ex, spark=spark)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: a column null in every row of a batch is "
-                   "pruned at a segment boundary, so a branch step gets no key for it")
 def test_null_column_reaches_branch_step_as_none() -> None:
     """A Python step sees the same row for the same message whatever its batch mates: a
-    field that is null reaches it as ``None``. Today a step in a broadcast branch (and a
-    Python step after a Column step) gets no key at all when the field is null in every
-    row of the batch (``prune_nulls`` in ackflow/spark/rows.py drops the null-typed
-    column), but ``None`` when another row of the batch has a value: ``r["n"]`` then
-    fails the message in one batch and not in another."""
+    field that is null reaches it as ``None``, also in a broadcast branch (after a
+    segment boundary) when the field is null in every row of the batch (it was pruned
+    once: the branch step got no key at all, and ``r["n"]`` failed the message in one
+    batch and not in another)."""
     import ackflow
     from ackflow.sinks import MemorySink
     from ackflow.testing import ListSource

@@ -240,6 +240,8 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | N
     why = _leaf_misfit(value, t)
     if why is not None:
         return path, why
+    if pa.types.is_null(t):  # a column that has held no value yet: this is its first
+        return None if empty(value) else (path, None)
     if isinstance(value, dict) and pa.types.is_struct(t):
         for k, v in value.items():
             i = t.get_field_index(k) if isinstance(k, str) else -1
@@ -268,7 +270,8 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | N
 
 def _checked(t: pa.DataType) -> bool:
     """Whether values of type ``t`` need :func:`outside` before Arrow converts them."""
-    return bool(pa.types.is_struct(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
+    return bool(pa.types.is_null(t) or pa.types.is_struct(t) or pa.types.is_integer(t)
+                or pa.types.is_floating(t)
                 or pa.types.is_temporal(t) or _is_list(t) or pa.types.is_map(t))
 
 

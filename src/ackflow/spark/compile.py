@@ -71,6 +71,7 @@ from ackflow.spark.rows import (
     CountsParam,
     Tally,
     fold,
+    held_columns,
     internal_schema,
     make_sampler,
     make_segment,
@@ -310,8 +311,12 @@ class Plan:
                     if not sum(n for _, n in found):
                         return None  # no row of this batch gets past this segment
                     schema = pa.schema([])
+                    nulls: dict[str, pa.Field] = {}  # fields null in every row so far
                     for part, _ in found:
                         schema = merge_schemas(schema, part)[0]
+                        nulls.update((f.name, f) for f in part if pa.types.is_null(f.type))
+                    schema = pa.schema([*schema, *(f for name, f in nulls.items()
+                                                   if name not in schema.names)])
                     schema = self._headers_as_maps(schema)
                     schema = _spark_safe(schema)
                     if mode == RESCUE:  # ackflow's column; a data field of that name is
@@ -620,7 +625,8 @@ class CompiledFlow(Plan):
             fields = {f.name: f for f in df.schema.fields}
             schema = to_arrow_schema(StructType([fields[c] for c in data_cols]),
                                      timezone=self.timezone)
-            refused = self.prepare_sink(sink, schema)
+            held = held_columns(schema, data_cols, getattr(sink, "key", None) or [])
+            refused = self.prepare_sink(sink, pa.schema([schema.field(c) for c in held]))
         else:
             refused = {}
         return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage, self.step_order,

@@ -725,7 +725,8 @@ def make_writer(
                     misfit.setdefault(int(j), f"column {c!r}: {why}")
                 live_mask = pc.and_(live_mask, pc.invert(hit))
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
-        keep = [*data_cols, lineage] if getattr(sink, "wants_lineage", False) else list(data_cols)
+        held = held_columns(table.schema, data_cols, getattr(sink, "key", None) or [])
+        keep = [*held, lineage] if getattr(sink, "wants_lineage", False) else held
         live = table.filter(live_mask).select(keep)
         if getattr(sink, "wants_keys", False):  # repeats numbered among all the rows, so
             # that a repeat failed in this attempt does not renumber the others (a retry
@@ -839,8 +840,11 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
     field makes no column (the rows holding it fail, in :func:`conform`), and a key
     whose values have mixed types takes the type of most of them (ties: the first
     seen); the rows that do not fit fail alone, naming the step and the column. A key
-    whose every value is null (or an empty list or object) makes no column yet
-    (:func:`~ackflow.core.schema.prune_nulls`)."""
+    whose every value is null (or an empty list or object) makes a column of the null
+    type: later steps see the field (as None) whatever the batch, and its first value
+    evolves the column to that value's type; inside a struct such a field makes no
+    field yet (:func:`~ackflow.core.schema.prune_nulls`). Sinks never see a null-typed
+    column (:func:`held_columns`)."""
     keys: dict[str, None] = {}
     for r in rows:
         keys.update(dict.fromkeys(r))
@@ -856,9 +860,17 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
             if t is None:
                 continue
         pruned = prune_nulls(t)
-        if pruned is not None:
-            fields.append(pa.field(k, pruned))
+        fields.append(pa.field(k, pa.null() if pruned is None else pruned))
     return pa.schema(fields)
+
+
+def held_columns(schema: pa.Schema, cols: Sequence[str], keys: Sequence[str]) -> list[str]:
+    """``cols`` without those of the null type (a field that has held no value yet):
+    a sink would have to guess their type, and a table column made as text could never
+    take the numbers that come later. A row holds null there, so leaving the column out
+    loses nothing; the sink's key columns are always kept (a null key fails its row)."""
+    return [c for c in cols if c in keys or c not in schema.names
+            or not pa.types.is_null(schema.field(c).type)]
 
 
 def _hollow(value: Any) -> Any:
