@@ -331,6 +331,8 @@ class Plan:
                         name, schema, [f"+{c}" for c in describe_schema(schema)], None)
                     faults.point("schema.recorded")
                     self._note(name, version, describe_schema(schema), None)
+                    if index == (0,):  # the next batches may bring fields this one had not
+                        self._probing[index] = PROBE_QUIET
                 self._inferred[index] = mode
                 self._segment_names[name] = index
                 self._data_columns.update(schema.names)
@@ -397,10 +399,12 @@ class Plan:
         ackflow bug; or Spark cannot hold the new columns)."""
         refused: dict[str, str] = {}
         with self._lock:
-            by_segment: dict[str, list[tuple[pa.Schema, str]]] = {}
+            # rows of one batch mostly share their columns: each distinct set merges once
+            by_segment: dict[str, dict[pa.Schema, str]] = {}
             for segment, row_schema, who in misses:
-                by_segment.setdefault(segment, []).append((row_schema, who))
-            for segment, wanted in by_segment.items():
+                by_segment.setdefault(segment, {}).setdefault(row_schema, who)
+            for segment, distinct in by_segment.items():
+                wanted = list(distinct.items())
                 index = self._segment_names.get(segment)
                 if index is None or index not in self._schemas:
                     refused[segment] = f"no columns are known for {segment!r}"
@@ -440,8 +444,8 @@ class Plan:
     def probe(self, index: tuple[int, ...], seg: Segment,
               sample: Callable[[Any], list[tuple[str, int]]], data_in: list[str] | None,
               lineage: str) -> None:
-        """While the first segment's columns keep changing (a producer rolling out new
-        fields), each batch first runs its steps over every ``PROBE_STRIDE``-th message
+        """After the first segment's columns were first inferred, and while they keep
+        changing (a producer rolling out new fields), each batch first runs its steps over every ``PROBE_STRIDE``-th message
         and evolves the columns with what they bring: most rows of the batch then fit,
         and few run again after a schema miss. After ``PROBE_QUIET`` probes in a row that
         find nothing new (a re-run after a miss, a batch of known shapes) the probing
@@ -594,8 +598,9 @@ class CompiledFlow(Plan):
             if seg.python:
                 data_in = None if decode and index == 0 else data_cols
                 sample = functools.partial(self._sample, df)
+                fresh = (*key, index) not in self._schemas  # inferred from every row now
                 schema = self._schema((*key, index), seg, sample, data_in, lineage)
-                if schema is not None and (*key, index) in self._probing:
+                if schema is not None and not fresh and (*key, index) in self._probing:
                     self.probe((*key, index), seg, sample, data_in, lineage)
                     schema = self._schemas[(*key, index)]
                 dead_end = schema is None  # no live row past this segment in this batch

@@ -355,6 +355,14 @@ def conform(
     names = set(data_schema.names)
     checked = checked_columns(data_schema)
     pending: list[int] = []  # rows that need more columns (mode evolve), typed together
+    unfit: dict[str, bool] = {}  # new field name -> it cannot become a column (rows share them)
+    folded = {fold(c) for c in data_schema.names}
+
+    def cannot_be_column(name: str) -> bool:
+        if name not in unfit:
+            unfit[name] = unaddressable(name) is not None or fold(name) in folded
+        return unfit[name]
+
     for i, r in enumerate(rows):
         if status[i] != LIVE:
             continue
@@ -369,8 +377,8 @@ def conform(
         if mode == RESCUE and bad is None and not empty(r.get(RESCUED)):
             bad = RESCUED  # a data field of that name is kept inside ackflow's column
         if bad is not None:  # a name Spark cannot hold fails the row, never makes a column
-            odd = next((str(k) for k in extra if not empty(r[k]) and _unfit_name(
-                str(k), data_schema.names)), None)
+            odd = next((str(k) for k in extra if not empty(r[k]) and cannot_be_column(str(k))),
+                       None)
             if odd is not None:
                 _fail(rows, status, step, err, i, step_name,
                       f"field {odd!r}: {_outside(odd, data_schema.names)}")
@@ -511,12 +519,6 @@ def _unfit(row: dict[str, Any], data_schema: pa.Schema) -> str | None:
                 OverflowError) as e:
             return f"field {k!r}: {describe(e)}"
     return None
-
-
-def _unfit_name(name: str, columns: list[str]) -> bool:
-    """A new top-level field that cannot become a column: Spark cannot address it, or it
-    differs from a column only in case."""
-    return unaddressable(name) is not None or any(fold(c) == fold(name) for c in columns)
 
 
 def _shown(columns: list[str]) -> list[str]:
