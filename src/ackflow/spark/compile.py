@@ -445,11 +445,12 @@ class Plan:
               sample: Callable[[Any], list[tuple[str, int]]], data_in: list[str] | None,
               lineage: str) -> None:
         """After the first segment's columns were first inferred, and while they keep
-        changing (a producer rolling out new fields), each batch first runs its steps over every ``PROBE_STRIDE``-th message
-        and evolves the columns with what they bring: most rows of the batch then fit,
-        and few run again after a schema miss. After ``PROBE_QUIET`` probes in a row that
-        find nothing new (a re-run after a miss, a batch of known shapes) the probing
-        stops until the next evolution. Only an optimisation: misses stay correct."""
+        changing (a producer rolling out new fields), each batch first runs its steps
+        over every ``PROBE_STRIDE``-th message and evolves the columns with what they
+        bring: most rows of the batch then fit, and few run again after a schema miss.
+        After ``PROBE_QUIET`` probes in a row that find nothing new (a re-run after a
+        miss, a batch of known shapes) the probing stops until the next evolution. Only
+        an optimisation: misses stay correct."""
         if index not in self._probing:
             return
         sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage,
