@@ -1,0 +1,112 @@
+"""The documentation is tested like code: the site builds in strict mode (a broken link,
+a missing page or an API reference that does not resolve fails it), every example
+marked runnable runs, and the facts the docs list (metric names) match the code.
+
+A fenced ``python`` block right after a ``<!-- run -->`` line is runnable. The runnable
+blocks of one page run in order, in one fresh Python process (so a page can build on
+its earlier blocks and starts Spark at most once), in an empty temporary directory,
+with this checkout's ``src`` first on the path. See docs/contributing.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "<!-- run -->"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def runnable_blocks(text: str) -> list[str]:
+    """The ```python blocks that follow a ``<!-- run -->`` line (blank lines between
+    are allowed). A marker not followed by a python block is an error: it would
+    silently turn an example into one that never runs."""
+    lines = text.split("\n")
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.strip() != MARKER:
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j >= len(lines) or lines[j].strip() != "```python":
+            raise AssertionError(f"line {i + 1}: {MARKER} is not followed by a ```python block")
+        end = lines.index("```", j + 1)
+        blocks.append("\n".join(lines[j + 1:end]))
+    return blocks
+
+
+def test_runnable_blocks_are_found():
+    text = "a\n<!-- run -->\n\n```python\nx = 1\n```\n```python\nnot run\n```\n"
+    assert runnable_blocks(text) == ["x = 1"]
+    with pytest.raises(AssertionError, match="not followed"):
+        runnable_blocks("<!-- run -->\n```bash\nls\n```\n")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["NO_MKDOCS_2_WARNING"] = "1"
+    return env
+
+
+RUNNABLE = {p.relative_to(ROOT).as_posix(): runnable_blocks(p.read_text()) for p in PAGES}
+
+
+def test_the_first_hour_is_runnable():
+    """The README's flow and the getting-started flows are among what runs."""
+    assert RUNNABLE["README.md"], "README.md has no runnable flow"
+    assert len(RUNNABLE["docs/getting-started.md"]) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", sorted(p for p, blocks in RUNNABLE.items() if blocks))
+def test_examples_run(page, tmp_path):
+    script = "\n\n".join(f"# --- block {i + 1} of {page}\n{b}"
+                         for i, b in enumerate(RUNNABLE[page]))
+    (tmp_path / "example.py").write_text(script)
+    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{page}: the runnable examples failed\n{r.stdout}\n{r.stderr[-6000:]}"
+
+
+def test_site_builds_strictly(tmp_path):
+    """``mkdocs build --strict``: any warning (a broken link or anchor, a page missing
+    from the nav, an API reference that does not resolve) fails the build."""
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                        "--site-dir", str(tmp_path / "site")],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "WARNING" not in out, out
+    assert (tmp_path / "site" / "index.html").is_file()
+    assert (tmp_path / "site" / "reference" / "api" / "index.html").is_file()
+    assert time.monotonic() - started < 60, "the docs build should stay under a minute"
+
+
+def test_every_metric_is_documented():
+    source = (ROOT / "src" / "ackflow" / "observe" / "metrics.py").read_text()
+    page = (ROOT / "docs" / "operating" / "metrics.md").read_text()
+    defined = re.findall(r'(Counter|Gauge|Histogram)\(\s*"(ackflow_\w+)"', source)
+    assert len(defined) >= 20
+    for kind, name in defined:
+        exported = f"{name}_total" if kind == "Counter" else name
+        assert f"`{exported}`" in page, f"metric {exported} is not in docs/operating/metrics.md"
+
+
+def test_readme_is_a_front_door():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split("\n")) <= 200
+    # .ci/run runs the line after the marker: it must still be the test command
+    after = text.split("<!-- test-command -->\n", 1)[1].split("\n")
+    assert after[0] == "```bash" and "pytest" in after[1], after[:2]
+    for link in re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)", text):
+        assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
