@@ -110,3 +110,70 @@ def test_readme_is_a_front_door():
     assert after[0] == "```bash" and "pytest" in after[1], after[:2]
     for link in re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)", text):
         assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+
+
+def test_one_version_everywhere():
+    import tomllib
+
+    import ackflow
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == ackflow.__version__ == "0.3.0"
+    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert newest and newest.group(1) == ackflow.__version__
+    r = subprocess.run([sys.executable, "-m", "ackflow.cli", "--version"], env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (0, f"ackflow {ackflow.__version__}")
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().split("\n")[1:]:
+            cols = line.split()
+            if len(cols) > 3 and cols[3] == "0A" and int(cols[1].split(":")[1], 16) == port:
+                found.append(cols[1].split(":")[0])
+    return found
+
+
+@pytest.mark.slow
+def test_docs_command_serves_the_site_on_loopback():
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ackflow.cli", "docs", "--port", str(port)],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        page = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
+                    page = r.read().decode()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert page is not None, f"ackflow docs served nothing: {proc.poll()}"
+        assert "<title>ackflow</title>" in page and "Getting started" in page
+        assert _listening(port) == ["0100007F"], "the docs server must bind 127.0.0.1 only"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert "WARNING" not in out, out
+
+
+def test_docs_command_says_what_to_install(monkeypatch, capsys):
+    from ackflow import cli
+
+    monkeypatch.setattr(cli, "_find_spec", lambda name: None if name == "mkdocs" else object())
+    assert cli.main(["docs"]) == 2
+    err = capsys.readouterr().err
+    assert "the docs need mkdocs, which are not installed" in err and "pip install" in err
