@@ -177,3 +177,12 @@ def test_docs_command_says_what_to_install(monkeypatch, capsys):
     assert cli.main(["docs"]) == 2
     err = capsys.readouterr().err
     assert "the docs need mkdocs, which are not installed" in err and "pip install" in err
+
+
+def test_the_performance_picture_is_drawn_from_the_latest_run(tmp_path):
+    from benchmarks import chart
+
+    out = tmp_path / "latest.svg"
+    assert chart.main([str(ROOT / "benchmarks/measured/run5-full.json"), str(out)]) == 0
+    assert out.read_text() == (ROOT / "docs/img/benchmark-latest.svg").read_text()
+    assert "img/benchmark-latest.svg" in (ROOT / "docs/performance.md").read_text()
