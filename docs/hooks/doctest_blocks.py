@@ -1,4 +1,5 @@
-"""MkDocs hook: docstring examples (``>>>`` lines and their output) become code blocks.
+"""MkDocs hook: docstring examples (``>>>`` lines and their output) become code blocks,
+and Sphinx roles (``:class:`Flow```) plain code.
 
 ackflow's docstrings carry doctests that pytest runs (``--doctest-modules``). As
 plain Markdown their output lines (``['scale', 'positive']``) would read as links;
@@ -18,6 +19,7 @@ from mkdocs.plugins import event_priority
 
 PROMPT = re.compile(r"^(\s*)>>> ")
 FENCE = re.compile(r"^\s*(```|~~~)")
+ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`~?([^`]+)`")
 
 
 class _Fence(Preprocessor):
@@ -31,7 +33,7 @@ class _Fence(Preprocessor):
                 fenced = not fenced
             m = None if fenced else PROMPT.match(line)
             if m is None:
-                out.append(line)
+                out.append(line if fenced else ROLE.sub(r"`\1`", line))
                 i += 1
                 continue
             indent = m.group(1)
