@@ -20,34 +20,45 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKER = "<!-- run -->"
+MARKER = re.compile(r"^<!-- run(?: needs=([a-z,]+))? -->$")
+SERVERS = {"rabbitmq": "AMQP_URL", "postgres": "PG_DSN"}  # fixture: the variable it sets
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
-def runnable_blocks(text: str) -> list[str]:
+def runnable_blocks(text: str) -> list[tuple[str, set[str]]]:
     """The ```python blocks that follow a ``<!-- run -->`` line (blank lines between
-    are allowed). A marker not followed by a python block is an error: it would
-    silently turn an example into one that never runs."""
+    are allowed), each with the servers it needs (``<!-- run needs=rabbitmq,postgres -->``:
+    the test starts them and sets ``AMQP_URL`` / ``PG_DSN``). A marker not followed by a
+    python block is an error: it would silently turn an example into one that never runs."""
     lines = text.split("\n")
     blocks = []
     for i, line in enumerate(lines):
-        if line.strip() != MARKER:
+        marker = MARKER.match(line.strip())
+        if marker is None:
+            if line.strip().startswith("<!-- run"):
+                raise AssertionError(f"line {i + 1}: not a run marker: {line.strip()!r}")
             continue
+        needs = set(filter(None, (marker.group(1) or "").split(",")))
+        if needs - SERVERS.keys():
+            raise AssertionError(f"line {i + 1}: unknown servers {sorted(needs - SERVERS.keys())}")
         j = i + 1
         while j < len(lines) and not lines[j].strip():
             j += 1
         if j >= len(lines) or lines[j].strip() != "```python":
             raise AssertionError(f"line {i + 1}: {MARKER} is not followed by a ```python block")
         end = lines.index("```", j + 1)
-        blocks.append("\n".join(lines[j + 1:end]))
+        blocks.append(("\n".join(lines[j + 1:end]), needs))
     return blocks
 
 
 def test_runnable_blocks_are_found():
-    text = "a\n<!-- run -->\n\n```python\nx = 1\n```\n```python\nnot run\n```\n"
-    assert runnable_blocks(text) == ["x = 1"]
+    text = ("a\n<!-- run -->\n\n```python\nx = 1\n```\n```python\nnot run\n```\n"
+            "<!-- run needs=postgres -->\n```python\ny = 2\n```\n")
+    assert runnable_blocks(text) == [("x = 1", set()), ("y = 2", {"postgres"})]
     with pytest.raises(AssertionError, match="not followed"):
         runnable_blocks("<!-- run -->\n```bash\nls\n```\n")
+    with pytest.raises(AssertionError, match="not a run marker"):
+        runnable_blocks("<!-- run: yes -->\n```python\nx = 1\n```\n")
 
 
 def _env() -> dict[str, str]:
@@ -68,11 +79,15 @@ def test_the_first_hour_is_runnable():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", sorted(p for p, blocks in RUNNABLE.items() if blocks))
-def test_examples_run(page, tmp_path):
-    script = "\n\n".join(f"# --- block {i + 1} of {page}\n{b}"
-                         for i, b in enumerate(RUNNABLE[page]))
+def test_examples_run(page, tmp_path, request):
+    script = "\n\n".join(f"# --- block {i + 1} of {page}\n{code}"
+                         for i, (code, _) in enumerate(RUNNABLE[page]))
     (tmp_path / "example.py").write_text(script)
-    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=_env(),
+    env = _env()
+    for server in set().union(*(needs for _, needs in RUNNABLE[page])):
+        fixture = request.getfixturevalue(server)  # the session's throwaway server
+        env[SERVERS[server]] = fixture.url if server == "rabbitmq" else fixture.dsn
+    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{page}: the runnable examples failed\n{r.stdout}\n{r.stderr[-6000:]}"
 
