@@ -201,3 +201,14 @@ def test_the_performance_picture_is_drawn_from_the_latest_run(tmp_path):
     assert chart.main([str(ROOT / "benchmarks/measured/run5-full.json"), str(out)]) == 0
     assert out.read_text() == (ROOT / "docs/img/benchmark-latest.svg").read_text()
     assert "img/benchmark-latest.svg" in (ROOT / "docs/performance.md").read_text()
+
+
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_code_fences_are_closed(page):
+    """An unclosed or doubled fence swallows the text after it into a code block, which
+    a strict build does not notice."""
+    lines = [line.strip() for line in (ROOT / page).read_text().split("\n")]
+    fences = [i for i, line in enumerate(lines) if line.startswith("```")]
+    assert len(fences) % 2 == 0, f"{page}: an odd number of ``` fences"
+    opened = fences[0::2]
+    assert all(lines[i] != "```" for i in opened), f"{page}: a block opens without a language"
