@@ -2,7 +2,7 @@
 broker, for every queue kind x dead-letter route x event, asserting where each message
 ends (acked with its row written, still in the queue, in ackflow's dead letters, in the
 broker's dead-letter queue), how many deliveries it spent, and that none is lost: what
-README's "What a release costs" table and the RabbitMQ section claim.
+docs/sources/rabbitmq.md ("What a release costs", "Delivery and failure") claims.
 
 Queue kinds: classic; quorum; quorum with ``x-delivery-limit: 1``. Dead-letter routes:
 none (the source refuses to start; so does a dead-letter exchange named but missing);
@@ -226,7 +226,7 @@ def url(rabbitmq):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_no_dead_letter_route_is_refused_at_start(url, kind):
-    """README: with no route for dead letters the source refuses to start (it will not
+    """docs/sources/rabbitmq.md: with no route for dead letters the source refuses to start (it will not
     drop poison messages); nothing is taken from the queue."""
     cell = Cell(url, kind, "none", "start")
     cell.publish(["ok"])
@@ -238,7 +238,7 @@ def test_no_dead_letter_route_is_refused_at_start(url, kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_dead_letter_exchange_named_but_missing_is_refused_at_start(url, kind):
-    """README: a dead letter must reach a queue, proven at start: a queue whose
+    """docs/sources/rabbitmq.md: a dead letter must reach a queue, proven at start: a queue whose
     x-dead-letter-exchange does not exist is refused with one line."""
     cell = Cell(url, kind, "none", "missing-dlx")
     conn = connect(url)
@@ -314,7 +314,7 @@ def test_conformance(url, kind, route, event):
         no_loss(cell, written, queued, dls)
         assert written == [3]
         assert all(DELIVERED[(cell.id, n)] == 2 for n in range(3))  # failed, then waited
-        if limited:  # README: at its last delivery a give-back would be dropped
+        if limited:  # docs/sources/rabbitmq.md: at its last delivery a give-back would be dropped
             assert sorted(dls) == [0, 1, 2] and not queued
             assert report.dead_lettered == 3 and report.released == 0
             if route != "broker-dlx":
@@ -352,7 +352,7 @@ def test_conformance(url, kind, route, event):
         no_loss(cell, written, queued, dls)
         assert report.given_back_systemic > 0
         if limited:
-            # README: a message at its last delivery is dead-lettered with its failure
+            # docs/sources/rabbitmq.md: a message at its last delivery is dead-lettered with its failure
             # rather than given back for the broker to drop
             assert sorted(dls) == list(range(6)) and written == [6]
             if route != "broker-dlx":

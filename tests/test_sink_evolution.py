@@ -132,7 +132,7 @@ def read_back(kind, sink):
 
 
 def parquet_by_pyarrow(path):
-    """The README's recipe: the dataset's schema from ``_common_metadata``."""
+    """The recipe of docs/sinks/parquet.md: the dataset's schema from ``_common_metadata``."""
     schema = pq.read_schema(f"{path}/_common_metadata")
     return ds.dataset(path, schema=schema, format="parquet").to_table()
 

@@ -1,4 +1,4 @@
-"""The ``ackflow`` command: demo, run, queue, schema."""
+"""The ``ackflow`` command: demo, run, queue, schema, docs."""
 
 from __future__ import annotations
 
@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
         prog="ackflow",
         description="Acknowledged streaming pipelines on Apache Spark.",
     )
+    from ackflow import __version__
+
+    top.add_argument("--version", action="version", version=f"ackflow {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the demo pipeline on an embedded queue")
@@ -139,6 +142,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("store", help="the schema store: a state directory or its schemas.db")
         s.add_argument("--step", default=None, help="only this segment (as listed)")
         s.add_argument("--json", action="store_true", help="print JSON")
+
+    docs = sub.add_parser("docs", help="build the documentation site and serve it on 127.0.0.1 "
+                                       "(needs the dev extras: MkDocs)")
+    docs.add_argument("--port", type=_port, default=8000, help="port to serve on (default 8000)")
     return top
 
 
@@ -402,6 +409,54 @@ def cmd_queue(args: argparse.Namespace) -> int:
     return 0
 
 
+DOCS_PACKAGES = {"mkdocs": "mkdocs", "material": "mkdocs-material",
+                 "mkdocstrings_handlers.python": "mkdocstrings[python]"}
+
+
+def _find_spec(name: str) -> Any:
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # a parent package is missing
+        return None
+
+
+def docs_config() -> str:
+    """The checkout's ``mkdocs.yml``: beside ``src/`` of this ackflow, else in the current
+    directory or one above it. The site is built from a checkout; a wheel has no docs."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in (os.path.join(here, "..", ".."), os.getcwd(), os.path.join(os.getcwd(), "..")):
+        path = os.path.normpath(os.path.join(folder, "mkdocs.yml"))
+        if os.path.isfile(path):
+            return path
+    raise ConfigError("no mkdocs.yml here: run 'ackflow docs' in a checkout of ackflow "
+                      "(the documentation is built from its docs/ folder)")
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    """Build the site and serve it on 127.0.0.1 (``mkdocs serve``: it rebuilds on every
+    change) until Ctrl-C."""
+    import subprocess
+
+    missing = [pkg for mod, pkg in DOCS_PACKAGES.items() if _find_spec(mod) is None]
+    if missing:
+        raise ConfigError(f"the docs need {', '.join(missing)}, which are not installed: "
+                          "pip install -e '.[dev]' in the checkout (or pip install "
+                          "mkdocs mkdocs-material 'mkdocstrings[python]')")
+    config = docs_config()
+    root = os.path.dirname(config)
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(root, "src"),
+                                                    env.get("PYTHONPATH")) if p)
+    print(f"ackflow: serving the docs of {root} on http://127.0.0.1:{args.port}/ (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "mkdocs", "serve", "--config-file", config,
+           "--dev-addr", f"127.0.0.1:{args.port}"]
+    try:
+        return subprocess.call(cmd, cwd=root, env=env)
+    except KeyboardInterrupt:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
@@ -414,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "schema":
             return cmd_schema(args)
+        if args.command == "docs":
+            return cmd_docs(args)
         return cmd_queue(args)
     except AckflowError as e:
         print(f"ackflow: error: {redact(str(e))}", file=sys.stderr)

@@ -3,7 +3,7 @@
 Bisection isolates bad messages; it cannot tell a bad message from a failure that every
 message meets the same way (a sink that is down or refuses a type, a missing
 permission, a full disk, a bug). Dead-lettering on such a failure would turn good data
-into dead letters. The rule (README, "Systemic failures"):
+into dead letters. The rule (docs/concepts/failures.md, "Systemic failures are not poison"):
 
 * Only failures of a write or a job *as a whole* are candidates (a sink's write that
   raised for a partition, a commit, a job each of whose probed messages fails it alone

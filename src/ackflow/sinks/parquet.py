@@ -76,7 +76,7 @@ class ParquetSink(Sink):
     column stays int64 and a value that is not a whole number fails its message.
     ``evolve=False``: a column outside the stored schema is refused (the rows holding
     a value in it fail alone). How Spark, pyarrow and polars read such a dataset as
-    one table: README, "Parquet: a schema that grows".
+    one table: docs/sinks/parquet.md, "A schema that grows".
     """
 
     def __init__(self, path: str | os.PathLike[str], *, name: str = "parquet",
