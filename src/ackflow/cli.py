@@ -396,7 +396,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        print(json.dumps(report.as_dict(), indent=2))
+        print(report.summary())
     return 0
 
 

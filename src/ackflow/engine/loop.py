@@ -544,6 +544,7 @@ class Engine:
             self.metrics.dead_lettered.labels(step=f.step).inc()
             log.info("message %s dead-lettered after %d deliveries: %s", d.key,
                      d.delivery_count, f)
+            self.report.count_reason(f.step, f.error)
         else:
             self.report.nacked += 1
             self.metrics.nacked.inc()
