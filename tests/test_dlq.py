@@ -309,3 +309,21 @@ def test_ackflow_dead_letters_round_trip(url, kind, route, capsys):
     report, sink = run(2)
     assert report.acked == 3 and sorted(r["n"] for r in sink.rows) == [0, 1, 2]
     assert depth(url, dead) == 0
+
+
+def test_the_command_says_what_it_needs_and_shows_dead_letters(url, capsys, monkeypatch):
+    monkeypatch.delenv("ACKFLOW_AMQP_URL", raising=False)
+    assert cli(["dlq", "peek", "x"]) == 2
+    assert "ACKFLOW_AMQP_URL" in capsys.readouterr().err
+    q = names("dlq-text")
+    dead_letters(url, q, 2)
+    monkeypatch.setenv("ACKFLOW_AMQP_URL", url)
+    assert cli(["dlq", "peek", q, "--count", "1"]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        "m0 from 'orders': step 'parse' after 3 deliveries: ValueError: bad 0",
+        '    body: {"n": 0}']
+    assert "guest" not in out.out + out.err
+    assert cli(["dlq", "replay", q, "--to", names("nowhere")]) == 2
+    assert "there is no queue or exchange named" in capsys.readouterr().err
+    assert depth(url, q) == 2
