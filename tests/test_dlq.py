@@ -107,13 +107,14 @@ def test_the_broker_marks_a_message_given_back_and_a_quorum_queue_counts_it(url,
     conn.close()
 
 
+@pytest.mark.parametrize("window", [1, 2, 100])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_peek_leaves_the_queue_as_it_was(url, kind):
+def test_peek_leaves_the_queue_as_it_was(url, kind, window):
     q = names(f"dlq-peek-{kind}")
     dead_letters(url, q, 5, kind=kind)
-    first = dlq.peek(url, q, 2)
-    again = dlq.peek(url, q, 10)  # twice: on the limited quorum queue, a spent delivery
-    assert [d.message_id for d in first] == ["m0", "m1"]  # would have dropped them
+    first = dlq.peek(url, q, 2, window=window)
+    again = dlq.peek(url, q, 10, window=window)  # twice: on the limited quorum queue, a
+    assert [d.message_id for d in first] == ["m0", "m1"]  # spent delivery would drop them
     assert [d.message_id for d in again] == [f"m{i}" for i in range(5)]
     d = again[0]
     assert (d.step, d.error, d.deliveries, d.source_queue) == ("parse", "ValueError: bad 0", 3,
@@ -201,6 +202,31 @@ def test_a_crash_mid_replay_loses_nothing(url):
     assert depth(url, q) == 0
 
 
+def test_a_crash_mid_replay_with_a_window_duplicates_at_most_the_window(url):
+    q, target = names("dlq-crash-w"), names("dlq-target")
+    dead_letters(url, q, 30)
+    declare(url, target)
+    env = {**os.environ, "PYTHONPATH": SRC, "ACKFLOW_AMQP_URL": url,
+           "ACKFLOW_FAULTS": "dlq.replay_published=exit@2"}
+    cmd = [sys.executable, "-m", "ackflow.cli", "dlq", "replay", q, "--to", target,
+           "--window", "8"]
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=120).returncode == 137
+    assert depth(url, q) == 22  # the first window's acks went, the second's did not
+    env.pop("ACKFLOW_FAULTS")
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=120).returncode == 0
+    ids = [m[1] for m in take_all(url, target)]
+    assert sorted(set(ids)) == sorted(f"m{i}" for i in range(30))
+    assert len(ids) == 38 and depth(url, q) == 0  # 8 twice
+
+
+def test_replay_in_windows_keeps_the_order(url):
+    q, target = names("dlq-w"), names("dlq-target")
+    dead_letters(url, q, 25)
+    declare(url, target)
+    assert dlq.replay(url, q, target, window=10).replayed == 25
+    assert [m[1] for m in take_all(url, target)] == [f"m{i}" for i in range(25)]
+
+
 def test_a_failed_ack_after_the_confirm_leaves_the_dead_letter(url):
     """The same boundary in process (raise): the copy is out, the dead letter stays."""
     q, target = names("dlq-raise"), names("dlq-target")
@@ -221,7 +247,7 @@ def test_a_crash_mid_peek_loses_nothing(url):
     faults.arm("dlq.peek_copied", "raise", nth=2)
     try:
         with pytest.raises(faults.InjectedFault):
-            dlq.peek(url, q)
+            dlq.peek(url, q, window=1)
     finally:
         faults.disarm()
     left = take_all(url, q)

@@ -155,6 +155,9 @@ def parser() -> argparse.ArgumentParser:
         d.add_argument("--json", action="store_true", help="print JSON")
     peek.add_argument("--count", type=_positive_int, default=10,
                       help="messages to show (default 10)")
+    peek.add_argument("--window", type=_positive_int, default=500,
+                      help="copies confirmed at a time (default 500; a crash mid-peek "
+                           "leaves at most this many messages twice)")
     rep.add_argument("--to", required=True, metavar="TARGET",
                      help="a queue, or an exchange (write queue:NAME or exchange:NAME if "
                           "both exist)")
@@ -163,6 +166,10 @@ def parser() -> argparse.ArgumentParser:
                           "dead-lettered from)")
     rep.add_argument("--count", type=_positive_int, default=None,
                      help="replay at most this many (default: all the queue holds now)")
+    rep.add_argument("--window", type=_positive_int, default=1,
+                     help="copies confirmed at a time (default 1: a crash duplicates at most "
+                          "one message; larger is faster, and a crash duplicates at most "
+                          "this many)")
 
     servers = sub.add_parser(
         "servers", help="start throwaway RabbitMQ and PostgreSQL on loopback",
@@ -407,7 +414,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--db {redact(args.db)!r} is a URL, not a queue file: `ackflow queue` works on "
             "the embedded queue's SQLite file (a path). RabbitMQ keeps dead letters in the "
-            "queue its dead-letter exchange routes to: read them with the broker's tools")
+            "queue its dead-letter exchange routes to: read them with `ackflow dlq peek QUEUE "
+            "--url URL` and replay them with `ackflow dlq replay`")
     if not os.path.exists(args.db):
         raise ConfigError(f"queue file {redact(args.db)!r} does not exist")
     EmbeddedQueue(args.db, readonly=True).close()  # a foreign file is refused, unchanged
@@ -451,7 +459,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         raise ConfigError("give the broker's URL: --url amqp://user:pass@host:5672/%2F, or "
                           "set ACKFLOW_AMQP_URL")
     if args.action == "peek":
-        shown = dlq.peek(args.url, args.queue, args.count,
+        shown = dlq.peek(args.url, args.queue, args.count, window=args.window,
                          progress=None if args.json else dlq.print_progress("read"))
         if args.json:
             print(json.dumps([d.as_json() for d in shown]))
@@ -465,7 +473,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
             print(f"(queue {args.queue!r} is empty)")
         return 0
     done = dlq.replay(args.url, args.queue, args.to, count=args.count,
-                      routing_key=args.routing_key,
+                      routing_key=args.routing_key, window=args.window,
                       progress=None if args.json else dlq.print_progress("replayed"))
     if args.json:
         print(json.dumps(done.as_json()))

@@ -141,11 +141,16 @@ def stripped(headers: dict[str, Any] | None) -> dict[str, Any]:
             and not k.startswith(BROKER_PREFIXES)}
 
 
-def peek(url: str, queue: str, count: int = 10, *,
+#: copies :func:`peek` has in flight at once (a crash mid-peek leaves at most this many
+#: messages twice in the queue)
+PEEK_WINDOW = 500
+
+
+def peek(url: str, queue: str, count: int = 10, *, window: int = PEEK_WINDOW,
          progress: Progress | None = None) -> list[DeadLetter]:
     """The first ``count`` messages of ``queue``, leaving the queue as it was (see the
     module's docstring: the whole queue is rotated once, each copy confirmed before its
-    original is acked).
+    original is acked; up to ``window`` copies are confirmed at a time).
 
     The turn ends at a marker message (header ``x-ackflow-peek-end``) published to the
     tail first and dropped when it comes round, so messages that expire meanwhile (such
@@ -157,6 +162,8 @@ def peek(url: str, queue: str, count: int = 10, *,
 
     import pika
 
+    if window < 1:
+        raise ConfigError("peek: window must be at least 1")
     conn = _connect(url)
     try:
         total = _depth(conn, queue)
@@ -168,30 +175,37 @@ def peek(url: str, queue: str, count: int = 10, *,
         mark = uuid.uuid4().hex
         ch.basic_publish("", queue, b"", pika.BasicProperties(
             delivery_mode=2, headers={PEEK_END: mark}), mandatory=True)
-        n = 0
-        while True:
-            method, props, body = ch.basic_get(queue, auto_ack=False)
-            if method is None:
-                break  # someone else took the rest (and the marker)
-            end = (props.headers or {}).get(PEEK_END)
-            if end is not None or PROBE in (props.headers or {}):
-                ch.basic_ack(method.delivery_tag)  # a marker (ours ends the turn), a probe
-                if _text(end) == mark:
+        n, turned = 0, False
+        while not turned:
+            batch: list[tuple[int, str, bytes, Any]] = []
+            while len(batch) < window:
+                method, props, body = ch.basic_get(queue, auto_ack=False)
+                if method is None:
+                    turned = True  # someone else took the rest (and the marker)
                     break
+                headers = props.headers or {}
+                if PEEK_END in headers or PROBE in headers:
+                    ch.basic_ack(method.delivery_tag)  # a marker (ours ends the turn), a probe
+                    turned = _text(headers.get(PEEK_END)) == mark
+                    if turned:
+                        break
+                    continue
+                if len(seen) < count:
+                    seen.append(dead_letter(props, body))
+                kept = {k: v for k, v in headers.items() if k != "x-delivery-count"}
+                batch.append((method.delivery_tag, queue, body, _props(props, kept or None)))
+            if not batch:
                 continue
-            n += 1
-            if len(seen) < count:
-                seen.append(dead_letter(props, body))
-            headers = {k: v for k, v in (props.headers or {}).items()
-                       if k != "x-delivery-count"}
-            try:
-                ch.basic_publish("", queue, body, _props(props, headers or None), mandatory=True)
-            except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as e:
-                raise ConfigError(f"peek: the broker refused the copy of message {n} of "
-                                  f"queue {queue!r} ({type(e).__name__}); it is still in the "
-                                  "queue") from None
+            failed = _send(url, ch, "", batch)
+            if failed:
+                raise ConfigError(f"peek: the broker did not take the copy of message "
+                                  f"{n + min(failed) + 1} of queue {queue!r} "
+                                  f"({next(iter(failed.values()))}); the messages not copied "
+                                  "are given back to the queue (marked redelivered)")
             faults.point("dlq.peek_copied")
-            ch.basic_ack(method.delivery_tag)
+            for tag, *_ in batch:
+                ch.basic_ack(tag)
+            n += len(batch)
             if progress is not None:
                 progress(n, total)
         return seen
@@ -200,7 +214,8 @@ def peek(url: str, queue: str, count: int = 10, *,
 
 
 def replay(url: str, queue: str, to: str, *, count: int | None = None,
-           routing_key: str | None = None, progress: Progress | None = None) -> Replayed:
+           routing_key: str | None = None, window: int = 1,
+           progress: Progress | None = None) -> Replayed:
     """Move up to ``count`` dead letters (default: all that ``queue`` held at the start)
     to ``to``, each with its past stripped (:func:`stripped`) and its ``message_id``
     kept; each dead letter is acked only after the broker confirmed its copy.
@@ -209,11 +224,15 @@ def replay(url: str, queue: str, to: str, *, count: int | None = None,
     (published with ``routing_key``, or else the queue ackflow dead-lettered the
     message from: its ``x-ackflow-queue`` or first ``x-death`` header). Write
     ``queue:NAME`` or ``exchange:NAME`` when a queue and an exchange share the name.
-    """
-    import pika
 
+    ``window`` copies are confirmed at a time (default 1: a crash duplicates at most
+    one message; a larger window is faster, and a crash then duplicates at most that
+    many, each with its own ``message_id``).
+    """
     if count is not None and count < 1:
         raise ConfigError("replay: count must be at least 1")
+    if window < 1:
+        raise ConfigError("replay: window must be at least 1")
     conn = _connect(url)
     done = Replayed()
     try:
@@ -222,42 +241,82 @@ def replay(url: str, queue: str, to: str, *, count: int | None = None,
         todo = total if count is None else min(count, total)
         ch = conn.channel()
         ch.confirm_delivery()
-        while done.replayed < todo:
-            method, props, body = ch.basic_get(queue, auto_ack=False)
-            if method is None:
-                break
-            if PEEK_END in (props.headers or {}) or PROBE in (props.headers or {}):
-                ch.basic_ack(method.delivery_tag)  # a stale peek marker, a route probe:
-                continue  # no message of anyone's
-            key = fixed_key
-            if key is None:  # to an exchange with no routing key given: where it came from
-                key = dead_letter(props, body).source_queue
-                if key is None:
-                    ch.basic_nack(method.delivery_tag, requeue=True)
-                    raise ConfigError(
-                        f"replay: message {props.message_id or '(no message_id)'} carries no "
-                        "x-ackflow-queue or x-death header to route it by: give --routing-key")
-            copy = _props(props, stripped(props.headers) or None)
-            try:
-                ch.basic_publish(exchange, key, body, copy, mandatory=True)
-            except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as e:
-                ch.basic_nack(method.delivery_tag, requeue=True)
-                why = ("unroutable: nothing is bound for it" if
-                       isinstance(e, pika.exceptions.UnroutableError) else "refused (basic.nack)")
-                raise ConfigError(
-                    f"replay: message {props.message_id or '(no message_id)'} was {why} at "
-                    f"{done.target} (routing key {key!r}); it stays in {queue!r} "
-                    f"({done.replayed} replayed before it)") from None
+        empty = False
+        while done.replayed < todo and not empty:
+            batch: list[tuple[int, str, bytes, Any]] = []
+            ids: list[str | None] = []
+            while len(batch) < min(window, todo - done.replayed):
+                method, props, body = ch.basic_get(queue, auto_ack=False)
+                if method is None:
+                    empty = True
+                    break
+                if PEEK_END in (props.headers or {}) or PROBE in (props.headers or {}):
+                    ch.basic_ack(method.delivery_tag)  # a stale peek marker, a route probe:
+                    continue  # no message of anyone's
+                key = fixed_key
+                if key is None:  # to an exchange, no routing key given: where it came from
+                    key = dead_letter(props, body).source_queue
+                    if key is None:
+                        _give_back(ch, batch, method.delivery_tag)
+                        raise ConfigError(
+                            f"replay: message {props.message_id or '(no message_id)'} carries "
+                            "no x-ackflow-queue or x-death header to route it by: give "
+                            f"--routing-key ({done.replayed} replayed before it)")
+                batch.append((method.delivery_tag, key, body,
+                              _props(props, stripped(props.headers) or None)))
+                ids.append(props.message_id)
+            if not batch:
+                continue
+            failed = _send(url, ch, exchange, batch)
             faults.point("dlq.replay_published")
-            ch.basic_ack(method.delivery_tag)
-            done.replayed += 1
-            done.message_ids.append(props.message_id)
+            for i, (tag, *_) in enumerate(batch):
+                if i in failed:
+                    ch.basic_nack(tag, requeue=True)
+                else:
+                    ch.basic_ack(tag)
+                    done.replayed += 1
+                    done.message_ids.append(ids[i])
+            if failed:
+                i = min(failed)
+                raise ConfigError(
+                    f"replay: message {ids[i] or '(no message_id)'} was not taken at "
+                    f"{done.target} (routing key {batch[i][1]!r}): {failed[i]}; it stays in "
+                    f"{queue!r} ({done.replayed} replayed)")
             if progress is not None:
                 progress(done.replayed, todo)
         done.left = _depth(conn, queue)
         return done
     finally:
         _close(conn)
+
+
+def _send(url: str, ch: Any, exchange: str,
+          batch: list[tuple[int, str, bytes, Any]]) -> dict[int, str]:
+    """Publish ``batch`` ((tag, routing key, body, properties)) with publisher confirms
+    and ``mandatory``; index -> why, for each copy the broker did not confirm. One copy
+    goes on ``ch`` (a confirming channel), more on a connection of their own with
+    asynchronous confirms (one round of the broker's fsync for all of them)."""
+    import pika
+
+    if len(batch) == 1:
+        _, key, body, props = batch[0]
+        try:
+            ch.basic_publish(exchange, key, body, props, mandatory=True)
+        except pika.exceptions.UnroutableError:
+            return {0: "unroutable: nothing is bound for it"}
+        except pika.exceptions.NackError:
+            return {0: "the broker refused it (basic.nack)"}
+        return {}
+    from ackflow.sinks.rabbitmq import publish_confirmed
+
+    return publish_confirmed(url, exchange, [(k, b, p) for _, k, b, p in batch],
+                             window=len(batch))
+
+
+def _give_back(ch: Any, batch: list[tuple[int, str, bytes, Any]], tag: int) -> None:
+    for t, *_ in batch:
+        ch.basic_nack(t, requeue=True)
+    ch.basic_nack(tag, requeue=True)
 
 
 def _connect(url: str) -> Any:
