@@ -18,8 +18,9 @@ copy (body, properties, headers; only the broker's own ``x-delivery-count`` is l
 out) to the tail of the same queue with publisher confirms, and acks the original only
 after the broker confirmed the copy. After one full turn the queue holds the same
 messages in the same order, none of them ``redelivered``, none with a delivery spent.
-The cost: peek reads the whole queue once (a few thousand messages a second), whatever
-``count`` shows. Per-message TTLs (``expiration``) start again, and a message whose
+The cost: peek reads the whole queue once (400 to 800 messages a second on a small
+machine), whatever ``count`` shows; a crash mid-peek leaves at most ``window`` messages
+twice. Per-message TTLs (``expiration``) start again, and a message whose
 ``user_id`` is not the peeking user's is refused by the broker (peek stops and says so).
 
 **Replay** takes dead letters from the head of the queue, strips what describes their
@@ -30,12 +31,14 @@ by it writes the replayed message's rows in place), and publishes it to the targ
 queue or exchange with publisher confirms and ``mandatory`` set. The dead letter is
 acked only after the broker confirmed its copy: a crash (or a lost connection) in
 between leaves the dead letter in its queue and its copy at the target, so a crash can
-duplicate at most the one message in hand, never lose one; its ``message_id`` makes the
-duplicate the same identity for ackflow. A copy the broker refuses (unroutable, or a
-``basic.nack``) stops the replay and the dead letter stays in its queue.
+duplicate at most the one message in hand (or the ``window`` in hand), never lose one;
+its ``message_id`` makes the duplicate the same identity for ackflow. A copy the broker
+refuses (unroutable, or a ``basic.nack``) stops the replay and the dead letter stays in
+its queue.
 
-Neither touches messages that arrive while it runs (both stop after the number of
-messages the queue held when they started).
+Neither touches messages that arrive while it runs (peek stops at its marker, replay
+after the number of messages the queue held when it started); a message that arrives
+during a peek ends up ahead of the older ones, which are behind the marker by then.
 """
 
 from __future__ import annotations
