@@ -705,7 +705,9 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
     with psycopg.connect(pg.dsn) as conn:
         pg_rows = [dict(zip(cols, r, strict=True)) for r in conn.execute(
             f"SELECT {', '.join(cols)} FROM {TABLE}")]
-        dead_rows = conn.execute(f"SELECT message, body FROM {DEAD_TABLE}").fetchall()
+        dead_rows = conn.execute(  # the body: text, or its bytes where it is not text
+            f"SELECT message, coalesce(convert_to(body, 'UTF8'), body_bytes) FROM {DEAD_TABLE}"
+        ).fetchall()
     pg_ids = Counter(r["id"] for r in pg_rows)
     pq_ids: Counter[str] = Counter()
     pq_rows: list[dict[str, Any]] = []

@@ -141,3 +141,37 @@ def test_demo_through_a_real_rabbitmq_broker(tmp_path, rabbitmq):
 def test_demo_source_rabbitmq_needs_a_url(capsys):
     assert main(["demo", "--source", "rabbitmq", "--messages", "1"]) != 0
     assert "--amqp-url" in capsys.readouterr().err
+
+
+@pytest.mark.spark
+def test_run_without_json_prints_a_summary(tmp_path):
+    """A person's summary: acked, dead-lettered with the top reasons, rows written."""
+    db = tmp_path / "q.db"
+    EmbeddedQueue(str(db)).publish("in", [json.dumps({"x": i}).encode() for i in range(30)]
+                                   + [b"not json"])
+    (tmp_path / "f.py").write_text(textwrap.dedent(f'''
+        import ackflow
+        from ackflow.core.policy import RetryPolicy
+        from ackflow.sources import EmbeddedQueue
+        from ackflow.sinks import Parquet
+
+        def check(r):
+            if r["x"] % 10 == 3:
+                raise ValueError("x ends in 3")
+            return r
+
+        flow = (ackflow.Flow(EmbeddedQueue({str(db)!r}, "in",
+                                           policy=RetryPolicy(max_deliveries=1)))
+                .map(check, name="check").to(Parquet({str(tmp_path / "out")!r}, name="out")))
+    '''))
+    r = ackflow_cmd("run", "f.py:flow", "--until-idle", "1", "--master", "local[2]",
+                    cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("ackflow run: 31 messages settled in "), lines
+    text = "\n".join(lines)
+    assert "  acked              27" in text
+    assert "  dead-lettered       4   check: 3, decode: 1" in text
+    assert "    3 x check: ValueError: x ends in 3" in text
+    assert "rows written       out: 27" in text
+    assert not text.lstrip().startswith("{")

@@ -120,3 +120,67 @@ def test_the_shared_decoder_gives_each_thread_its_own_result():
     finally:
         sys.setswitchinterval(before)
     assert wrong == []
+
+
+NAN_BODY = (b'{"a": NaN, "b": -Infinity, "c": Infinity, "n": 1.5,'
+            b' "nested": {"x": [1, NaN, {"y": -Infinity}], "z": "NaN"}}')
+
+
+def test_nan_and_infinity_fail_by_default_and_read_as_null_when_asked():
+    """Strict by default; format json_nan_as_null reads NaN, Infinity and -Infinity as
+    null at any depth (a string "NaN" stays a string); 1e999 fails in both modes."""
+    from ackflow.spark.rows import decode
+
+    with pytest.raises(ValueError, match="NaN is not JSON"):
+        decode(NAN_BODY, "json")
+    with pytest.raises(ValueError, match="-Infinity is not JSON"):
+        decode(b'{"v": [{"w": -Infinity}]}', "json")
+    assert decode(NAN_BODY, "json_nan_as_null") == {
+        "a": None, "b": None, "c": None, "n": 1.5,
+        "nested": {"x": [1, None, {"y": None}], "z": "NaN"}}
+    for fmt in ("json", "json_nan_as_null"):
+        with pytest.raises(ValueError, match="not finite"):
+            decode(b'{"a": 1e999}', fmt)
+        with pytest.raises(ValueError, match="not finite"):
+            decode(b'{"a": [-1e999]}', fmt)
+
+
+def test_an_unknown_format_is_refused():
+    from ackflow.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="json_nan_as_null"):
+        ListSource([], format="json-nan")
+
+
+def test_pandas_output_flows_with_json_nan_as_null(spark):
+    """What pandas writes (records through Python's json: NaN for a missing float) is
+    dead-lettered by default and flows with the option, the NaNs as nulls."""
+    import json
+
+    import numpy as np
+    import pandas as pd
+
+    df = pd.DataFrame({"id": [1, 2, 3], "price": [9.5, np.nan, np.inf], "tags": [["a"], [], ["b"]]})
+    bodies = [json.dumps(r) for r in df.to_dict("records")]
+    assert "NaN" in bodies[1] and "Infinity" in bodies[2]
+    strict, lenient = ListSource(bodies), ListSource(bodies, format="json_nan_as_null")
+    sink = MemorySink()
+    ackflow.run(ackflow.Flow(strict).to(MemorySink("strict")), spark=spark, **FAST)
+    assert strict.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "dead_lettered"}
+    ackflow.run(ackflow.Flow(lenient).to(sink), spark=spark, **FAST)
+    assert set(lenient.final().values()) == {"acked"}
+    assert sorted((r["id"], r["price"]) for r in sink.rows) == [(1, 9.5), (2, None), (3, None)]
+
+
+def test_files_jsonl_nan_as_null(spark, tmp_path):
+    from ackflow.sources import FilesSource
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"id": 1, "v": NaN, "w": [2.5]}\n'
+                                             '{"id": 2, "v": 1.5, "w": [Infinity, 1.0]}\n')
+    sink = MemorySink()
+    report = ackflow.run(ackflow.Flow(FilesSource(tmp_path / "in", "jsonl_nan_as_null"))
+                         .to(sink), spark=spark, **FAST)
+    assert report.acked == 2
+    assert sorted((r["id"], r["v"], r["w"]) for r in sink.rows) == [
+        (1, None, [2.5]), (2, 1.5, [None, 1.0])]

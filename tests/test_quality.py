@@ -13,7 +13,7 @@ def run(*cmd):
 
 
 def test_ruff_is_clean():
-    r = run("ruff", "check", "src", "tests", "benchmarks")
+    r = run("ruff", "check", "src", "tests", "benchmarks", "examples")
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -1,4 +1,4 @@
-"""The ``ackflow`` command: demo, run, queue, schema, docs."""
+"""The ``ackflow`` command: demo, run, queue, dlq, schema, servers, docs."""
 
 from __future__ import annotations
 
@@ -132,6 +132,55 @@ def parser() -> argparse.ArgumentParser:
             q.add_argument("--id", type=_number(int, 0, None, "a dead-letter id"), action="append",
                            dest="ids",
                            help="replay only this dead letter (repeatable); default all")
+
+    dlq = sub.add_parser(
+        "dlq", help="read or replay a RabbitMQ dead-letter queue",
+        description="Read or replay the dead letters a RabbitMQ source left in a queue "
+                    "(see docs/tools.md). The URL comes from --url or ACKFLOW_AMQP_URL.")
+    dsub = dlq.add_subparsers(dest="action", required=True)
+    peek = dsub.add_parser(
+        "peek", help="show dead letters, leaving the queue as it was",
+        description="Show the first messages of QUEUE: message id, ackflow's failure headers "
+                    "(step, error, deliveries) and a body preview. No delivery is spent and "
+                    "no message is left redelivered: the queue is rotated once (each "
+                    "message copied to its tail with confirms, then the original acked).")
+    rep = dsub.add_parser(
+        "replay", help="send dead letters back for another try",
+        description="Publish each dead letter of QUEUE to --to with ackflow's x-ackflow-* "
+                    "headers and the broker's x-death/x-delivery-count removed and its "
+                    "message_id kept; each dead letter is acked only after the broker "
+                    "confirmed its copy (a crash duplicates at most one message, never "
+                    "loses one).")
+    for d in (peek, rep):
+        d.add_argument("queue", help="the dead-letter queue")
+        d.add_argument("--url", default=os.environ.get("ACKFLOW_AMQP_URL"),
+                       help="amqp://user:pass@host:5672/%%2F (default $ACKFLOW_AMQP_URL)")
+        d.add_argument("--json", action="store_true", help="print JSON")
+    peek.add_argument("--count", type=_positive_int, default=10,
+                      help="messages to show (default 10)")
+    peek.add_argument("--window", type=_positive_int, default=500,
+                      help="copies confirmed at a time (default 500; a crash mid-peek "
+                           "leaves at most this many messages twice)")
+    rep.add_argument("--to", required=True, metavar="TARGET",
+                     help="a queue, or an exchange (write queue:NAME or exchange:NAME if "
+                          "both exist)")
+    rep.add_argument("--routing-key", default=None,
+                     help="for an exchange target (default: the queue the message was "
+                          "dead-lettered from)")
+    rep.add_argument("--count", type=_positive_int, default=None,
+                     help="replay at most this many (default: all the queue holds now)")
+    rep.add_argument("--window", type=_positive_int, default=1,
+                     help="copies confirmed at a time (default 1: a crash duplicates at most "
+                          "one message; larger is faster, and a crash duplicates at most "
+                          "this many)")
+
+    servers = sub.add_parser(
+        "servers", help="start throwaway RabbitMQ and PostgreSQL on loopback",
+        description="Start throwaway servers on 127.0.0.1 (free ports, data in a temporary "
+                    "directory), print their URLs, and stop them on Ctrl-C or SIGTERM. Same "
+                    "as python -m ackflow.servers.")
+    servers.add_argument("which", nargs="*", metavar="rabbitmq|postgres",
+                         help="which servers (default: both)")
 
     schema = sub.add_parser("schema", help="show a flow's stored columns and their history")
     ssub = schema.add_subparsers(dest="action", required=True)
@@ -361,7 +410,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        print(json.dumps(report.as_dict(), indent=2))
+        print(report.summary())
     return 0
 
 
@@ -372,7 +421,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--db {redact(args.db)!r} is a URL, not a queue file: `ackflow queue` works on "
             "the embedded queue's SQLite file (a path). RabbitMQ keeps dead letters in the "
-            "queue its dead-letter exchange routes to: read them with the broker's tools")
+            "queue its dead-letter exchange routes to: read them with `ackflow dlq peek QUEUE "
+            "--url URL` and replay them with `ackflow dlq replay`")
     if not os.path.exists(args.db):
         raise ConfigError(f"queue file {redact(args.db)!r} does not exist")
     EmbeddedQueue(args.db, readonly=True).close()  # a foreign file is refused, unchanged
@@ -457,6 +507,43 @@ def cmd_docs(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_dlq(args: argparse.Namespace) -> int:
+    from ackflow import dlq
+
+    if not args.url:
+        raise ConfigError("give the broker's URL: --url amqp://user:pass@host:5672/%2F, or "
+                          "set ACKFLOW_AMQP_URL")
+    if args.action == "peek":
+        shown = dlq.peek(args.url, args.queue, args.count, window=args.window,
+                         progress=None if args.json else dlq.print_progress("read"))
+        if args.json:
+            print(json.dumps([d.as_json() for d in shown]))
+            return 0
+        for d in shown:
+            how = (f"step {d.step!r} after {d.deliveries} deliveries: {d.error}" if d.step
+                   else f"dead-lettered by the broker ({d.reason or 'no reason'})")
+            origin = f" from {d.source_queue!r}" if d.source_queue else ""
+            print(f"{d.message_id or '(no message_id)'}{origin}: {how}\n    body: {d.preview()}")
+        if not shown:
+            print(f"(queue {args.queue!r} is empty)")
+        return 0
+    done = dlq.replay(args.url, args.queue, args.to, count=args.count,
+                      routing_key=args.routing_key, window=args.window,
+                      progress=None if args.json else dlq.print_progress("replayed"))
+    if args.json:
+        print(json.dumps(done.as_json()))
+    else:
+        print(f"replayed {done.replayed:,} messages from {args.queue!r} to {done.target}; "
+              f"{done.left:,} left in {args.queue!r}")
+    return 0
+
+
+def cmd_servers(args: argparse.Namespace) -> int:
+    from ackflow import servers
+
+    return servers.main(args.which)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
@@ -471,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_schema(args)
         if args.command == "docs":
             return cmd_docs(args)
+        if args.command == "dlq":
+            return cmd_dlq(args)
+        if args.command == "servers":
+            return cmd_servers(args)
         return cmd_queue(args)
     except AckflowError as e:
         print(f"ackflow: error: {redact(str(e))}", file=sys.stderr)

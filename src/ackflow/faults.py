@@ -81,6 +81,10 @@ POINTS: dict[str, str] = {
     "rabbitmq.dead_letter": "RabbitMQ source: before a dead letter is published",
     "embedded.before_ack": "embedded queue: before the ack transaction",
     "files.before_commit": "Files source: before a state store transaction commits",
+    "dlq.peek_copied": "ackflow dlq peek: a message's copy is confirmed at the queue's "
+                       "tail, the original not yet acked",
+    "dlq.replay_published": "ackflow dlq replay: the copy is confirmed at the target, the "
+                            "dead letter not yet acked",
 }
 
 

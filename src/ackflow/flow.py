@@ -415,7 +415,10 @@ class Flow:
         key, ``body``, ``headers`` (JSON), the failing ``step``, the ``error``, its
         ``deliveries`` and ``failed_at`` is written to ``sink`` (on the driver) and only
         then is the message settled at the source. If that write fails, the message is
-        nacked and retried later: it is never dropped.
+        nacked and retried later: it is never dropped. A PostgreSQL error sink keeps
+        ``body`` as text (the bytes in ``body_bytes`` where it is not UTF-8) and
+        ``failed_at`` as ``timestamptz``; other sinks keep the bytes and epoch seconds
+        (docs/tools.md lists the columns).
 
         >>> import ackflow
         >>> from ackflow.sinks import MemorySink

@@ -1,4 +1,8 @@
-"""Throwaway local servers for tests, benchmarks and the demo.
+"""Throwaway local servers for tests, benchmarks, the demo and you.
+
+From a shell, ``python -m ackflow.servers [rabbitmq] [postgres]`` (or ``ackflow
+servers``) starts them, prints their URLs and a ready ``rabbitmqctl``/``psql`` line, and
+stops them (deleting their data) on Ctrl-C or SIGTERM.
 
 :class:`PostgresServer` and :class:`RabbitMQServer` start a private PostgreSQL
 cluster or RabbitMQ node from the Debian packages (``scripts/install-services.sh``
@@ -14,14 +18,18 @@ else on the machine is touched.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Self
 
 from ackflow.core.errors import ConfigError
@@ -246,3 +254,92 @@ def _wait_free(port: int, timeout: float) -> None:
                 return
             except OSError:
                 time.sleep(0.2)
+
+
+KINDS = ("rabbitmq", "postgres")
+
+
+def usage() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ackflow.servers",
+        description="Start throwaway RabbitMQ and/or PostgreSQL servers on 127.0.0.1 (free "
+                    "ports, data in a temporary directory), print their URLs and a ready "
+                    "rabbitmqctl/psql command, and keep them running until Ctrl-C or "
+                    "SIGTERM, which stops them and deletes their data. They need the Debian "
+                    "packages (scripts/install-services.sh).",
+        epilog="example: python -m ackflow.servers rabbitmq postgres")
+    p.add_argument("which", nargs="*", metavar="rabbitmq|postgres",
+                   help="which servers to start (default: both)")
+    return p
+
+
+def _psql(pg: PostgresServer) -> str:
+    psql = shutil.which("psql") or os.path.join(pg.bin, "psql")
+    return f"{psql} {pg.dsn}"
+
+
+def _rabbitmqctl(rmq: RabbitMQServer) -> str:
+    env = " ".join(f"{k}={rmq.env[k]}" for k in ("HOME", "ERL_EPMD_PORT"))
+    return f"env {env} {rmq.CTL} -n {rmq.name} list_queues name type messages"
+
+
+def serve(which: Sequence[str], *, out: Any = None) -> None:
+    """Start ``which`` servers, print how to reach them, wait for SIGINT/SIGTERM, stop."""
+    out = out or sys.stdout
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    started: list[_Server] = []
+    try:
+        if "rabbitmq" in which:
+            rmq = RabbitMQServer()
+            started.append(rmq)
+            rmq.start()
+            print(f"rabbitmq  {rmq.url}", file=out)
+            print(f"          {_rabbitmqctl(rmq)}", file=out)
+        if "postgres" in which and not stop.is_set():
+            pg = PostgresServer()
+            started.append(pg)
+            pg.start()
+            print(f"postgres  {pg.dsn}", file=out)
+            print(f"          {_psql(pg)}", file=out)
+        if not stop.is_set():
+            if "rabbitmq" in which:
+                print("(guest:guest is this throwaway node's own login, on loopback only; "
+                      "never use it for a real broker)", file=out)
+            print("ready: Ctrl-C or SIGTERM stops them and deletes their data", file=out,
+                  flush=True)
+        while not stop.wait(1.0):
+            for s in started:
+                proc = getattr(s, "proc", None)
+                if isinstance(s, RabbitMQServer) and (proc is None or proc.poll() is not None):
+                    print("rabbitmq stopped by itself; stopping the others", file=sys.stderr)
+                    stop.set()
+    finally:
+        for s in reversed(started):
+            try:
+                s.close()
+            except Exception as e:  # noqa: BLE001 - stop the others anyway
+                print(f"could not stop {type(s).__name__}: {e}", file=sys.stderr)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print("stopped", file=out, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ackflow.servers``; returns the exit status."""
+    args = usage().parse_args(argv)
+    which = list(args.which) or list(KINDS)
+    unknown = sorted(set(which) - set(KINDS))
+    if unknown:
+        usage().error(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(KINDS)}")
+    try:
+        serve(which)
+    except ConfigError as e:
+        print(f"ackflow servers: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -544,6 +544,7 @@ class Engine:
             self.metrics.dead_lettered.labels(step=f.step).inc()
             log.info("message %s dead-lettered after %d deliveries: %s", d.key,
                      d.delivery_count, f)
+            self.report.count_reason(f.step, f.error)
         else:
             self.report.nacked += 1
             self.metrics.nacked.inc()
@@ -962,6 +963,7 @@ def write_dead_letters(sink: Any, batch_id: str,
                           ("headers", pa.string()), ("step", pa.string()),
                           ("error", pa.string()), ("deliveries", pa.int64()),
                           ("failed_at", pa.float64())]))
+    table = sink.dead_letter_rows(table)  # in the types its readers want (PostgreSQL: text)
     sink.prepare(table.schema)  # the error sink is a sink: check or create its table first
     if getattr(sink, "wants_keys", False):  # a dead letter written again is the same row
         table = table.append_column(ROW_KEY, pa.array([d.identity for d, _ in failures], pa.string()))

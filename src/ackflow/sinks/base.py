@@ -72,6 +72,16 @@ class Sink(ABC):
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         """Task side: write ``rows`` (a ``pyarrow.Table``). See the module docstring."""
 
+    def dead_letter_rows(self, table: Any) -> Any:
+        """Driver side, for an error sink (``flow.on_error(sink)``): the dead letters to
+        write, given as a ``pyarrow.Table`` in their standard columns (``message``,
+        ``body`` as bytes, ``headers`` as JSON text, ``step``, ``error``, ``deliveries``,
+        ``failed_at`` as epoch seconds). A sink whose readers are better served by other
+        types reshapes them here (PostgreSQL: ``body`` as text, ``failed_at`` as
+        ``timestamptz``); the default writes them as they are. Called before
+        :meth:`prepare` with the table it returns."""
+        return table
+
     def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:  # noqa: B027
         """Driver side, after the job succeeded: make the batch's writes visible."""
 

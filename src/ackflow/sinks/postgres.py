@@ -97,6 +97,14 @@ class PostgresSink(Sink):
     ``create=True`` creates the table from the flow's columns if it does not exist;
     otherwise the table must exist.
 
+    As an error sink (``flow.on_error(PostgresSink(...))``) its table is one a person
+    can query: ``body`` is ``text`` where the body is UTF-8 (without NUL characters,
+    which ``text`` cannot hold), else null with the bytes in ``body_bytes`` (``bytea``)
+    beside it; ``failed_at`` is a ``timestamptz``; ``headers`` is JSON text
+    (``headers::jsonb`` reads it). A dead-letter table made by an older ackflow (``body``
+    ``bytea``, ``failed_at`` an epoch ``double precision``) is upgraded in place at
+    start, in one transaction holding the table's lock (see docs/tools.md).
+
     ``evolve=True`` (the default): before a batch with new columns is written, the table
     is changed to take them, in one transaction that holds the table's lock and re-reads
     its columns first (so a repeated prepare, or another process that evolved it first,
@@ -136,6 +144,7 @@ class PostgresSink(Sink):
         self.key_column = key_column
         self.connect_timeout = connect_timeout
         self._prepared: set[tuple[str, ...]] = set()
+        self._dead_letters = False  # set when the engine hands it dead letters
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -143,6 +152,76 @@ class PostgresSink(Sink):
         return state
 
     # -- driver side ---------------------------------------------------------------
+
+    def dead_letter_rows(self, table: Any) -> Any:
+        """Dead letters as a person queries them: ``body`` text (or null, with the bytes
+        in ``body_bytes``), ``failed_at`` a UTC timestamp (see the class docstring)."""
+        import datetime as dt
+
+        import pyarrow as pa
+
+        bodies = table.column("body").to_pylist()
+        texts = [_utf8_text(b) for b in bodies]
+        raw = [b if t is None else None for b, t in zip(bodies, texts, strict=True)]
+        at_type = pa.timestamp("us", tz="UTC")
+        at = [None if x is None else dt.datetime.fromtimestamp(x, dt.UTC)
+              for x in table.column("failed_at").to_pylist()]
+        i = table.schema.get_field_index("body")
+        table = table.set_column(i, pa.field("body", pa.string()), pa.array(texts, pa.string()))
+        table = table.add_column(i + 1, pa.field("body_bytes", pa.binary()),
+                                 pa.array(raw, pa.binary()))
+        j = table.schema.get_field_index("failed_at")
+        table = table.set_column(j, pa.field("failed_at", at_type), pa.array(at, at_type))
+        self._dead_letters = True
+        return table
+
+    def _upgrade_dead_letters(self, conn: Any) -> None:
+        """Upgrade a dead-letter table of an older ackflow (body bytea, failed_at an epoch
+        double) in one transaction under the table's lock: ``body_bytes`` added and
+        filled where the body is not UTF-8 text, ``body`` made text (null there),
+        ``failed_at`` made timestamptz. A table that cannot be changed stops the run with
+        the SQL that upgrades it."""
+        import psycopg
+        from psycopg import sql
+
+        def types() -> dict[str, str]:
+            return dict(conn.execute(
+                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+                "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+                [self._ident().as_string(conn)]).fetchall())
+
+        old = _old_dead_letters(types())
+        conn.commit()
+        if not old:
+            return
+        t = self._ident()
+        steps = [sql.SQL(UTF8_FUNCTION)]
+        if "body" in old:
+            steps += [
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS body_bytes bytea").format(t),
+                sql.SQL("UPDATE {} SET body_bytes = body WHERE pg_temp.ackflow_utf8(body) IS "
+                        "NULL").format(t),
+                sql.SQL("ALTER TABLE {} ALTER COLUMN body TYPE text USING "
+                        "pg_temp.ackflow_utf8(body)").format(t)]
+        if "failed_at" in old:
+            steps.append(sql.SQL("ALTER TABLE {} ALTER COLUMN failed_at TYPE timestamptz USING "
+                                 "to_timestamp(failed_at)").format(t))
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(t))
+                if _old_dead_letters(types()) == old:  # not upgraded by another process
+                    for step in steps:
+                        conn.execute(step)
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as e:
+            script = "BEGIN; " + "; ".join(x.as_string(conn) for x in steps) + "; COMMIT;"
+            raise FlowError(self.name, self._hide(
+                f"the dead-letter table {self.table!r} has an older ackflow's columns (body "
+                f"bytea, failed_at an epoch double) and cannot be upgraded: "
+                f"{_describe_pg(e)}; upgrade it as its owner with: {script}")) from None
+        log.warning("sink %r: upgraded dead-letter table %r: %s", self.name, self.table,
+                    "; ".join(f"{c} was {old[c]}" for c in old))
 
     @property
     def conflict_key(self) -> list[str]:
@@ -215,6 +294,8 @@ class PostgresSink(Sink):
             raise FlowError(self.name, str(e)) from None
         with conn:
             ident = self._ident()
+            if self._dead_letters:
+                self._upgrade_dead_letters(conn)
             if self.create:
                 types = {f.name: pg_type(f.type) for f in schema}
                 types.setdefault(self.key_column, "text")
@@ -410,6 +491,36 @@ class PostgresSink(Sink):
             half = len(idx) // 2
             self._write(conn, records, idx[:half], columns, failed)
             self._write(conn, records, idx[half:], columns, failed)
+
+
+#: the columns every dead-letter table has (``write_dead_letters``)
+DEAD_LETTER_COLUMNS = frozenset({"message", "body", "headers", "step", "error", "deliveries",
+                                 "failed_at"})
+#: body text where the bytes are UTF-8 (PostgreSQL's convert_from refuses invalid UTF-8
+#: and NUL), else null; a temporary function, gone with the session
+UTF8_FUNCTION = ("CREATE OR REPLACE FUNCTION pg_temp.ackflow_utf8(b bytea) RETURNS text "
+                 "LANGUAGE plpgsql IMMUTABLE AS $$ BEGIN RETURN convert_from(b, 'UTF8'); "
+                 "EXCEPTION WHEN others THEN RETURN NULL; END $$")
+
+
+def _utf8_text(body: bytes | None) -> str | None:
+    """``body`` as text if it is UTF-8 that PostgreSQL's ``text`` can hold (no NUL)."""
+    if body is None:
+        return None
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if "\x00" in text else text
+
+
+def _old_dead_letters(types: dict[str, str]) -> dict[str, str]:
+    """The columns of an older ackflow's dead-letter table still to upgrade (name ->
+    its old type), or {} (not a dead-letter table, or upgraded)."""
+    if not DEAD_LETTER_COLUMNS <= set(types):
+        return {}
+    old = {"body": "bytea", "failed_at": "double precision"}
+    return {c: t for c, t in old.items() if types[c] == t}
 
 
 def _column_values(rows: Any, names: list[str]) -> list[list[Any]]:

@@ -15,15 +15,18 @@ from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
 
-FORMATS = ("json", "text", "bytes")
+FORMATS = ("json", "json_nan_as_null", "text", "bytes")
 
 
 class Source(ABC):
     """Base class of sources. Subclass it to connect ackflow to a new system.
 
     ``format`` says how a message body becomes the first row a flow sees:
-    ``"json"`` (a JSON object: its fields), ``"text"`` (``{"body": str}``, UTF-8) or
-    ``"bytes"`` (``{"body": bytes}``).
+    ``"json"`` (a JSON object: its fields; strict: ``NaN``/``Infinity`` fail the
+    message), ``"json_nan_as_null"`` (the same, but ``NaN``, ``Infinity`` and
+    ``-Infinity`` read as null, at any depth, for producers that write them such as
+    pandas or Python's ``json.dumps``; ``1e999`` still fails), ``"text"``
+    (``{"body": str}``, UTF-8) or ``"bytes"`` (``{"body": bytes}``).
     """
 
     name: str = "source"

@@ -55,7 +55,8 @@ MAX_OPEN = 256  # files open at once; a pass waits for one to finish beyond that
 
 log = logging.getLogger("ackflow.sources.files")
 
-FORMATS = {"jsonl": "json", "csv": "json", "text": "text"}
+FORMATS = {"jsonl": "json", "jsonl_nan_as_null": "json_nan_as_null", "csv": "json",
+           "text": "text"}
 
 
 @dataclass
@@ -79,8 +80,10 @@ class _File:
 
 class FilesSource(Source):
     """Read ``path``'s files line by line; ``format`` is ``"jsonl"`` (one JSON object
-    per line), ``"csv"`` (the first line is the header; each row becomes an object of
-    strings) or ``"text"`` (``{"body": line}``). Empty lines are skipped.
+    per line), ``"jsonl_nan_as_null"`` (the same, with ``NaN``/``Infinity``/``-Infinity``
+    read as null: see :class:`ackflow.sources.base.Source`), ``"csv"`` (the first line is
+    the header; each row becomes an object of strings) or ``"text"`` (``{"body": line}``).
+    Empty lines are skipped.
 
     Failed lines are retried after the policy's backoff (kept in memory: a restart
     reads them again from the file) and, once given up, dead-lettered: to the flow's
