@@ -17,6 +17,12 @@ Try it::
 table with ``deltalake``::
 
     python -c "from deltalake import DeltaTable; print(DeltaTable('/tmp/events-table').to_pandas())"
+
+On a Spark standalone cluster, give its master: ``--master spark://HOST:7077``. The
+executors run ``check`` and write the Delta files, so every worker needs the same
+Python with ackflow and deltalake installed, and both folders on a file system every
+worker and the driver share (``tests/test_cluster.py`` runs this example on a loopback
+cluster).
 """
 
 from __future__ import annotations
