@@ -78,6 +78,16 @@ def pg_table(postgres, request):
 
 
 @pytest.fixture(scope="session")
+def kafka():
+    """A throwaway Kafka-compatible broker (tansu, in-memory storage) on 127.0.0.1."""
+    from ackflow.servers import KafkaServer
+
+    server = KafkaServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
 def rabbitmq():
     """A throwaway RabbitMQ node (AMQP and stream listeners on 127.0.0.1, free ports)."""
     from ackflow.servers import RabbitMQServer

@@ -81,6 +81,12 @@ POINTS: dict[str, str] = {
     "rabbitmq.dead_letter": "RabbitMQ source: before a dead letter is published",
     "embedded.before_ack": "embedded queue: before the ack transaction",
     "files.before_commit": "Files source: before a state store transaction commits",
+    "kafka.attempt_recorded": "Kafka source: a failed message's delivery count is in the "
+                              "attempts file; its retry not scheduled yet",
+    "kafka.before_commit": "Kafka source: settled prefixes known, offsets not committed",
+    "kafka.after_commit": "Kafka source: offsets committed, the attempts file not trimmed",
+    "kafka.revoke_settled": "Kafka source: a revoke waited for its partitions' messages in "
+                            "flight; their offsets not committed yet",
     "dlq.peek_copied": "ackflow dlq peek: a message's copy is confirmed at the queue's "
                        "tail, the original not yet acked",
     "dlq.replay_published": "ackflow dlq replay: the copy is confirmed at the target, the "

