@@ -206,3 +206,53 @@ def test_a_rebalance_with_messages_in_flight_commits_only_settled_prefixes(kafka
     finally:
         b.close()
         a.close()
+
+
+def consume_all(kafka, name, n, timeout=60.0):
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": f"r-{uuid.uuid4().hex[:6]}",
+                  "auto.offset.reset": "earliest", "session.timeout.ms": 6000,
+                  "heartbeat.interval.ms": 500, "max.poll.interval.ms": 10000})
+    c.subscribe([name])
+    out = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < n and time.monotonic() < deadline:
+            for m in c.consume(100, 0.5):
+                if m.error() is None:
+                    out.append(m)
+    finally:
+        c.close()
+    return out
+
+
+def test_the_kafka_sink_acks_a_message_only_on_its_rows_delivery(spark, kafka):
+    """Rows land once each, keyed by the row key (or a column), with ackflow-row-key; a
+    row Kafka refuses on its own (larger than the producer's message.max.bytes) fails
+    its message alone; a topic that does not exist stops the run at start."""
+    from ackflow.core.errors import ConfigError
+    from ackflow.sinks import Kafka as KafkaSink
+    from ackflow.testing import ListSource
+
+    name = topic(kafka, 2)
+    bodies = [json.dumps({"i": i, "pad": "x" * (3000 if i == 4 else 1)}) for i in range(10)]
+    dead = MemorySink("dead")
+    src = ListSource(bodies, policy=RetryPolicy(max_deliveries=1))
+    sink = KafkaSink(kafka.bootstrap, name, config={"message.max.bytes": 2000})
+    report = ackflow.run(ackflow.Flow(src).flat_map(lambda r: [r, {**r, "copy": 1}],
+                                                    name="twice").to(sink).on_error(dead),
+                         spark=spark, until_idle=0.5)
+    assert (report.acked, report.dead_lettered) == (9, 1)
+    assert "Kafka refused the row" in dead.rows[0]["error"]
+    assert json.loads(dead.rows[0]["body"])["i"] == 4
+    got = consume_all(kafka, name, 18, timeout=30)
+    rows = sorted((json.loads(m.value())["i"], json.loads(m.value()).get("copy") or 0)
+                  for m in got)
+    assert rows == sorted((i, c) for i in range(10) if i != 4 for c in (0, 1))
+    heads = {dict(m.headers())["ackflow-row-key"].decode() for m in got}
+    assert len(heads) == len(got)  # one message per row key
+    assert all(m.key().decode() == dict(m.headers())["ackflow-row-key"].decode() for m in got)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ackflow.run(ackflow.Flow(ListSource(["{}"])).to(KafkaSink(kafka.bootstrap, "nope-x")),
+                    spark=spark, until_idle=0.5)

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from ackflow.sinks.embedded import EmbeddedQueueSink as EmbeddedQueue
     from ackflow.sinks.iceberg import IcebergSink
     from ackflow.sinks.iceberg import IcebergSink as Iceberg
+    from ackflow.sinks.kafka import KafkaSink
+    from ackflow.sinks.kafka import KafkaSink as Kafka
     from ackflow.sinks.memory import ConsoleSink, MemorySink
     from ackflow.sinks.memory import ConsoleSink as Console
     from ackflow.sinks.memory import MemorySink as Memory
@@ -42,13 +44,15 @@ __getattr__, __dir__ = lazy(__name__, {
     "ParquetSink": "ackflow.sinks.parquet:ParquetSink",
     "Postgres": "ackflow.sinks.postgres:PostgresSink",
     "PostgresSink": "ackflow.sinks.postgres:PostgresSink",
+    "Kafka": "ackflow.sinks.kafka:KafkaSink",
+    "KafkaSink": "ackflow.sinks.kafka:KafkaSink",
     "RabbitMQ": "ackflow.sinks.rabbitmq:RabbitMQSink",
     "RabbitMQSink": "ackflow.sinks.rabbitmq:RabbitMQSink",
 })
 
 __all__ = [
     "Broadcast", "Console", "ConsoleSink", "Delta", "DeltaSink", "EmbeddedQueue",
-    "EmbeddedQueueSink", "Iceberg", "IcebergSink", "Memory", "MemorySink", "Parquet",
-    "ParquetSink", "PartitionResult", "Postgres", "PostgresSink", "RabbitMQ", "RabbitMQSink",
-    "Sink",
+    "EmbeddedQueueSink", "Iceberg", "IcebergSink", "Kafka", "KafkaSink", "Memory", "MemorySink",
+    "Parquet", "ParquetSink", "PartitionResult", "Postgres", "PostgresSink", "RabbitMQ",
+    "RabbitMQSink", "Sink",
 ]
