@@ -256,3 +256,72 @@ def test_the_kafka_sink_acks_a_message_only_on_its_rows_delivery(spark, kafka):
     with pytest.raises(ConfigError, match="does not exist"):
         ackflow.run(ackflow.Flow(ListSource(["{}"])).to(KafkaSink(kafka.bootstrap, "nope-x")),
                     spark=spark, until_idle=0.5)
+
+
+def start_pipeline(kafka, postgres, name, group, table, dead, attempts, idle):
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "AF_BOOTSTRAP": kafka.bootstrap, "AF_TOPIC": name, "AF_GROUP": group,
+           "AF_DSN": postgres.dsn, "AF_TABLE": table, "AF_DEAD": dead, "AF_ATTEMPTS": attempts}
+    cmd = [sys.executable, "-m", "ackflow.cli", "run",
+           f"{os.path.join(here, 'pipelines', 'kafka_flow.py')}:flow", "--master", "local[2]",
+           "--json", "--batch-size", "500", "--max-inflight", "1500", "--until-idle", str(idle)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def pg_rows(postgres, table):
+    import psycopg
+    from psycopg import sql
+
+    try:
+        with psycopg.connect(postgres.dsn) as c:
+            return c.execute(sql.SQL("SELECT count(*), count(DISTINCT ackflow_key) FROM {}")
+                             .format(sql.Identifier(table))).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return (0, 0)
+
+
+def produce_orders(kafka, name, n, partitions):
+    produce(kafka, name, [json.dumps({"order": i, "qty": i % 7, "poison": i % 100 == 3}).encode()
+                          for i in range(n)], partitions=partitions)
+    return n - len([i for i in range(n) if i % 100 == 3])
+
+
+@pytest.mark.slow
+def test_two_pipelines_in_one_group_one_sigkilled_lose_nothing(kafka, postgres, tmp_path):
+    """Two ackflow processes share a group's partitions; one is SIGKILLed mid-run. The
+    other takes its partitions over (after the session times out) and reads on from
+    their committed offsets: every valid order lands once (keyed upserts), every poison
+    one is dead-lettered, and the group's commits reach the end."""
+    import os
+    import signal
+
+    from helpers import wait_until
+
+    parts, n = 4, 6000
+    name, group = topic(kafka, parts), f"g-{uuid.uuid4().hex[:6]}"
+    table, dead = f"k_{uuid.uuid4().hex[:6]}", f"kd_{uuid.uuid4().hex[:6]}"
+    valid = produce_orders(kafka, name, n, parts)
+    a = start_pipeline(kafka, postgres, name, group, table, dead, str(tmp_path / "a.db"), 60)
+    b = start_pipeline(kafka, postgres, name, group, table, dead, str(tmp_path / "b.db"), 15)
+    try:
+        assert wait_until(lambda: pg_rows(postgres, table)[0] >= 1500 or a.poll() is not None,
+                          timeout=240, every=0.2)
+        assert a.poll() is None, a.stderr.read()[-3000:]
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(30)
+        assert b.wait(300) == 0, b.stderr.read()[-3000:]
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+            p.stderr.close()
+    written, distinct = pg_rows(postgres, table)
+    assert (written, distinct) == (valid, valid)  # none missing, none twice
+    assert pg_rows(postgres, dead)[1] == n - valid
+    assert committed(kafka, name, group, parts) == {p: n // parts for p in range(parts)}
