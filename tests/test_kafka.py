@@ -325,3 +325,36 @@ def test_two_pipelines_in_one_group_one_sigkilled_lose_nothing(kafka, postgres, 
     assert (written, distinct) == (valid, valid)  # none missing, none twice
     assert pg_rows(postgres, dead)[1] == n - valid
     assert committed(kafka, name, group, parts) == {p: n // parts for p in range(parts)}
+
+
+def test_a_dead_letter_topic_takes_given_up_messages_with_provenance(spark, kafka, tmp_path):
+    """Without an error sink, ``dead_letter_topic=`` takes the messages given up, with
+    their identity, place, step, error and deliveries in headers; the commits pass them
+    only after their delivery to that topic."""
+    name, dlt, group = topic(kafka, 2), topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [json.dumps({"i": i, "bad": i % 10 == 3}).encode() for i in range(40)],
+            partitions=2)
+
+    def check(r):
+        if r["bad"]:
+            raise ValueError(f"record {r['i']} is bad")
+        return r
+
+    out = MemorySink("out")
+    src = source(kafka, name, group, tmp_path, dead_letter_topic=dlt,
+                 policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
+    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(out), spark=spark,
+                         until_idle=3)
+    assert (report.acked, report.dead_lettered) == (36, 4)
+    dead = consume_all(kafka, dlt, 4, timeout=30)
+    heads = [{k: v.decode() for k, v in m.headers()} for m in dead]
+    assert sorted(json.loads(m.value())["i"] for m in dead) == [3, 13, 23, 33]
+    assert all(h["ackflow-step"] == "check" and "is bad" in h["ackflow-error"]
+               and h["ackflow-deliveries"] == "2" and h["ackflow-topic"] == name
+               and h["ackflow-message"] == f"{name}/{h['ackflow-partition']}@"
+               f"{h['ackflow-offset']}" for h in heads), heads
+    assert committed(kafka, name, group, 2) == {0: 20, 1: 20}
+    with pytest.raises(ackflow.ConfigError, match="does not exist"):
+        ackflow.run(ackflow.Flow(source(kafka, name, "g2", tmp_path,
+                                        dead_letter_topic="no-such")).to(MemorySink()),
+                    spark=spark, until_idle=1)

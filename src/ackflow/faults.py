@@ -85,6 +85,8 @@ POINTS: dict[str, str] = {
                               "attempts file; its retry not scheduled yet",
     "kafka.before_commit": "Kafka source: settled prefixes known, offsets not committed",
     "kafka.after_commit": "Kafka source: offsets committed, the attempts file not trimmed",
+    "kafka.dead_lettered": "Kafka source: dead letters delivered to the dead-letter topic; "
+                           "their offsets not settled yet",
     "kafka.revoke_settled": "Kafka source: a revoke waited for its partitions' messages in "
                             "flight; their offsets not committed yet",
     "dlq.peek_copied": "ackflow dlq peek: a message's copy is confirmed at the queue's "

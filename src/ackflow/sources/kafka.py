@@ -100,7 +100,7 @@ class KafkaSource(Source):
                  format: str = "json", policy: RetryPolicy | None = None,
                  config: dict[str, Any] | None = None, attempts_path: str | None = None,
                  revoke_timeout_s: float = 10.0, headers_field: str | None = None,
-                 name: str | None = None) -> None:
+                 dead_letter_topic: str | None = None, name: str | None = None) -> None:
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         super().__init__(format=format, name=name or f"kafka:{','.join(topic_list)}")
         if not bootstrap or not topic_list or not all(topic_list) or not group:
@@ -119,6 +119,8 @@ class KafkaSource(Source):
         self.attempts_path = attempts_path or os.path.join(".ackflow", f"kafka-{safe}.db")
         self.revoke_timeout_s = revoke_timeout_s
         self.headers_field = headers_field
+        self.dead_letter_topic = dead_letter_topic
+        self._producer: Any = None
         self._window = 10_000
         self._error_sink = False
         self._lock = threading.Condition()
@@ -177,21 +179,29 @@ class KafkaSource(Source):
     # -- the consumer thread ---------------------------------------------------------------
 
     def open(self) -> int:
-        if not self._error_sink:
+        if not self._error_sink and self.dead_letter_topic is None:
             raise ConfigError(f"source {self.name!r}: a Kafka partition cannot dead-letter one "
-                              "message: give the flow an error sink with .on_error(sink)")
+                              "message: give the source dead_letter_topic='...' or the flow "
+                              "an error sink with .on_error(sink)")
         try:
-            from confluent_kafka import Consumer
+            from confluent_kafka import Consumer, Producer
         except ImportError:
             raise ConfigError("the Kafka source needs confluent-kafka: pip install "
                               "'ackflow[kafka]'") from None
         self._open_attempts()
         try:
             self._consumer = Consumer(self.config, logger=log)
-            self._consumer.list_topics(timeout=15)  # the brokers answer, or a clear error
+            meta = self._consumer.list_topics(timeout=15)  # the brokers answer, or a clear error
         except Exception as e:  # noqa: BLE001 - a clear message at start
             raise ConfigError(f"source {self.name!r}: cannot reach Kafka at "
                               f"{redact(self.bootstrap)}: {type(e).__name__}: {e}") from None
+        if self.dead_letter_topic is not None:
+            if self.dead_letter_topic not in meta.topics:
+                self._consumer.close()
+                raise ConfigError(f"source {self.name!r}: dead_letter_topic "
+                                  f"{self.dead_letter_topic!r} does not exist; create it first")
+            self._producer = Producer({"bootstrap.servers": self.bootstrap,
+                                       "enable.idempotence": True, "acks": "all"})
         self._consumer.subscribe(self.topics, on_assign=self._on_assign,
                                  on_revoke=self._on_revoke, on_lost=self._on_lost)
         self._thread = threading.Thread(target=self._poll_loop, name="ackflow-kafka",
@@ -429,8 +439,54 @@ class KafkaSource(Source):
             self._lock.notify_all()
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
-        self.nack(failures)  # given-up messages went to the error sink before this
-        return [Settlement.NACKED] * len(failures)
+        """Retry by the policy. With ``dead_letter_topic``, a message given up is
+        produced there (``acks=all``, headers: its identity, topic, partition, offset,
+        step, error, deliveries) and counts as settled only once its delivery report
+        came back; one that could not be produced is retried. (With an error sink,
+        given-up messages went there before this.)"""
+        if self._producer is None:
+            self.nack(failures)
+            return [Settlement.NACKED] * len(failures)
+        states, retry, dead = self.by_policy(failures)
+        stuck = self._dead_letter(dead)
+        self.nack([*retry, *((d, f) for d, f in dead if d.key in stuck)])
+        return [Settlement.NACKED if d.key in stuck else state
+                for (d, _), state in zip(failures, states, strict=True)]
+
+    def _dead_letter(self, dead: Sequence[tuple[Delivery, Failure]]) -> set[str]:
+        """Produce ``dead`` to the dead-letter topic, then settle them; returns the keys
+        of those that were not delivered (they are retried, never lost)."""
+        if not dead:
+            return set()
+        failed: set[str] = set()
+        delivered: set[str] = set()
+
+        def report(key: str) -> Any:
+            def done(err: Any, msg: Any) -> None:
+                (failed if err is not None else delivered).add(key)
+            return done
+
+        for d, f in dead:
+            tp, off = d.handle  # type: ignore[misc]
+            headers = [(k, str(v).encode()) for k, v in (
+                ("ackflow-message", d.key), ("ackflow-topic", tp[0]),
+                ("ackflow-partition", tp[1]), ("ackflow-offset", off),
+                ("ackflow-step", f.step), ("ackflow-error", f.error[:2000]),
+                ("ackflow-deliveries", d.delivery_count))]
+            try:
+                self._producer.produce(self.dead_letter_topic, value=d.body, headers=headers,
+                                       key=d.key.encode(), on_delivery=report(d.key))
+            except Exception as e:  # noqa: BLE001 - retried, never lost
+                log.warning("source %r: cannot dead-letter %s: %s", self.name, d.key, e)
+                failed.add(d.key)
+        self._producer.flush(30)
+        stuck = {d.key for d, _ in dead if d.key not in delivered} | failed
+        faults.point("kafka.dead_lettered")
+        self.ack([d for d, _ in dead if d.key not in stuck])
+        if stuck:
+            log.warning("source %r: %d dead letters were not delivered to %r; they are "
+                        "retried", self.name, len(stuck), self.dead_letter_topic)
+        return stuck
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         now = time.monotonic()
@@ -470,6 +526,9 @@ class KafkaSource(Source):
             except Exception as e:  # noqa: BLE001
                 log.warning("source %r: closing the Kafka consumer: %s", self.name, e)
             self._consumer = None
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.flush(10)  # nothing is pending: fail() waited for its reports
         if self._db is not None:
             self._db.close()
             self._db = None
