@@ -358,3 +358,39 @@ def test_a_dead_letter_topic_takes_given_up_messages_with_provenance(spark, kafk
         ackflow.run(ackflow.Flow(source(kafka, name, "g2", tmp_path,
                                         dead_letter_topic="no-such")).to(MemorySink()),
                     spark=spark, until_idle=1)
+
+
+def test_offsets_never_delivered_are_gaps_that_never_hold_the_commit(kafka, tmp_path):
+    """Transactions leave offsets no consumer receives (commit and abort markers, and
+    an aborted transaction's records): the commit passes them, up to the partition's
+    end, once every message around them settled."""
+    from confluent_kafka import Producer
+
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    p = Producer({"bootstrap.servers": kafka.bootstrap, "transactional.id": f"tx-{name}"})
+    p.init_transactions(30)
+    for batch in range(3):
+        p.begin_transaction()
+        for i in range(3):
+            p.produce(name, value=b"%d-%d" % (batch, i))
+        (p.abort_transaction if batch == 1 else p.commit_transaction)(30)
+    src = source(kafka, name, group, tmp_path, config={"isolation.level": "read_committed"})
+    src.configure(max_inflight=100, error_sink=True)
+    src.open()
+    try:
+        got = pull_until(src, 6, timeout=30)
+        assert sorted(d.body for d in got) == [b"0-0", b"0-1", b"0-2", b"2-0", b"2-1", b"2-2"]
+        offsets = sorted(int(d.key.rsplit("@", 1)[1]) for d in got)
+        assert offsets != list(range(6)), "the broker left no gap: nothing is tested"
+        src.ack(got)
+        from confluent_kafka import Consumer, TopicPartition
+
+        c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": "w"})
+        end = c.get_watermark_offsets(TopicPartition(name, 0), 10)[1]
+        c.close()
+        deadline = time.monotonic() + 10
+        while committed(kafka, name, group, 1) != {0: end} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert committed(kafka, name, group, 1) == {0: end} and end > offsets[-1] + 1
+    finally:
+        src.close()

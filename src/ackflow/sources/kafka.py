@@ -260,6 +260,7 @@ class KafkaSource(Source):
         thread; synchronously, so that a revoke commits before it returns)."""
         from confluent_kafka import TopicPartition
 
+        self._skip_unseen()
         with self._lock:
             due = [(tp, p.tracker.committed) for tp, p in self._parts.items()
                    if p.tracker is not None and p.tracker.committed > p.committed
@@ -276,6 +277,25 @@ class KafkaSource(Source):
                 if part is not None:
                     part.committed = max(part.committed, off)
                 self._forget_attempts(tp, off)
+
+    def _skip_unseen(self) -> None:
+        """Offsets the client moved past without returning a message (transaction
+        markers, aborted records, compacted ones at the end of what was fetched) are
+        gaps: the client's position is past them, and nothing of them is waiting."""
+        from confluent_kafka import TopicPartition
+
+        with self._lock:
+            idle = [tp for tp, p in self._parts.items()
+                    if p.tracker is not None and not p.inbox and not p.revoking]
+            if not idle:
+                return
+            for pos in self._consumer.position([TopicPartition(t, p) for t, p in idle]):
+                part = self._parts.get((pos.topic, pos.partition))
+                if part is None or part.tracker is None or pos.offset < 0:
+                    continue
+                if pos.offset > part.last_seen + 1:
+                    part.tracker.gap(part.last_seen + 1, pos.offset)
+                    part.last_seen = pos.offset - 1
 
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         with self._lock:
