@@ -434,3 +434,42 @@ def test_a_broker_restart_mid_run_loses_nothing_and_commits_to_the_end(spark, ka
     assert {r["i"] for r in out.rows} == set(range(n))  # none missing (a copy may repeat)
     assert report.dead_lettered == 0
     assert committed(kafka, name, group, 2) == {0: n // 2, 1: n // 2}
+
+
+def test_a_late_settlement_from_an_earlier_assignment_settles_nothing(kafka, tmp_path):
+    """A partition leaves member A (B joins) while A holds its messages in flight, and
+    comes back to A (B leaves): A reads them again. A late ack of the first copies must
+    not settle the second ones, still in flight: the commit stays put until they settle."""
+    parts = 2
+    name, group = topic(kafka, parts), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"%d" % i for i in range(20)], partitions=parts)
+    a = source(kafka, name, group, tmp_path / "a", revoke_timeout_s=0.5)
+    a.configure(max_inflight=1000, error_sink=True)
+    a.open()
+    b = source(kafka, name, group, tmp_path / "b", revoke_timeout_s=0.5)
+    b.configure(max_inflight=1000, error_sink=True)
+    try:
+        first = pull_until(a, 20)
+        assert len(first) == 20
+        b.open()
+        deadline = time.monotonic() + 60
+        while not b.status()["partitions"] and time.monotonic() < deadline:
+            b.pull(0, 0.1)
+        moved = [int(t.split("[")[1].rstrip("]")) for t in b.status()["partitions"]]
+        assert len(moved) == 1, moved
+        b.close()  # leaves: the partition goes back to A, which reads it again
+        second = pull_until(a, 10, timeout=60)
+        assert sorted(d.key for d in second) == sorted(f"{name}/{moved[0]}@{o}"
+                                                       for o in range(10))
+        a.ack(first)  # late, for the moved partition: the second copies are in flight
+        time.sleep(1.0)
+        assert committed(kafka, name, group, parts)[moved[0]] in (-1001, 0)
+        a.ack(second)
+        deadline = time.monotonic() + 10
+        while committed(kafka, name, group, parts) != {p: 10 for p in range(parts)} and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert committed(kafka, name, group, parts) == {p: 10 for p in range(parts)}
+    finally:
+        b.close()
+        a.close()

@@ -70,7 +70,8 @@ Partition = tuple[str, int]
 class _Part:
     """What the source knows of one assigned partition."""
 
-    def __init__(self) -> None:
+    def __init__(self, gen: int) -> None:
+        self.gen = gen  # which assignment: a delivery of an earlier one settles nothing here
         self.tracker: OffsetTracker | None = None  # made at the first offset fetched
         self.last_seen = -1
         self.inbox: deque[Any] = deque()  # fetched, not handed out yet
@@ -99,7 +100,7 @@ class KafkaSource(Source):
     def __init__(self, bootstrap: str, topics: str | Sequence[str], group: str, *,
                  format: str = "json", policy: RetryPolicy | None = None,
                  config: dict[str, Any] | None = None, attempts_path: str | None = None,
-                 revoke_timeout_s: float = 10.0, headers_field: str | None = None,
+                 revoke_timeout_s: float = 5.0, headers_field: str | None = None,
                  dead_letter_topic: str | None = None, name: str | None = None) -> None:
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         super().__init__(format=format, name=name or f"kafka:{','.join(topic_list)}")
@@ -125,8 +126,11 @@ class KafkaSource(Source):
         self._error_sink = False
         self._lock = threading.Condition()
         self._parts: dict[Partition, _Part] = {}
-        self._bodies: dict[tuple[Partition, int], bytes] = {}  # handed out, not settled
-        self._retry: list[tuple[float, Partition, int, int]] = []  # due, tp, offset, count
+        # handed out, not settled: (partition, offset) -> (assignment, body)
+        self._bodies: dict[tuple[Partition, int], tuple[int, bytes]] = {}
+        # due, partition, offset, delivery count, assignment
+        self._retry: list[tuple[float, Partition, int, int, int]] = []
+        self._assignments = 0
         self._consumer: Any = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -340,7 +344,9 @@ class KafkaSource(Source):
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         with self._lock:
             for tp in partitions:
-                self._parts.setdefault((tp.topic, tp.partition), _Part())
+                if (tp.topic, tp.partition) not in self._parts:
+                    self._assignments += 1
+                    self._parts[(tp.topic, tp.partition)] = _Part(self._assignments)
             self.rebalances += 1
         self._paused = False  # a new assignment is fetched unpaused
         log.info("source %r: assigned %s", self.name,
@@ -358,7 +364,7 @@ class KafkaSource(Source):
                     part.revoking = True
                     part.inbox.clear()  # fetched, never handed out: read again by the owner
             waiting = [r for r in self._retry if r[1] in tps]  # not in flight: let go now
-            for _, tp, off, _ in waiting:
+            for _, tp, off, _, _ in waiting:
                 self._bodies.pop((tp, off), None)
             self._retry = [r for r in self._retry if r[1] not in tps]
             heapq.heapify(self._retry)
@@ -418,12 +424,13 @@ class KafkaSource(Source):
             while True:
                 now = time.monotonic()
                 while self._retry and self._retry[0][0] <= now and len(out) < max_messages:
-                    _, tp, off, count = heapq.heappop(self._retry)
+                    _, tp, off, count, gen = heapq.heappop(self._retry)
                     part = self._parts.get(tp)
-                    body = self._bodies.get((tp, off))
-                    if part is not None and part.tracker is not None and body is not None:
+                    entry = self._bodies.get((tp, off))
+                    if part is not None and part.tracker is not None and part.gen == gen \
+                            and entry is not None and entry[0] == gen:
                         part.tracker.pulled(off)
-                        out.append(self._delivery(tp, off, body, count, None))
+                        out.append(self._delivery(tp, off, gen, entry[1], count, None))
                 for tp, part in self._parts.items():
                     while part.inbox and len(out) < max_messages and not part.revoking:
                         d = self._take(tp, part, part.inbox.popleft())
@@ -446,11 +453,17 @@ class KafkaSource(Source):
         if not part.tracker.pulled(off):
             return None
         body = m.value() or b""
-        self._bodies[(tp, off)] = body
+        self._bodies[(tp, off)] = (part.gen, body)
         count = self._attempts(tp, off) + 1
-        return self._delivery(tp, off, body, count, m)
+        return self._delivery(tp, off, part.gen, body, count, m)
 
-    def _delivery(self, tp: Partition, off: int, body: bytes, count: int,
+    def _mine(self, tp: Partition, off: int, gen: int) -> bool:
+        """Whether this delivery is the one the source holds for its offset (not one of
+        an earlier assignment of the partition, given up at a revoke)."""
+        entry = self._bodies.get((tp, off))
+        return entry is not None and entry[0] == gen
+
+    def _delivery(self, tp: Partition, off: int, gen: int, body: bytes, count: int,
                   m: Any) -> Delivery:
         headers = {"topic": tp[0], "partition": str(tp[1]), "offset": str(off)}
         if m is not None:
@@ -467,7 +480,8 @@ class KafkaSource(Source):
                         headers[k] = v.decode()
                     except UnicodeDecodeError:
                         pass
-        return Delivery(0, f"{tp[0]}/{tp[1]}@{off}", body, headers, count, handle=(tp, off))
+        return Delivery(0, f"{tp[0]}/{tp[1]}@{off}", body, headers, count,
+                        handle=(tp, off, gen))
 
     @property
     def committed(self) -> dict[str, int]:
@@ -491,9 +505,10 @@ class KafkaSource(Source):
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         with self._lock:
             for d in deliveries:
-                tp, off = _handle(d)
-                if self._bodies.pop((tp, off), None) is None:
-                    continue  # its partition went to another member: commits nothing here
+                tp, off, gen = _handle(d)
+                if not self._mine(tp, off, gen):
+                    continue  # its partition was revoked meanwhile: commits nothing here
+                del self._bodies[(tp, off)]
                 part = self._parts.get(tp)
                 if part is not None and part.tracker is not None:
                     part.tracker.settled(off)
@@ -528,7 +543,7 @@ class KafkaSource(Source):
             return done
 
         for d, f in dead:
-            tp, off = _handle(d)
+            tp, off, _ = _handle(d)
             headers = [(k, str(v).encode()) for k, v in (
                 ("ackflow-message", d.key), ("ackflow-topic", tp[0]),
                 ("ackflow-partition", tp[1]), ("ackflow-offset", off),
@@ -553,20 +568,20 @@ class KafkaSource(Source):
         now = time.monotonic()
         with self._lock:
             for d, _ in failures:
-                tp, off = _handle(d)
-                if (tp, off) not in self._bodies:
-                    continue  # its partition went to another member
+                tp, off, gen = _handle(d)
+                if not self._mine(tp, off, gen):
+                    continue  # its partition was revoked meanwhile
                 self._record_attempts(tp, off, d.delivery_count)
                 heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count),
-                                             tp, off, d.delivery_count + 1))
+                                             tp, off, d.delivery_count + 1, gen))
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()
         with self._lock:
             for d in deliveries:
-                tp, off = _handle(d)
-                if (tp, off) in self._bodies:
-                    heapq.heappush(self._retry, (now, tp, off, d.delivery_count))
+                tp, off, gen = _handle(d)
+                if self._mine(tp, off, gen):
+                    heapq.heappush(self._retry, (now, tp, off, d.delivery_count, gen))
 
     def close(self) -> None:
         self._stop.set()
@@ -595,6 +610,6 @@ class KafkaSource(Source):
             self._db = None
 
 
-def _handle(d: Delivery) -> tuple[Partition, int]:
-    """A delivery's partition and offset (the handle this source gave it)."""
-    return cast(tuple[Partition, int], d.handle)
+def _handle(d: Delivery) -> tuple[Partition, int, int]:
+    """A delivery's partition, offset and assignment (the handle this source gave it)."""
+    return cast(tuple[Partition, int, int], d.handle)
