@@ -75,11 +75,11 @@ from ackflow.spark.rows import (
     internal_schema,
     make_sampler,
     make_segment,
-    make_writer,
     reserved,
     row_key,
     unaddressable,
 )
+from ackflow.spark.writer import make_writer
 
 log = logging.getLogger("ackflow.engine")
 
@@ -213,7 +213,7 @@ class Plan:
         """``sink.prepare(schema)``, one at a time: two batches' threads must not create
         a table at once. Returns the columns the sink's table refused (name -> why):
         columns inferred from outside data never stop the run; the rows that hold a value
-        in them fail alone (see :func:`~ackflow.spark.rows.make_writer`)."""
+        in them fail alone (see :func:`~ackflow.spark.writer.make_writer`)."""
         signature = (sink.name, tuple(f"{f.name}:{f.type}" for f in schema))
         with self._prepare_lock:
             refused, retyped = self._refusals.get(signature, ({}, {}))

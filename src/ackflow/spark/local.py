@@ -45,8 +45,8 @@ from ackflow.spark.rows import (
     LocalTally,
     internal_schema,
     make_segment,
-    make_writer,
 )
+from ackflow.spark.writer import make_writer
 
 Partitions = list[pa.Table]
 TaskFn = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
