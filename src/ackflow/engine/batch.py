@@ -24,8 +24,8 @@ from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
 from ackflow.flow import Transform
 from ackflow.sinks.collect import CollectSink
-from ackflow.spark.compile import Plan
 from ackflow.spark.job import JobFailed, run_job
+from ackflow.spark.plan import Plan
 
 log = logging.getLogger("ackflow.engine")
 

@@ -33,7 +33,7 @@ from pyspark import cloudpickle
 from ackflow.core.errors import FlowError
 from ackflow.flow import PYTHON_STEPS, Flow
 from ackflow.sinks.base import Sink
-from ackflow.spark.compile import Plan, Segment
+from ackflow.spark.plan import Plan, Segment
 from ackflow.spark.rows import (
     ERR,
     IDS,
