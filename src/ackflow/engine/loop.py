@@ -105,14 +105,14 @@ class Engine(Settling):
                 f"batch_size ({batch_size}) cannot exceed max_inflight ({max_inflight}): "
                 "raise max_inflight or lower batch_size"
             )
-        for name, value, zero_ok in (("until_idle", until_idle, True),
-                                     ("batch_timeout_s", batch_timeout_s, False),
-                                     ("linger_s", linger_s, True),
-                                     ("drain_timeout_s", drain_timeout_s, True),
-                                     ("keepalive_s", keepalive_s, False)):
-            if value is None and name == "until_idle":
+        for name, seconds, zero_ok in (("until_idle", until_idle, True),
+                                       ("batch_timeout_s", batch_timeout_s, False),
+                                       ("linger_s", linger_s, True),
+                                       ("drain_timeout_s", drain_timeout_s, True),
+                                       ("keepalive_s", keepalive_s, False)):
+            if seconds is None and name == "until_idle":
                 continue
-            _check_seconds(name, value, zero_ok)
+            _check_seconds(name, seconds, zero_ok)
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0-65535), got {metrics_port}")
         if executor not in ("spark", "local"):

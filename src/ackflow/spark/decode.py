@@ -70,9 +70,11 @@ def decode_batch(
     """
     n = b.num_rows
     rows: list[dict[str, Any] | None] = []
-    status, steps, errs = [LIVE] * n, [None] * n, [None] * n
+    status: list[int] = [LIVE] * n
+    steps: list[str | None] = [None] * n
+    errs: list[str | None] = [None] * n
     origins = b.column(SRC).to_pylist()
-    extra = b.column(HDR).to_pylist() if HDR in b.schema.names else [None] * n
+    extra: list[Any] = b.column(HDR).to_pylist() if HDR in b.schema.names else [None] * n
     for i, body in enumerate(b.column(BODY).to_pylist()):
         fmt = formats[origins[i]]
         try:

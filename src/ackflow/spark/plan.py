@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
@@ -67,6 +67,13 @@ PROBE_STRIDE = 20
 PROBE_QUIET = 3
 INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
                           (SRC, pa.int32()), (HDR, pa.string())])
+
+
+class Receipts(Protocol):
+    """A batch job's receipts, fetched with ``toArrow()``: a Spark DataFrame (lazy: the
+    job runs then), or the in-process executor's result."""
+
+    def toArrow(self) -> pa.Table: ...
 
 
 @dataclass(frozen=True)
@@ -469,6 +476,15 @@ class Plan:
             schema=INPUT_SCHEMA)
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
+
+    def job(self, inputs: pa.Table, batch_id: str) -> Receipts:
+        """The receipts of one batch's job over ``inputs`` (each executor defines it)."""
+        raise NotImplementedError
+
+    def locate(self, inputs: pa.Table) -> str:
+        """The step that fails a job on its own over ``inputs`` (one poison message);
+        each executor defines it."""
+        raise NotImplementedError
 
 
 def check_names(step: str, names: Sequence[str], what: str) -> None:

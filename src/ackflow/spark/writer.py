@@ -7,6 +7,7 @@ fails its rows, never acks them; the receipts carry each row's outcome to the le
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -55,14 +56,14 @@ def make_writer(
         partition = ctx.partitionId() if ctx is not None else local_partition()
         status = table.column(STATUS)
         live_mask = pc.equal(status, LIVE)
-        misfit = None  # live rows holding a value in a refused column, and why
+        misfit: dict[int, str] | None = None  # live rows holding a value in a refused column, and why
         for c, why in refused.items():
             hit = pc.and_(live_mask, pc.is_valid(table.column(c)))
             if pc.any(hit).as_py():
                 rows = np.flatnonzero(hit.to_numpy(zero_copy_only=False))
                 misfit = misfit or {}
-                for j in rows:
-                    misfit.setdefault(int(j), f"column {c!r}: {why}")
+                for r in rows:
+                    misfit.setdefault(int(r), f"column {c!r}: {why}")
                 live_mask = pc.and_(live_mask, pc.invert(hit))
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
         held = held_columns(table.schema, data_cols, getattr(sink, "key", None) or [])
@@ -102,8 +103,8 @@ def make_writer(
         except Exception as e:  # noqa: BLE001 - a failed write fails its rows, never acks them
             steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
             text = f"{WHOLE_WRITE}{describe(e)}{where(e)}"
-            for j in live_idx:
-                steps_l[j], errs_l[j] = sink.name, text
+            for k in live_idx:
+                steps_l[k], errs_l[k] = sink.name, text
             err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
         per_row = pa.table(
             {
@@ -131,8 +132,9 @@ def make_writer(
         # several), then the sink's token on a line of its own (emitted = -1)
         if counts is None:
             counts = {sink.name: int(written[live_idx].sum()) if len(live_idx) else 0}
-        lines = [{"id": None, "sink": name, "emitted": 0, "written": n, "err_step": None,
-                  "err": None, "token": None} for name, n in counts.items()]
+        lines: list[dict[str, Any]] = [
+            {"id": None, "sink": name, "emitted": 0, "written": n, "err_step": None,
+             "err": None, "token": None} for name, n in counts.items()]
         if token is not None:
             lines.append({"id": None, "sink": sink.name, "emitted": -1, "written": 0,
                           "err_step": None, "err": None, "token": token})
