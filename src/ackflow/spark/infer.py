@@ -15,7 +15,7 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
     """Columns and types from rows: every key seen, types unified across rows.
 
     Rows are outside data, so nothing in them may stop the run: a reserved ``__af_``
-    field makes no column (the rows holding it fail, in :func:`conform`), and a key
+    field makes no column (the rows holding it fail, in :func:`~ackflow.spark.rows.conform`), and a key
     whose values have mixed types takes the type of most of them (ties: the first
     seen); the rows that do not fit fail alone, naming the step and the column. A key
     whose every value is null (or an empty list or object) makes a column of the null

@@ -512,7 +512,7 @@ def _new_fields_safe(current: pa.Schema, wanted: pa.Schema) -> pa.Schema:
 def _spark_safe(schema: pa.Schema) -> pa.Schema:
     """An inferred column whose type Spark cannot hold (a list of nulls, say) becomes a
     string column: the rows whose values do not fit it then fail alone. A name Spark
-    cannot address (:func:`unaddressable`) or that differs from an earlier one only in
+    cannot address (:func:`~ackflow.spark.columns.unaddressable`) or that differs from an earlier one only in
     case (Spark, case-insensitive, could not tell the two apart) makes no column: the
     rows holding it fail alone, in ``conform``."""
     fields = []
