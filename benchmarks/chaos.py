@@ -24,13 +24,14 @@ broker's dead-letter queue, never also elsewhere), no good message dead-lettered
 ackflow, the queue empty, the stream's stored offset at its end, every
 file processed. It prints a table and, with ``--json``, one JSON object on the last
 line. The exit status is 1 when anything was lost or duplicated (or a check failed).
+The publisher is in ``benchmarks.chaos_publisher``, the final checks in
+``benchmarks.chaos_checks``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import math
 import os
@@ -48,13 +49,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-QUEUE = "chaos-orders"
-DLX = "chaos-dlx"  # the quorum queue's dead-letter exchange (fanout) ...
-DLX_QUEUE = "chaos-dlx-q"  # ... and the queue it routes to
-STREAM = "chaos-events"
-TABLE = "chaos_rows"
-DEAD_TABLE = "chaos_dead"
-KINDS = ("book", "game", "tool", "food")
+from benchmarks.chaos_checks import (
+    files_left,
+    queue_depth,
+    verify,
+)
+from benchmarks.chaos_publisher import (
+    DEAD_TABLE,
+    DLX,
+    DLX_QUEUE,
+    QUEUE,
+    STREAM,
+    TABLE,
+    Published,
+    Publisher,
+)
+
 FAULT_SPECS = (
     "batch.after_job=exit@2",
     "batch.after_commit=exit@2",
@@ -68,7 +78,7 @@ FAULT_SPECS = (
     "files.before_commit=exit@3",
     "rabbitmq.ack=exit@2",
 )
-ID_RE = re.compile(r'"id":\s*"([qsf]\d{7})"')
+
 
 
 # ---------------------------------------------------------------------------- schedule
@@ -113,190 +123,6 @@ class Schedule:
             total += min(b * 2 ** n, max_backoff)
             n += 1
         return {"max_deliveries": n + 1, "backoff_s": b, "max_backoff_s": max_backoff}
-
-
-# ---------------------------------------------------------------------------- publisher
-
-@dataclass
-class Published:
-    good: set[str] = field(default_factory=set)
-    poison: set[str] = field(default_factory=set)
-    per_source: Counter[str] = field(default_factory=Counter)
-    copies: Counter[str] = field(default_factory=Counter)  # queue message -> publishes
-    expect: dict[str, dict[str, Any]] = field(default_factory=dict)  # good id -> its row
-    resent: int = 0  # queue messages published again with the same message_id
-    stream_count: int = 0
-    errors: int = 0
-    error_log: list[str] = field(default_factory=list)
-
-
-class Publisher(threading.Thread):
-    """Publishes ``rate`` messages a second to each of the three sources, recording
-    every message once the broker confirmed it (or the file was renamed in)."""
-
-    def __init__(self, rmq: Any, files_dir: str, rate: float, seed: int,
-                 resend: float = 0.05) -> None:
-        super().__init__(name="publisher", daemon=True)
-        self.rmq, self.files_dir, self.rate, self.resend = rmq, files_dir, rate, resend
-        self.rng = random.Random(seed * 7919 + 1)
-        self.out = Published()
-        self.stop_event = threading.Event()
-        self.paused = threading.Event()
-        self.idle = threading.Event()  # set while no publish is under way
-        self.idle.set()
-        self._n = 0
-        self._conn: Any = None
-        self._pending_lines: list[tuple[str, str, bool]] = []
-        self._files = 0
-        self._carry: dict[str, list[tuple[str, bytes, bool]]] = {"q": [], "s": []}
-
-    def message(self, src: str) -> tuple[str, str, bool]:
-        self._n += 1
-        mid = f"{src}{self._n:07d}"
-        kind = self.rng.choice(KINDS)
-        r = self.rng.random()
-        if r < 0.005:  # invalid JSON
-            return mid, f'{{"id": "{mid}", "kind": "{kind}", "qty": ', True
-        qty = 0 if r < 0.01 else self.rng.randint(1, 9)  # qty 0 fails `validate`
-        n = self.rng.randint(1, 3)
-        body: dict[str, Any] = {"id": mid, "kind": kind, "qty": qty, "lines": n, "pad": "x" * 40}
-        # null, empty and nested values: an optional object (present, null or absent)
-        # with a nested object holding a null and a list that may be empty; a list that
-        # is often empty; a field that is often null (or the empty string)
-        shape = self.rng.random()
-        if shape < 0.5:
-            body["opt"] = {"code": self.rng.choice(["", "a1", "zz"]),
-                           "dims": {"w": self.rng.randint(0, 5),
-                                    "h": None if self.rng.random() < 0.5 else 7},
-                           "marks": [] if self.rng.random() < 0.5 else [1, n]}
-        elif shape < 0.75:
-            body["opt"] = None
-        body["tags"] = [] if self.rng.random() < 0.4 else ["x", kind]
-        body["note"] = self.rng.choice([None, None, "", "ok"])
-        if r >= 0.01:
-            self.out.expect[mid] = {"total": qty * n, "n_lines": n, "members": list(range(n)),
-                                    "opt": body.get("opt"), "tags": body["tags"],
-                                    "note": body["note"]}
-        return mid, json.dumps(body), r < 0.01
-
-    def record(self, src: str, mid: str, poison: bool) -> None:
-        if src == "queue":
-            self.out.copies[mid] += 1
-            if self.out.copies[mid] > 1:
-                self.out.resent += 1
-                return
-        (self.out.poison if poison else self.out.good).add(mid)
-        self.out.per_source[src] += 1
-
-    def run(self) -> None:
-        tick = 0.5
-        per_tick = self.rate * tick
-        owed = 0.0
-        next_at = time.monotonic()
-        last_file = time.monotonic()
-        while not self.stop_event.is_set():
-            next_at += tick
-            time.sleep(max(0.0, next_at - time.monotonic()))
-            if self.paused.is_set():
-                next_at = time.monotonic()
-                continue
-            self.idle.clear()
-            try:
-                owed += per_tick
-                n = int(owed)
-                owed -= n
-                self.publish_queue([*self._carry["q"], *(self._enc(self.message("q")) for _ in range(n))])
-                self.publish_stream([*self._carry["s"], *(self._enc(self.message("s")) for _ in range(n))])
-                self._pending_lines += [self.message("f") for _ in range(n)]
-                if time.monotonic() - last_file >= 2.0:
-                    self.write_file()
-                    last_file = time.monotonic()
-            finally:
-                self.idle.set()
-        self.write_file()
-        self.close()
-
-    @staticmethod
-    def _enc(m: tuple[str, str, bool]) -> tuple[str, bytes, bool]:
-        return m[0], m[1].encode(), m[2]
-
-    def publish_queue(self, msgs: list[tuple[str, bytes, bool]]) -> None:
-        """Publish a batch, as a producer that waits for the batch's confirms does: a
-        batch not wholly confirmed (a connection reset) is published again whole, with
-        the same ``message_id``s (the same identities: the copies that did arrive are
-        repeats), at the next tick; and with probability ``resend`` a confirmed batch is
-        published again at once, as after a confirm that timed out."""
-        import pika
-
-        self._carry["q"] = []
-        k = 0
-        try:
-            if self._conn is None or self._conn.is_closed:
-                self._conn = pika.BlockingConnection(pika.URLParameters(self.rmq.url))
-                self._ch = self._conn.channel()
-                self._ch.confirm_delivery()
-            again = bool(msgs) and self.rng.random() < self.resend
-            for mid, body, poison in [*msgs, *(msgs if again else [])]:
-                self._ch.basic_publish("", QUEUE, body, pika.BasicProperties(
-                    delivery_mode=2, message_id=mid), mandatory=True)
-                self.record("queue", mid, poison)
-                k += 1
-        except (OSError, pika.exceptions.AMQPError) as e:
-            # not all confirmed: the whole batch again, with the same message_ids
-            self.out.errors += 1
-            self.out.error_log.append(f"queue at {k}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
-            self._carry["q"] = msgs
-            self._conn = None
-
-    def publish_stream(self, msgs: list[tuple[str, bytes, bool]]) -> None:
-        from rstream import Producer
-
-        self._carry["s"] = []
-        sent = [0]
-
-        async def go() -> None:
-            async with Producer("127.0.0.1", self.rmq.stream_port, username="guest",
-                                password="guest") as p:
-                for mid, body, poison in msgs:
-                    await p.send_wait(STREAM, body)
-                    self.record("stream", mid, poison)
-                    self.out.stream_count += 1
-                    sent[0] += 1
-
-        try:
-            asyncio.run(asyncio.wait_for(go(), 30))
-        except Exception as e:  # noqa: BLE001 - rstream raises many kinds; counted, reported
-            # a message not confirmed may still be in the stream: publishing it again
-            # could duplicate it under a new offset, so it is not; verify() reads the
-            # stream and counts such a message as published (the rest of the batch was
-            # never sent). The publisher pauses around broker restarts, yet a stream
-            # can still be unavailable for a moment after one.
-            self.out.errors += 1
-            self.out.error_log.append(
-                f"stream at {sent[0]}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
-
-    def write_file(self) -> None:
-        if not self._pending_lines:
-            return
-        self._files += 1
-        name = f"chunk-{self._files:05d}.jsonl"
-        tmp = os.path.join(self.files_dir, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            for _, line, _ in self._pending_lines:
-                f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(self.files_dir, name))
-        for mid, _, poison in self._pending_lines:
-            self.record("files", mid, poison)
-        self._pending_lines = []
-
-    def close(self) -> None:
-        try:
-            if self._conn is not None and self._conn.is_open:
-                self._conn.close()
-        except Exception:  # noqa: BLE001 - closing a connection the broker may have dropped
-            pass
 
 
 # ---------------------------------------------------------------------------- the child
@@ -579,217 +405,6 @@ class Soak:
 
     def work_left(self) -> bool:
         return bool(queue_depth(self.rmq.url) or files_left(self.files_dir))
-
-
-# ---------------------------------------------------------------------------- checks
-
-def queue_depth(url: str) -> int:
-    import pika
-
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return int(conn.channel().queue_declare(QUEUE, passive=True).method.message_count)
-    finally:
-        conn.close()
-
-
-def dlx_messages(url: str) -> tuple[Counter[str], Counter[str], int]:
-    """What the broker dead-lettered: (message id -> copies, x-death reasons, messages
-    without a message id). Read with ``basic_get`` and left in the queue (not acked)."""
-    import pika
-
-    ids: Counter[str] = Counter()
-    reasons: Counter[str] = Counter()
-    nameless = 0
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        ch = conn.channel()
-        for _ in range(10**6):  # bounded: the queue holds far fewer
-            method, props, _body = ch.basic_get(DLX_QUEUE, auto_ack=False)
-            if method is None:
-                break
-            if props.message_id:
-                ids[props.message_id] += 1
-            else:
-                nameless += 1
-            for death in (props.headers or {}).get("x-death") or []:
-                reason = death.get("reason")
-                reasons[reason.decode() if isinstance(reason, bytes) else str(reason)] += 1
-    finally:
-        conn.close()
-    return ids, reasons, nameless
-
-
-def _as_py(v: Any) -> Any:
-    """A value read back from a sink, comparable with the published JSON value."""
-    if isinstance(v, str) and v[:1] in "[{":
-        try:
-            return json.loads(v)
-        except ValueError:
-            return v
-    return v
-
-
-def value_mismatches(rows: list[dict[str, Any]], expect: dict[str, dict[str, Any]],
-                     sink: str) -> list[str]:
-    """Rows whose values are not what was published (nulls, empty lists and nested
-    values must land intact)."""
-    bad = []
-    for r in rows:
-        want = expect.get(r["id"])
-        if want is None:
-            continue
-        got = {k: _as_py(r.get(k)) for k in want}
-        if got != want:
-            bad.append(f"{sink} {r['id']}: {got} != {want}"[:300])
-    return bad
-
-
-def files_left(folder: str) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n.endswith(".jsonl") and not n.startswith("."))
-
-
-def stream_committed(rmq: Any) -> int:
-    from rstream import Consumer
-
-    async def go() -> int:
-        async with Consumer("127.0.0.1", rmq.stream_port, username="guest",
-                            password="guest") as c:
-            return int(await c.query_offset(STREAM, "chaos"))
-
-    try:
-        return asyncio.run(go())
-    except Exception:  # noqa: BLE001 - no stored offset (or no broker): reported as -1
-        return -1
-
-
-def stream_tail(rmq: Any, start: int) -> list[tuple[int, str]]:
-    """(offset, body) of every stream message from ``start``."""
-    from rstream import Consumer, ConsumerOffsetSpecification, OffsetType
-
-    got: list[tuple[int, str]] = []
-
-    async def on_message(body: Any, ctx: Any) -> None:
-        text = bytes(body).decode("utf-8", "replace")
-        got.append((int(ctx.offset), text))
-
-    async def go() -> None:
-        async with Consumer("127.0.0.1", rmq.stream_port, username="guest",
-                            password="guest") as c:
-            await c.subscribe(STREAM, on_message, offset_specification=ConsumerOffsetSpecification(
-                OffsetType.OFFSET, max(0, start)))
-            n = -1
-            while n != len(got):  # until nothing more comes for a second
-                n = len(got)
-                await asyncio.sleep(1.0)
-
-    try:
-        asyncio.run(go())
-    except Exception as e:  # noqa: BLE001 - a diagnostic only
-        got.append((-1, f"{type(e).__name__}: {e}"))
-    return got
-
-
-def is_poison(text: str) -> bool:
-    try:
-        return int(json.loads(text)["qty"]) <= 0
-    except (ValueError, KeyError, TypeError):
-        return True
-
-
-def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
-    import psycopg
-    import pyarrow.parquet as pq
-
-    cols = ["id", "total", "n_lines", "members", "opt", "tags", "note"]
-    with psycopg.connect(pg.dsn) as conn:
-        pg_rows = [dict(zip(cols, r, strict=True)) for r in conn.execute(
-            f"SELECT {', '.join(cols)} FROM {TABLE}")]
-        dead_rows = conn.execute(  # the body: text, or its bytes where it is not text
-            f"SELECT message, coalesce(convert_to(body, 'UTF8'), body_bytes) FROM {DEAD_TABLE}"
-        ).fetchall()
-    pg_ids = Counter(r["id"] for r in pg_rows)
-    pq_ids: Counter[str] = Counter()
-    pq_rows: list[dict[str, Any]] = []
-    for path in glob.glob(os.path.join(soak.parquet_dir, "batch=*", "**", "*.parquet"),
-                          recursive=True):
-        rows = pq.read_table(path, columns=cols).to_pylist()
-        pq_rows += rows
-        pq_ids.update(r["id"] for r in rows)
-    mismatched = (value_mismatches(pg_rows, pub.expect, "postgres")
-                  + value_mismatches(pq_rows, pub.expect, "parquet"))
-    dlx_ids, dlx_reasons, dlx_nameless = dlx_messages(rmq.url)
-    dead_ids: Counter[str] = Counter()
-    unknown_dead = 0
-    for _, body in dead_rows:
-        text = body.decode("utf-8", "replace") if isinstance(body, bytes | bytearray | memoryview) \
-            else str(body)
-        if isinstance(body, memoryview):
-            text = bytes(body).decode("utf-8", "replace")
-        m = ID_RE.search(text)
-        if m:
-            dead_ids[m.group(1)] += 1
-        else:
-            unknown_dead += 1
-    # what the stream really holds: a message whose publish raised (no confirm) may be
-    # in the stream all the same; it is published then, and must be processed
-    in_stream = stream_tail(rmq, 0)
-    extra_stream = []
-    for off, text in in_stream:
-        mid = ID_RE.search(text)
-        if mid and mid.group(1) not in pub.good and mid.group(1) not in pub.poison:
-            extra_stream.append((off, text[:120]))
-            (pub.poison if is_poison(text) else pub.good).add(mid.group(1))
-    stream_end = max((off for off, _ in in_stream), default=-1)
-    good, poison = pub.good, pub.poison
-    in_dlx = set(dlx_ids)  # the broker's dead letters: accounted there, and only there
-    lost_pg = good - set(pg_ids) - in_dlx
-    lost_pq = good - set(pq_ids) - in_dlx
-    poison_missing = poison - set(dead_ids) - in_dlx
-    dup_pg = {k for k, n in pg_ids.items() if n > 1}
-    dup_pq = {k for k, n in pq_ids.items() if n > 1}
-    dup_dead = {k for k, n in dead_ids.items() if n > 1}
-    dup_dlx = {k for k, n in dlx_ids.items() if n > max(1, pub.copies[k])}
-    # one message in two places (written or dead-lettered by ackflow, and dead-lettered
-    # by the broker too): counted twice
-    dlx_and_settled = in_dlx & (set(pg_ids) | set(pq_ids) | set(dead_ids))
-    lost = lost_pg | lost_pq | poison_missing
-    duplicated = dup_pg | dup_pq | dup_dead | dup_dlx | dlx_and_settled
-    good_dead = good & set(dead_ids)
-    poison_written = poison & (set(pg_ids) | set(pq_ids))
-    unknown_rows = (set(pg_ids) | set(pq_ids)) - good - poison
-    depth = queue_depth(rmq.url)
-    committed = stream_committed(rmq)
-    left = files_left(soak.files_dir)
-    checks = {
-        "lost_in_postgres": sorted(lost_pg)[:20], "lost_in_parquet": sorted(lost_pq)[:20],
-        "poison_not_dead_lettered": sorted(poison_missing)[:20],
-        "duplicated_in_postgres": sorted(dup_pg)[:20], "duplicated_in_parquet": sorted(dup_pq)[:20],
-        "dead_lettered_twice": sorted(dup_dead)[:20],
-        "broker_dead_lettered_more_than_published": sorted(dup_dlx)[:20],
-        "broker_dead_lettered_and_settled_by_ackflow": sorted(dlx_and_settled)[:20],
-        "values_not_as_published": mismatched[:10],
-        "broker_dead_letters_without_id": dlx_nameless,
-        "good_dead_lettered": sorted(good_dead)[:20],
-        "poison_written": sorted(poison_written)[:20],
-        "rows_not_published": sorted(unknown_rows)[:20],
-        "dead_letters_without_id": unknown_dead,
-        "queue_depth": depth,
-        "stream_stored_offset": committed, "stream_last_offset": stream_end,
-        "files_left": left[:20],
-    }
-    checks["stream_unconfirmed_in_stream"] = extra_stream
-    # offsets the broker never delivers (seen after a restart): the source declares them gaps
-    checks["stream_offsets_not_messages"] = stream_end + 1 - len(in_stream)
-    ok = (not lost and not duplicated and not good_dead and not poison_written
-          and not unknown_rows and unknown_dead == 0 and depth == 0
-          and committed == stream_end and not left and not mismatched)
-    return {"lost": len(lost), "duplicated": len(duplicated), "dead_lettered": len(dead_rows),
-            "broker_dead_lettered": sum(dlx_ids.values()) + dlx_nameless,
-            "broker_dead_letter_reasons": dict(dlx_reasons),
-            "values_checked": len(pg_rows) + len(pq_rows), "values_wrong": len(mismatched),
-            "good_dead_lettered": len(good_dead), "rows_postgres": sum(pg_ids.values()),
-            "rows_parquet": sum(pq_ids.values()), "ok": ok, "checks": checks}
 
 
 # ---------------------------------------------------------------------------- main

@@ -22,7 +22,7 @@ import ackflow
 from ackflow.engine import Engine
 from ackflow.sources import Files
 from ackflow.testing import FailingSink
-from benchmarks.run import rss_mb
+from benchmarks.phases import rss_mb
 
 
 def main() -> None:

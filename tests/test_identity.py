@@ -31,10 +31,9 @@ from ackflow.spark.rows import (
     STATUS,
     STEP,
     child_key,
-    make_writer,
     row_key,
-    unique_keys,
 )
+from ackflow.spark.writer import make_writer, unique_keys
 from ackflow.testing import ListSource
 from helpers import FAST
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ackflow.core.policy import RetryPolicy
-from ackflow.embedded import EmbeddedQueue
+from ackflow.embedded import EmbeddedQueue, message_key
 from ackflow.flow import Flow
 from ackflow.sinks.base import Sink
 from ackflow.sinks.parquet import ParquetSink
@@ -219,7 +219,7 @@ def verify(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> dict[str, Any]
         q = EmbeddedQueue(paths.db)
         try:
             stats = q.stats(QUEUE)
-            dead_steps = {d.msg_id: d.step for d in q.dead_letters(QUEUE)}
+            dead_steps = {message_key(d.row_id, d.msg_id): d.step for d in q.dead_letters(QUEUE)}
         finally:
             q.close()
     poison: dict[str, str] = manifest["poison"]

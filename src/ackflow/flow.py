@@ -389,8 +389,9 @@ class Flow:
         """
         from ackflow.sinks.broadcast import Broadcast
 
-        if all(isinstance(b, Sink) for b in branches):
-            return self.to(Broadcast(*branches, mode=mode, fallback=tuple(fallback), name=name))
+        sinks = [b for b in branches if isinstance(b, Sink)]
+        if len(sinks) == len(branches):
+            return self.to(Broadcast(*sinks, mode=mode, fallback=tuple(fallback), name=name))
         if mode != "all" or tuple(fallback):
             raise ConfigError("broadcast: sub-flow branches need mode='all' (fallbacks are for "
                               "sinks)")
@@ -516,7 +517,7 @@ def merge(*flows: Flow) -> Flow:
         if f.steps or f.sink is not None or f.error_sink is not None:
             raise ConfigError("merge: merge flows that have only a source, then add steps "
                               "and the sink to the merged flow")
-    sources = []
+    sources: list[Source] = []
     for f in flows:
         inner = f.source.sources if isinstance(f.source, MergedSource) else (f.source,)
         sources.extend(inner)

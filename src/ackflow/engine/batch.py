@@ -17,16 +17,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow import faults
-from ackflow.core.errors import FlowError
+from ackflow.core.errors import FlowError, describe
 from ackflow.core.groups import Group
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
 from ackflow.flow import Transform
 from ackflow.sinks.collect import CollectSink
-from ackflow.spark.compile import Plan
 from ackflow.spark.job import JobFailed, run_job
-from ackflow.spark.rows import describe
+from ackflow.spark.plan import Plan
 
 log = logging.getLogger("ackflow.engine")
 

@@ -11,6 +11,9 @@ the source has nothing more right now, when the window is full, when it is
 a low rate Spark is idle most of the time, so messages go in small batches without
 waiting for the timeout; at a high rate jobs are always running, and batches grow
 with the time a job takes, up to ``batch_size``.
+
+What is done with a batch that came back (acks, dead letters, give-backs, the rows
+held by grouped_within) is in :mod:`ackflow.engine.settle`.
 """
 
 from __future__ import annotations
@@ -31,21 +34,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.errors import ConfigError, FlowError, SystemicFailure
+from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.groups import GroupBuffer
-from ackflow.core.ledger import Failure
 from ackflow.core.schema import SchemaStore, check_mode
-from ackflow.core.secrets import redact
-from ackflow.core.settlement import Delivery, Settlement
-from ackflow.core.systemic import ANY_STEP, SystemicDetector
+from ackflow.core.settlement import Delivery
+from ackflow.core.systemic import SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.report import RunReport
 from ackflow.engine.schemas import open_store
+from ackflow.engine.settle import Settling, write_dead_letters  # noqa: F401 - write_dead_letters re-exported
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
 from ackflow.observe.status import EngineFacts, StatusBoard
-from ackflow.sinks.base import ROW_KEY
 from ackflow.sinks.collect import CollectSink
 
 log = logging.getLogger("ackflow.engine")
@@ -63,7 +64,7 @@ def _check_seconds(name: str, value: Any, zero_ok: bool) -> None:
         raise ConfigError(f"{name} must be {bound} seconds (a finite number), got {value!r}")
 
 
-class Engine:
+class Engine(Settling):
     def __init__(
         self,
         flow: Flow,
@@ -104,14 +105,14 @@ class Engine:
                 f"batch_size ({batch_size}) cannot exceed max_inflight ({max_inflight}): "
                 "raise max_inflight or lower batch_size"
             )
-        for name, value, zero_ok in (("until_idle", until_idle, True),
-                                     ("batch_timeout_s", batch_timeout_s, False),
-                                     ("linger_s", linger_s, True),
-                                     ("drain_timeout_s", drain_timeout_s, True),
-                                     ("keepalive_s", keepalive_s, False)):
-            if value is None and name == "until_idle":
+        for name, seconds, zero_ok in (("until_idle", until_idle, True),
+                                       ("batch_timeout_s", batch_timeout_s, False),
+                                       ("linger_s", linger_s, True),
+                                       ("drain_timeout_s", drain_timeout_s, True),
+                                       ("keepalive_s", keepalive_s, False)):
+            if seconds is None and name == "until_idle":
                 continue
-            _check_seconds(name, value, zero_ok)
+            _check_seconds(name, seconds, zero_ok)
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port (0-65535), got {metrics_port}")
         if executor not in ("spark", "local"):
@@ -199,186 +200,6 @@ class Engine:
                     signum, self.drain_timeout_s)
         self._stop.set()
 
-    # -- settling -----------------------------------------------------------------------
-
-    def _ack(self, deliveries: list[Delivery]) -> None:
-        """Settle first (a second settle raises here, before the broker hears of it), then
-        ack at the source; what it refuses (a stale receipt) becomes released."""
-        if not deliveries:
-            return
-        for d in deliveries:
-            d.settle(Settlement.ACKED)
-        if faults.active() and len(deliveries) > 1:  # a middle, for the fault point
-            half = len(deliveries) // 2
-            stale = {id(d) for d in self.flow.source.ack(deliveries[:half]) or ()}
-            faults.point("engine.mid_ack")
-            stale |= {id(d) for d in self.flow.source.ack(deliveries[half:]) or ()}
-        else:
-            stale = {id(d) for d in self.flow.source.ack(deliveries) or ()}
-        for d in deliveries:
-            if id(d) in stale:
-                d.revise(Settlement.RELEASED)
-        self._count_redelivered(len(stale))
-        self.report.acked += len(deliveries) - len(stale)
-        self.metrics.acked.inc(len(deliveries) - len(stale))
-        if self.board is not None:
-            self.board.acked([d for d in deliveries if id(d) not in stale] if stale
-                             else deliveries)
-
-    def _count_redelivered(self, n: int) -> None:
-        if n:
-            log.warning("%d deliveries could not be settled (their channel or lease is gone); "
-                        "the source delivers them again", n)
-            self.report.redelivered += n
-            self.metrics.redelivered.inc(n)
-
-    def _drop_lost(self) -> None:
-        """Stop tracking deliveries the source lost (it delivers them again)."""
-        lost = [d for d in self.flow.source.take_lost()
-                if not d.settled and d.lineage_id in self.inflight]
-        for d in lost:
-            d.settle(Settlement.RELEASED)
-        self._count_redelivered(len(lost))
-        self._forget(lost)
-        # acks the engine counted that never reached the broker: no acks, they come again
-        unsent = [d for d in self.flow.source.take_unsent_acks()
-                  if d.state is Settlement.ACKED and not d.revised]
-        for d in unsent:
-            d.revise(Settlement.RELEASED)
-        if unsent:
-            self.report.acked -= len(unsent)
-            self._count_redelivered(len(unsent))
-
-    def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
-        if failures and self.flow.error_sink is not None:
-            failures = self._dead_letter_to_sink(batch_id, failures)
-        if not failures:
-            return
-        source = self.flow.source
-        for d, _ in failures:  # settled first; the source may answer otherwise (below)
-            d.settle(Settlement.DEAD_LETTERED if source.exhausted(d) else Settlement.NACKED)
-        faults.point("engine.before_fail")
-        states = source.fail(failures)
-        for (d, f), state in zip(failures, states, strict=True):
-            if state is Settlement.NACKED and d.state is Settlement.DEAD_LETTERED:
-                # given up, but the dead-letter route refused it (a full dead-letter
-                # queue, say): nacked, retried later; counted as a dead-letter failure
-                self._dead_letter_failures += 1
-                self.metrics.dead_letter_write_failures.inc()
-            if state is not d.state:
-                d.revise(state)
-            if state is Settlement.RELEASED:
-                self._count_redelivered(1)
-            else:
-                self._record_failure(d, f, state)
-
-    def _forget(self, deliveries: list[Delivery]) -> None:
-        """Drop settled deliveries from the window (their credits return). A message that
-        still had rows waiting in grouped_within groups (it failed, or its source lost it)
-        takes them out: those groups are written without it, and it comes again."""
-        done = [d for d in deliveries if d.settled and d.lineage_id in self.inflight]
-        waiting = set()
-        followers = []
-        for d in done:
-            del self.inflight[d.lineage_id]
-            if self.held.pop(d.lineage_id, 0) > 0:
-                waiting.add(d.lineage_id)
-            if self._live.get(d.identity) == d.lineage_id:
-                del self._live[d.identity]
-            dupes = self._dupes.pop(d.lineage_id, None)
-            if dupes:
-                followers.append((d, dupes))
-        if self.groups is not None:
-            self.groups.discard(waiting)
-        self.window.give_back(len(done))
-        for first, dupes in followers:
-            self._settle_duplicates(first, dupes)
-
-    def _settle_duplicates(self, first: Delivery, dupes: list[Delivery]) -> None:
-        """Law 12: deliveries of an identity that was in flight already (a producer's
-        re-send, a redelivery racing a slow batch) contributed nothing; they settle as
-        what the first became: acked with it (its rows, or its dead letter, stand for
-        them), else given back to come again."""
-        live = [d for d in dupes if not d.settled]
-        if not live:
-            return
-        if first.state in (Settlement.ACKED, Settlement.DEAD_LETTERED):
-            log.info("%d repeated deliveries of %s settled as the first (%s)", len(live),
-                     first.identity, first.state.value)
-            self._ack(live)
-        else:
-            self._give_back([(d, Failure("engine", "a repeat of a message in flight"))
-                             for d in live])
-        self._forget(live)
-
-    def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
-        # deliveries the source lost meanwhile are settled (released) already: skip them
-        by_id = {d.lineage_id: d for d in deliveries if not d.settled}
-        held = self._hold(result) if self.groups is not None else set()
-        acked = [by_id[i] for i in result.outcomes.acked if i not in held and i in by_id]
-        self._ack(acked)
-        failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
-        failures = self._give_back_systemic(result, failures, acked=bool(acked))
-        self._fail(result.batch_id, failures)
-        self._release([by_id[i] for i in result.released if i in by_id])
-
-        outcome_ids = set(result.outcomes.acked) | set(result.outcomes.failed) | set(result.released)
-        missing = [d for d in by_id.values() if d.lineage_id not in outcome_ids]
-        if missing:  # cannot happen by construction; never ack what has no outcome
-            log.error("batch %s: %d messages got no outcome; failing them", result.batch_id,
-                      len(missing))
-            lost = Failure("engine", "no outcome for this message; not acked", whole=True)
-            self._fail(result.batch_id, [(d, lost) for d in missing])
-
-        self._forget(deliveries)
-        self.report.batches += 1
-        self._account(result)
-        log.debug("batch %s: %d messages, %d acked, %d failed, %d held, %d jobs, %.3f s",
-                  result.batch_id, result.size, len(acked), len(failures), len(held),
-                  result.jobs, result.seconds)
-
-    def _account(self, result: BatchResult) -> None:  # jobs and bisections: _count_job
-        for name, n in result.outcomes.rows_written.items():
-            if self.groups is not None and name == self.flow.steps[self._gw_index].name:
-                continue  # rows handed to grouped_within are not written anywhere yet
-            self.report.rows_written[name] = self.report.rows_written.get(name, 0) + n
-            self.metrics.rows_written.labels(sink=name).inc(n)
-        self.batch_seconds.append(result.seconds)
-        if self.board is not None:
-            self.board.batch(result.seconds)
-        self.metrics.batch_seconds.observe(result.seconds)
-        self.metrics.batch_size.observe(result.size)
-        self._window_metrics()
-
-    # -- grouped_within ------------------------------------------------------------------
-
-    def _hold(self, result: BatchResult) -> set[int]:
-        """Put the rows a batch handed to grouped_within into the buffer; return the ids
-        of messages that now wait for their groups (not failed in this batch)."""
-        assert self.groups is not None
-        step = self.flow.steps[self._gw_index]
-        assert isinstance(step, GroupedWithin)
-        now = time.monotonic()
-        held: set[int] = set()
-        for table in result.collected:
-            lineage = "__af_ids" if "__af_ids" in table.column_names else "__af_id"
-            ids = table.column(lineage).to_pylist()
-            keys = table.column(ROW_KEY).to_pylist()
-            rows = table.drop_columns([lineage, ROW_KEY]).to_pylist()
-            for row, mid, row_key in zip(rows, ids, keys, strict=True):
-                members = mid if isinstance(mid, list) else [mid]
-                # not a member: failed in this batch, or lost (and forgotten) meanwhile
-                members = [m for m in members if m not in result.outcomes.failed
-                           and m in self.inflight and not self.inflight[m].settled]
-                if not members:
-                    continue
-                self.groups.add(tuple(row.get(k) for k in step.keys), row, members, now,
-                                row_key)
-                for m in members:
-                    self.held[m] = self.held.get(m, 0) + 1
-                    held.add(m)
-        return held
-
     def _submit_groups(self, pool: ThreadPoolExecutor) -> None:
         assert self.groups is not None and self.suffix is not None
         groups = self.groups.due(time.monotonic())
@@ -393,235 +214,6 @@ class Engine:
         self._launch(pool, suffix, "g", None,
                      lambda bid: execute_groups(suffix, groups, step.keys, bid, row_keys,
                                                 count=self._count_job, cancelled=self._cancel))
-
-    def _settle_groups(self, result: BatchResult) -> None:
-        """A group job finished: fail members of failed groups, ack members whose
-        every group is now written; a job cancelled at shutdown releases its members."""
-        released = [d for d in (self.inflight.get(m) for m in result.released)
-                    if d is not None and not d.settled]
-        self._release(released)
-        touched: list[Delivery] = released
-        failures = []
-        for mid, failure in result.outcomes.failed.items():
-            d = self.inflight.get(mid)
-            if d is not None and not d.settled:
-                failures.append((d, failure))
-                touched.append(d)
-        failures = self._give_back_systemic(result, failures, acked=False)
-        self._fail(result.batch_id, failures)
-        done = []
-        for mid, n in result.member_rows.items():
-            d = self.inflight.get(mid)
-            if d is None or d.settled:
-                continue
-            left = self.held.get(mid, 0) - n
-            self.held[mid] = left
-            if left <= 0:
-                done.append(d)
-        self._ack(done)
-        self._forget(touched + done)
-        self._account(result)
-
-    def _give_back_systemic(self, result: BatchResult,
-                            failures: list[tuple[Delivery, Failure]], *,
-                            acked: bool) -> list[tuple[Delivery, Failure]]:
-        """Give back (release) failures the detector judges systemic; return the rest,
-        to be nacked or dead-lettered as usual. Raises :class:`SystemicFailure` once an
-        episode has lasted ``systemic_stop_after_s``."""
-        working = {name for name, n in result.outcomes.rows_written.items() if n > 0}
-        if working:  # rows reached a sink: every step before it works
-            working.add(ANY_STEP)
-        detector = self.systemic
-        was = detector.episode
-        # only failures of a write or job as a whole; a message counts once however often
-        # it is delivered (its identity), a delivery is given back by its lineage id
-        whole = [(d, f) for d, f in failures if f.whole]
-        judged = detector.judge(
-            [(d.identity, f.step, f.error) for d, f in whole], working=working,
-            detail=lambda step, error: result.details.get((step, error)) or error)
-        systemic = {d.lineage_id for d, _ in whole if d.identity in judged}
-        suspects = {d.lineage_id for d, _ in whole if d.identity in detector.suspects}
-        if was is not None and detector.episode is None:
-            log.warning("step %r works again: the systemic failure is over (%d deliveries "
-                        "were given back)", was.step, was.messages)
-            self.metrics.systemic.labels(step=was.step).set(0)
-        self.report.systemic = (detector.episode.as_json()
-                                if detector.episode is not None else None)
-        self.report.systemic_episodes = detector.episodes
-        rest = [(d, f) for d, f in failures if d.lineage_id not in systemic]
-        untested = [d for d, _ in rest if d.lineage_id in result.untested]
-        if untested:  # never dead-letter (nor spend a delivery) on an inferred failure
-            log.warning("batch %s: %d messages whose failure was inferred, not seen alone, "
-                        "are given back", result.batch_id, len(untested))
-            self._give_back([(d, f) for d, f in rest if d.lineage_id in result.untested])
-            rest = [(d, f) for d, f in rest if d.lineage_id not in result.untested]
-        if suspects:  # a whole failure not yet shown by enough messages: give back, pause
-            back = [d for d, _ in rest if d.lineage_id in suspects]
-            log.warning("batch %s: %d messages failed a write or job as a whole (%s); given "
-                        "back while it is unknown whether every message fails so",
-                        result.batch_id, len(back), redact(whole[0][1].error))
-            self._give_back([(d, f) for d, f in rest if d.lineage_id in suspects])
-            self._pause_until = max(self._pause_until, time.monotonic() + detector.backoff_s(1))
-            rest = [(d, f) for d, f in rest if d.lineage_id not in suspects]
-        if not systemic:
-            return rest
-        episode = detector.episode
-        assert episode is not None
-        back = [d for d, _ in failures if d.lineage_id in systemic]
-        self._give_back([(d, f) for d, f in failures if d.lineage_id in systemic])
-        self.report.given_back_systemic += len(back)
-        self.metrics.given_back_systemic.inc(len(back))
-        self.metrics.systemic.labels(step=episode.step).set(1)
-        pause = detector.backoff_s(detector.strikes)
-        self._pause_until = time.monotonic() + pause
-        left = detector.stop_after_s - (time.monotonic() - episode.since)
-        log.error("batch %s: systemic failure at step %r: %d messages failed the same way "
-                  "(%s); given back, not dead-lettered; pulling paused %.1f s; the run stops "
-                  "in %.0f s if it persists", result.batch_id, episode.step, len(back),
-                  episode.error, pause, max(left, 0))
-        if detector.overdue():
-            if episode.detail:
-                log.error("the systemic failure in full:\n%s", episode.detail)
-            raise SystemicFailure(episode.step, episode.error, messages=episode.messages,
-                                  seconds=detector.stop_after_s, detail=episode.detail)
-        return rest
-
-    def _count_job(self, bisection: bool) -> None:
-        """A Spark job started (a worker thread calls this): live counts for the page."""
-        with self._counts_lock:
-            if bisection:
-                self.report.bisections += 1
-                self.metrics.bisections.inc()
-            else:
-                self.report.jobs += 1
-                self.metrics.jobs.inc()
-
-    def _dead_letter_to_sink(self, batch_id: str,
-                             failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
-        """Write given-up messages to the flow's error sink, then settle them; return the
-        failures that are still to be retried by the source."""
-        source, sink = self.flow.source, self.flow.error_sink
-        assert sink is not None
-        done = [(d, f) for d, f in failures if source.exhausted(d)]
-        if not done:
-            return failures
-        rest = [(d, f) for d, f in failures if not source.exhausted(d)]
-        try:
-            write_dead_letters(sink, f"{batch_id}-dead", done)
-        except Exception as e:  # noqa: BLE001 - not written: nack, never drop
-            self._dead_letter_failures += len(done)
-            self.metrics.dead_letter_write_failures.inc(len(done))
-            log.error("batch %s: error sink %r failed to write %d dead letters (%s); nacking "
-                      "them (%d dead-letter writes failed in this run)", batch_id, sink.name,
-                      len(done), e, self._dead_letter_failures)
-            for d, _ in done:
-                d.settle(Settlement.NACKED)
-            source.nack(done)
-            for d, f in done:
-                self._record_failure(d, f, Settlement.NACKED)
-            return rest
-        faults.point("engine.dead_letter_written")
-        self.report.rows_written[sink.name] = self.report.rows_written.get(sink.name, 0) + len(done)
-        self.metrics.rows_written.labels(sink=sink.name).inc(len(done))
-        for d, _ in done:
-            d.settle(Settlement.DEAD_LETTERED)
-        stale = {id(d) for d in source.ack([d for d, _ in done]) or ()}
-        for d, f in done:
-            if id(d) in stale:  # written, but the source comes with it again: written again
-                d.revise(Settlement.RELEASED)
-                self._count_redelivered(1)
-            else:
-                self._record_failure(d, f, Settlement.DEAD_LETTERED, kept_by=sink.name)
-        return rest
-
-    def _record_failure(self, d: Delivery, f: Failure, state: Settlement, *,
-                        kept_by: str = "source") -> None:
-        if state is Settlement.DEAD_LETTERED:
-            self.report.dead_lettered += 1
-            self.report.dead_lettered_by_step[f.step] = (
-                self.report.dead_lettered_by_step.get(f.step, 0) + 1
-            )
-            self.metrics.dead_lettered.labels(step=f.step).inc()
-            log.info("message %s dead-lettered after %d deliveries: %s", d.key,
-                     d.delivery_count, f)
-            self.report.count_reason(f.step, f.error)
-        else:
-            self.report.nacked += 1
-            self.metrics.nacked.inc()
-            log.debug("message %s nacked (delivery %d): %s", d.key, d.delivery_count, f)
-        if self.board is not None:
-            ref = (self.flow.source.dead_letter_ref(d)
-                   if kept_by == "source" and state is Settlement.DEAD_LETTERED else None)
-            self.board.failed(d, f, state.value, kept_by=kept_by, ref=ref)
-        self.report.failures_total += 1
-        if len(self.report.failures) < 20:
-            self.report.failures.append(
-                {"message": d.key, "step": f.step, "error": f.error, "outcome": state.value}
-            )
-
-    def _release(self, deliveries: list[Delivery], *, ending: bool = False) -> None:
-        """Give back what was not processed; deliveries settled meanwhile (lost with their
-        channel, say) are the source's already and are skipped."""
-        if not ending and not any(not d.settled for d in deliveries):
-            return
-        # a release means the run is ending: stop receiving first (a message given back
-        # while consuming comes straight back), and settle what was received meanwhile
-        extra = self.flow.source.stop_consuming()
-        if extra:
-            for d in extra:
-                d.lineage_id = self._next_id
-                d.pulled_at = time.monotonic()
-                self._next_id += 1
-            self.report.pulled += len(extra)
-            self.metrics.pulled.inc(len(extra))
-        deliveries = [d for d in [*deliveries, *extra] if not d.settled]
-        if not deliveries:
-            return
-        last = {id(d) for d in self.flow.source.unreleasable(deliveries)}
-        if last:  # a give-back would spend their last delivery: the broker drops them
-            log.warning("%d unprocessed messages are at their last delivery (the broker "
-                        "counts a give-back as one and would drop them): dead-lettering "
-                        "them instead (step 'release')", len(last))
-            why = Failure("release", "not processed before the stop, at its last delivery: "
-                          "the broker counts a give-back as a delivery (x-delivery-limit) and "
-                          "would drop it; dead-lettered instead")
-            self._fail("release", [(d, why) for d in deliveries if id(d) in last])
-            deliveries = [d for d in deliveries if id(d) not in last and not d.settled]
-            if not deliveries:
-                return
-        for d in deliveries:
-            d.settle(Settlement.RELEASED)
-        self.flow.source.release(deliveries)
-        self.report.released += len(deliveries)
-        self.metrics.released.inc(len(deliveries))
-
-    def _give_back(self, failures: list[tuple[Delivery, Failure]]) -> None:
-        """Give failed messages back mid-run without failing them (a systemic or suspect
-        failure, an untested one): released, the source goes on consuming. A message at
-        its last delivery on a queue that counts a give-back as one (a quorum queue with
-        a delivery limit) would be dropped by the broker: it is failed (dead-lettered
-        with its failure, knowingly) instead."""
-        failures = [(d, f) for d, f in failures if not d.settled]
-        if not failures:
-            return
-        last = {id(d) for d in self.flow.source.unreleasable([d for d, _ in failures])}
-        if last:
-            log.warning("%d messages to give back are at their last delivery (the broker "
-                        "counts a give-back as one and would drop them): dead-lettering them "
-                        "with their failure instead", len(last))
-            self._fail("give-back", [(d, f) for d, f in failures if id(d) in last])
-        back = [d for d, _ in failures if id(d) not in last and not d.settled]
-        if not back:
-            return
-        for d in back:
-            d.settle(Settlement.RELEASED)
-        self.flow.source.release(back)
-        self.report.released += len(back)
-        self.metrics.released.inc(len(back))
-
-    def _window_metrics(self) -> None:
-        w = self.window
-        self.metrics.window(w.in_flight, w.throttled, w.throttle_episodes)
 
     def _publish(self, state: str) -> None:
         """Hand the status page a snapshot (the engine's thread; a few times a second)."""
@@ -944,35 +536,6 @@ def _quietly(what: str, fn: Callable[[], Any]) -> None:
         fn()
     except Exception as e:  # noqa: BLE001 - cleanup must not hide the run's own outcome
         log.error("could not %s: %s", what, e)
-
-
-def write_dead_letters(sink: Any, batch_id: str,
-                       failures: list[tuple[Delivery, Failure]]) -> None:
-    """Write failed messages with their provenance to ``sink`` and commit; raise if any
-    row was not written."""
-    import json
-
-    import pyarrow as pa
-
-    now = time.time()
-    table = pa.Table.from_pylist(
-        [{"message": d.identity, "body": d.body, "headers": json.dumps(d.headers),
-          "step": f.step, "error": f.error, "deliveries": d.delivery_count, "failed_at": now}
-         for d, f in failures],
-        schema=pa.schema([("message", pa.string()), ("body", pa.binary()),
-                          ("headers", pa.string()), ("step", pa.string()),
-                          ("error", pa.string()), ("deliveries", pa.int64()),
-                          ("failed_at", pa.float64())]))
-    table = sink.dead_letter_rows(table)  # in the types its readers want (PostgreSQL: text)
-    sink.prepare(table.schema)  # the error sink is a sink: check or create its table first
-    if getattr(sink, "wants_keys", False):  # a dead letter written again is the same row
-        table = table.append_column(ROW_KEY, pa.array([d.identity for d, _ in failures], pa.string()))
-    result = sink.write_partition(batch_id, 0, table)
-    if result.failed:
-        sink.abort(batch_id, [result.token] if result.token else [])
-        raise RuntimeError(f"{len(result.failed)} dead letters were refused: "
-                           f"{next(iter(result.failed.values()))}")
-    sink.commit(batch_id, [result.token] if result.token else [])
 
 
 def run(flow: Flow, **options: Any) -> RunReport:

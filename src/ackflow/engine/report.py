@@ -146,10 +146,11 @@ class RunReport:
         if self.rows_written:
             rows = ", ".join(f"{k}: {v:,}" for k, v in self.rows_written.items())
             lines.append(f"  rows written       {rows}")
-        for c in self.schema_changes:
-            changes = c.get("changes") or []
+        for change in self.schema_changes:
+            changes = change.get("changes") or []
             more = f" (+{len(changes) - 3} more)" if len(changes) > 3 else ""
-            who = f", brought by message {c['brought_by']}" if c.get("brought_by") else ""
-            lines.append(f"  schema: {c.get('segment')} version {c.get('version')}{who}: "
-                         f"{'; '.join(map(str, changes[:3]))}{more}")
+            who = (f", brought by message {change['brought_by']}"
+                   if change.get("brought_by") else "")
+            lines.append(f"  schema: {change.get('segment')} version {change.get('version')}"
+                         f"{who}: {'; '.join(map(str, changes[:3]))}{more}")
         return "\n".join(lines)

@@ -107,8 +107,7 @@ class Broadcast(Sink):
             whole = all(WHOLE_WRITE in t for t in texts)
             return f"{WHOLE_WRITE}{text}" if whole else text
 
-        failed: dict[int, str | tuple[str, str]] = {
-            i: (primary, joined(errors[i])) for i in remaining}
+        failed = {i: (primary, joined(errors[i])) for i in remaining}
         return PartitionResult(failed=failed, token=pickle.dumps(tokens), counts=counts)
 
     def _split(self, tokens: Sequence[bytes]) -> dict[str, list[bytes]]:

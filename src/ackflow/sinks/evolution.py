@@ -62,7 +62,7 @@ def merge_type(have: Any, want: Any, promote: Promote, path: str,
     import pyarrow as pa
     import pyarrow.types as pt
 
-    from ackflow.sinks.lakehouse import can_take
+    from ackflow.sinks.conform import can_take
 
     if have.equals(want) or pt.is_null(want):
         return have

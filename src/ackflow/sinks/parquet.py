@@ -134,8 +134,8 @@ class ParquetSink(Sink):
         to take ``schema`` (see the class docstring); refuse what it cannot take."""
         import pyarrow as pa
 
+        from ackflow.sinks.conform import can_take
         from ackflow.sinks.evolution import evolved, promote_parquet
-        from ackflow.sinks.lakehouse import can_take
 
         incoming = pa.schema([f.with_nullable(True) for f in schema if f.name != KEY])
         assert self._schema_lock is not None
@@ -257,7 +257,7 @@ class ParquetSink(Sink):
     def _conform(self, rows: Any) -> tuple[Any, dict[int, str]]:
         """The rows in the dataset's schema (columns it has and the rows lack are null; a
         value that does not fit the stored type fails its row)."""
-        from ackflow.sinks.lakehouse import conform
+        from ackflow.sinks.conform import conform
 
         extra = [c for c in rows.column_names if c not in self.target.names]
         if extra:  # never dropped silently: the job fails, its messages are retried

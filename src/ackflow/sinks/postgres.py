@@ -195,7 +195,7 @@ class PostgresSink(Sink):
         if not old:
             return
         t = self._ident()
-        steps = [sql.SQL(UTF8_FUNCTION)]
+        steps: list[sql.Composable] = [sql.SQL(UTF8_FUNCTION)]
         if "body" in old:
             steps += [
                 sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS body_bytes bytea").format(t),
@@ -412,6 +412,7 @@ class PostgresSink(Sink):
         if where_false:
             select = select + sql.SQL(" WHERE false")
         rest = [c for c in columns if c not in self.conflict_key]
+        action: sql.Composable
         if self.mode == "upsert" and rest:
             action = sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
                 sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in rest))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ackflow.core.errors import ConfigError, describe
 from ackflow.core.ledger import WHOLE_WRITE
@@ -122,7 +122,7 @@ class RabbitMQSink(Sink):
             if why is not None:
                 empty[i] = f"the row cannot be published: {why}"
                 continue
-            messages.append((str(rk), bodies[i], props))
+            messages.append((str(rk), cast(bytes, bodies[i]), props))  # a reason (str) is in empty
             sent.append(i)
         failed = publish_confirmed(self.url, self.exchange, messages, mandatory=self.mandatory,
                                    window=self.confirm_window, timeout_s=self.timeout_s)

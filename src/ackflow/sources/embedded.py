@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from typing import SupportsInt, cast
 
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
@@ -81,8 +82,13 @@ class EmbeddedQueueSource(Source):
             time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
 
     @staticmethod
-    def _handles(deliveries: Sequence[Delivery]) -> list[tuple[int, int]]:
-        return [d.handle for d in deliveries]  # type: ignore[misc]
+    def _lease(d: Delivery) -> tuple[int, int]:
+        """The delivery's lease in the queue file (row id, lease), as :meth:`pull` set it."""
+        return cast(tuple[int, int], d.handle)
+
+    @classmethod
+    def _handles(cls, deliveries: Sequence[Delivery]) -> list[tuple[int, int]]:
+        return [cls._lease(d) for d in deliveries]
 
     def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Ack; return the deliveries whose lease was lost meanwhile (not acked: the
@@ -90,19 +96,19 @@ class EmbeddedQueueSource(Source):
         if not deliveries:
             return []
         stale = set(self.q.ack_held(self.queue, self._handles(deliveries)))
-        return [d for d in deliveries if tuple(d.handle) in stale]  # type: ignore[arg-type]
+        return [d for d in deliveries if self._lease(d) in stale]
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         outcomes, retry, dead = self.by_policy(failures)
         self.nack(retry)
         # only the last call's dead-letter ids are kept (bounded), for dead_letter_ref()
         self._dead_ids = self.q.dead_letter_ids(
-            self.queue, [(*d.handle, f.step, f.error) for d, f in dead]  # type: ignore[misc]
+            self.queue, [(*self._lease(d), f.step, f.error) for d, f in dead]
         ) if dead else {}
         # a lease that expired meanwhile moved nothing: the message is the queue's again
         # (it comes back), so it is no dead letter of this run
         return [Settlement.RELEASED if state is Settlement.DEAD_LETTERED
-                and tuple(d.handle) not in self._dead_ids else state  # type: ignore[arg-type]
+                and self._lease(d) not in self._dead_ids else state
                 for (d, _), state in zip(failures, outcomes, strict=True)]
 
     # -- the status page -------------------------------------------------------------------
@@ -123,7 +129,7 @@ class EmbeddedQueueSource(Source):
                 "dead_letters_kept": s["dead_lettered"]}
 
     def dead_letter_ref(self, delivery: Delivery) -> object | None:
-        return self._dead_ids.get(tuple(delivery.handle))  # type: ignore[arg-type]
+        return self._dead_ids.get(self._lease(delivery))
 
     def replay_dead_letters(self, refs: Sequence[object]) -> tuple[int, dict[object, str]]:
         """Move dead letters (their ids in the queue file) back to the queue, through a
@@ -131,14 +137,15 @@ class EmbeddedQueueSource(Source):
         ``msg_id`` is queued stays a dead letter (see :meth:`EmbeddedQueue.replay_each`)."""
         q = EmbeddedQueue(self.path)
         try:
-            done = q.replay_each(self.queue, [int(r) for r in refs])  # type: ignore[call-overload]
+            # refs: the dead-letter ids dead_letter_ref gave
+            done = q.replay_each(self.queue, [int(cast(SupportsInt, r)) for r in refs])
         finally:
             q.close()
-        return len(done.moved), dict(done.kept)
+        return len(done.moved), {ref: why for ref, why in done.kept.items()}
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         if failures:
-            self.q.retry([(*d.handle, self.policy.delay_after(d.delivery_count), str(f))  # type: ignore[misc]
+            self.q.retry([(*self._lease(d), self.policy.delay_after(d.delivery_count), str(f))
                           for d, f in failures])
 
     def release(self, deliveries: Sequence[Delivery]) -> None:

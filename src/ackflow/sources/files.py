@@ -40,7 +40,7 @@ import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
@@ -418,7 +418,7 @@ class FilesSource(Source):
     def _settled(self, deliveries: Sequence[Delivery]) -> None:
         lines: dict[str, list[int]] = {}
         for d in deliveries:
-            fid, line = d.handle  # type: ignore[misc]
+            fid, line = _position(d)
             lines.setdefault(fid, []).append(line)
         touched = set()
         for fid, settled in lines.items():
@@ -445,7 +445,7 @@ class FilesSource(Source):
     def _write_dead_letters(self, dead: Sequence[tuple[Delivery, Failure]]) -> None:
         per: dict[str, list[str]] = {}
         for d, f in dead:
-            fid, line = d.handle  # type: ignore[misc]
+            fid, line = _position(d)
             per.setdefault(fid, []).append(json.dumps({
                 "file": d.headers.get("file"), "file_id": fid, "line": line + 1,
                 "step": f.step, "error": f.error, "deliveries": d.delivery_count,
@@ -461,7 +461,7 @@ class FilesSource(Source):
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         now = time.monotonic()
         for d, _ in failures:
-            fid, line = d.handle  # type: ignore[misc]
+            fid, line = _position(d)
             f = self._files.get(fid)
             if f is None:
                 continue
@@ -473,7 +473,7 @@ class FilesSource(Source):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()
         for d in deliveries:
-            fid, line = d.handle  # type: ignore[misc]
+            fid, line = _position(d)
             self._seq += 1
             heapq.heappush(self._retry, (now, self._seq, fid, line, d.delivery_count))
 
@@ -573,6 +573,11 @@ class FilesSource(Source):
         if self.done == "move":
             self._move_done([(f.id, f.name, tuple(f.fingerprint),
                               os.path.join(self.path, f.name)) for f in files])
+
+
+def _position(d: Delivery) -> tuple[str, int]:
+    """Where a delivery was read: its file's id and line (set in ``_delivery``)."""
+    return cast(tuple[str, int], d.handle)
 
 
 def _fingerprint(st: os.stat_result) -> list[int]:

@@ -33,7 +33,6 @@ import heapq
 import logging
 import os
 import re
-import sqlite3
 import threading
 import time
 from collections import deque
@@ -48,6 +47,7 @@ from ackflow.core.policy import RetryPolicy
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources.base import Source
+from ackflow.sources.kafka_attempts import Attempts, Partition
 
 log = logging.getLogger("ackflow.sources.kafka")
 
@@ -64,7 +64,6 @@ DEFAULTS: dict[str, Any] = {
     "partition.assignment.strategy": "cooperative-sticky",
 }
 
-Partition = tuple[str, int]
 
 
 class _Part:
@@ -135,7 +134,7 @@ class KafkaSource(Source):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._paused = False
-        self._db: sqlite3.Connection | None = None
+        self._attempts: Attempts | None = None
         self.error: BaseException | None = None
         self._up = True
         self._down_codes: set[int] = set()
@@ -152,36 +151,9 @@ class KafkaSource(Source):
         self._window = max_inflight
         self._error_sink = error_sink
 
-    # -- delivery counts that survive a restart ------------------------------------------
-
-    def _open_attempts(self) -> None:
-        folder = os.path.dirname(self.attempts_path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        db = sqlite3.connect(self.attempts_path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute("CREATE TABLE IF NOT EXISTS attempts (topic TEXT, part INTEGER, "
-                   "off INTEGER, n INTEGER, PRIMARY KEY (topic, part, off))")
-        self._db = db
-
-    def _attempts(self, tp: Partition, offset: int) -> int:
-        """Deliveries of the message so far, as recorded (0: none recorded)."""
-        assert self._db is not None
-        row = self._db.execute("SELECT n FROM attempts WHERE topic=? AND part=? AND off=?",
-                               (tp[0], tp[1], offset)).fetchone()
-        return int(row[0]) if row else 0
-
-    def _record_attempts(self, tp: Partition, offset: int, n: int) -> None:
-        assert self._db is not None
-        self._db.execute("INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?)",
-                         (tp[0], tp[1], offset, n))
-        faults.point("kafka.attempt_recorded")
-
-    def _forget_attempts(self, tp: Partition, below: int) -> None:
-        assert self._db is not None
-        self._db.execute("DELETE FROM attempts WHERE topic=? AND part=? AND off<?",
-                         (tp[0], tp[1], below))
+    def _store(self) -> Attempts:
+        assert self._attempts is not None, "the source is not open"
+        return self._attempts
 
     # -- the consumer thread ---------------------------------------------------------------
 
@@ -195,7 +167,7 @@ class KafkaSource(Source):
         except ImportError:
             raise ConfigError("the Kafka source needs confluent-kafka: pip install "
                               "'ackflow[kafka]'") from None
-        self._open_attempts()
+        self._attempts = Attempts(self.attempts_path)
         try:
             from confluent_kafka import KafkaError
 
@@ -320,7 +292,7 @@ class KafkaSource(Source):
                 part = self._parts.get(tp)
                 if part is not None:
                     part.committed = max(part.committed, off)
-                self._forget_attempts(tp, off)
+                self._store().forget(tp, off)
 
     def _skip_unseen(self) -> None:
         """Offsets the client moved past without returning a message (transaction
@@ -454,7 +426,7 @@ class KafkaSource(Source):
             return None
         body = m.value() or b""
         self._bodies[(tp, off)] = (part.gen, body)
-        count = self._attempts(tp, off) + 1
+        count = self._store().get(tp, off) + 1
         return self._delivery(tp, off, part.gen, body, count, m)
 
     def _mine(self, tp: Partition, off: int, gen: int) -> bool:
@@ -571,7 +543,7 @@ class KafkaSource(Source):
                 tp, off, gen = _handle(d)
                 if not self._mine(tp, off, gen):
                     continue  # its partition was revoked meanwhile
-                self._record_attempts(tp, off, d.delivery_count)
+                self._store().record(tp, off, d.delivery_count)
                 heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count),
                                              tp, off, d.delivery_count + 1, gen))
 
@@ -605,9 +577,9 @@ class KafkaSource(Source):
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.flush(10)  # nothing is pending: fail() waited for its reports
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        if self._attempts is not None:
+            self._attempts.close()
+            self._attempts = None
 
 
 def _handle(d: Delivery) -> tuple[Partition, int, int]:

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ackflow import faults
 from ackflow.core.errors import ConfigError, SourceGone
@@ -588,7 +588,7 @@ class RabbitMQSource(Source):
                 self._broker(self._conn.process_data_events, time_limit=min(left, 0.05))
             if time.monotonic() >= deadline:
                 break
-        out = []
+        out: list[Delivery] = []
         while self._buffer and len(out) < max_messages:
             out.append(self._buffer.popleft())
         return out
@@ -624,7 +624,7 @@ class RabbitMQSource(Source):
         tags, stale = [], []
         for d in deliveries:
             if self._live(d):
-                tags.append(d.handle[1])  # type: ignore[index]
+                tags.append(_handle(d)[1])
             else:
                 stale.append(d)
         if stale:
@@ -724,7 +724,7 @@ class RabbitMQSource(Source):
                 # the connection died mid-way: what was not acked comes back from the broker
                 live = {id(d) for d in stale}
                 stale += [d for d in deliveries if id(d) not in live
-                          and d.handle[1] not in done]  # type: ignore[index]
+                          and _handle(d)[1] not in done]
         return stale
 
     def exhausted(self, delivery: Delivery) -> bool:
@@ -762,13 +762,13 @@ class RabbitMQSource(Source):
 
     def _live(self, d: Delivery) -> bool:
         """Its channel is the current one and its tag is still unsettled there."""
-        gen, tag = d.handle  # type: ignore[misc]
+        gen, tag = _handle(d)
         return gen == self._gen and self._ch is not None and tag in self._outstanding
 
     def _schedule_nacks(self, failures: Sequence[tuple[Delivery, Failure]], backoff: bool) -> None:
         now = time.monotonic()
         for d, _ in failures:
-            gen, tag = d.handle  # type: ignore[misc]
+            gen, tag = _handle(d)
             delay = self.policy.delay_after(d.delivery_count) if backoff else 0.0
             self._seq += 1
             heapq.heappush(self._delayed, (now + delay, self._seq, gen, tag))
@@ -824,7 +824,7 @@ class RabbitMQSource(Source):
         tags, _ = self._current([d for d, _ in dead])
         done = self._settle_tags(tags, "reject")
         for d, f in dead:
-            if d.handle[1] not in done:  # type: ignore[index]
+            if _handle(d)[1] not in done:
                 lost.add(id(d))
                 continue
             log.warning("source %r: message %s rejected to the queue's dead-letter exchange "
@@ -907,3 +907,8 @@ def _text(v: Any) -> str:
         return str(v)
     except Exception:  # noqa: BLE001 - a value whose __str__ fails is still a value
         return f"<unprintable {type(v).__name__}>"
+
+
+def _handle(d: Delivery) -> tuple[int, int]:
+    """A delivery's channel generation and delivery tag (the handle this source gave it)."""
+    return cast(tuple[int, int], d.handle)

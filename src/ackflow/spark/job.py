@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 from ackflow.core.errors import FlowError
 from ackflow.core.settlement import Delivery
-from ackflow.spark.compile import Plan
+from ackflow.spark.plan import Plan
 
 
 class JobFailed(Exception):

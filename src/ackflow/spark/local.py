@@ -33,7 +33,7 @@ from pyspark import cloudpickle
 from ackflow.core.errors import FlowError
 from ackflow.flow import PYTHON_STEPS, Flow
 from ackflow.sinks.base import Sink
-from ackflow.spark.compile import Plan, Segment
+from ackflow.spark.plan import Plan, Segment
 from ackflow.spark.rows import (
     ERR,
     IDS,
@@ -45,8 +45,8 @@ from ackflow.spark.rows import (
     LocalTally,
     internal_schema,
     make_segment,
-    make_writer,
 )
+from ackflow.spark.writer import make_writer
 
 Partitions = list[pa.Table]
 TaskFn = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]

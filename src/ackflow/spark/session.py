@@ -77,7 +77,7 @@ def session(master: str | None = None, conf: dict[str, Any] | None = None,
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(log_level)
     quiet_pyspark_loggers()
-    if not spark.sparkContext.master.startswith("local"):
+    if not str(spark.sparkContext.master).startswith("local"):
         ship_ackflow(spark)
     return spark
 

@@ -1,0 +1,225 @@
+"""The chaos soak's checks (``benchmarks.chaos``): what the broker, PostgreSQL, the
+Parquet folder and the stream hold at the end, against what was published."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.chaos_publisher import DEAD_TABLE, DLX_QUEUE, ID_RE, QUEUE, STREAM, TABLE, Published
+
+if TYPE_CHECKING:
+    from benchmarks.chaos import Soak
+
+
+def queue_depth(url: str) -> int:
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(QUEUE, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+def dlx_messages(url: str) -> tuple[Counter[str], Counter[str], int]:
+    """What the broker dead-lettered: (message id -> copies, x-death reasons, messages
+    without a message id). Read with ``basic_get`` and left in the queue (not acked)."""
+    import pika
+
+    ids: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    nameless = 0
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        for _ in range(10**6):  # bounded: the queue holds far fewer
+            method, props, _body = ch.basic_get(DLX_QUEUE, auto_ack=False)
+            if method is None:
+                break
+            if props.message_id:
+                ids[props.message_id] += 1
+            else:
+                nameless += 1
+            for death in (props.headers or {}).get("x-death") or []:
+                reason = death.get("reason")
+                reasons[reason.decode() if isinstance(reason, bytes) else str(reason)] += 1
+    finally:
+        conn.close()
+    return ids, reasons, nameless
+
+
+def _as_py(v: Any) -> Any:
+    """A value read back from a sink, comparable with the published JSON value."""
+    if isinstance(v, str) and v[:1] in "[{":
+        try:
+            return json.loads(v)
+        except ValueError:
+            return v
+    return v
+
+
+def value_mismatches(rows: list[dict[str, Any]], expect: dict[str, dict[str, Any]],
+                     sink: str) -> list[str]:
+    """Rows whose values are not what was published (nulls, empty lists and nested
+    values must land intact)."""
+    bad = []
+    for r in rows:
+        want = expect.get(r["id"])
+        if want is None:
+            continue
+        got = {k: _as_py(r.get(k)) for k in want}
+        if got != want:
+            bad.append(f"{sink} {r['id']}: {got} != {want}"[:300])
+    return bad
+
+
+def files_left(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith(".jsonl") and not n.startswith("."))
+
+
+def stream_committed(rmq: Any) -> int:
+    from rstream import Consumer
+
+    async def go() -> int:
+        async with Consumer("127.0.0.1", rmq.stream_port, username="guest",
+                            password="guest") as c:
+            return int(await c.query_offset(STREAM, "chaos"))
+
+    try:
+        return asyncio.run(go())
+    except Exception:  # noqa: BLE001 - no stored offset (or no broker): reported as -1
+        return -1
+
+
+def stream_tail(rmq: Any, start: int) -> list[tuple[int, str]]:
+    """(offset, body) of every stream message from ``start``."""
+    from rstream import Consumer, ConsumerOffsetSpecification, OffsetType
+
+    got: list[tuple[int, str]] = []
+
+    async def on_message(body: Any, ctx: Any) -> None:
+        text = bytes(body).decode("utf-8", "replace")
+        got.append((int(ctx.offset), text))
+
+    async def go() -> None:
+        async with Consumer("127.0.0.1", rmq.stream_port, username="guest",
+                            password="guest") as c:
+            await c.subscribe(STREAM, on_message, offset_specification=ConsumerOffsetSpecification(
+                OffsetType.OFFSET, max(0, start)))
+            n = -1
+            while n != len(got):  # until nothing more comes for a second
+                n = len(got)
+                await asyncio.sleep(1.0)
+
+    try:
+        asyncio.run(go())
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        got.append((-1, f"{type(e).__name__}: {e}"))
+    return got
+
+
+def is_poison(text: str) -> bool:
+    try:
+        return int(json.loads(text)["qty"]) <= 0
+    except (ValueError, KeyError, TypeError):
+        return True
+
+
+def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
+    import psycopg
+    import pyarrow.parquet as pq
+
+    cols = ["id", "total", "n_lines", "members", "opt", "tags", "note"]
+    with psycopg.connect(pg.dsn) as conn:
+        pg_rows = [dict(zip(cols, r, strict=True)) for r in conn.execute(
+            f"SELECT {', '.join(cols)} FROM {TABLE}")]
+        dead_rows = conn.execute(  # the body: text, or its bytes where it is not text
+            f"SELECT message, coalesce(convert_to(body, 'UTF8'), body_bytes) FROM {DEAD_TABLE}"
+        ).fetchall()
+    pg_ids = Counter(r["id"] for r in pg_rows)
+    pq_ids: Counter[str] = Counter()
+    pq_rows: list[dict[str, Any]] = []
+    for path in glob.glob(os.path.join(soak.parquet_dir, "batch=*", "**", "*.parquet"),
+                          recursive=True):
+        rows = pq.read_table(path, columns=cols).to_pylist()
+        pq_rows += rows
+        pq_ids.update(r["id"] for r in rows)
+    mismatched = (value_mismatches(pg_rows, pub.expect, "postgres")
+                  + value_mismatches(pq_rows, pub.expect, "parquet"))
+    dlx_ids, dlx_reasons, dlx_nameless = dlx_messages(rmq.url)
+    dead_ids: Counter[str] = Counter()
+    unknown_dead = 0
+    for _, body in dead_rows:
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes | bytearray | memoryview) \
+            else str(body)
+        if isinstance(body, memoryview):
+            text = bytes(body).decode("utf-8", "replace")
+        m = ID_RE.search(text)
+        if m:
+            dead_ids[m.group(1)] += 1
+        else:
+            unknown_dead += 1
+    # what the stream really holds: a message whose publish raised (no confirm) may be
+    # in the stream all the same; it is published then, and must be processed
+    in_stream = stream_tail(rmq, 0)
+    extra_stream = []
+    for off, text in in_stream:
+        mid = ID_RE.search(text)
+        if mid and mid.group(1) not in pub.good and mid.group(1) not in pub.poison:
+            extra_stream.append((off, text[:120]))
+            (pub.poison if is_poison(text) else pub.good).add(mid.group(1))
+    stream_end = max((off for off, _ in in_stream), default=-1)
+    good, poison = pub.good, pub.poison
+    in_dlx = set(dlx_ids)  # the broker's dead letters: accounted there, and only there
+    lost_pg = good - set(pg_ids) - in_dlx
+    lost_pq = good - set(pq_ids) - in_dlx
+    poison_missing = poison - set(dead_ids) - in_dlx
+    dup_pg = {k for k, n in pg_ids.items() if n > 1}
+    dup_pq = {k for k, n in pq_ids.items() if n > 1}
+    dup_dead = {k for k, n in dead_ids.items() if n > 1}
+    dup_dlx = {k for k, n in dlx_ids.items() if n > max(1, pub.copies[k])}
+    # one message in two places (written or dead-lettered by ackflow, and dead-lettered
+    # by the broker too): counted twice
+    dlx_and_settled = in_dlx & (set(pg_ids) | set(pq_ids) | set(dead_ids))
+    lost = lost_pg | lost_pq | poison_missing
+    duplicated = dup_pg | dup_pq | dup_dead | dup_dlx | dlx_and_settled
+    good_dead = good & set(dead_ids)
+    poison_written = poison & (set(pg_ids) | set(pq_ids))
+    unknown_rows = (set(pg_ids) | set(pq_ids)) - good - poison
+    depth = queue_depth(rmq.url)
+    committed = stream_committed(rmq)
+    left = files_left(soak.files_dir)
+    checks = {
+        "lost_in_postgres": sorted(lost_pg)[:20], "lost_in_parquet": sorted(lost_pq)[:20],
+        "poison_not_dead_lettered": sorted(poison_missing)[:20],
+        "duplicated_in_postgres": sorted(dup_pg)[:20], "duplicated_in_parquet": sorted(dup_pq)[:20],
+        "dead_lettered_twice": sorted(dup_dead)[:20],
+        "broker_dead_lettered_more_than_published": sorted(dup_dlx)[:20],
+        "broker_dead_lettered_and_settled_by_ackflow": sorted(dlx_and_settled)[:20],
+        "values_not_as_published": mismatched[:10],
+        "broker_dead_letters_without_id": dlx_nameless,
+        "good_dead_lettered": sorted(good_dead)[:20],
+        "poison_written": sorted(poison_written)[:20],
+        "rows_not_published": sorted(unknown_rows)[:20],
+        "dead_letters_without_id": unknown_dead,
+        "queue_depth": depth,
+        "stream_stored_offset": committed, "stream_last_offset": stream_end,
+        "files_left": left[:20],
+    }
+    checks["stream_unconfirmed_in_stream"] = extra_stream
+    # offsets the broker never delivers (seen after a restart): the source declares them gaps
+    checks["stream_offsets_not_messages"] = stream_end + 1 - len(in_stream)
+    ok = (not lost and not duplicated and not good_dead and not poison_written
+          and not unknown_rows and unknown_dead == 0 and depth == 0
+          and committed == stream_end and not left and not mismatched)
+    return {"lost": len(lost), "duplicated": len(duplicated), "dead_lettered": len(dead_rows),
+            "broker_dead_lettered": sum(dlx_ids.values()) + dlx_nameless,
+            "broker_dead_letter_reasons": dict(dlx_reasons),
+            "values_checked": len(pg_rows) + len(pq_rows), "values_wrong": len(mismatched),
+            "good_dead_lettered": len(good_dead), "rows_postgres": sum(pg_ids.values()),
+            "rows_parquet": sum(pq_ids.values()), "ok": ok, "checks": checks}
