@@ -6,6 +6,7 @@ message nor clear one as if settled (the Faust bug class)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
@@ -471,5 +472,149 @@ def test_a_late_settlement_from_an_earlier_assignment_settles_nothing(kafka, tmp
             time.sleep(0.2)
         assert committed(kafka, name, group, parts) == {p: 10 for p in range(parts)}
     finally:
+        b.close()
+        a.close()
+
+
+# -- found by an adversarial review (each failed on the first version) -------------------
+
+def produce_raw(kafka, name, msgs):
+    """msgs: (partition, value, key, headers)"""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": kafka.bootstrap, "enable.idempotence": True,
+                  "acks": "all", "linger.ms": 5})
+    for part, value, key, headers in msgs:
+        p.produce(name, value=value, key=key, headers=headers, partition=part)
+    assert p.flush(30) == 0
+
+
+def test_a_retried_message_keeps_its_key_and_headers(kafka, tmp_path):
+    """Every delivery of one identity carries the same headers (a retry once lost the
+    key, the timestamp and the message's own headers)."""
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce_raw(kafka, name, [(0, b'{"a": 1}', b"k1", [("tenant", b"acme")])])
+    src = source(kafka, name, group, tmp_path, policy=RetryPolicy(max_deliveries=5))
+    src.configure(max_inflight=100, error_sink=True)
+    src.open()
+    try:
+        [first] = pull_until(src, 1)
+        src.nack([(first, Failure("step", "boom"))])
+        [again] = pull_until(src, 1)
+        assert again.key == first.key
+        assert again.headers == first.headers
+    finally:
+        src.close()
+
+
+def test_a_message_that_kills_the_process_has_its_delivery_counted(kafka, tmp_path):
+    """The count is written when a message is handed out, not only when it fails: a
+    message whose processing kills the process reaches max_deliveries across restarts."""
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce_raw(kafka, name, [(0, b'{"a": 1}', None, None)])
+    counts = []
+    for _ in range(3):  # three runs, each 'crashes' while the message is in flight
+        src = source(kafka, name, group, tmp_path, policy=RetryPolicy(max_deliveries=3))
+        src.configure(max_inflight=100, error_sink=True)
+        src.open()
+        try:
+            [d] = pull_until(src, 1)
+            counts.append(d.delivery_count)
+        finally:
+            src.close()  # unsettled: like a crash, nothing of it is recorded
+    assert counts == [1, 2, 3]
+
+
+def test_a_hostile_header_key_does_not_escape_its_message(kafka, tmp_path):
+    """A header key that is not UTF-8 (producers accept bytes) fails nothing, and a
+    message's own header named like ackflow's (``key``) never stands in for them."""
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce_raw(kafka, name, [(0, b'{"a": 1}', None, [(b"\xff\xfe", b"v")]),
+                          (0, b'{"a": 2}', None, None)])
+    src = source(kafka, name, group, tmp_path)
+    src.configure(max_inflight=100, error_sink=True)
+    src.open()
+    try:
+        errors = []
+        got = []
+        deadline = time.monotonic() + 30
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                got += src.pull(2, 0.2)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+        assert not errors, errors[:1]
+        assert [d.key for d in got] == [f"{name}/0@0", f"{name}/0@1"]
+    finally:
+        src.close()
+
+
+def test_a_partition_paused_before_an_incremental_assign_is_resumed(kafka, tmp_path):
+    """A partition paused by backpressure stays paused inside librdkafka across an
+    incremental assignment: if acks bring the window below max_inflight while the
+    assign callback runs (the handler below acks from inside it, as the engine's thread
+    may at that moment), it must still be resumed (a source-wide paused flag, reset at
+    assign, once left it stalled for good)."""
+    name, group = topic(kafka, 2), f"g-{uuid.uuid4().hex[:6]}"
+    produce_raw(kafka, name, [(i % 2, b"%d" % i, None, None) for i in range(200)])
+    a = source(kafka, name, group, tmp_path / "a", revoke_timeout_s=0.5)
+    b = source(kafka, name, group, tmp_path / "b", revoke_timeout_s=0.5)
+    a.configure(max_inflight=10, error_sink=True)
+    b.configure(max_inflight=1000, error_sink=True)
+    acked: list[str] = []
+    armed = []
+    held = []
+
+    class DrainOnAssign(logging.Handler):
+        def emit(self, record):
+            if armed and record.getMessage().startswith(f"source {a.name!r}: assigned"):
+                armed.clear()
+                a.ack(held)  # revoked ones are ignored (another assignment)
+                acked.extend(d.key for d in held)
+                while True:
+                    got = a.pull(1000, 0)
+                    if not got:
+                        break
+                    a.ack(got)
+                    acked.extend(d.key for d in got)
+
+    handler = DrainOnAssign()
+    logger = logging.getLogger("ackflow.sources.kafka")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    a.open()
+    try:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and len(held) < 20:  # hold what is fetched
+            held += a.pull(1000, 0.2)
+        time.sleep(1.0)
+        held += a.pull(1000, 0.2)
+        assert a.status()["paused"] is True
+        b.open()
+        deadline = time.monotonic() + 60
+        while len(a.status()["partitions"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(a.status()["partitions"]) == 1, "B took no partition"
+        [kept] = a.status()["partitions"]
+        kept_p = int(kept.split("[")[1].rstrip("]"))
+        assert a.status()["paused"] is True  # still full: its in flight and inbox
+        armed.append(1)
+        b.close()
+        while len(a.status()["partitions"]) != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(a.status()["partitions"]) == 2
+        # every message of the kept partition must eventually come
+        produce_raw(kafka, name, [(kept_p, b"new", None, None)] * 10)
+        want = {f"{name}/{kept_p}@{o}" for o in range(110)}
+        deadline = time.monotonic() + 20
+        while not want <= set(acked) and time.monotonic() < deadline:
+            got = a.pull(5, 0.2)
+            a.ack(got)
+            acked.extend(d.key for d in got)
+        missing = want - set(acked)
+        assert not missing, (f"{len(missing)} messages of {name}[{kept_p}] never came: "
+                             f"status {a.status()}")
+    finally:
+        logger.removeHandler(handler)
         b.close()
         a.close()

@@ -3,6 +3,7 @@ Spark tasks; a row counts as written only on its delivery report."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ackflow.core.errors import ConfigError
@@ -101,12 +102,20 @@ class KafkaSink(Sink):
                 failed[i] = f"its key column {self.key!r} is null"
                 continue
             kb = key if isinstance(key, bytes) else str(key).encode()
+            stuck_since = None
             while True:
                 try:
                     producer.produce(self.topic, value=body, key=kb, on_delivery=report(i),
                                      headers=[("ackflow-row-key", str(row_keys[i]).encode())])
                     break
-                except BufferError:  # the local queue is full: let deliveries drain
+                except BufferError:  # the local queue is full: let deliveries drain, for
+                    # at most timeout_s without room (the brokers away): then the flush
+                    # below fails what was not delivered
+                    stuck_since = stuck_since or time.monotonic()
+                    if time.monotonic() - stuck_since > self.timeout_s:
+                        failed[i] = WHOLE_WRITE + (f"the producer's queue stayed full for "
+                                                   f"{self.timeout_s:g} s")
+                        break
                     producer.poll(0.1)
                 except KafkaException as e:  # this row (its size, say), not the others
                     failed[i] = f"Kafka refused the row: {e.args[0].str() if e.args else e}"

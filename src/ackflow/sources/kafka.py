@@ -53,6 +53,9 @@ log = logging.getLogger("ackflow.sources.kafka")
 
 #: consumer settings ackflow owns (a user's ``config`` may not change them)
 OWNED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
+#: the headers ackflow gives a delivery (a message's own header of one of these names is
+#: left out)
+OWN_HEADERS = frozenset({"topic", "partition", "offset", "timestamp", "key"})
 #: defaults a user's ``config`` may change: a member that stops polling for
 #: ``max.poll.interval.ms`` is dropped from the group (the consumer thread keeps polling,
 #: so this only bounds a stuck process); short timeouts make joins and rebalances quick
@@ -125,15 +128,15 @@ class KafkaSource(Source):
         self._error_sink = False
         self._lock = threading.Condition()
         self._parts: dict[Partition, _Part] = {}
-        # handed out, not settled: (partition, offset) -> (assignment, body)
-        self._bodies: dict[tuple[Partition, int], tuple[int, bytes]] = {}
+        # handed out, not settled: (partition, offset) -> (assignment, body, headers)
+        self._bodies: dict[tuple[Partition, int], tuple[int, bytes, dict[str, str]]] = {}
         # due, partition, offset, delivery count, assignment
         self._retry: list[tuple[float, Partition, int, int, int]] = []
         self._assignments = 0
         self._consumer: Any = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._paused = False
+        self._paused: set[Partition] = set()  # partitions this source paused
         self._attempts: Attempts | None = None
         self.error: BaseException | None = None
         self._up = True
@@ -245,14 +248,19 @@ class KafkaSource(Source):
         messages (in flight, waiting for a retry, or fetched and not handed out)."""
         with self._lock:
             full = self._held() >= self._window
-            tps = list(self._parts)
-        if full == self._paused or not tps:
+            tps = set(self._parts)
+        self._paused &= tps  # revoked or lost: not ours to resume
+        change = tps - self._paused if full else set(self._paused)
+        if not change:
             return
         from confluent_kafka import TopicPartition
 
-        parts = [TopicPartition(t, p) for t, p in tps]
+        parts = [TopicPartition(t, p) for t, p in sorted(change)]
         (self._consumer.pause if full else self._consumer.resume)(parts)
-        self._paused = full
+        if full:
+            self._paused |= change
+        else:
+            self._paused.clear()
 
     def _fetched(self, m: Any) -> None:
         err = m.error()
@@ -320,7 +328,6 @@ class KafkaSource(Source):
                     self._assignments += 1
                     self._parts[(tp.topic, tp.partition)] = _Part(self._assignments)
             self.rebalances += 1
-        self._paused = False  # a new assignment is fetched unpaused
         log.info("source %r: assigned %s", self.name,
                  ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
 
@@ -400,14 +407,21 @@ class KafkaSource(Source):
                     part = self._parts.get(tp)
                     entry = self._bodies.get((tp, off))
                     if part is not None and part.tracker is not None and part.gen == gen \
-                            and entry is not None and entry[0] == gen:
+                            and not part.revoking and entry is not None and entry[0] == gen:
                         part.tracker.pulled(off)
-                        out.append(self._delivery(tp, off, gen, entry[1], count, None))
+                        out.append(Delivery(0, _key(tp, off), entry[1], entry[2], count,
+                                            handle=(tp, off, gen)))
+                taken = []
                 for tp, part in self._parts.items():
                     while part.inbox and len(out) < max_messages and not part.revoking:
                         d = self._take(tp, part, part.inbox.popleft())
                         if d is not None:
                             out.append(d)
+                            taken.append(d)
+                if taken:  # counted before they are handed out: a message whose
+                    # processing kills the process has its delivery counted too
+                    self._store().record_many([(*_handle(d)[:2], d.delivery_count)
+                                               for d in taken])
                 if out or self._stop.is_set() or now >= deadline:
                     return out
                 self._lock.wait(min(0.05, deadline - now))
@@ -425,9 +439,10 @@ class KafkaSource(Source):
         if not part.tracker.pulled(off):
             return None
         body = m.value() or b""
-        self._bodies[(tp, off)] = (part.gen, body)
+        headers = self._headers(tp, off, m)
+        self._bodies[(tp, off)] = (part.gen, body, headers)
         count = self._store().get(tp, off) + 1
-        return self._delivery(tp, off, part.gen, body, count, m)
+        return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, part.gen))
 
     def _mine(self, tp: Partition, off: int, gen: int) -> bool:
         """Whether this delivery is the one the source holds for its offset (not one of
@@ -435,25 +450,25 @@ class KafkaSource(Source):
         entry = self._bodies.get((tp, off))
         return entry is not None and entry[0] == gen
 
-    def _delivery(self, tp: Partition, off: int, gen: int, body: bytes, count: int,
-                  m: Any) -> Delivery:
-        headers = {"topic": tp[0], "partition": str(tp[1]), "offset": str(off)}
-        if m is not None:
-            headers["timestamp"] = str(m.timestamp()[1])
-            key = m.key()
-            if key is not None:
+    def _headers(self, tp: Partition, off: int, m: Any) -> dict[str, str]:
+        """The delivery's headers: its place, timestamp and key, then the message's own
+        headers that are UTF-8 text (one named like ackflow's is left out: it never
+        stands in for them)."""
+        headers = {"topic": tp[0], "partition": str(tp[1]), "offset": str(off),
+                   "timestamp": str(m.timestamp()[1])}
+        key = m.key()
+        if key is not None:
+            try:
+                headers["key"] = key.decode()
+            except UnicodeDecodeError:
+                pass
+        for k, v in m.headers() or []:
+            if isinstance(v, bytes) and k not in OWN_HEADERS and k not in headers:
                 try:
-                    headers["key"] = key.decode()
+                    headers[k] = v.decode()
                 except UnicodeDecodeError:
                     pass
-            for k, v in m.headers() or []:
-                if isinstance(v, bytes) and k not in headers:
-                    try:
-                        headers[k] = v.decode()
-                    except UnicodeDecodeError:
-                        pass
-        return Delivery(0, f"{tp[0]}/{tp[1]}@{off}", body, headers, count,
-                        handle=(tp, off, gen))
+        return headers
 
     @property
     def committed(self) -> dict[str, int]:
@@ -465,11 +480,12 @@ class KafkaSource(Source):
     def status(self) -> dict[str, object]:
         with self._lock:
             parts = {f"{t}[{p}]": {"committed": part.committed,
-                                   "settled_to": part.tracker.committed if part.tracker else None,
+                                   "settled_to": (part.tracker.committed if part.tracker is not None
+                                                  else None),
                                    "last_fetched": part.last_seen, "waiting": len(part.inbox)}
                      for (t, p), part in sorted(self._parts.items())}
         return {"kind": "Kafka", "bootstrap": redact(self.bootstrap), "group": self.group,
-                "topics": self.topics, "partitions": parts, "paused": self._paused,
+                "topics": self.topics, "partitions": parts, "paused": bool(self._paused),
                 "retries_waiting": len(self._retry), "rebalances": self.rebalances,
                 "connected": self.connected, "reconnects": self.reconnects,
                 "given_up_at_revoke": self.given_up}
@@ -561,8 +577,13 @@ class KafkaSource(Source):
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(30)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
         consumer = self._consumer
+        if consumer is not None and self._thread is not None:  # still polling: hands off
+            log.warning("source %r: the consumer thread did not stop; closing without a "
+                        "last commit (unsettled offsets are read again)", self.name)
+            consumer = None
         if consumer is not None:
             try:
                 if self.error is None:
@@ -580,6 +601,10 @@ class KafkaSource(Source):
         if self._attempts is not None:
             self._attempts.close()
             self._attempts = None
+
+
+def _key(tp: Partition, off: int) -> str:
+    return f"{tp[0]}/{tp[1]}@{off}"
 
 
 def _handle(d: Delivery) -> tuple[Partition, int, int]:
