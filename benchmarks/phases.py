@@ -125,6 +125,64 @@ def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int,
             **({"broker_cpu_us": broker_cpu / max(1, done) * 1e6} if broker else {})}
 
 
+KAFKA_PARTITIONS = 4
+#: the Kafka phases' consumer settings (ackflow's source uses the same defaults): short
+#: session timeouts make the group join take seconds, not tens of seconds
+KAFKA_GROUP = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500,
+               "max.poll.interval.ms": 10000, "auto.offset.reset": "earliest"}
+
+
+def publish_kafka(bootstrap: str, topic: str, n: int) -> None:
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(topic, num_partitions=KAFKA_PARTITIONS,
+                                                replication_factor=1)]).values():
+        future.result(30)
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
+                  "linger.ms": 20})
+    for i in range(n):
+        while True:
+            try:
+                p.produce(topic, value=body(i), partition=i % KAFKA_PARTITIONS)
+                break
+            except BufferError:
+                p.poll(0.1)
+    if p.flush(120):
+        raise SystemExit("benchmark messages were not delivered to Kafka")
+
+
+def phase_kafka_limit(bootstrap: str, topic: str, n: int) -> dict[str, Any]:
+    """Raw confluent-kafka: a group member consumes the topic and commits every 1 000
+    messages (synchronously), the group join included, as ackflow's run includes it."""
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"limit-{topic}",
+                  "enable.auto.commit": False, **KAFKA_GROUP})
+    t0 = time.perf_counter()
+    c0 = cpu_s()
+    c.subscribe([topic])
+    done = 0
+    idle_since = None
+    while done < n:
+        msgs = c.consume(1000, 1.0)
+        got = sum(1 for m in msgs if m.error() is None)
+        if not got:
+            idle_since = idle_since or time.perf_counter()
+            if time.perf_counter() - idle_since > 30:
+                break
+            continue
+        idle_since = None
+        done += got
+        c.commit(asynchronous=False)
+    secs = time.perf_counter() - t0
+    cpu = cpu_s() - c0
+    c.close()
+    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb(),
+            "driver_cpu_us": cpu / max(1, done) * 1e6}
+
+
 def body(i: int) -> bytes:
     """A 100-byte JSON message."""
     b = json.dumps({"id": i, "sku": f"sku-{i % 977:04d}", "qty": 1 + i % 7,
@@ -332,11 +390,12 @@ def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
 def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
                   dsn: str | None = None, url: str | None = None, queue: str = QUEUE,
                   files: str | None = None, table: str = "parquet",
-                  broker: int | None = None, shape: bool = False) -> dict[str, Any]:
+                  broker: int | None = None, shape: bool = False,
+                  kafka: str | None = None) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
-    from ackflow.sinks import Delta, Iceberg, Parquet, Postgres, Sink
-    from ackflow.sources import EmbeddedQueue, Files, RabbitMQ
+    from ackflow.sinks import Delta, Iceberg, MemorySink, Parquet, Postgres, Sink
+    from ackflow.sources import EmbeddedQueue, Files, Kafka, RabbitMQ
 
     spark = ackflow.session("local[*]")
 
@@ -351,8 +410,13 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
             sink = Iceberg(f"sqlite:///{path}/catalog.db", f"bench.{queue}")
         else:
             sink = Parquet(path)
+        if kafka is not None:  # a log needs a place for dead letters (there are none)
+            source: Any = Kafka(kafka, queue, f"ackflow-{queue}", config=KAFKA_GROUP,
+                                attempts_path=os.path.join(path + "-state", "attempts.db"))
+            return (ackflow.Flow(source).map(parse, name="parse", schema=FIELDS)
+                    .with_columns(total="qty * price").to(sink).on_error(MemorySink("dead")))
         if files is not None:
-            source: Any = Files(files, "jsonl", done="record")
+            source = Files(files, "jsonl", done="record")
         elif url is not None:
             source = RabbitMQ(url, queue, reject_to_dlx=True)
         else:

@@ -60,12 +60,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from typing import Any
 
 from benchmarks.phases import (
     QUEUE,
     body,
     phase_ackflow,
+    phase_kafka_limit,
     phase_latency,
     phase_limit,
     phase_peer,
@@ -73,6 +75,7 @@ from benchmarks.phases import (
     phase_rmq_limit,
     phase_ss_files,
     publish,
+    publish_kafka,
     publish_rmq,
     rmq_queue,
     shaped,
@@ -82,8 +85,10 @@ from benchmarks.phases import (
 
 PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq",
           "rmq_limit_quorum", "ackflow_rmq_quorum", "ss_files", "ackflow_files", "latency",
-          "ackflow_delta", "ackflow_iceberg", "shape_fixed", "shape_evolving")
-RATIOS = (("shape_evolving", "shape_fixed"), ("ackflow", "limit"), ("ackflow", "peer"),
+          "ackflow_delta", "ackflow_iceberg", "shape_fixed", "shape_evolving", "kafka_limit",
+          "ackflow_kafka")
+RATIOS = (("shape_evolving", "shape_fixed"), ("ackflow_kafka", "kafka_limit"),
+          ("ackflow", "limit"), ("ackflow", "peer"),
           ("ackflow_pg", "pg_limit"),
           ("ackflow_rmq", "rmq_limit"), ("ackflow_rmq_quorum", "rmq_limit_quorum"),
           ("ackflow_files", "ss_files"), ("ackflow_delta", "ackflow"),
@@ -119,6 +124,12 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     if name.startswith("rmq_limit"):
         return phase_rmq_limit(a.url, rmq_queue(name), a.messages, a.max_inflight,
                                a.broker_pid)
+    if name == "kafka_limit":
+        return phase_kafka_limit(a.kafka, a.topic, a.messages)
+    if name == "ackflow_kafka":
+        publish_kafka(a.kafka, "warmup", a.batch_size)
+        return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out,
+                             queue=a.topic, kafka=a.kafka)
     if name == "ss_files":
         return phase_ss_files(a.files, a.messages, a.batch_size, out)
     if name == "latency":
@@ -140,9 +151,14 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
                          broker=a.broker_pid)
 
 
-def prepare(name: str, n: int, tmp: str, url: str | None) -> list[str]:
+def prepare(name: str, n: int, tmp: str, url: str | None,
+            kafka: str | None = None) -> list[str]:
     """Load the phase's input; the arguments that point the phase at it."""
     db = os.path.join(tmp, f"{name}.db")
+    if "kafka" in name:
+        topic = f"bench-{name}-{uuid.uuid4().hex[:6]}"
+        publish_kafka(kafka or "", topic, n)
+        return ["--db", db, "--kafka", kafka or "", "--topic", topic]
     if "rmq" in name:
         publish_rmq(url or "", rmq_queue(name), n, "quorum" if name.endswith("quorum")
                     else "classic")
@@ -202,6 +218,8 @@ def main() -> None:
     p.add_argument("--dsn", default=None, help=argparse.SUPPRESS)
     p.add_argument("--url", default=None, help=argparse.SUPPRESS)
     p.add_argument("--files", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kafka", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--topic", default=None, help=argparse.SUPPRESS)
     p.add_argument("--broker-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to run")
     a = p.parse_args()
@@ -257,6 +275,11 @@ def main() -> None:
                     from ackflow.servers import PostgresServer
 
                     dsn = stack.enter_context(PostgresServer()).dsn
+                kafka = None
+                if any("kafka" in x for x in phases):
+                    from ackflow.servers import KafkaServer
+
+                    kafka = stack.enter_context(KafkaServer()).bootstrap
                 if any("rmq" in x or x == "latency" for x in phases):
                     from ackflow.servers import RabbitMQServer
 
@@ -265,7 +288,7 @@ def main() -> None:
                 for name in phases:
                     runs = []
                     for _ in range(a.repeat):
-                        extra = prepare(name, a.messages, tmp, url)
+                        extra = prepare(name, a.messages, tmp, url, kafka)
                         if "pg" in name:
                             extra += ["--dsn", dsn or ""]
                         runs.append(run_phase(name, ["--dir", tmp, "--messages",
