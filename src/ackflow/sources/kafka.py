@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from ackflow import faults
-from ackflow.core.errors import ConfigError
+from ackflow.core.errors import ConfigError, SourceGone
 from ackflow.core.ledger import Failure
 from ackflow.core.offsets import OffsetTracker
 from ackflow.core.policy import RetryPolicy
@@ -48,14 +48,12 @@ from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources.base import Source
 from ackflow.sources.kafka_attempts import Attempts, Partition
+from ackflow.sources.kafka_messages import delivery_headers, produce_dead_letters
 
 log = logging.getLogger("ackflow.sources.kafka")
 
 #: consumer settings ackflow owns (a user's ``config`` may not change them)
 OWNED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
-#: the headers ackflow gives a delivery (a message's own header of one of these names is
-#: left out)
-OWN_HEADERS = frozenset({"topic", "partition", "offset", "timestamp", "key"})
 #: defaults a user's ``config`` may change: a member that stops polling for
 #: ``max.poll.interval.ms`` is dropped from the group (the consumer thread keeps polling,
 #: so this only bounds a stuck process); short timeouts make joins and rebalances quick
@@ -103,7 +101,8 @@ class KafkaSource(Source):
                  format: str = "json", policy: RetryPolicy | None = None,
                  config: dict[str, Any] | None = None, attempts_path: str | None = None,
                  revoke_timeout_s: float = 5.0, headers_field: str | None = None,
-                 dead_letter_topic: str | None = None, name: str | None = None) -> None:
+                 dead_letter_topic: str | None = None, gone_timeout_s: float = 120.0,
+                 name: str | None = None) -> None:
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         super().__init__(format=format, name=name or f"kafka:{','.join(topic_list)}")
         if not bootstrap or not topic_list or not all(topic_list) or not group:
@@ -140,6 +139,9 @@ class KafkaSource(Source):
         self._attempts: Attempts | None = None
         self.error: BaseException | None = None
         self._up = True
+        self._down_since = 0.0
+        self._next_probe = 0.0
+        self.gone_timeout_s = gone_timeout_s
         self._down_codes: set[int] = set()
         self.reconnects = 0
         self.rebalances = 0
@@ -202,6 +204,8 @@ class KafkaSource(Source):
                 self._backpressure()
                 for m in self._consumer.consume(500, 0.1):
                     self._fetched(m)
+                if not self._up:
+                    self._probe()
                 try:
                     self._commit()
                 except KafkaException as e:
@@ -228,9 +232,28 @@ class KafkaSource(Source):
         elif err.code() in self._down_codes:
             self._down("connection", err.str())
 
+    def _probe(self) -> None:
+        """While the brokers seem away, ask for metadata about once a second: an answer
+        means they are back (with nothing to fetch and nothing to commit, no message or
+        commit would say so). Away for ``gone_timeout_s``: the run stops (SourceGone)."""
+        now = time.monotonic()
+        if now < self._next_probe:
+            return
+        self._next_probe = now + 1.0
+        try:
+            self._consumer.list_topics(timeout=2)
+        except Exception:  # noqa: BLE001 - still away
+            if now - self._down_since >= self.gone_timeout_s:
+                raise SourceGone(f"source {self.name!r}: Kafka at {redact(self.bootstrap)} "
+                                 f"has not answered for {now - self._down_since:.0f} s; "
+                                 "stopping (unsettled offsets are read again)") from None
+            return
+        self._back()
+
     def _down(self, what: str, why: str) -> None:
         if self._up:
             self._up = False
+            self._down_since = time.monotonic()
             log.warning("source %r: Kafka is unreachable (%s: %s); settled offsets are "
                         "committed when it answers", self.name, what, why)
 
@@ -394,6 +417,8 @@ class KafkaSource(Source):
         return len(self._retry)
 
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        if isinstance(self.error, SourceGone):
+            raise self.error
         if self.error is not None:
             raise ConfigError(f"source {self.name!r}: the Kafka consumer failed: "
                               f"{type(self.error).__name__}: {self.error}")
@@ -439,7 +464,7 @@ class KafkaSource(Source):
         if not part.tracker.pulled(off):
             return None
         body = m.value() or b""
-        headers = self._headers(tp, off, m)
+        headers = delivery_headers(tp, off, m)
         self._bodies[(tp, off)] = (part.gen, body, headers)
         count = self._store().get(tp, off) + 1
         return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, part.gen))
@@ -449,26 +474,6 @@ class KafkaSource(Source):
         an earlier assignment of the partition, given up at a revoke)."""
         entry = self._bodies.get((tp, off))
         return entry is not None and entry[0] == gen
-
-    def _headers(self, tp: Partition, off: int, m: Any) -> dict[str, str]:
-        """The delivery's headers: its place, timestamp and key, then the message's own
-        headers that are UTF-8 text (one named like ackflow's is left out: it never
-        stands in for them)."""
-        headers = {"topic": tp[0], "partition": str(tp[1]), "offset": str(off),
-                   "timestamp": str(m.timestamp()[1])}
-        key = m.key()
-        if key is not None:
-            try:
-                headers["key"] = key.decode()
-            except UnicodeDecodeError:
-                pass
-        for k, v in m.headers() or []:
-            if isinstance(v, bytes) and k not in OWN_HEADERS and k not in headers:
-                try:
-                    headers[k] = v.decode()
-                except UnicodeDecodeError:
-                    pass
-        return headers
 
     @property
     def committed(self) -> dict[str, int]:
@@ -518,33 +523,11 @@ class KafkaSource(Source):
                 for (d, _), state in zip(failures, states, strict=True)]
 
     def _dead_letter(self, dead: Sequence[tuple[Delivery, Failure]]) -> set[str]:
-        """Produce ``dead`` to the dead-letter topic, then settle them; returns the keys
-        of those that were not delivered (they are retried, never lost)."""
+        """Produce ``dead`` to the dead-letter topic, then settle those delivered; returns
+        the keys of those that were not (they are retried, never lost)."""
         if not dead:
             return set()
-        failed: set[str] = set()
-        delivered: set[str] = set()
-
-        def report(key: str) -> Any:
-            def done(err: Any, msg: Any) -> None:
-                (failed if err is not None else delivered).add(key)
-            return done
-
-        for d, f in dead:
-            tp, off, _ = _handle(d)
-            headers = [(k, str(v).encode()) for k, v in (
-                ("ackflow-message", d.key), ("ackflow-topic", tp[0]),
-                ("ackflow-partition", tp[1]), ("ackflow-offset", off),
-                ("ackflow-step", f.step), ("ackflow-error", f.error[:2000]),
-                ("ackflow-deliveries", d.delivery_count))]
-            try:
-                self._producer.produce(self.dead_letter_topic, value=d.body, headers=headers,
-                                       key=d.key.encode(), on_delivery=report(d.key))
-            except Exception as e:  # noqa: BLE001 - retried, never lost
-                log.warning("source %r: cannot dead-letter %s: %s", self.name, d.key, e)
-                failed.add(d.key)
-        self._producer.flush(30)
-        stuck = {d.key for d, _ in dead if d.key not in delivered} | failed
+        stuck = produce_dead_letters(self._producer, str(self.dead_letter_topic), dead)
         faults.point("kafka.dead_lettered")
         self.ack([d for d, _ in dead if d.key not in stuck])
         if stuck:
