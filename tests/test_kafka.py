@@ -48,6 +48,17 @@ def committed(kafka, name, group, partitions=3):
         c.close()
 
 
+def committed_soon(kafka, name, group, partitions, timeout):
+    """The group's committed offsets once they equal what every partition of the
+    topic expects (``partitions``: partition -> offset), or as they are at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    got = committed(kafka, name, group, len(partitions))
+    while got != partitions and time.monotonic() < deadline:
+        time.sleep(0.2)
+        got = committed(kafka, name, group, len(partitions))
+    return got
+
+
 def source(kafka, name, group, tmp_path, **kw):
     kw.setdefault("attempts_path", str(tmp_path / f"attempts-{group}.db"))
     return Kafka(kafka.bootstrap, name, group, **kw)
@@ -107,10 +118,7 @@ def test_the_commit_never_passes_an_unsettled_message(kafka, tmp_path):
         time.sleep(1.0)  # the consumer thread commits what is contiguous
         assert committed(kafka, name, group, 1) == {0: 3}
         src.ack([d for d in got if d.key == f"{name}/0@3"])
-        deadline = time.monotonic() + 10
-        while committed(kafka, name, group, 1) != {0: 10} and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert committed(kafka, name, group, 1) == {0: 10}
+        assert committed_soon(kafka, name, group, {0: 10}, 10) == {0: 10}
     finally:
         src.close()
 
@@ -199,11 +207,8 @@ def test_a_rebalance_with_messages_in_flight_commits_only_settled_prefixes(kafka
         assert sorted(d.key for d in again) == sorted(
             f"{name}/{p}@{o}" for p in moved for o in range(10, 20))
         b.ack(again)
-        deadline = time.monotonic() + 20
-        while committed(kafka, name, group, parts) != {p: 20 for p in range(parts)} and \
-                time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert committed(kafka, name, group, parts) == {p: 20 for p in range(parts)}
+        want = {p: 20 for p in range(parts)}
+        assert committed_soon(kafka, name, group, want, 20) == want
     finally:
         b.close()
         a.close()
@@ -389,10 +394,8 @@ def test_offsets_never_delivered_are_gaps_that_never_hold_the_commit(kafka, tmp_
         c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": "w"})
         end = c.get_watermark_offsets(TopicPartition(name, 0), 10)[1]
         c.close()
-        deadline = time.monotonic() + 10
-        while committed(kafka, name, group, 1) != {0: end} and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert committed(kafka, name, group, 1) == {0: end} and end > offsets[-1] + 1
+        assert committed_soon(kafka, name, group, {0: end}, 10) == {0: end}
+        assert end > offsets[-1] + 1
     finally:
         src.close()
 
@@ -466,11 +469,8 @@ def test_a_late_settlement_from_an_earlier_assignment_settles_nothing(kafka, tmp
         time.sleep(1.0)
         assert committed(kafka, name, group, parts)[moved[0]] in (-1001, 0)
         a.ack(second)
-        deadline = time.monotonic() + 10
-        while committed(kafka, name, group, parts) != {p: 10 for p in range(parts)} and \
-                time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert committed(kafka, name, group, parts) == {p: 10 for p in range(parts)}
+        want = {p: 10 for p in range(parts)}
+        assert committed_soon(kafka, name, group, want, 10) == want
     finally:
         b.close()
         a.close()
