@@ -95,3 +95,30 @@ def stream_publish(server, stream, bodies):
                 await p.send_batch(stream, list(bodies[k:k + 500]))
 
     asyncio.run(go())
+
+
+def connections_to(port):
+    """How many TCP sockets this process holds open to 127.0.0.1:``port`` (read from
+    /proc, so threads and files other tests left around do not count)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed between listdir and readlink
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    n = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            state, inode = cols[3], cols[9]
+            if int(cols[2].rsplit(":", 1)[1], 16) == port and inode in inodes and state != "06":
+                n += 1  # 06 = TIME_WAIT (no socket left in this process)
+    return n
