@@ -22,7 +22,7 @@ from ackflow.sinks import EmbeddedQueueSink, ParquetSink
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 from ackflow.sources import EmbeddedQueueSource
 from ackflow.sources.merge import MergedSource
-from ackflow.sources.rabbitmq import message_key as amqp_key
+from ackflow.sources.rabbitmq_keys import message_key as amqp_key
 from ackflow.spark.rows import (
     ERR,
     FAILED,

@@ -341,7 +341,7 @@ def test_a_window_past_the_prefetch_cap_is_all_in_flight_and_no_more(rabbitmq, q
     """AMQP's prefetch count stops at 65 535: with one consumer a window of 70 000 was
     filled to 65 535 (and batches were cut smaller). The source splits it over two
     consumers of 35 000: all 70 000 arrive unacked, the 10 past the window do not."""
-    from ackflow.sources.rabbitmq import consumer_prefetch
+    from ackflow.sources.rabbitmq_keys import consumer_prefetch
     from amqp import publish_many
 
     assert consumer_prefetch(65_535) == (1, 65_535)

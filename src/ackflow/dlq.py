@@ -53,7 +53,7 @@ from ackflow.core.errors import ConfigError
 from ackflow.core.secrets import redact
 from ackflow.sources.amqp_probe import PROBE_HEADER as PROBE
 
-#: ackflow's provenance headers (:data:`ackflow.sources.rabbitmq.PROVENANCE`)
+#: ackflow's provenance headers (:data:`ackflow.sources.rabbitmq_keys.PROVENANCE`)
 ACKFLOW_PREFIX = "x-ackflow-"
 #: headers the broker writes about a message's past (dead-lettering and deliveries)
 BROKER_HEADERS = ("x-death", "x-delivery-count")

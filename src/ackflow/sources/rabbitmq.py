@@ -8,7 +8,6 @@ owner on its next call (pull, ack, keepalive), never on the caller's thread.
 from __future__ import annotations
 
 import collections
-import hashlib
 import heapq
 import itertools
 import logging
@@ -16,109 +15,41 @@ import queue as queue_mod
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 from ackflow import faults
-from ackflow.core.errors import ConfigError, SourceGone
+from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources.base import Source
+from ackflow.sources.rabbitmq_keys import (
+    PREFETCH_MAX,
+    RETRY_KEYS_MAX,
+    SEEN_MAX,
+    UNNAMED,
+    handle_of,
+    header_count,
+    header_text,
+    message_key,
+    retry_key,
+)
+from ackflow.sources.rabbitmq_queue import (
+    QueueMissing,
+    connect,
+    gone_check,
+    publish_dead_letters,
+    reconsume,
+)
 
 log = logging.getLogger("ackflow.sources.rabbitmq")
-
-#: Headers ackflow puts on a message it dead-letters (its provenance).
-PROVENANCE = ("x-ackflow-step", "x-ackflow-error", "x-ackflow-deliveries", "x-ackflow-queue")
-
-
-#: Prefix of the key of a message published without a ``message_id``: unique to that one
-#: delivery, so a redelivery of it is a new identity (at-least-once for keyed sinks).
-UNNAMED = "delivery:"
-
 
 #: Acks of messages younger than an unsettled one are held this long, so that the
 #: older one's settlement lets them all go in one ``multiple=True`` frame; then they go
 #: one by one.
 ACK_HOLD_S = 1.0
-# AMQP's prefetch count is 16 bits: a window past it is split over several consumers
-PREFETCH_MAX = 65535
-#: message ids whose delivery count a classic queue's source remembers (and their
-#: give-backs), the most recent ones; older ones are forgotten (a redelivery of one then
-#: counts from the broker's ``redelivered`` flag: 2)
-SEEN_MAX = 100_000
-#: deliveries whose retry key is kept for a give-back (the most recent)
-RETRY_KEYS_MAX = 200_000
-MAX_CONSUMERS = 16
-
-
-class QueueMissing(ConfigError):
-    """The queue does not exist (at start: the run does not start; later: wait for it,
-    up to ``gone_timeout_s``)."""
-
-
-def consumer_prefetch(window: int) -> tuple[int, int]:
-    """``(consumers, prefetch each)`` that keep up to ``window`` deliveries in flight:
-    one consumer while the window fits one prefetch count, else the fewest that hold it
-    (at most ``MAX_CONSUMERS``), each with an equal share, their sum never over it."""
-    consumers = min(MAX_CONSUMERS, max(1, -(-window // PREFETCH_MAX)))
-    return consumers, max(1, min(PREFETCH_MAX, window // consumers))
-
-
-def message_key(message_id: Any, unnamed: Callable[[], str] | None = None) -> str:
-    """A message's identity: its ``message_id`` property (the producer's promise that it
-    names this message alone), else an id unique to this delivery (``unnamed()``, or a
-    random one). Never derived from the body: two distinct messages may carry the same
-    bytes. A ``message_id`` that starts like an unnamed key (``delivery:``) or like this
-    escape (``id:``) gets ``id:`` before it, so that no producer can name the key of an
-    unnamed delivery (the keys are visible in keyed sinks).
-
-    >>> message_key("order-1"), message_key("delivery:x-1"), message_key("id:7")
-    ('order-1', 'id:delivery:x-1', 'id:id:7')
-    """
-    if isinstance(message_id, str) and message_id:
-        if message_id.startswith((UNNAMED, "id:")):
-            return "id:" + message_id
-        return message_id
-    return unnamed() if unnamed is not None else UNNAMED + uuid.uuid4().hex
-
-
-def producer_id(key: str) -> str | None:
-    """The ``message_id`` the producer gave the message keyed ``key`` (None for an
-    unnamed delivery): what a dead letter carries on, so that it is the same message.
-
-    >>> [producer_id(message_key(m)) for m in ("order-1", "id:7", "delivery:x")]
-    ['order-1', 'id:7', 'delivery:x']
-    >>> producer_id(message_key(None, lambda: "delivery:abc-1")) is None
-    True
-    """
-    if key.startswith("id:"):
-        return key[3:]
-    return None if key.startswith(UNNAMED) else key
-
-
-def retry_key(message_id: Any, body: bytes) -> str:
-    """What delivery counts of a classic queue are remembered by: the message id, else a
-    digest of the body (identical bodies share a count; they fail alike)."""
-    if isinstance(message_id, str) and message_id:
-        return "id:" + message_id
-    return "sha256:" + hashlib.sha256(body).hexdigest()[:32]
-
-
-def header_count(value: Any) -> int | None:
-    """A producer or broker header read as a count: an int, or None if it is not one
-    (headers are outside bytes: a bad value is ignored, never raised)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if 0 <= value < 2**31 else None
-    if isinstance(value, bytes | str):
-        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-        text = text.strip()
-        if text.isdigit() and len(text) < 10:
-            return int(text)
-    return None
 
 
 class RabbitMQSource(Source):
@@ -247,7 +178,7 @@ class RabbitMQSource(Source):
                 "x-dead-letter-exchange); ackflow will not drop poison messages")
         self._owner = threading.get_ident()
         try:
-            self._connect()
+            connect(self)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - a clear message at start
@@ -255,139 +186,14 @@ class RabbitMQSource(Source):
                               f"{type(e).__name__}: {redact(str(e))}") from None
         return 0
 
-    def _connect(self) -> None:
-        import pika
-        from pika.exceptions import ChannelClosedByBroker
-
-        params = pika.URLParameters(self.url)
-        params.connection_attempts = 1
-        params.socket_timeout = 5
-        params.blocked_connection_timeout = 60
-        conn = pika.BlockingConnection(params)
-        try:
-            ch = conn.channel()
-            try:
-                if self.declare:
-                    ch.queue_declare(self.queue, durable=True, arguments=self.arguments or None)
-                else:
-                    ch.queue_declare(self.queue, passive=True)
-            except ChannelClosedByBroker as e:
-                if e.reply_code == 404:
-                    raise QueueMissing(f"source {self.name!r}: queue {self.queue!r} does not "
-                                       f"exist on {self.where}; create it or pass "
-                                       "declare=True") from None
-                raise ConfigError(f"source {self.name!r}: cannot use queue {self.queue!r}: "
-                                  f"{e.reply_text}") from None
-            if self._gen == 0:
-                self._learn_queue_type(conn)
-            if self._gen == 0 and not self._error_sink:
-                self._check_dead_letter_route(conn)
-            if self.dead_letter_exchange:
-                ch.confirm_delivery()
-            # never past the window (or this source's share of a merged flow's): law 6
-            consumers, prefetch = ((1, min(self.prefetch, self._window)) if self.prefetch
-                                   else consumer_prefetch(self._window))
-            ch.basic_qos(prefetch_count=prefetch)  # per consumer (AMQP's global=False)
-            ch.add_on_cancel_callback(self._on_cancelled)
-            tags = []
-            for _ in range(0 if self._stopped_consuming else consumers):
-                # one channel: one space of delivery tags
-                tags.append(ch.basic_consume(self.queue, self._on_message, auto_ack=False))
-        except BaseException:
-            conn.close()
-            raise
-        self._conn, self._ch = conn, ch
-        self._consumer_tags = tags
-        self._cancelled.clear()
-        self._cancelled_since = self._missing_since = None
-        self._gen += 1
-        self._backoff = 0.5
-        if self._gen > 1:
-            log.warning("source %r: reconnected to %s", self.name, self.where)
-
-    def _learn_queue_type(self, conn: Any) -> None:
-        """Quorum queues count deliveries themselves (``x-delivery-count`` on each
-        redelivery); on any other queue that header is whatever the producer wrote, and
-        ackflow counts. AMQP cannot read the type: it is learned from the broker's
-        refusals (see ``amqp_probe``); if that fails, ackflow counts (never trusts)."""
-        from ackflow.sources.amqp_probe import queue_argument
-
-        given = self.arguments.get("x-queue-type") if self.declare else None
-        if given is not None:
-            self.queue_type = str(given)
-            return
-        if self.declare:  # declared with no type: classic
-            self.queue_type = "classic"
-            return
-        learned = queue_argument(conn, self.queue, "x-queue-type")
-        if not learned.known:
-            log.warning("source %r: could not learn the type of queue %r (%s); delivery "
-                        "counts are ackflow's own (a producer's x-delivery-count header is "
-                        "never read)", self.name, self.queue, redact(learned.why)[:200])
-            self.queue_type = "unknown"
-            return
-        self.queue_type = str(learned.value) if learned.value is not None else "classic"
-        if self.queue_type == "quorum" and self.delivery_limit is None:
-            limit = queue_argument(conn, self.queue, "x-delivery-limit", numeric=True)
-            if limit.known and isinstance(limit.value, int):
-                self.delivery_limit = limit.value
-        if self.queue_type == "quorum" and self.delivery_limit is not None:
-            dlx = queue_argument(conn, self.queue, "x-dead-letter-exchange")
-            if dlx.known and dlx.value is None:
-                log.warning(
-                    "source %r: quorum queue %r has a delivery limit (%d) and no "
-                    "x-dead-letter-exchange: RabbitMQ counts every give-back as a delivery "
-                    "(a nack, a lost connection, a crash), and drops a message given back "
-                    "past the limit. ackflow dead-letters what it holds at its last delivery "
-                    "on a stop, but cannot after a crash: give the queue a dead-letter "
-                    "exchange", self.name, self.queue, self.delivery_limit)
-
     @property
     def broker_counts(self) -> bool:
         """True when the broker's own ``x-delivery-count`` may be read (quorum queues)."""
         return self.queue_type == "quorum"
 
-    def _check_dead_letter_route(self, conn: Any) -> None:
-        """A dead letter must reach a queue, proven at start, or the run stops with one
-        line. ``reject_to_dlx``: the queue must have an ``x-dead-letter-exchange`` (learned
-        from the broker's refusals: AMQP cannot read arguments), and that exchange must
-        exist and route the dead-letter routing key (``route_refusal``);
-        ``dead_letter_exchange``: the same for ackflow's own copies."""
-        from ackflow.sources.amqp_probe import queue_argument, route_refusal
-
-        if self.dead_letter_exchange:
-            exchange = self.dead_letter_exchange
-            key = self.dead_letter_routing_key or self.queue
-            what = "dead_letter_exchange"
-        elif self.reject_to_dlx and not self.dlx_by_policy:
-            learned = queue_argument(conn, self.queue, "x-dead-letter-exchange")
-            if not learned.known:
-                raise ConfigError(
-                    f"source {self.name!r}: reject_to_dlx=True but the dead-letter exchange of "
-                    f"queue {self.queue!r} could not be verified ({redact(learned.why)[:200]}); "
-                    "use dead_letter_exchange='...' or flow.on_error(sink), or, if a policy "
-                    "sets it, dlx_by_policy=True")
-            if learned.value is None:
-                raise ConfigError(
-                    f"source {self.name!r}: reject_to_dlx=True but queue {self.queue!r} has no "
-                    "x-dead-letter-exchange argument: rejected poison messages would be "
-                    "dropped. Give the queue one, use dead_letter_exchange='...' or "
-                    "flow.on_error(sink), or, if a policy sets it (invisible to AMQP), pass "
-                    "dlx_by_policy=True")
-            exchange = str(learned.value)
-            rk = queue_argument(conn, self.queue, "x-dead-letter-routing-key")
-            key = str(rk.value) if rk.known and rk.value is not None else self.queue
-            what = f"queue {self.queue!r}'s x-dead-letter-exchange"
-        else:
-            return
-        why = route_refusal(conn, exchange, key)
-        if why is not None:
-            raise ConfigError(f"source {self.name!r}: dead letters would be lost: {what} "
-                              f"{exchange!r}: {why}")
-
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         raw = props.headers if isinstance(props.headers, dict) else {}
-        headers = {_text(k): _text(v) for k, v in raw.items()}
+        headers = {header_text(k): header_text(v) for k, v in raw.items()}
         key = message_key(props.message_id, self._next_unnamed)
         # A quorum queue writes x-delivery-count on each redelivery; a first delivery (and
         # any message of another queue type) carries the producer's header, if any, which
@@ -454,91 +260,15 @@ class RabbitMQSource(Source):
             return False
         try:
             faults.point("source.reconnect")
-            self._connect()
+            connect(self)
             return True
         except Exception as e:  # noqa: BLE001 - retried with backoff
-            self._gone_check(isinstance(e, QueueMissing), "after a reconnection")
+            gone_check(self, isinstance(e, QueueMissing), "after a reconnection")
             log.warning("source %r: cannot reconnect to %s yet: %s", self.name, self.where,
                         redact(str(e)))
             self._next_connect = time.monotonic() + self._backoff
             self._backoff = min(self.reconnect_max_s, self._backoff * 2)
             return False
-
-    def _gone_check(self, missing: bool, when: str) -> None:
-        """Count how long the queue has been missing; past ``gone_timeout_s`` stop the run
-        with one line (:class:`SourceGone`)."""
-        if not missing:
-            self._missing_since = None
-            return
-        now = time.monotonic()
-        self._missing_since = self._missing_since or now
-        if now - self._missing_since >= self.gone_timeout_s:
-            raise SourceGone(f"source {self.name!r}: queue {self.queue!r} does not exist on "
-                             f"{self.where} any more ({when}; deleted?), for "
-                             f"{now - self._missing_since:.0f} s; stopping")
-
-    def _on_cancelled(self, frame: Any) -> None:
-        """The broker cancelled a consumer (``basic.cancel``: the queue was deleted, or
-        the consumer cancelled on the broker's side). pika calls this while it processes
-        events, on the owner's thread; :meth:`_reconsume` acts on it."""
-        tag = frame.method.consumer_tag
-        if tag not in self._consumer_tags:
-            return
-        self._consumer_tags.remove(tag)
-        self._cancelled.add(tag)
-        if self._cancelled_since is None:
-            self._cancelled_since = time.monotonic()
-            self._next_consume = 0.0
-            self.stats["cancelled_by_broker"] += 1
-            log.warning("source %r: the broker cancelled the consumer of queue %r on %s "
-                        "(basic.cancel: the queue was deleted, or its consumer cancelled); "
-                        "consuming again when the queue is there (waiting up to %.0f s)",
-                        self.name, self.queue, self.where, self.gone_timeout_s)
-
-    def _reconsume(self) -> None:
-        """After a ``basic.cancel``: consume again on the same channel once the queue
-        exists (the deliveries in flight keep their tags on it), checked with a passive
-        declaration on a channel of its own (a 404 closes the channel it is made on)."""
-        from pika.exceptions import ChannelClosedByBroker
-
-        if not self._cancelled or self._ch is None or time.monotonic() < self._next_consume:
-            return
-        if self._stopped_consuming:
-            self._cancelled.clear()
-            self._cancelled_since = None
-            return
-        missing = False
-        try:
-            probe = self._conn.channel()
-            try:
-                probe.queue_declare(self.queue, passive=True)
-            finally:
-                if probe.is_open:
-                    probe.close()
-        except ChannelClosedByBroker as e:
-            missing = e.reply_code == 404
-            if not missing:
-                log.warning("source %r: cannot check queue %r: %s", self.name, self.queue,
-                            redact(str(e)))
-        except Exception as e:  # noqa: BLE001 - the connection itself: handled as a loss
-            self._lose_connection(e)
-            return
-        if not missing:
-            tags: list[str] = []
-            if not self._broker(self._consume, len(self._cancelled), tags):
-                return
-            waited = time.monotonic() - (self._cancelled_since or time.monotonic())
-            self._consumer_tags.extend(tags)
-            self._cancelled.clear()
-            self._cancelled_since = self._missing_since = None
-            self.stats["reconsumed"] += 1
-            self._gone_backoff = 0.5
-            log.warning("source %r: consuming queue %r again after %.1f s", self.name,
-                        self.queue, waited)
-            return
-        self._next_consume = time.monotonic() + self._gone_backoff
-        self._gone_backoff = min(self.reconnect_max_s, self._gone_backoff * 2)
-        self._gone_check(True, "the broker cancelled its consumer")
 
     def _consume(self, n: int, tags: list[str]) -> None:
         for _ in range(n):
@@ -579,7 +309,7 @@ class RabbitMQSource(Source):
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout
         self._service()
-        self._reconsume()
+        reconsume(self)
         while len(self._buffer) < max_messages:
             if not self._ensure():
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -624,7 +354,7 @@ class RabbitMQSource(Source):
         tags, stale = [], []
         for d in deliveries:
             if self._live(d):
-                tags.append(_handle(d)[1])
+                tags.append(handle_of(d)[1])
             else:
                 stale.append(d)
         if stale:
@@ -724,7 +454,7 @@ class RabbitMQSource(Source):
                 # the connection died mid-way: what was not acked comes back from the broker
                 live = {id(d) for d in stale}
                 stale += [d for d in deliveries if id(d) not in live
-                          and _handle(d)[1] not in done]
+                          and handle_of(d)[1] not in done]
         return stale
 
     def exhausted(self, delivery: Delivery) -> bool:
@@ -762,13 +492,13 @@ class RabbitMQSource(Source):
 
     def _live(self, d: Delivery) -> bool:
         """Its channel is the current one and its tag is still unsettled there."""
-        gen, tag = _handle(d)
+        gen, tag = handle_of(d)
         return gen == self._gen and self._ch is not None and tag in self._outstanding
 
     def _schedule_nacks(self, failures: Sequence[tuple[Delivery, Failure]], backoff: bool) -> None:
         now = time.monotonic()
         for d, _ in failures:
-            gen, tag = _handle(d)
+            gen, tag = handle_of(d)
             delay = self.policy.delay_after(d.delivery_count) if backoff else 0.0
             self._seq += 1
             heapq.heappush(self._delayed, (now + delay, self._seq, gen, tag))
@@ -783,39 +513,9 @@ class RabbitMQSource(Source):
         lost = {id(d) for d, _ in dead if not self._live(d)}  # a nack above lost the channel
         dead = [(d, f) for d, f in dead if id(d) not in lost]
         if self.dead_letter_exchange:
-            import pika
-
-            refused: set[int] = set()
-            for d, f in dead:
-                headers = {**d.headers, "x-ackflow-step": f.step, "x-ackflow-error": f.error[:1000],
-                           "x-ackflow-deliveries": d.delivery_count, "x-ackflow-queue": self.queue}
-                props = pika.BasicProperties(delivery_mode=2, headers=headers,
-                                             message_id=producer_id(d.key))
-                rk = self.dead_letter_routing_key or self.queue
-                try:
-                    if self._ch is None:
-                        raise pika.exceptions.ChannelClosed(0, "channel is gone")
-                    faults.point("rabbitmq.dead_letter")
-                    self._ch.basic_publish(self.dead_letter_exchange, rk, d.body, props,
-                                           mandatory=True)
-                except pika.exceptions.UnroutableError:
-                    log.error("source %r: dead letter of %s is unroutable on exchange %r; "
-                              "nacking it instead", self.name, d.key, self.dead_letter_exchange)
-                    refused.add(id(d))
-                    self.stats["dead_letters_refused"] += 1
-                except pika.exceptions.NackError:
-                    # the broker refused this one message (a full dead-letter queue with
-                    # x-overflow=reject-publish): its failure, not the connection's
-                    log.error("source %r: the broker refused the dead letter of %s on exchange "
-                              "%r (basic.nack: a full dead-letter queue?); nacking it, it is "
-                              "retried after the backoff", self.name, d.key,
-                              self.dead_letter_exchange)
-                    refused.add(id(d))
-                    self.stats["dead_letters_refused"] += 1
-                except (pika.exceptions.AMQPError, OSError, faults.InjectedFault) as e:
-                    if self._ch is not None:
-                        self._lose_connection(e)
-                    return refused, lost | {id(x) for x, _ in dead}
+            refused, alive = publish_dead_letters(self, dead)
+            if not alive:  # the connection died: the broker delivers them all again
+                return refused, lost | {id(x) for x, _ in dead}
             ok = [d for d, _ in dead if id(d) not in refused]
             lost |= {id(d) for d in self._ack_now(ok)}
             self._schedule_nacks([(d, f) for d, f in dead if id(d) in refused], backoff=True)
@@ -824,7 +524,7 @@ class RabbitMQSource(Source):
         tags, _ = self._current([d for d, _ in dead])
         done = self._settle_tags(tags, "reject")
         for d, f in dead:
-            if _handle(d)[1] not in done:
+            if handle_of(d)[1] not in done:
                 lost.add(id(d))
                 continue
             log.warning("source %r: message %s rejected to the queue's dead-letter exchange "
@@ -882,7 +582,7 @@ class RabbitMQSource(Source):
         if self._ch is not None:
             self._broker(self._conn.process_data_events, time_limit=0)
         self._service()
-        self._reconsume()
+        reconsume(self)
 
     def close(self) -> None:
         self._service()
@@ -894,21 +594,3 @@ class RabbitMQSource(Source):
                 conn.close()
             except Exception:  # noqa: BLE001 - unsettled messages return to the queue
                 pass
-
-
-def _text(v: Any) -> str:
-    """A header value as text, whatever its AMQP type (bytes, nested tables, lists,
-    decimals, timestamps): total, never raises."""
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
-    if isinstance(v, str):
-        return v
-    try:
-        return str(v)
-    except Exception:  # noqa: BLE001 - a value whose __str__ fails is still a value
-        return f"<unprintable {type(v).__name__}>"
-
-
-def _handle(d: Delivery) -> tuple[int, int]:
-    """A delivery's channel generation and delivery tag (the handle this source gave it)."""
-    return cast(tuple[int, int], d.handle)
