@@ -80,8 +80,8 @@ FAULT_SPECS = (
 )
 
 
-
 # ---------------------------------------------------------------------------- schedule
+
 
 @dataclass
 class Schedule:
@@ -101,17 +101,21 @@ class Schedule:
         kills = sorted(slot * (i + 1) + rng.uniform(-0.4, 0.4) * slot for i in range(n))
         brokers = [rng.uniform(0.2, 0.32) * d, rng.uniform(0.6, 0.72) * d]
         scale = min(1.0, max(0.25, minutes / 20.0))
-        outages = [(rng.uniform(0.4, 0.5) * d, rng.uniform(10, 30) * scale),
-                   (rng.uniform(0.8, 0.86) * d, rng.uniform(10, 30) * scale)]
+        outages = [
+            (rng.uniform(0.4, 0.5) * d, rng.uniform(10, 30) * scale),
+            (rng.uniform(0.8, 0.86) * d, rng.uniform(10, 30) * scale),
+        ]
         return cls(seed, minutes, kills, brokers, outages)
 
     def describe(self) -> str:
-        return (f"seed {self.seed}, {self.minutes:g} min: "
-                f"{len(self.kills)} SIGKILLs at {', '.join(f'{t:.0f}' for t in self.kills)} s; "
-                f"broker restarts at {', '.join(f'{t:.0f}' for t in self.broker_restarts)} s; "
-                f"PostgreSQL down at "
-                + ", ".join(f"{t:.0f} s for {s:.1f} s" for t, s in self.db_outages)
-                + f"; a fault point armed at ~{self.fault_rate:.0%} of child starts")
+        return (
+            f"seed {self.seed}, {self.minutes:g} min: "
+            f"{len(self.kills)} SIGKILLs at {', '.join(f'{t:.0f}' for t in self.kills)} s; "
+            f"broker restarts at {', '.join(f'{t:.0f}' for t in self.broker_restarts)} s; "
+            f"PostgreSQL down at "
+            + ", ".join(f"{t:.0f} s for {s:.1f} s" for t, s in self.db_outages)
+            + f"; a fault point armed at ~{self.fault_rate:.0%} of child starts"
+        )
 
     def retry_policy(self) -> dict[str, float]:
         """Retries must outlast the longest outage (a good message must never be given
@@ -120,12 +124,13 @@ class Schedule:
         max_backoff = 2.0 if longest < 10 else 5.0
         total, n, b = 0.0, 0, 0.25
         while total < 2 * longest + 10:
-            total += min(b * 2 ** n, max_backoff)
+            total += min(b * 2**n, max_backoff)
             n += 1
         return {"max_deliveries": n + 1, "backoff_s": b, "max_backoff_s": max_backoff}
 
 
 # ---------------------------------------------------------------------------- the child
+
 
 def proc_rss(pgid: int) -> tuple[int, int]:
     """(RSS of the process ``pgid``, RSS of every process in its group), in bytes."""
@@ -152,8 +157,9 @@ def proc_rss(pgid: int) -> tuple[int, int]:
 class Child:
     """The pipeline process (its own process group: driver, JVM, Python workers)."""
 
-    def __init__(self, cfg: dict[str, Any], workdir: str, faults: str, until_idle: float | None,
-                 log: Any) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], workdir: str, faults: str, until_idle: float | None, log: Any
+    ) -> None:
         from ackflow.servers import free_port
 
         self.port = free_port()
@@ -167,8 +173,9 @@ class Child:
         cmd = [sys.executable, "-m", "benchmarks.chaos_pipeline", path]
         if until_idle is not None:
             cmd += ["--until-idle", str(until_idle)]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         self.pid = self.proc.pid
         self.acked = 0.0
         self.started = time.monotonic()
@@ -202,6 +209,7 @@ class Child:
 
 # ---------------------------------------------------------------------------- the soak
 
+
 @dataclass
 class Stats:
     kills: int = 0
@@ -234,11 +242,22 @@ class Soak:
         # provenance first); a message past it (given back too often: crashes, stops) goes
         # to the dead-letter exchange, and is accounted there
         self.delivery_limit = a.delivery_limit or int(policy["max_deliveries"]) + 2
-        self.cfg = {"amqp_url": rmq.url, "queue": QUEUE, "stream_port": rmq.stream_port,
-                    "delivery_limit": self.delivery_limit, "dlx": DLX,
-                    "stream": STREAM, "files_dir": self.files_dir, "dsn": pg.dsn,
-                    "table": TABLE, "dead_table": DEAD_TABLE, "parquet_dir": self.parquet_dir,
-                    "batch_size": 2000, "max_inflight": 6000, **policy}
+        self.cfg = {
+            "amqp_url": rmq.url,
+            "queue": QUEUE,
+            "stream_port": rmq.stream_port,
+            "delivery_limit": self.delivery_limit,
+            "dlx": DLX,
+            "stream": STREAM,
+            "files_dir": self.files_dir,
+            "dsn": pg.dsn,
+            "table": TABLE,
+            "dead_table": DEAD_TABLE,
+            "parquet_dir": self.parquet_dir,
+            "batch_size": 2000,
+            "max_inflight": 6000,
+            **policy,
+        }
         self.stats = Stats()
         self.fault_rng = random.Random(sched.seed * 31 + 7)
         self.log = open(os.path.join(work, "pipeline.log"), "ab")
@@ -258,14 +277,19 @@ class Soak:
         ch.exchange_declare(DLX, "fanout", durable=True)
         ch.queue_declare(DLX_QUEUE, durable=True)
         ch.queue_bind(DLX_QUEUE, DLX)
-        ch.queue_declare(QUEUE, durable=True, arguments={
-            "x-queue-type": "quorum", "x-delivery-limit": self.delivery_limit,
-            "x-dead-letter-exchange": DLX})
+        ch.queue_declare(
+            QUEUE,
+            durable=True,
+            arguments={
+                "x-queue-type": "quorum",
+                "x-delivery-limit": self.delivery_limit,
+                "x-dead-letter-exchange": DLX,
+            },
+        )
         conn.close()
 
         async def go() -> None:
-            async with Producer("127.0.0.1", self.rmq.stream_port, username="guest",
-                                password="guest") as p:
+            async with Producer("127.0.0.1", self.rmq.stream_port, username="guest", password="guest") as p:
                 await p.create_stream(STREAM, exists_ok=True)
 
         asyncio.run(go())
@@ -282,9 +306,9 @@ class Soak:
         self.say(f"pipeline started (pid {self.child.pid})" + (f", armed {faults}" if faults else ""))
 
     def chaos_thread(self, publisher: Publisher) -> threading.Thread:
-        events: list[tuple[float, str, float]] = (
-            [(t, "broker", 0.0) for t in self.sched.broker_restarts]
-            + [(t, "db", s) for t, s in self.sched.db_outages])
+        events: list[tuple[float, str, float]] = [(t, "broker", 0.0) for t in self.sched.broker_restarts] + [
+            (t, "db", s) for t, s in self.sched.db_outages
+        ]
         events.sort()
 
         def run() -> None:
@@ -331,8 +355,7 @@ class Soak:
 
     def run(self) -> Published:
         self.setup()
-        publisher = Publisher(self.rmq, self.files_dir, self.a.rate, self.sched.seed,
-                              self.a.resend)
+        publisher = Publisher(self.rmq, self.files_dir, self.a.rate, self.sched.seed, self.a.resend)
         publisher.start()
         chaos = self.chaos_thread(publisher)
         kills = list(self.sched.kills)
@@ -350,8 +373,10 @@ class Soak:
                 kills.pop(0)
                 c.kill()
                 self.stats.kills += 1
-                self.say(f"SIGKILL pipeline (pid {c.pid}, kill {self.stats.kills}, it acked "
-                         f"{c.acked:.0f}; {self.stats.acked:.0f} in all)")
+                self.say(
+                    f"SIGKILL pipeline (pid {c.pid}, kill {self.stats.kills}, it acked "
+                    f"{c.acked:.0f}; {self.stats.acked:.0f} in all)"
+                )
                 self.start_child()
             elif c.proc.poll() is not None:
                 rc = c.proc.returncode
@@ -371,8 +396,7 @@ class Soak:
         publisher.join(60)
         chaos.join(600)
         # the last stall: from the last progress to the end of the soak
-        self.stats.longest_stall_s = max(self.stats.longest_stall_s,
-                                         time.monotonic() - last_progress[0])
+        self.stats.longest_stall_s = max(self.stats.longest_stall_s, time.monotonic() - last_progress[0])
         self.drain()
         return publisher.out
 
@@ -409,15 +433,24 @@ class Soak:
 
 # ---------------------------------------------------------------------------- main
 
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--rate", type=float, default=20.0, help="messages/s to each source")
-    p.add_argument("--resend", type=float, default=0.05,
-                   help="chance per queue batch that the producer publishes it again at once")
-    p.add_argument("--delivery-limit", type=int, default=None,
-                   help="the quorum queue's x-delivery-limit (default: max_deliveries + 2)")
+    p.add_argument(
+        "--resend",
+        type=float,
+        default=0.05,
+        help="chance per queue batch that the producer publishes it again at once",
+    )
+    p.add_argument(
+        "--delivery-limit",
+        type=int,
+        default=None,
+        help="the quorum queue's x-delivery-limit (default: max_deliveries + 2)",
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON object")
     p.add_argument("--quiet", action="store_true", help="no event log, only the summary")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -439,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
             soak.log.close()
             with open(os.path.join(work, "pipeline.log"), "rb") as f:
                 text = f.read()
-            fired = Counter(m.decode() for m in re.findall(
-                rb"ackflow: fault point '([a-z_.]+)' \(hit \d+\): exiting now", text))
+            fired = Counter(
+                m.decode()
+                for m in re.findall(rb"ackflow: fault point '([a-z_.]+)' \(hit \d+\): exiting now", text)
+            )
             # the children that ended cleanly print their report: repeats they held back
             held = sum(int(n) for n in re.findall(rb'"duplicates": (\d+)', text))
     finally:
@@ -450,32 +485,45 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     st = soak.stats
     summary = {
-        "minutes": a.minutes, "seed": seed, "messages": len(pub.good) + len(pub.poison),
-        "poison": len(pub.poison), "per_source": dict(pub.per_source),
-        "kills": st.kills, "fault_point_exits": st.fault_exits,
-        "fault_points_armed": dict(st.fault_starts), "fault_points_fired": dict(fired),
+        "minutes": a.minutes,
+        "seed": seed,
+        "messages": len(pub.good) + len(pub.poison),
+        "poison": len(pub.poison),
+        "per_source": dict(pub.per_source),
+        "kills": st.kills,
+        "fault_point_exits": st.fault_exits,
+        "fault_points_armed": dict(st.fault_starts),
+        "fault_points_fired": dict(fired),
         "other_exits": st.other_exits,
-        "child_starts": st.starts, "broker_restarts": st.broker_restarts,
-        "db_outages": st.db_outages, "db_outage_s": st.outage_s,
-        "lost": result["lost"], "duplicated": result["duplicated"],
+        "child_starts": st.starts,
+        "broker_restarts": st.broker_restarts,
+        "db_outages": st.db_outages,
+        "db_outage_s": st.outage_s,
+        "lost": result["lost"],
+        "duplicated": result["duplicated"],
         "dead_lettered": result["dead_lettered"],
         "good_dead_lettered": result["good_dead_lettered"],
-        "resent": pub.resent, "resent_ids": sum(1 for n in pub.copies.values() if n > 1),
+        "resent": pub.resent,
+        "resent_ids": sum(1 for n in pub.copies.values() if n > 1),
         "repeats_held": held,
         "delivery_limit": soak.delivery_limit,
         "broker_dead_lettered": result["broker_dead_lettered"],
         "broker_dead_letter_reasons": result["broker_dead_letter_reasons"],
-        "values_checked": result["values_checked"], "values_wrong": result["values_wrong"],
-        "rows_postgres": result["rows_postgres"], "rows_parquet": result["rows_parquet"],
+        "values_checked": result["values_checked"],
+        "values_wrong": result["values_wrong"],
+        "rows_postgres": result["rows_postgres"],
+        "rows_parquet": result["rows_parquet"],
         "longest_stall_s": round(st.longest_stall_s, 1),
         "acked_seen": int(st.acked),
         "first_ack_s_max": max(st.first_ack_s, default=None),
         "first_ack_s_median": sorted(st.first_ack_s)[len(st.first_ack_s) // 2] if st.first_ack_s else None,
         "peak_rss_driver_mb": round(st.peak_rss_driver / 2**20, 1),
         "peak_rss_child_tree_mb": round(st.peak_rss_tree / 2**20, 1),
-        "publish_errors": pub.errors, "publish_error_log": pub.error_log[:10],
+        "publish_errors": pub.errors,
+        "publish_error_log": pub.error_log[:10],
         "elapsed_s": round(time.monotonic() - started, 1),
-        "checks": result["checks"], "ok": result["ok"],
+        "checks": result["checks"],
+        "ok": result["ok"],
     }
     print_table(summary)
     if a.json:
@@ -486,30 +534,41 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(s: dict[str, Any]) -> None:
     armed = ", ".join(f"{k} x{v}" for k, v in sorted(s["fault_points_armed"].items())) or "none"
     rows = [
-        ("seed", s["seed"]), ("minutes", s["minutes"]),
+        ("seed", s["seed"]),
+        ("minutes", s["minutes"]),
         ("SIGKILLs of the pipeline", s["kills"]),
         ("fault points armed (starts)", armed),
-        ("fault points fired (driver or worker)",
-         ", ".join(f"{k} x{v}" for k, v in sorted(s["fault_points_fired"].items())) or "none"),
+        (
+            "fault points fired (driver or worker)",
+            ", ".join(f"{k} x{v}" for k, v in sorted(s["fault_points_fired"].items())) or "none",
+        ),
         ("pipeline exits at a fault point", s["fault_point_exits"]),
         ("other pipeline exits", s["other_exits"]),
         ("pipeline starts", s["child_starts"]),
         ("broker restarts", s["broker_restarts"]),
         ("PostgreSQL outages", f"{s['db_outages']} ({', '.join(f'{x} s' for x in s['db_outage_s'])})"),
-        ("messages published", f"{s['messages']:,} ({s['poison']} poison; "
-         + ", ".join(f"{k} {v:,}" for k, v in sorted(s["per_source"].items())) + ")"),
-        ("lost", s["lost"]), ("duplicated", s["duplicated"]),
-        ("dead-lettered (by ackflow / by the broker)",
-         f"{s['dead_lettered']} / {s['broker_dead_lettered']} "
-         f"{s['broker_dead_letter_reasons'] or ''} (x-delivery-limit {s['delivery_limit']})"),
-        ("queue messages re-sent (ids)", f"{s['resent']} ({s['resent_ids']}); repeats held "
-         f"back in the final runs: {s['repeats_held']}"),
+        (
+            "messages published",
+            f"{s['messages']:,} ({s['poison']} poison; "
+            + ", ".join(f"{k} {v:,}" for k, v in sorted(s["per_source"].items()))
+            + ")",
+        ),
+        ("lost", s["lost"]),
+        ("duplicated", s["duplicated"]),
+        (
+            "dead-lettered (by ackflow / by the broker)",
+            f"{s['dead_lettered']} / {s['broker_dead_lettered']} "
+            f"{s['broker_dead_letter_reasons'] or ''} (x-delivery-limit {s['delivery_limit']})",
+        ),
+        (
+            "queue messages re-sent (ids)",
+            f"{s['resent']} ({s['resent_ids']}); repeats held back in the final runs: {s['repeats_held']}",
+        ),
         ("row values checked (wrong)", f"{s['values_checked']:,} ({s['values_wrong']})"),
         ("good messages dead-lettered", s["good_dead_lettered"]),
         ("rows in PostgreSQL / Parquet", f"{s['rows_postgres']:,} / {s['rows_parquet']:,}"),
         ("longest stall (no ack progress)", f"{s['longest_stall_s']} s"),
-        ("pipeline start to first ack", f"median {s['first_ack_s_median']} s, "
-         f"max {s['first_ack_s_max']} s"),
+        ("pipeline start to first ack", f"median {s['first_ack_s_median']} s, max {s['first_ack_s_max']} s"),
         ("peak RSS driver / child tree", f"{s['peak_rss_driver_mb']} / {s['peak_rss_child_tree_mb']} MB"),
         ("elapsed", f"{s['elapsed_s']} s"),
         ("checks", "ok" if s["ok"] else json.dumps(s["checks"])),

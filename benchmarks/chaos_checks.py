@@ -63,8 +63,7 @@ def _as_py(v: Any) -> Any:
     return v
 
 
-def value_mismatches(rows: list[dict[str, Any]], expect: dict[str, dict[str, Any]],
-                     sink: str) -> list[str]:
+def value_mismatches(rows: list[dict[str, Any]], expect: dict[str, dict[str, Any]], sink: str) -> list[str]:
     """Rows whose values are not what was published (nulls, empty lists and nested
     values must land intact)."""
     bad = []
@@ -86,8 +85,7 @@ def stream_committed(rmq: Any) -> int:
     from rstream import Consumer
 
     async def go() -> int:
-        async with Consumer("127.0.0.1", rmq.stream_port, username="guest",
-                            password="guest") as c:
+        async with Consumer("127.0.0.1", rmq.stream_port, username="guest", password="guest") as c:
             return int(await c.query_offset(STREAM, "chaos"))
 
     try:
@@ -107,10 +105,12 @@ def stream_tail(rmq: Any, start: int) -> list[tuple[int, str]]:
         got.append((int(ctx.offset), text))
 
     async def go() -> None:
-        async with Consumer("127.0.0.1", rmq.stream_port, username="guest",
-                            password="guest") as c:
-            await c.subscribe(STREAM, on_message, offset_specification=ConsumerOffsetSpecification(
-                OffsetType.OFFSET, max(0, start)))
+        async with Consumer("127.0.0.1", rmq.stream_port, username="guest", password="guest") as c:
+            await c.subscribe(
+                STREAM,
+                on_message,
+                offset_specification=ConsumerOffsetSpecification(OffsetType.OFFSET, max(0, start)),
+            )
             n = -1
             while n != len(got):  # until nothing more comes for a second
                 n = len(got)
@@ -136,27 +136,29 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
 
     cols = ["id", "total", "n_lines", "members", "opt", "tags", "note"]
     with psycopg.connect(pg.dsn) as conn:
-        pg_rows = [dict(zip(cols, r, strict=True)) for r in conn.execute(
-            f"SELECT {', '.join(cols)} FROM {TABLE}")]
+        pg_rows = [
+            dict(zip(cols, r, strict=True)) for r in conn.execute(f"SELECT {', '.join(cols)} FROM {TABLE}")
+        ]
         dead_rows = conn.execute(  # the body: text, or its bytes where it is not text
             f"SELECT message, coalesce(convert_to(body, 'UTF8'), body_bytes) FROM {DEAD_TABLE}"
         ).fetchall()
     pg_ids = Counter(r["id"] for r in pg_rows)
     pq_ids: Counter[str] = Counter()
     pq_rows: list[dict[str, Any]] = []
-    for path in glob.glob(os.path.join(soak.parquet_dir, "batch=*", "**", "*.parquet"),
-                          recursive=True):
+    for path in glob.glob(os.path.join(soak.parquet_dir, "batch=*", "**", "*.parquet"), recursive=True):
         rows = pq.read_table(path, columns=cols).to_pylist()
         pq_rows += rows
         pq_ids.update(r["id"] for r in rows)
-    mismatched = (value_mismatches(pg_rows, pub.expect, "postgres")
-                  + value_mismatches(pq_rows, pub.expect, "parquet"))
+    mismatched = value_mismatches(pg_rows, pub.expect, "postgres") + value_mismatches(
+        pq_rows, pub.expect, "parquet"
+    )
     dlx_ids, dlx_reasons, dlx_nameless = dlx_messages(rmq.url)
     dead_ids: Counter[str] = Counter()
     unknown_dead = 0
     for _, body in dead_rows:
-        text = body.decode("utf-8", "replace") if isinstance(body, bytes | bytearray | memoryview) \
-            else str(body)
+        text = (
+            body.decode("utf-8", "replace") if isinstance(body, bytes | bytearray | memoryview) else str(body)
+        )
         if isinstance(body, memoryview):
             text = bytes(body).decode("utf-8", "replace")
         m = ID_RE.search(text)
@@ -195,9 +197,11 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
     committed = stream_committed(rmq)
     left = files_left(soak.files_dir)
     checks = {
-        "lost_in_postgres": sorted(lost_pg)[:20], "lost_in_parquet": sorted(lost_pq)[:20],
+        "lost_in_postgres": sorted(lost_pg)[:20],
+        "lost_in_parquet": sorted(lost_pq)[:20],
         "poison_not_dead_lettered": sorted(poison_missing)[:20],
-        "duplicated_in_postgres": sorted(dup_pg)[:20], "duplicated_in_parquet": sorted(dup_pq)[:20],
+        "duplicated_in_postgres": sorted(dup_pg)[:20],
+        "duplicated_in_parquet": sorted(dup_pq)[:20],
         "dead_lettered_twice": sorted(dup_dead)[:20],
         "broker_dead_lettered_more_than_published": sorted(dup_dlx)[:20],
         "broker_dead_lettered_and_settled_by_ackflow": sorted(dlx_and_settled)[:20],
@@ -208,18 +212,36 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         "rows_not_published": sorted(unknown_rows)[:20],
         "dead_letters_without_id": unknown_dead,
         "queue_depth": depth,
-        "stream_stored_offset": committed, "stream_last_offset": stream_end,
+        "stream_stored_offset": committed,
+        "stream_last_offset": stream_end,
         "files_left": left[:20],
     }
     checks["stream_unconfirmed_in_stream"] = extra_stream
     # offsets the broker never delivers (seen after a restart): the source declares them gaps
     checks["stream_offsets_not_messages"] = stream_end + 1 - len(in_stream)
-    ok = (not lost and not duplicated and not good_dead and not poison_written
-          and not unknown_rows and unknown_dead == 0 and depth == 0
-          and committed == stream_end and not left and not mismatched)
-    return {"lost": len(lost), "duplicated": len(duplicated), "dead_lettered": len(dead_rows),
-            "broker_dead_lettered": sum(dlx_ids.values()) + dlx_nameless,
-            "broker_dead_letter_reasons": dict(dlx_reasons),
-            "values_checked": len(pg_rows) + len(pq_rows), "values_wrong": len(mismatched),
-            "good_dead_lettered": len(good_dead), "rows_postgres": sum(pg_ids.values()),
-            "rows_parquet": sum(pq_ids.values()), "ok": ok, "checks": checks}
+    ok = (
+        not lost
+        and not duplicated
+        and not good_dead
+        and not poison_written
+        and not unknown_rows
+        and unknown_dead == 0
+        and depth == 0
+        and committed == stream_end
+        and not left
+        and not mismatched
+    )
+    return {
+        "lost": len(lost),
+        "duplicated": len(duplicated),
+        "dead_lettered": len(dead_rows),
+        "broker_dead_lettered": sum(dlx_ids.values()) + dlx_nameless,
+        "broker_dead_letter_reasons": dict(dlx_reasons),
+        "values_checked": len(pg_rows) + len(pq_rows),
+        "values_wrong": len(mismatched),
+        "good_dead_lettered": len(good_dead),
+        "rows_postgres": sum(pg_ids.values()),
+        "rows_parquet": sum(pq_ids.values()),
+        "ok": ok,
+        "checks": checks,
+    }

@@ -36,8 +36,10 @@ from ackflow.sources import Files, RabbitMQ, RabbitMQStream
 KINDS = ("book", "game", "tool", "food")
 
 
-EXTRA = ("opt STRUCT<code: STRING, dims: STRUCT<w: BIGINT, h: BIGINT>, marks: ARRAY<BIGINT>>, "
-         "tags ARRAY<STRING>, note STRING")
+EXTRA = (
+    "opt STRUCT<code: STRING, dims: STRUCT<w: BIGINT, h: BIGINT>, marks: ARRAY<BIGINT>>, "
+    "tags ARRAY<STRING>, note STRING"
+)
 
 
 def validate(order: dict[str, Any]) -> dict[str, Any]:
@@ -47,18 +49,34 @@ def validate(order: dict[str, Any]) -> dict[str, Any]:
 
 
 def lines(order: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"id": order["id"], "kind": order["kind"], "qty": order["qty"], "line": i,
-             "opt": order["opt"], "tags": order["tags"], "note": order["note"]}
-            for i in range(order["lines"])]
+    return [
+        {
+            "id": order["id"],
+            "kind": order["kind"],
+            "qty": order["qty"],
+            "line": i,
+            "opt": order["opt"],
+            "tags": order["tags"],
+            "note": order["note"],
+        }
+        for i in range(order["lines"])
+    ]
 
 
 def one_row(group: dict[str, Any]) -> dict[str, Any]:
     """A ``grouped_within`` group (one message's line items) as one row."""
     rows = group["rows"]
     first = rows[0]
-    return {"id": group["id"], "kind": first["kind"], "qty": sum(r["qty"] for r in rows),
-            "n_lines": group["count"], "members": sorted(r["line"] for r in rows),
-            "opt": first["opt"], "tags": first["tags"], "note": first["note"]}
+    return {
+        "id": group["id"],
+        "kind": first["kind"],
+        "qty": sum(r["qty"] for r in rows),
+        "n_lines": group["count"],
+        "members": sorted(r["line"] for r in rows),
+        "opt": first["opt"],
+        "tags": first["tags"],
+        "note": first["note"],
+    }
 
 
 def label_len(df: Any) -> Any:
@@ -71,38 +89,70 @@ def build(cfg: dict[str, Any]) -> ackflow.Flow:
     from pyspark.sql import functions as F
 
     spark = ackflow.session(master="local[2]")
-    policy = ackflow.RetryPolicy(max_deliveries=cfg["max_deliveries"],
-                                 backoff_s=cfg["backoff_s"], max_backoff_s=cfg["max_backoff_s"])
-    queue = RabbitMQ(cfg["amqp_url"], cfg["queue"], policy=policy, name="queue",
-                     arguments={"x-queue-type": "quorum",
-                                "x-delivery-limit": cfg["delivery_limit"],
-                                "x-dead-letter-exchange": cfg["dlx"]}, reconnect_max_s=2.0)
-    stream = RabbitMQStream("127.0.0.1", cfg["stream_port"], cfg["stream"], "chaos",
-                            offset="first", policy=policy, name="stream")
-    files = Files(cfg["files_dir"], format="jsonl", policy=policy, name="files",
-                  scan_interval_s=0.5)
-    kinds = spark.createDataFrame([(k, k.upper(), i) for i, k in enumerate(KINDS)],
-                                  "kind STRING, label STRING, rank INT")
-    return (ackflow.merge(ackflow.Flow(queue), ackflow.Flow(stream), ackflow.Flow(files))
-            .map(validate, name="validate",
-                 schema=f"id STRING, kind STRING, qty BIGINT, lines BIGINT, pad STRING, {EXTRA}")
-            .flat_map(lines, name="lines",
-                      schema=f"id STRING, kind STRING, qty BIGINT, line BIGINT, {EXTRA}")
-            .grouped_within(4, 0.25, "id", name="gather")
-            .map(one_row, name="one_row", schema="id STRING, kind STRING, qty BIGINT, "
-                 f"n_lines BIGINT, members ARRAY<BIGINT>, {EXTRA}")
-            .group_by("id", "kind").agg(F.sum("qty").alias("total"),
-                                        F.sum("n_lines").alias("n_lines"),
-                                        F.first("members").alias("members"),
-                                        F.first("opt").alias("opt"), F.first("tags").alias("tags"),
-                                        F.first("note").alias("note"), name="per_order")
-            .join(kinds, on="kind", how="inner", name="kinds")
-            .transform(label_len, name="label_len")
-            .broadcast(Postgres(cfg["dsn"], cfg["table"], mode="upsert", create=True,
-                                connect_timeout=3, name="pg"),
-                       Parquet(cfg["parquet_dir"], name="parquet"))
-            .on_error(Postgres(cfg["dsn"], cfg["dead_table"], key=["message"], mode="upsert",
-                               create=True, connect_timeout=3, name="dead")))
+    policy = ackflow.RetryPolicy(
+        max_deliveries=cfg["max_deliveries"], backoff_s=cfg["backoff_s"], max_backoff_s=cfg["max_backoff_s"]
+    )
+    queue = RabbitMQ(
+        cfg["amqp_url"],
+        cfg["queue"],
+        policy=policy,
+        name="queue",
+        arguments={
+            "x-queue-type": "quorum",
+            "x-delivery-limit": cfg["delivery_limit"],
+            "x-dead-letter-exchange": cfg["dlx"],
+        },
+        reconnect_max_s=2.0,
+    )
+    stream = RabbitMQStream(
+        "127.0.0.1", cfg["stream_port"], cfg["stream"], "chaos", offset="first", policy=policy, name="stream"
+    )
+    files = Files(cfg["files_dir"], format="jsonl", policy=policy, name="files", scan_interval_s=0.5)
+    kinds = spark.createDataFrame(
+        [(k, k.upper(), i) for i, k in enumerate(KINDS)], "kind STRING, label STRING, rank INT"
+    )
+    return (
+        ackflow.merge(ackflow.Flow(queue), ackflow.Flow(stream), ackflow.Flow(files))
+        .map(
+            validate,
+            name="validate",
+            schema=f"id STRING, kind STRING, qty BIGINT, lines BIGINT, pad STRING, {EXTRA}",
+        )
+        .flat_map(lines, name="lines", schema=f"id STRING, kind STRING, qty BIGINT, line BIGINT, {EXTRA}")
+        .grouped_within(4, 0.25, "id", name="gather")
+        .map(
+            one_row,
+            name="one_row",
+            schema=f"id STRING, kind STRING, qty BIGINT, n_lines BIGINT, members ARRAY<BIGINT>, {EXTRA}",
+        )
+        .group_by("id", "kind")
+        .agg(
+            F.sum("qty").alias("total"),
+            F.sum("n_lines").alias("n_lines"),
+            F.first("members").alias("members"),
+            F.first("opt").alias("opt"),
+            F.first("tags").alias("tags"),
+            F.first("note").alias("note"),
+            name="per_order",
+        )
+        .join(kinds, on="kind", how="inner", name="kinds")
+        .transform(label_len, name="label_len")
+        .broadcast(
+            Postgres(cfg["dsn"], cfg["table"], mode="upsert", create=True, connect_timeout=3, name="pg"),
+            Parquet(cfg["parquet_dir"], name="parquet"),
+        )
+        .on_error(
+            Postgres(
+                cfg["dsn"],
+                cfg["dead_table"],
+                key=["message"],
+                mode="upsert",
+                create=True,
+                connect_timeout=3,
+                name="dead",
+            )
+        )
+    )
 
 
 def main() -> None:
@@ -113,11 +163,26 @@ def main() -> None:
     with open(a.config) as f:
         cfg = json.load(f)
     flow = build(cfg)
-    report = ackflow.run(flow, master="local[2]", batch_size=cfg["batch_size"],
-                         max_inflight=cfg["max_inflight"], until_idle=a.until_idle,
-                         metrics_port=cfg.get("metrics_port"), drain_timeout_s=10)
-    print(json.dumps({"acked": report.acked, "dead_lettered": report.dead_lettered,
-                      "nacked": report.nacked, "duplicates": report.duplicates}), flush=True)
+    report = ackflow.run(
+        flow,
+        master="local[2]",
+        batch_size=cfg["batch_size"],
+        max_inflight=cfg["max_inflight"],
+        until_idle=a.until_idle,
+        metrics_port=cfg.get("metrics_port"),
+        drain_timeout_s=10,
+    )
+    print(
+        json.dumps(
+            {
+                "acked": report.acked,
+                "dead_lettered": report.dead_lettered,
+                "nacked": report.nacked,
+                "duplicates": report.duplicates,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

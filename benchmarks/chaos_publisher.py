@@ -42,8 +42,7 @@ class Publisher(threading.Thread):
     """Publishes ``rate`` messages a second to each of the three sources, recording
     every message once the broker confirmed it (or the file was renamed in)."""
 
-    def __init__(self, rmq: Any, files_dir: str, rate: float, seed: int,
-                 resend: float = 0.05) -> None:
+    def __init__(self, rmq: Any, files_dir: str, rate: float, seed: int, resend: float = 0.05) -> None:
         super().__init__(name="publisher", daemon=True)
         self.rmq, self.files_dir, self.rate, self.resend = rmq, files_dir, rate, resend
         self.rng = random.Random(seed * 7919 + 1)
@@ -73,18 +72,24 @@ class Publisher(threading.Thread):
         # is often empty; a field that is often null (or the empty string)
         shape = self.rng.random()
         if shape < 0.5:
-            body["opt"] = {"code": self.rng.choice(["", "a1", "zz"]),
-                           "dims": {"w": self.rng.randint(0, 5),
-                                    "h": None if self.rng.random() < 0.5 else 7},
-                           "marks": [] if self.rng.random() < 0.5 else [1, n]}
+            body["opt"] = {
+                "code": self.rng.choice(["", "a1", "zz"]),
+                "dims": {"w": self.rng.randint(0, 5), "h": None if self.rng.random() < 0.5 else 7},
+                "marks": [] if self.rng.random() < 0.5 else [1, n],
+            }
         elif shape < 0.75:
             body["opt"] = None
         body["tags"] = [] if self.rng.random() < 0.4 else ["x", kind]
         body["note"] = self.rng.choice([None, None, "", "ok"])
         if r >= 0.01:
-            self.out.expect[mid] = {"total": qty * n, "n_lines": n, "members": list(range(n)),
-                                    "opt": body.get("opt"), "tags": body["tags"],
-                                    "note": body["note"]}
+            self.out.expect[mid] = {
+                "total": qty * n,
+                "n_lines": n,
+                "members": list(range(n)),
+                "opt": body.get("opt"),
+                "tags": body["tags"],
+                "note": body["note"],
+            }
         return mid, json.dumps(body), r < 0.01
 
     def record(self, src: str, mid: str, poison: bool) -> None:
@@ -145,8 +150,9 @@ class Publisher(threading.Thread):
                 self._ch.confirm_delivery()
             again = bool(msgs) and self.rng.random() < self.resend
             for mid, body, poison in [*msgs, *(msgs if again else [])]:
-                self._ch.basic_publish("", QUEUE, body, pika.BasicProperties(
-                    delivery_mode=2, message_id=mid), mandatory=True)
+                self._ch.basic_publish(
+                    "", QUEUE, body, pika.BasicProperties(delivery_mode=2, message_id=mid), mandatory=True
+                )
                 self.record("queue", mid, poison)
                 k += 1
         except (OSError, pika.exceptions.AMQPError) as e:
@@ -163,8 +169,7 @@ class Publisher(threading.Thread):
         sent = [0]
 
         async def go() -> None:
-            async with Producer("127.0.0.1", self.rmq.stream_port, username="guest",
-                                password="guest") as p:
+            async with Producer("127.0.0.1", self.rmq.stream_port, username="guest", password="guest") as p:
                 for mid, body, poison in msgs:
                     await p.send_wait(STREAM, body)
                     self.record("stream", mid, poison)
@@ -180,8 +185,7 @@ class Publisher(threading.Thread):
             # never sent). The publisher pauses around broker restarts, yet a stream
             # can still be unavailable for a moment after one.
             self.out.errors += 1
-            self.out.error_log.append(
-                f"stream at {sent[0]}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
+            self.out.error_log.append(f"stream at {sent[0]}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
 
     def write_file(self) -> None:
         if not self._pending_lines:

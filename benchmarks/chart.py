@@ -13,18 +13,28 @@ from pathlib import Path
 
 # (group, [(phase, label)]): the reference phases first, ackflow's last
 GROUPS = [
-    ("embedded queue → Parquet", [("limit", "lease + ack, no processing"),
-                                  ("peer", "hand-written Spark loop, no settlement"),
-                                  ("ackflow", "ackflow")]),
-    ("→ PostgreSQL", [("pg_limit", "driver parses, COPY + upsert, acks"),
-                      ("ackflow_pg", "ackflow")]),
-    ("RabbitMQ classic queue → Parquet", [("rmq_limit", "raw pika consume + ack"),
-                                          ("ackflow_rmq", "ackflow")]),
-    ("RabbitMQ quorum queue → Parquet", [("rmq_limit_quorum", "raw pika consume + ack"),
-                                         ("ackflow_rmq_quorum", "ackflow")]),
+    (
+        "embedded queue → Parquet",
+        [
+            ("limit", "lease + ack, no processing"),
+            ("peer", "hand-written Spark loop, no settlement"),
+            ("ackflow", "ackflow"),
+        ],
+    ),
+    ("→ PostgreSQL", [("pg_limit", "driver parses, COPY + upsert, acks"), ("ackflow_pg", "ackflow")]),
+    (
+        "RabbitMQ classic queue → Parquet",
+        [("rmq_limit", "raw pika consume + ack"), ("ackflow_rmq", "ackflow")],
+    ),
+    (
+        "RabbitMQ quorum queue → Parquet",
+        [("rmq_limit_quorum", "raw pika consume + ack"), ("ackflow_rmq_quorum", "ackflow")],
+    ),
     ("files → Parquet", [("ss_files", "Structured Streaming"), ("ackflow_files", "ackflow")]),
-    ("embedded queue → lakehouse", [("ackflow_delta", "ackflow → Delta Lake"),
-                                    ("ackflow_iceberg", "ackflow → Iceberg")]),
+    (
+        "embedded queue → lakehouse",
+        [("ackflow_delta", "ackflow → Delta Lake"), ("ackflow_iceberg", "ackflow → Iceberg")],
+    ),
 ]
 WIDTH, LABEL_W, BAR_H, GAP, TOP = 860, 300, 16, 4, 44
 
@@ -54,14 +64,19 @@ def svg(run: dict, title: str) -> str:
             y += BAR_H + GAP
         y += GAP * 3
     height = y + 10
-    return "\n".join([
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-        f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="{escape(title)}">',
-        "<style>text{font:12px sans-serif;fill:#333}.g{font-weight:bold}.l{text-anchor:end}"
-        ".v{fill:#555}.a{fill:#3f51b5}.r{fill:#b0b7c9}</style>",
-        f'<rect width="{WIDTH}" height="{height}" fill="#fff"/>',
-        f'<text x="8" y="22" class="g">{escape(title)}</text>',
-        *out, "</svg>", ""])
+    return "\n".join(
+        [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+            f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="{escape(title)}">',
+            "<style>text{font:12px sans-serif;fill:#333}.g{font-weight:bold}.l{text-anchor:end}"
+            ".v{fill:#555}.a{fill:#3f51b5}.r{fill:#b0b7c9}</style>",
+            f'<rect width="{WIDTH}" height="{height}" fill="#fff"/>',
+            f'<text x="8" y="22" class="g">{escape(title)}</text>',
+            *out,
+            "</svg>",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     run = json.loads(Path(args.run).read_text())
     machine = run.get("machine", {})
-    title = (f"messages per second, {num(run['settings']['messages'])} messages, "
-             f"{machine.get('cpus', '?')} cores ({Path(args.run).name})")
+    title = (
+        f"messages per second, {num(run['settings']['messages'])} messages, "
+        f"{machine.get('cpus', '?')} cores ({Path(args.run).name})"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(svg(run, title))
     return 0

@@ -38,8 +38,9 @@ def main() -> None:
         for i in range(a.lines):
             f.write(json.dumps({"n": i, "pad": "x" * 80}) + "\n")
     os.rename(tmp, os.path.join(folder, "in.jsonl"))
-    src = Files(folder, policy=ackflow.RetryPolicy(max_deliveries=10**9, backoff_s=a.backoff,
-                                                   max_backoff_s=a.backoff))
+    src = Files(
+        folder, policy=ackflow.RetryPolicy(max_deliveries=10**9, backoff_s=a.backoff, max_backoff_s=a.backoff)
+    )
     samples: list[dict[str, float]] = []
     started = time.monotonic()
     engine_box: list[Engine] = []
@@ -48,25 +49,44 @@ def main() -> None:
         t = time.monotonic() - started
         if not samples or t - samples[-1]["t"] >= 5:
             held = sum(len(f.bodies) for f in src._files.values())
-            samples.append({"t": round(t, 1), "rss_mb": round(rss_mb(), 1), "pulled": report.pulled,
-                            "nacked": report.nacked, "held": held})
+            samples.append(
+                {
+                    "t": round(t, 1),
+                    "rss_mb": round(rss_mb(), 1),
+                    "pulled": report.pulled,
+                    "nacked": report.nacked,
+                    "held": held,
+                }
+            )
             s = samples[-1]
-            print(f"{s['t']:>7.1f} s  RSS {s['rss_mb']:>7.1f} MB  pulled {s['pulled']:>9,}  "
-                  f"nacked {s['nacked']:>9,}  bodies held {s['held']:>6,}", flush=True)
+            print(
+                f"{s['t']:>7.1f} s  RSS {s['rss_mb']:>7.1f} MB  pulled {s['pulled']:>9,}  "
+                f"nacked {s['nacked']:>9,}  bodies held {s['held']:>6,}",
+                flush=True,
+            )
         if t >= a.seconds and engine_box:
             engine_box[0].request_stop()
 
     engine = Engine(
-        ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)), batch_size=500,
-        max_inflight=a.max_inflight, progress=progress, handle_signals=False)
+        ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)),
+        batch_size=500,
+        max_inflight=a.max_inflight,
+        progress=progress,
+        handle_signals=False,
+    )
     engine_box.append(engine)
     engine.run()
     warm = [s for s in samples if s["t"] >= 60] or samples  # after Spark's start and first jobs
-    summary = {"seconds": a.seconds, "max_inflight": a.max_inflight,
-               "pulled": samples[-1]["pulled"], "nacked": samples[-1]["nacked"],
-               "rss_first_mb": warm[0]["rss_mb"], "rss_last_mb": warm[-1]["rss_mb"],
-               "rss_growth": round(warm[-1]["rss_mb"] / warm[0]["rss_mb"], 3),
-               "max_held": max(s["held"] for s in samples)}
+    summary = {
+        "seconds": a.seconds,
+        "max_inflight": a.max_inflight,
+        "pulled": samples[-1]["pulled"],
+        "nacked": samples[-1]["nacked"],
+        "rss_first_mb": warm[0]["rss_mb"],
+        "rss_last_mb": warm[-1]["rss_mb"],
+        "rss_growth": round(warm[-1]["rss_mb"] / warm[0]["rss_mb"], 3),
+        "max_held": max(s["held"] for s in samples),
+    }
     print(json.dumps(summary))
 
 

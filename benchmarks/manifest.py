@@ -34,8 +34,10 @@ def fill(sink: ParquetSink, n: int) -> float:
         now = time.time()
         for lo in range(0, n, 100_000):
             db.execute("BEGIN IMMEDIATE")
-            db.executemany("INSERT INTO row_keys (key, at) VALUES (?, ?)",
-                           ((f"orders-{i:012d}#{i % 3}", now) for i in range(lo, min(n, lo + 100_000))))
+            db.executemany(
+                "INSERT INTO row_keys (key, at) VALUES (?, ?)",
+                ((f"orders-{i:012d}#{i % 3}", now) for i in range(lo, min(n, lo + 100_000))),
+            )
             db.execute("COMMIT")
     finally:
         db.close()
@@ -56,18 +58,24 @@ def measure(n: int, batch: int, rounds: int) -> dict[str, float]:
         sink = ParquetSink(os.path.join(folder, "out"))
         sink.open()
         fill_s = fill(sink, n)
-        fresh = [commit_ms(sink, f"f{r}", [f"new-{r}-{i:08d}" for i in range(batch)])
-                 for r in range(rounds)]
-        seen = commit_ms(sink, "again", [f"orders-{i:012d}#{i % 3}" for i in range(min(n, batch))]
-                         ) if n else None
-        size = os.path.getsize(sink.manifest) + (os.path.getsize(sink.manifest + "-wal")
-                                                 if os.path.exists(sink.manifest + "-wal") else 0)
+        fresh = [commit_ms(sink, f"f{r}", [f"new-{r}-{i:08d}" for i in range(batch)]) for r in range(rounds)]
+        seen = (
+            commit_ms(sink, "again", [f"orders-{i:012d}#{i % 3}" for i in range(min(n, batch))])
+            if n
+            else None
+        )
+        size = os.path.getsize(sink.manifest) + (
+            os.path.getsize(sink.manifest + "-wal") if os.path.exists(sink.manifest + "-wal") else 0
+        )
         sink.close()
-        return {"keys": n, "fill_s": round(fill_s, 1),
-                "commit_ms_median": round(statistics.median(fresh), 1),
-                "commit_ms_max": round(max(fresh), 1),
-                "redelivered_commit_ms": None if seen is None else round(seen, 1),
-                "manifest_mb": round(size / 1e6, 1)}
+        return {
+            "keys": n,
+            "fill_s": round(fill_s, 1),
+            "commit_ms_median": round(statistics.median(fresh), 1),
+            "commit_ms_max": round(max(fresh), 1),
+            "redelivered_commit_ms": None if seen is None else round(seen, 1),
+            "manifest_mb": round(size / 1e6, 1),
+        }
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -80,12 +88,16 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/manifest.json")
     args = p.parse_args()
     results = [measure(int(k), args.batch, args.rounds) for k in args.keys.split(",")]
-    print(f"{'keys':>12} {'commit ms (median)':>19} {'max':>8} {'redelivered ms':>15} "
-          f"{'manifest MB':>12} {'fill s':>8}")
+    print(
+        f"{'keys':>12} {'commit ms (median)':>19} {'max':>8} {'redelivered ms':>15} "
+        f"{'manifest MB':>12} {'fill s':>8}"
+    )
     for r in results:
         again = "-" if r["redelivered_commit_ms"] is None else r["redelivered_commit_ms"]
-        print(f"{r['keys']:>12,} {r['commit_ms_median']:>19} {r['commit_ms_max']:>8} "
-              f"{again:>15} {r['manifest_mb']:>12} {r['fill_s']:>8}")
+        print(
+            f"{r['keys']:>12,} {r['commit_ms_median']:>19} {r['commit_ms_max']:>8} "
+            f"{again:>15} {r['manifest_mb']:>12} {r['fill_s']:>8}"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"batch": args.batch, "results": results}, f, indent=2)

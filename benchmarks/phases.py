@@ -96,8 +96,7 @@ def publish_rmq(url: str, queue: str, n: int, qtype: str = "classic") -> None:
             raise SystemExit("benchmark messages were not confirmed by the broker")
 
 
-def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int,
-                    broker: int | None = None) -> dict[str, Any]:
+def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int, broker: int | None = None) -> dict[str, Any]:
     import pika
 
     conn = pika.BlockingConnection(pika.URLParameters(url))
@@ -120,16 +119,25 @@ def phase_rmq_limit(url: str, queue: str, n: int, prefetch: int,
     secs = time.perf_counter() - t0
     cpu, broker_cpu = cpu_s() - c0, tree_cpu(broker) - b0
     conn.close()
-    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb(),
-            "driver_cpu_us": cpu / max(1, done) * 1e6,
-            **({"broker_cpu_us": broker_cpu / max(1, done) * 1e6} if broker else {})}
+    return {
+        "messages": done,
+        "seconds": secs,
+        "rate": done / secs,
+        "rss_mb": rss_mb(),
+        "driver_cpu_us": cpu / max(1, done) * 1e6,
+        **({"broker_cpu_us": broker_cpu / max(1, done) * 1e6} if broker else {}),
+    }
 
 
 KAFKA_PARTITIONS = 4
 #: the Kafka phases' consumer settings (ackflow's source uses the same defaults): short
 #: session timeouts make the group join take seconds, not tens of seconds
-KAFKA_GROUP = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500,
-               "max.poll.interval.ms": 10000, "auto.offset.reset": "earliest"}
+KAFKA_GROUP = {
+    "session.timeout.ms": 6000,
+    "heartbeat.interval.ms": 500,
+    "max.poll.interval.ms": 10000,
+    "auto.offset.reset": "earliest",
+}
 
 
 def publish_kafka(bootstrap: str, topic: str, n: int) -> None:
@@ -137,11 +145,11 @@ def publish_kafka(bootstrap: str, topic: str, n: int) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.create_topics([NewTopic(topic, num_partitions=KAFKA_PARTITIONS,
-                                                replication_factor=1)]).values():
+    for future in admin.create_topics(
+        [NewTopic(topic, num_partitions=KAFKA_PARTITIONS, replication_factor=1)]
+    ).values():
         future.result(30)
-    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
-                  "linger.ms": 20})
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all", "linger.ms": 20})
     for i in range(n):
         while True:
             try:
@@ -158,8 +166,14 @@ def phase_kafka_limit(bootstrap: str, topic: str, n: int) -> dict[str, Any]:
     messages (synchronously), the group join included, as ackflow's run includes it."""
     from confluent_kafka import Consumer
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"limit-{topic}",
-                  "enable.auto.commit": False, **KAFKA_GROUP})
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"limit-{topic}",
+            "enable.auto.commit": False,
+            **KAFKA_GROUP,
+        }
+    )
     t0 = time.perf_counter()
     c0 = cpu_s()
     c.subscribe([topic])
@@ -179,14 +193,27 @@ def phase_kafka_limit(bootstrap: str, topic: str, n: int) -> dict[str, Any]:
     secs = time.perf_counter() - t0
     cpu = cpu_s() - c0
     c.close()
-    return {"messages": done, "seconds": secs, "rate": done / secs, "rss_mb": rss_mb(),
-            "driver_cpu_us": cpu / max(1, done) * 1e6}
+    return {
+        "messages": done,
+        "seconds": secs,
+        "rate": done / secs,
+        "rss_mb": rss_mb(),
+        "driver_cpu_us": cpu / max(1, done) * 1e6,
+    }
 
 
 def body(i: int) -> bytes:
     """A 100-byte JSON message."""
-    b = json.dumps({"id": i, "sku": f"sku-{i % 977:04d}", "qty": 1 + i % 7,
-                    "price": round(1 + (i % 1000) / 10, 2), "pad": ""}, separators=(",", ":"))
+    b = json.dumps(
+        {
+            "id": i,
+            "sku": f"sku-{i % 977:04d}",
+            "qty": 1 + i % 7,
+            "price": round(1 + (i % 1000) / 10, 2),
+            "pad": "",
+        },
+        separators=(",", ":"),
+    )
     pad = max(0, 100 - len(b))
     return b.replace('"pad":""', '"pad":"' + "x" * pad + '"').encode()
 
@@ -216,6 +243,7 @@ def shaped(evolving: bool, n: int = 200_000) -> Any:
     def make(i: int) -> bytes:
         k = i // SHAPE_EVERY if evolving else i % kinds
         return body(i)[:-1] + f',"f{k}":{i}}}'.encode()
+
     return make
 
 
@@ -260,8 +288,14 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def measured(done: int, secs: float, cpu: float, **extra: Any) -> dict[str, Any]:
-    return {"messages": done, "seconds": secs, "rate": done / secs if secs else 0.0,
-            "rss_mb": rss_mb(), "driver_cpu_us": cpu / max(1, done) * 1e6, **extra}
+    return {
+        "messages": done,
+        "seconds": secs,
+        "rate": done / secs if secs else 0.0,
+        "rss_mb": rss_mb(),
+        "driver_cpu_us": cpu / max(1, done) * 1e6,
+        **extra,
+    }
 
 
 def phase_limit(db: str, n: int, batch: int) -> dict[str, Any]:
@@ -284,8 +318,9 @@ def arrow_parse(batches: Any) -> Any:
     """``parse`` over Arrow batches of JSON bodies (the peer's Python step)."""
     import pyarrow as pa
 
-    schema = pa.schema([("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()),
-                        ("price", pa.float64())])
+    schema = pa.schema(
+        [("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()), ("price", pa.float64())]
+    )
     for b in batches:
         rows = [parse(json.loads(x)) for x in b.column("body").to_pylist()]
         yield pa.RecordBatch.from_pylist(rows, schema=schema)
@@ -295,8 +330,9 @@ def arrow_parse_rows(batches: Any) -> Any:
     """``parse`` over Arrow batches of already-parsed rows (Structured Streaming's UDF)."""
     import pyarrow as pa
 
-    schema = pa.schema([("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()),
-                        ("price", pa.float64())])
+    schema = pa.schema(
+        [("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()), ("price", pa.float64())]
+    )
     for b in batches:
         yield pa.RecordBatch.from_pylist([parse(r) for r in b.to_pylist()], schema=schema)
 
@@ -334,10 +370,16 @@ def phase_peer(db: str, n: int, batch: int, out: str) -> dict[str, Any]:
         latencies.append(one([m.body for m in leased]))
         done += len(leased)
     secs, cpu = time.perf_counter() - t0, cpu_s() - c0
-    return measured(done, secs, cpu, jvm_rss_mb=rss_mb(jvm) if jvm else None,
-                    spark_cpu_us=(tree_cpu(jvm) - s0) / max(1, done) * 1e6,
-                    jvm_cpu_us=(own_cpu(jvm) - j0) / max(1, done) * 1e6,
-                    batch_p50_s=pct(latencies, 0.5), batch_p99_s=pct(latencies, 0.99))
+    return measured(
+        done,
+        secs,
+        cpu,
+        jvm_rss_mb=rss_mb(jvm) if jvm else None,
+        spark_cpu_us=(tree_cpu(jvm) - s0) / max(1, done) * 1e6,
+        jvm_cpu_us=(own_cpu(jvm) - j0) / max(1, done) * 1e6,
+        batch_p50_s=pct(latencies, 0.5),
+        batch_p99_s=pct(latencies, 0.99),
+    )
 
 
 def write_files(directory: str, n: int, per_file: int = 20_000) -> None:
@@ -362,13 +404,21 @@ def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
 
     def run(directory: str, target: str) -> float:
         t = time.perf_counter()
-        df = (spark.readStream.schema(schema).option("maxFilesPerTrigger", max(
-            1, batch // 20_000)).json(directory).drop("pad")
-              .mapInArrow(arrow_parse_rows, FIELDS)
-              .withColumn("total", F.col("qty") * F.col("price")))
-        q = (df.writeStream.format("parquet").option("path", target)
-             .option("checkpointLocation", target + "-checkpoint")
-             .trigger(availableNow=True).start())
+        df = (
+            spark.readStream.schema(schema)
+            .option("maxFilesPerTrigger", max(1, batch // 20_000))
+            .json(directory)
+            .drop("pad")
+            .mapInArrow(arrow_parse_rows, FIELDS)
+            .withColumn("total", F.col("qty") * F.col("price"))
+        )
+        q = (
+            df.writeStream.format("parquet")
+            .option("path", target)
+            .option("checkpointLocation", target + "-checkpoint")
+            .trigger(availableNow=True)
+            .start()
+        )
         q.awaitTermination()
         return time.perf_counter() - t
 
@@ -383,15 +433,25 @@ def phase_ss_files(src: str, n: int, batch: int, out: str) -> dict[str, Any]:
     if rows != n:
         raise SystemExit(f"ss_files wrote {rows} rows of {n}")
     assert time.perf_counter() - t0 >= secs
-    return measured(n, secs, cpu, spark_cpu_us=spark_cpu / n * 1e6,
-                    jvm_cpu_us=jvm_cpu / n * 1e6)
+    return measured(n, secs, cpu, spark_cpu_us=spark_cpu / n * 1e6, jvm_cpu_us=jvm_cpu / n * 1e6)
 
 
-def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
-                  dsn: str | None = None, url: str | None = None, queue: str = QUEUE,
-                  files: str | None = None, table: str = "parquet",
-                  broker: int | None = None, shape: bool = False,
-                  kafka: str | None = None) -> dict[str, Any]:
+def phase_ackflow(
+    db: str,
+    n: int,
+    batch: int,
+    inflight: int,
+    out: str,
+    *,
+    dsn: str | None = None,
+    url: str | None = None,
+    queue: str = QUEUE,
+    files: str | None = None,
+    table: str = "parquet",
+    broker: int | None = None,
+    shape: bool = False,
+    kafka: str | None = None,
+) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
     from ackflow.sinks import Delta, Iceberg, MemorySink, Parquet, Postgres, Sink
@@ -411,10 +471,20 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
         else:
             sink = Parquet(path)
         if kafka is not None:  # a log needs a place for dead letters (there are none)
-            source: Any = Kafka(kafka, queue, f"ackflow-{queue}", config=KAFKA_GROUP,
-                                attempts_path=os.path.join(path + "-state", "attempts.db"))
-            return (ackflow.Flow(source).map(parse, name="parse", schema=FIELDS)
-                    .with_columns(total="qty * price").to(sink).on_error(MemorySink("dead")))
+            source: Any = Kafka(
+                kafka,
+                queue,
+                f"ackflow-{queue}",
+                config=KAFKA_GROUP,
+                attempts_path=os.path.join(path + "-state", "attempts.db"),
+            )
+            return (
+                ackflow.Flow(source)
+                .map(parse, name="parse", schema=FIELDS)
+                .with_columns(total="qty * price")
+                .to(sink)
+                .on_error(MemorySink("dead"))
+            )
         if files is not None:
             source = Files(files, "jsonl", done="record")
         elif url is not None:
@@ -423,16 +493,24 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
             source = EmbeddedQueue(db, queue)
         if shape:  # the columns are inferred, stored and evolved (issue 30)
             return ackflow.Flow(source).map(lambda r: r, name="record").to(sink)
-        return (ackflow.Flow(source)
-                .map(parse, name="parse", schema=FIELDS)
-                .with_columns(total="qty * price")
-                .to(sink))
+        return (
+            ackflow.Flow(source)
+            .map(parse, name="parse", schema=FIELDS)
+            .with_columns(total="qty * price")
+            .to(sink)
+        )
 
     warm = files + "-warmup" if files else None
     if warm:
         write_files(warm, batch)
-    Engine(flow("warmup", out + "-warmup", warm), spark=spark, batch_size=batch,
-           max_inflight=inflight, until_idle=0.2, handle_signals=False).run()
+    Engine(
+        flow("warmup", out + "-warmup", warm),
+        spark=spark,
+        batch_size=batch,
+        max_inflight=inflight,
+        until_idle=0.2,
+        handle_signals=False,
+    ).run()
     peak = [0.0]
 
     def sample(report: Any, window: Any) -> None:
@@ -440,27 +518,42 @@ def phase_ackflow(db: str, n: int, batch: int, inflight: int, out: str, *,
 
     jvm = jvm_pid()
     c0, s0, j0, b0 = cpu_s(), tree_cpu(jvm), own_cpu(jvm), tree_cpu(broker)
-    report = Engine(flow(queue, out, files), spark=spark, batch_size=batch,
-                    max_inflight=inflight, until_idle=IDLE_S, handle_signals=False,
-                    progress=sample).run()
+    report = Engine(
+        flow(queue, out, files),
+        spark=spark,
+        batch_size=batch,
+        max_inflight=inflight,
+        until_idle=IDLE_S,
+        handle_signals=False,
+        progress=sample,
+    ).run()
     cpu, spark_cpu, jvm_cpu = cpu_s() - c0, tree_cpu(jvm) - s0, own_cpu(jvm) - j0
     broker_cpu = tree_cpu(broker) - b0
     secs = report.elapsed_s - IDLE_S  # the idle wait at the end is not work
     if report.acked != n:
-        raise SystemExit(f"ackflow acked {report.acked} of {n} messages (pulled "
-                         f"{report.pulled}, nacked {report.nacked}, dead-lettered "
-                         f"{report.dead_lettered}, redelivered {report.redelivered}, "
-                         f"{report.elapsed_s:.1f} s)")
-    return measured(report.acked, secs, cpu, rss_peak_mb=peak[0],
-                    spark_cpu_us=spark_cpu / max(1, report.acked) * 1e6,
-                    jvm_cpu_us=jvm_cpu / max(1, report.acked) * 1e6,
-                    jvm_rss_mb=rss_mb(jvm) if jvm else None,
-                    batch_p50_s=report.batch_p50_s, batch_p99_s=report.batch_p99_s,
-                    nacked=report.nacked, dead_lettered=report.dead_lettered,
-                    batches=report.batches, jobs=report.jobs,
-                    schema_versions=sum(report.schema_versions.values()),
-                    **({"broker_cpu_us": broker_cpu / max(1, report.acked) * 1e6}
-                       if broker else {}))
+        raise SystemExit(
+            f"ackflow acked {report.acked} of {n} messages (pulled "
+            f"{report.pulled}, nacked {report.nacked}, dead-lettered "
+            f"{report.dead_lettered}, redelivered {report.redelivered}, "
+            f"{report.elapsed_s:.1f} s)"
+        )
+    return measured(
+        report.acked,
+        secs,
+        cpu,
+        rss_peak_mb=peak[0],
+        spark_cpu_us=spark_cpu / max(1, report.acked) * 1e6,
+        jvm_cpu_us=jvm_cpu / max(1, report.acked) * 1e6,
+        jvm_rss_mb=rss_mb(jvm) if jvm else None,
+        batch_p50_s=report.batch_p50_s,
+        batch_p99_s=report.batch_p99_s,
+        nacked=report.nacked,
+        dead_lettered=report.dead_lettered,
+        batches=report.batches,
+        jobs=report.jobs,
+        schema_versions=sum(report.schema_versions.values()),
+        **({"broker_cpu_us": broker_cpu / max(1, report.acked) * 1e6} if broker else {}),
+    )
 
 
 def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, Any]:
@@ -493,10 +586,14 @@ def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, 
         return parse(r["m"])
 
     spark = ackflow.session("local[*]")
-    engine = Engine(ackflow.Flow(Timed(url, queue, reject_to_dlx=True))
-                    .map(timed_parse, name="parse", schema=FIELDS)
-                    .with_columns(total="qty * price").to(Parquet(out)),
-                    spark=spark, handle_signals=False)
+    engine = Engine(
+        ackflow.Flow(Timed(url, queue, reject_to_dlx=True))
+        .map(timed_parse, name="parse", schema=FIELDS)
+        .with_columns(total="qty * price")
+        .to(Parquet(out)),
+        spark=spark,
+        handle_signals=False,
+    )
     published = [0]
 
     def publisher() -> None:
@@ -512,8 +609,7 @@ def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, 
             if pause > 0:
                 time.sleep(pause)
             ts = time.time() if time.monotonic() >= warm_until else -1.0
-            ch.basic_publish("", queue, json.dumps({"ts": ts, "m": json.loads(body(i))}),
-                             props)
+            ch.basic_publish("", queue, json.dumps({"ts": ts, "m": json.loads(body(i))}), props)
             i += 1
         published[0] = i
         c.close()
@@ -529,10 +625,18 @@ def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, 
     lat = [x for x in latencies if x < 1e8]  # warm-up messages carry ts = -1
     if report.acked != published[0]:
         raise SystemExit(f"latency: acked {report.acked} of {published[0]}")
-    return measured(report.acked, secs, cpu, latency_p50_s=pct(lat, 0.5),
-                    latency_p99_s=pct(lat, 0.99), latency_max_s=max(lat, default=0.0),
-                    timed=len(lat), batches=report.batches, batch_p50_s=report.batch_p50_s,
-                    batch_p99_s=report.batch_p99_s)
+    return measured(
+        report.acked,
+        secs,
+        cpu,
+        latency_p50_s=pct(lat, 0.5),
+        latency_p99_s=pct(lat, 0.99),
+        latency_max_s=max(lat, default=0.0),
+        timed=len(lat),
+        batches=report.batches,
+        batch_p50_s=report.batch_p50_s,
+        batch_p99_s=report.batch_p99_s,
+    )
 
 
 def pg_rows(bodies: list[bytes], keys: list[str]) -> list[tuple[Any, ...]]:
@@ -543,8 +647,10 @@ def pg_rows(bodies: list[bytes], keys: list[str]) -> list[tuple[Any, ...]]:
     return out
 
 
-PG_TABLE = "CREATE TABLE {} (id bigint, sku text, qty bigint, price double precision, " \
+PG_TABLE = (
+    "CREATE TABLE {} (id bigint, sku text, qty bigint, price double precision, "
     "total double precision, ackflow_key text PRIMARY KEY)"
+)
 
 
 def phase_pg_limit(db: str, n: int, batch: int, dsn: str) -> dict[str, Any]:
@@ -564,14 +670,15 @@ def phase_pg_limit(db: str, n: int, batch: int, dsn: str) -> dict[str, Any]:
                 break
             rows = pg_rows([m.body for m in leased], [m.key for m in leased])
             with conn.cursor() as cur:
-                cur.execute("CREATE TEMP TABLE IF NOT EXISTS stage (LIKE bench_limit) "
-                            "ON COMMIT DELETE ROWS")
+                cur.execute("CREATE TEMP TABLE IF NOT EXISTS stage (LIKE bench_limit) ON COMMIT DELETE ROWS")
                 with cur.copy("COPY stage FROM STDIN") as cp:
                     for r in rows:
                         cp.write_row(r)
-                cur.execute("INSERT INTO bench_limit SELECT * FROM stage ON CONFLICT "
-                            "(ackflow_key) DO UPDATE SET id = EXCLUDED.id, sku = EXCLUDED.sku, "
-                            "qty = EXCLUDED.qty, price = EXCLUDED.price, total = EXCLUDED.total")
+                cur.execute(
+                    "INSERT INTO bench_limit SELECT * FROM stage ON CONFLICT "
+                    "(ackflow_key) DO UPDATE SET id = EXCLUDED.id, sku = EXCLUDED.sku, "
+                    "qty = EXCLUDED.qty, price = EXCLUDED.price, total = EXCLUDED.total"
+                )
             conn.commit()
             q.ack(QUEUE, [(m.row_id, m.deliveries) for m in leased])
             done += len(leased)

@@ -83,16 +83,38 @@ from benchmarks.phases import (
     write_files,
 )
 
-PHASES = ("limit", "peer", "ackflow", "pg_limit", "ackflow_pg", "rmq_limit", "ackflow_rmq",
-          "rmq_limit_quorum", "ackflow_rmq_quorum", "ss_files", "ackflow_files", "latency",
-          "ackflow_delta", "ackflow_iceberg", "shape_fixed", "shape_evolving", "kafka_limit",
-          "ackflow_kafka")
-RATIOS = (("shape_evolving", "shape_fixed"), ("ackflow_kafka", "kafka_limit"),
-          ("ackflow", "limit"), ("ackflow", "peer"),
-          ("ackflow_pg", "pg_limit"),
-          ("ackflow_rmq", "rmq_limit"), ("ackflow_rmq_quorum", "rmq_limit_quorum"),
-          ("ackflow_files", "ss_files"), ("ackflow_delta", "ackflow"),
-          ("ackflow_iceberg", "ackflow"))
+PHASES = (
+    "limit",
+    "peer",
+    "ackflow",
+    "pg_limit",
+    "ackflow_pg",
+    "rmq_limit",
+    "ackflow_rmq",
+    "rmq_limit_quorum",
+    "ackflow_rmq_quorum",
+    "ss_files",
+    "ackflow_files",
+    "latency",
+    "ackflow_delta",
+    "ackflow_iceberg",
+    "shape_fixed",
+    "shape_evolving",
+    "kafka_limit",
+    "ackflow_kafka",
+)
+RATIOS = (
+    ("shape_evolving", "shape_fixed"),
+    ("ackflow_kafka", "kafka_limit"),
+    ("ackflow", "limit"),
+    ("ackflow", "peer"),
+    ("ackflow_pg", "pg_limit"),
+    ("ackflow_rmq", "rmq_limit"),
+    ("ackflow_rmq_quorum", "rmq_limit_quorum"),
+    ("ackflow_files", "ss_files"),
+    ("ackflow_delta", "ackflow"),
+    ("ackflow_iceberg", "ackflow"),
+)
 
 
 def run_phase(name: str, args: list[str], broker: int | None = None) -> dict[str, Any]:
@@ -101,9 +123,19 @@ def run_phase(name: str, args: list[str], broker: int | None = None) -> dict[str
     over the whole process (Spark's start, the warm-up batch, the idle wait at the end
     included) is ``broker_total_cpu_us``."""
     b0 = tree_cpu(broker)
-    r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--phase", name, *args,
-                        *(["--broker-pid", str(broker)] if broker else [])],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--phase",
+            name,
+            *args,
+            *(["--broker-pid", str(broker)] if broker else []),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         raise SystemExit(f"phase {name} failed:\n{r.stderr[-3000:]}")
     res: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -122,21 +154,20 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     if name == "pg_limit":
         return phase_pg_limit(a.db, a.messages, a.batch_size, a.dsn)
     if name.startswith("rmq_limit"):
-        return phase_rmq_limit(a.url, rmq_queue(name), a.messages, a.max_inflight,
-                               a.broker_pid)
+        return phase_rmq_limit(a.url, rmq_queue(name), a.messages, a.max_inflight, a.broker_pid)
     if name == "kafka_limit":
         return phase_kafka_limit(a.kafka, a.topic, a.messages)
     if name == "ackflow_kafka":
         publish_kafka(a.kafka, "warmup", a.batch_size)
-        return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out,
-                             queue=a.topic, kafka=a.kafka)
+        return phase_ackflow(
+            a.db, a.messages, a.batch_size, a.max_inflight, out, queue=a.topic, kafka=a.kafka
+        )
     if name == "ss_files":
         return phase_ss_files(a.files, a.messages, a.batch_size, out)
     if name == "latency":
         return phase_latency(a.url, a.latency_rate, a.latency_seconds, out)
     if name == "ackflow_files":
-        return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out,
-                             files=a.files)
+        return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, files=a.files)
     if name.startswith("shape_"):
         publish(a.db, a.batch_size, "warmup")
         return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, shape=True)
@@ -144,15 +175,22 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
         publish_rmq(a.url, "warmup", a.batch_size)
     else:
         publish(a.db, a.batch_size, "warmup")
-    table = name.removeprefix("ackflow_") if name in ("ackflow_delta", "ackflow_iceberg") \
-        else "parquet"
-    return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, dsn=a.dsn,
-                         url=a.url, queue=rmq_queue(name) if a.url else QUEUE, table=table,
-                         broker=a.broker_pid)
+    table = name.removeprefix("ackflow_") if name in ("ackflow_delta", "ackflow_iceberg") else "parquet"
+    return phase_ackflow(
+        a.db,
+        a.messages,
+        a.batch_size,
+        a.max_inflight,
+        out,
+        dsn=a.dsn,
+        url=a.url,
+        queue=rmq_queue(name) if a.url else QUEUE,
+        table=table,
+        broker=a.broker_pid,
+    )
 
 
-def prepare(name: str, n: int, tmp: str, url: str | None,
-            kafka: str | None = None) -> list[str]:
+def prepare(name: str, n: int, tmp: str, url: str | None, kafka: str | None = None) -> list[str]:
     """Load the phase's input; the arguments that point the phase at it."""
     db = os.path.join(tmp, f"{name}.db")
     if "kafka" in name:
@@ -160,8 +198,7 @@ def prepare(name: str, n: int, tmp: str, url: str | None,
         publish_kafka(kafka or "", topic, n)
         return ["--db", db, "--kafka", kafka or "", "--topic", topic]
     if "rmq" in name:
-        publish_rmq(url or "", rmq_queue(name), n, "quorum" if name.endswith("quorum")
-                    else "classic")
+        publish_rmq(url or "", rmq_queue(name), n, "quorum" if name.endswith("quorum") else "classic")
         return ["--db", db, "--url", url or ""]
     if name == "latency":
         return ["--db", db, "--url", url or ""]
@@ -170,8 +207,7 @@ def prepare(name: str, n: int, tmp: str, url: str | None,
         shutil.rmtree(files, ignore_errors=True)
         write_files(files, n)
         return ["--db", db, "--files", files]
-    publish(db, n, make=shaped(name == "shape_evolving", n) if name.startswith("shape_")
-            else None)
+    publish(db, n, make=shaped(name == "shape_evolving", n) if name.startswith("shape_") else None)
     return ["--db", db]
 
 
@@ -182,7 +218,7 @@ def clean(tmp: str, name: str) -> None:
     import glob
 
     for path in glob.glob(os.path.join(glob.escape(tmp), glob.escape(name) + "*")):
-        rest = os.path.basename(path)[len(name):]
+        rest = os.path.basename(path)[len(name) :]
         if rest and rest[0] not in "-.":  # a longer phase name's
             continue
         if os.path.isdir(path):
@@ -203,15 +239,21 @@ def main() -> None:
     p.add_argument("--max-inflight", type=int, default=75_000)
     p.add_argument("--out", default="benchmarks/results/latest.json")
     p.add_argument("--rss", default=None, help="comma-separated message counts: ackflow RSS only")
-    p.add_argument("--sweep", default=None,
-                   help="comma-separated batch sizes: ackflow_rmq at each (and one rmq_limit)")
-    p.add_argument("--queue-type", default="classic", choices=("classic", "quorum"),
-                   help="the queue --sweep runs on")
+    p.add_argument(
+        "--sweep", default=None, help="comma-separated batch sizes: ackflow_rmq at each (and one rmq_limit)"
+    )
+    p.add_argument(
+        "--queue-type", default="classic", choices=("classic", "quorum"), help="the queue --sweep runs on"
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs per phase; the median is shown")
     p.add_argument("--latency-rate", type=float, default=200.0)
     p.add_argument("--latency-seconds", type=float, default=60.0)
-    p.add_argument("--ack-hold", type=float, default=None,
-                   help="RabbitMQ source: seconds acks of a younger batch are held (1.0)")
+    p.add_argument(
+        "--ack-hold",
+        type=float,
+        default=None,
+        help="RabbitMQ source: seconds acks of a younger batch are held (1.0)",
+    )
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--db", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -234,17 +276,31 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    common = ["--batch-size", str(a.batch_size), "--max-inflight", str(a.max_inflight),
-              "--latency-rate", str(a.latency_rate), "--latency-seconds", str(a.latency_seconds),
-              *(["--ack-hold", str(a.ack_hold)] if a.ack_hold is not None else [])]
+    common = [
+        "--batch-size",
+        str(a.batch_size),
+        "--max-inflight",
+        str(a.max_inflight),
+        "--latency-rate",
+        str(a.latency_rate),
+        "--latency-seconds",
+        str(a.latency_seconds),
+        *(["--ack-hold", str(a.ack_hold)] if a.ack_hold is not None else []),
+    ]
     results: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform(),
-                    "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                                       / 2**30, 1)},
-        "settings": {"messages": a.messages, "batch_size": a.batch_size,
-                     "max_inflight": a.max_inflight, "message_bytes": len(body(0)),
-                     "repeat": a.repeat},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        },
+        "settings": {
+            "messages": a.messages,
+            "batch_size": a.batch_size,
+            "max_inflight": a.max_inflight,
+            "message_bytes": len(body(0)),
+            "repeat": a.repeat,
+        },
     }
     with tempfile.TemporaryDirectory(prefix="ackflow-bench-") as tmp:
         if a.rss:
@@ -259,8 +315,10 @@ def main() -> None:
             base = rows[0]["max_rss_mb"]
             print(f"{'messages':>10} {'msg/s':>9} {'driver peak RSS MB':>19} {'vs first':>9}")
             for r in rows:
-                print(f"{r['messages']:>10,} {r['rate']:>9,.0f} {r['max_rss_mb']:>19.0f} "
-                      f"{r['max_rss_mb'] / base - 1:>+9.1%}")
+                print(
+                    f"{r['messages']:>10,} {r['rate']:>9,.0f} {r['max_rss_mb']:>19.0f} "
+                    f"{r['max_rss_mb'] / base - 1:>+9.1%}"
+                )
         elif a.sweep:
             sweep(a, results, tmp)
         else:
@@ -291,17 +349,20 @@ def main() -> None:
                         extra = prepare(name, a.messages, tmp, url, kafka)
                         if "pg" in name:
                             extra += ["--dsn", dsn or ""]
-                        runs.append(run_phase(name, ["--dir", tmp, "--messages",
-                                                     str(a.messages), *common, *extra],
-                                              broker if "rmq" in name else None))
+                        runs.append(
+                            run_phase(
+                                name,
+                                ["--dir", tmp, "--messages", str(a.messages), *common, *extra],
+                                broker if "rmq" in name else None,
+                            )
+                        )
                         clean(tmp, name)
                     results[name] = median_run(runs)
                     print(f"  {name}: {results[name]['rate']:,.0f} msg/s", file=sys.stderr)
             ratios = {}
             for a_name, b_name in RATIOS:
                 if a_name in results and b_name in results:
-                    ratios[f"{a_name}_vs_{b_name}"] = (results[a_name]["rate"]
-                                                        / results[b_name]["rate"])
+                    ratios[f"{a_name}_vs_{b_name}"] = results[a_name]["rate"] / results[b_name]["rate"]
             results["ratios"] = ratios
             print_table(phases, results)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -318,25 +379,30 @@ def workers_cpu(r: dict[str, Any]) -> float | None:
 
 
 def print_table(phases: list[str], results: dict[str, Any]) -> None:
-    print(f"{'phase':<19} {'msg/s':>9} {'batch p50/p99 s':>16} {'CPU µs/msg: driver':>19} "
-          f"{'Spark':>6} {'(JVM':>6} {'Python)':>7} {'broker':>7} {'driver RSS':>11}  runs")
+    print(
+        f"{'phase':<19} {'msg/s':>9} {'batch p50/p99 s':>16} {'CPU µs/msg: driver':>19} "
+        f"{'Spark':>6} {'(JVM':>6} {'Python)':>7} {'broker':>7} {'driver RSS':>11}  runs"
+    )
 
     def us(v: float | None) -> str:
         return f"{v:.1f}" if v is not None else "-"
 
     for name in phases:
         r = results[name]
-        lat = (f"{r.get('batch_p50_s', 0):.2f}/{r.get('batch_p99_s', 0):.2f}"
-               if r.get("batch_p50_s") else "-")
-        print(f"{name:<19} {r['rate']:>9,.0f} {lat:>16} {us(r['driver_cpu_us']):>19} "
-              f"{us(r.get('spark_cpu_us')):>6} {us(r.get('jvm_cpu_us')):>6} "
-              f"{us(workers_cpu(r)):>7} {us(r.get('broker_cpu_us')):>7} "
-              f"{r['max_rss_mb']:>8.0f} MB  {r.get('runs', '')}")
+        lat = f"{r.get('batch_p50_s', 0):.2f}/{r.get('batch_p99_s', 0):.2f}" if r.get("batch_p50_s") else "-"
+        print(
+            f"{name:<19} {r['rate']:>9,.0f} {lat:>16} {us(r['driver_cpu_us']):>19} "
+            f"{us(r.get('spark_cpu_us')):>6} {us(r.get('jvm_cpu_us')):>6} "
+            f"{us(workers_cpu(r)):>7} {us(r.get('broker_cpu_us')):>7} "
+            f"{r['max_rss_mb']:>8.0f} MB  {r.get('runs', '')}"
+        )
     if "latency" in results:
         r = results["latency"]
-        print(f"latency at {r['messages'] / r['seconds']:.0f} msg/s: publish-to-ack p50 "
-              f"{r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s, max "
-              f"{r['latency_max_s']:.2f} s ({r['timed']} timed messages)")
+        print(
+            f"latency at {r['messages'] / r['seconds']:.0f} msg/s: publish-to-ack p50 "
+            f"{r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s, max "
+            f"{r['latency_max_s']:.2f} s ({r['timed']} timed messages)"
+        )
     for k, v in results["ratios"].items():
         print(f"{k.replace('_vs_', ' / ')} = {v:.2f}")
 
@@ -351,30 +417,52 @@ def sweep(a: argparse.Namespace, results: dict[str, Any], tmp: str) -> None:
     with RabbitMQServer() as server:
         extra = prepare(limit, a.messages, tmp, server.url)
         broker = server.proc.pid if server.proc else None
-        rows["limit"] = run_phase(limit, ["--dir", tmp, "--messages", str(a.messages),
-                                          "--max-inflight", "65535", *extra], broker)
+        rows["limit"] = run_phase(
+            limit, ["--dir", tmp, "--messages", str(a.messages), "--max-inflight", "65535", *extra], broker
+        )
         for size in [int(x) for x in a.sweep.split(",")]:
             runs = []
             for _ in range(a.repeat):
                 extra = prepare(name, a.messages, tmp, server.url)
                 hold = ["--ack-hold", str(a.ack_hold)] if a.ack_hold is not None else []
-                runs.append(run_phase(name, ["--dir", tmp, "--messages", str(a.messages), *hold,
-                                             "--batch-size", str(size),
-                                             "--max-inflight", str(3 * size), *extra],
-                                      broker))
+                runs.append(
+                    run_phase(
+                        name,
+                        [
+                            "--dir",
+                            tmp,
+                            "--messages",
+                            str(a.messages),
+                            *hold,
+                            "--batch-size",
+                            str(size),
+                            "--max-inflight",
+                            str(3 * size),
+                            *extra,
+                        ],
+                        broker,
+                    )
+                )
                 shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
             rows[str(size)] = median_run(runs)
             print(f"  batch {size}: {rows[str(size)]['rate']:,.0f} msg/s", file=sys.stderr)
     results["sweep"] = rows
     best = max(r["rate"] for k, r in rows.items() if k != "limit")
-    print(f"{'batch':>8} {'msg/s':>9} {'vs best':>8} {'vs limit':>9} "
-          f"{'CPU µs/msg: driver':>19} {'Spark':>6} {'broker':>7}")
+    print(
+        f"{'batch':>8} {'msg/s':>9} {'vs best':>8} {'vs limit':>9} "
+        f"{'CPU µs/msg: driver':>19} {'Spark':>6} {'broker':>7}"
+    )
     for k, r in rows.items():
         size = "limit" if k == "limit" else f"{int(k):,}"
-        vs = ("", "") if k == "limit" else (f"{r['rate'] / best:.2f}",
-                                            f"{r['rate'] / rows['limit']['rate']:.2f}")
-        print(f"{size:>8} {r['rate']:>9,.0f} {vs[0]:>8} {vs[1]:>9} {r['driver_cpu_us']:>19.1f} "
-              f"{r.get('spark_cpu_us', 0):>6.1f} {r.get('broker_cpu_us', 0):>7.1f}")
+        vs = (
+            ("", "")
+            if k == "limit"
+            else (f"{r['rate'] / best:.2f}", f"{r['rate'] / rows['limit']['rate']:.2f}")
+        )
+        print(
+            f"{size:>8} {r['rate']:>9,.0f} {vs[0]:>8} {vs[1]:>9} {r['driver_cpu_us']:>19.1f} "
+            f"{r.get('spark_cpu_us', 0):>6.1f} {r.get('broker_cpu_us', 0):>7.1f}"
+        )
     results["sweep_spread"] = min(r["rate"] for k, r in rows.items() if k != "limit") / best
 
 

@@ -45,8 +45,14 @@ SCHEMA = pa.schema([("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()
 def batch(n: int, rows: int) -> pa.Table:
     lo = n * rows
     ids = list(range(lo, lo + rows))
-    return pa.table({"id": ids, "sku": [f"s{i % 977}" for i in ids], "qty": [i % 7 for i in ids],
-                     ROW_KEY: [f"m{i}#0" for i in ids]})
+    return pa.table(
+        {
+            "id": ids,
+            "sku": [f"s{i % 977}" for i in ids],
+            "qty": [i % 7 for i in ids],
+            ROW_KEY: [f"m{i}#0" for i in ids],
+        }
+    )
 
 
 def make(kind: str, folder: str, dsn: str | None, amqp: str | None = None) -> Sink:
@@ -100,14 +106,18 @@ def iceberg_facts(sink: Any) -> dict[str, Any]:
     names = os.listdir(folder)
     size = sum(os.path.getsize(os.path.join(folder, n)) for n in names)
     current = table.current_snapshot()
-    return {"metadata_json": sum(n.endswith(".metadata.json") for n in names),
-            "avro_files": sum(n.endswith(".avro") for n in names),
-            "metadata_bytes": size, "snapshots": len(table.snapshots()),
-            "manifests_in_current": len(current.manifests(table.io)) if current else 0}
+    return {
+        "metadata_json": sum(n.endswith(".metadata.json") for n in names),
+        "avro_files": sum(n.endswith(".avro") for n in names),
+        "metadata_bytes": size,
+        "snapshots": len(table.snapshots()),
+        "manifests_in_current": len(current.manifests(table.io)) if current else 0,
+    }
 
 
-def interleaved(kind: str, aged: Sink, done: int, first: int, rows: int, dsn: str | None,
-                amqp: str | None) -> dict[str, Any]:
+def interleaved(
+    kind: str, aged: Sink, done: int, first: int, rows: int, dsn: str | None, amqp: str | None
+) -> dict[str, Any]:
     """``first`` more batches into the aged sink, each beside one into a fresh sink (its
     batches 1..first), in turns: both see the same load on the machine, so their ratio
     shows what the history costs even when other processes slow everything down."""
@@ -119,15 +129,19 @@ def interleaved(kind: str, aged: Sink, done: int, first: int, rows: int, dsn: st
             new.append(one(fresh, i, rows))
             old.append(one(aged, done + i, rows))
         m_old, m_new = statistics.median(old) * 1000, statistics.median(new) * 1000
-        return {"interleaved_aged_ms": round(m_old, 2), "interleaved_fresh_ms": round(m_new, 2),
-                "interleaved_ratio": round(m_old / m_new, 2)}
+        return {
+            "interleaved_aged_ms": round(m_old, 2),
+            "interleaved_fresh_ms": round(m_new, 2),
+            "interleaved_ratio": round(m_old / m_new, 2),
+        }
     finally:
         fresh.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def measure(kind: str, first: int, total: int, rows: int, max_s: float,
-            dsn: str | None, amqp: str | None = None) -> dict[str, Any]:
+def measure(
+    kind: str, first: int, total: int, rows: int, max_s: float, dsn: str | None, amqp: str | None = None
+) -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix=f"ackflow-scale-{kind}-")
     sink = make(kind, folder, dsn, amqp)
     try:
@@ -138,17 +152,20 @@ def measure(kind: str, first: int, total: int, rows: int, max_s: float,
         done = len(costs)
         head, tail = costs[:first], costs[-first:] if done >= 2 * first else []
         out: dict[str, Any] = {
-            "sink": kind, "rows_per_batch": rows, "batches": done, "planned": total,
-            "first_n": len(head), "median_first_ms": round(statistics.median(head) * 1000, 2),
+            "sink": kind,
+            "rows_per_batch": rows,
+            "batches": done,
+            "planned": total,
+            "first_n": len(head),
+            "median_first_ms": round(statistics.median(head) * 1000, 2),
             "median_last_ms": round(statistics.median(tail) * 1000, 2) if tail else None,
-            "p99_last_ms": (round(sorted(tail)[int(len(tail) * 0.99) - 1] * 1000, 2)
-                            if tail else None),
+            "p99_last_ms": (round(sorted(tail)[int(len(tail) * 0.99) - 1] * 1000, 2) if tail else None),
             "mean_first_ms": round(statistics.fmean(head) * 1000, 2),
             "mean_last_ms": round(statistics.fmean(tail) * 1000, 2) if tail else None,
-            "max_ms": round(max(costs) * 1000, 1), "seconds": round(sum(costs), 1),
+            "max_ms": round(max(costs) * 1000, 1),
+            "seconds": round(sum(costs), 1),
         }
-        out["ratio"] = (round(out["median_last_ms"] / out["median_first_ms"], 2)
-                        if tail else None)
+        out["ratio"] = round(out["median_last_ms"] / out["median_first_ms"], 2) if tail else None
         if kind == "iceberg":
             out.update(iceberg_facts(sink))
         if kind.startswith("delta"):
@@ -195,16 +212,20 @@ def main(argv: list[str] | None = None) -> None:
             server.close()
         if broker is not None:
             broker.close()
-    head = (f"{'sink':<9} {'batches':>8} {'median 1..N ms':>15} {'median last N ms':>17} "
-            f"{'ratio':>6} {'mean 1..N':>10} {'mean last N':>12} {'p99 last N':>11} "
-            f"{'aged/fresh in turns':>20}")
+    head = (
+        f"{'sink':<9} {'batches':>8} {'median 1..N ms':>15} {'median last N ms':>17} "
+        f"{'ratio':>6} {'mean 1..N':>10} {'mean last N':>12} {'p99 last N':>11} "
+        f"{'aged/fresh in turns':>20}"
+    )
     print("\n" + head)
     fmt: Callable[[Any], str] = lambda v: "-" if v is None else str(v)  # noqa: E731
     for r in results:
-        print(f"{r['sink']:<9} {r['batches']:>8} {r['median_first_ms']:>15} "
-              f"{fmt(r['median_last_ms']):>17} {fmt(r['ratio']):>6} {r['mean_first_ms']:>10} "
-              f"{fmt(r['mean_last_ms']):>12} {fmt(r['p99_last_ms']):>11} "
-              f"{fmt(r.get('interleaved_ratio')):>20}")
+        print(
+            f"{r['sink']:<9} {r['batches']:>8} {r['median_first_ms']:>15} "
+            f"{fmt(r['median_last_ms']):>17} {fmt(r['ratio']):>6} {r['mean_first_ms']:>10} "
+            f"{fmt(r['mean_last_ms']):>12} {fmt(r['p99_last_ms']):>11} "
+            f"{fmt(r.get('interleaved_ratio')):>20}"
+        )
     report = {"first": a.first, "total": a.total, "rows": a.rows, "results": results}
     print(json.dumps(report))
     if a.out:

@@ -79,9 +79,15 @@ def files_phase(n: int, done: str) -> dict[str, Any]:
                 raise RuntimeError(f"files phase: {got} of {n * LINES} lines after 300 s")
         took = time.perf_counter() - began
         src.close()
-        return {"files": n, "done": done, "open_s": round(opened, 3), "total_s": round(took, 2),
-                "us_per_file": round(took / n * 1e6), "longest_call_ms": round(longest * 1e3, 1),
-                "pull_ack_calls": calls}
+        return {
+            "files": n,
+            "done": done,
+            "open_s": round(opened, 3),
+            "total_s": round(took, 2),
+            "us_per_file": round(took / n * 1e6),
+            "longest_call_ms": round(longest * 1e3, 1),
+            "pull_ack_calls": calls,
+        }
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -124,17 +130,28 @@ def state_phase(rows: int, rounds: int, json_too: bool) -> dict[str, Any]:
             with states.tx():
                 states.progress([(ids[i * 7919 % len(ids)], i, 0)])
 
-        out: dict[str, Any] = {"rows": rows, "insert_ms": _median_ms(insert, rounds),
-                               "settle_ms": _median_ms(progress, rounds),
-                               "lookup_ms": _median_ms(
-                                   lambda i: states.by_name(f"f{i * 7919 % max(rows, 1):07d}.jsonl"),
-                                   rounds)}
+        out: dict[str, Any] = {
+            "rows": rows,
+            "insert_ms": _median_ms(insert, rounds),
+            "settle_ms": _median_ms(progress, rounds),
+            "lookup_ms": _median_ms(
+                lambda i: states.by_name(f"f{i * 7919 % max(rows, 1):07d}.jsonl"), rounds
+            ),
+        }
         states.close()
         size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
         out["store_mb"] = round(size / 1e6, 1)
         if json_too:  # d2a9abf: the whole state.json rewritten and fsynced per change
-            entries = {new_id(): {"name": f"f{i:07d}.jsonl", "fingerprint": [1, i, 100, i],
-                                  "committed": 2, "dead": 0, "done": True} for i in range(rows)}
+            entries = {
+                new_id(): {
+                    "name": f"f{i:07d}.jsonl",
+                    "fingerprint": [1, i, 100, i],
+                    "committed": 2,
+                    "dead": 0,
+                    "done": True,
+                }
+                for i in range(rows)
+            }
             path = os.path.join(folder, "state.json")
 
             def rewrite(_: int) -> None:
@@ -199,15 +216,18 @@ def embedded_phase(n: int) -> dict[str, Any]:
         dead = n // 10
         for lo in range(0, n + dead, 10_000):
             hi = min(lo + 10_000, n + dead)
-            q.publish("in", [json.dumps({"n": i}).encode() for i in range(lo, hi)],
-                      msg_ids=[f"m{i}" for i in range(lo, hi)], remember=True)
+            q.publish(
+                "in",
+                [json.dumps({"n": i}).encode() for i in range(lo, hi)],
+                msg_ids=[f"m{i}" for i in range(lo, hi)],
+                remember=True,
+            )
         rows = q.lease_rows("in", dead, visibility_timeout=300)  # the oldest: dead letters
         q.dead_letter("in", [(r[0], r[4], "check", "poison") for r in rows])
         publish, refuse = [], []
         for r in range(7):  # the median of 7 rounds of 1 000
             t = time.perf_counter()
-            q.publish("new", [b"{}"] * 1000, msg_ids=[f"x{r}-{i}" for i in range(1000)],
-                      remember=True)
+            q.publish("new", [b"{}"] * 1000, msg_ids=[f"x{r}-{i}" for i in range(1000)], remember=True)
             publish.append(time.perf_counter() - t)
             t = time.perf_counter()
             old = [f"m{(r * 7919 + i * 104729) % n}" for i in range(1000)]  # spread out
@@ -223,11 +243,16 @@ def embedded_phase(n: int) -> dict[str, Any]:
         stats = src.q.stats("in")
         src.close()
         assert stats["dead_lettered"] == dead and stats["ready"] == 0
-        return {"messages": n, "dead_letters": dead, "remembered_ids": n + dead + 7000,
-                "publish_remembered_us": round(publish_us, 1),
-                "refuse_remembered_us": round(refuse_us, 1),
-                "consume_us": round(took / n * 1e6, 1), "longest_call_ms": round(longest * 1e3, 1),
-                "file_mb": round(os.path.getsize(db) / 1e6, 1)}
+        return {
+            "messages": n,
+            "dead_letters": dead,
+            "remembered_ids": n + dead + 7000,
+            "publish_remembered_us": round(publish_us, 1),
+            "refuse_remembered_us": round(refuse_us, 1),
+            "consume_us": round(took / n * 1e6, 1),
+            "longest_call_ms": round(longest * 1e3, 1),
+            "file_mb": round(os.path.getsize(db) / 1e6, 1),
+        }
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -248,9 +273,10 @@ def rabbitmq_phase(url: str, n: int) -> dict[str, Any]:
     conn.channel().queue_declare(queue, durable=True)
     conn.close()
     for lo in range(0, n, 20_000):
-        msgs = [(queue, json.dumps({"n": i}).encode(),
-                 pika.BasicProperties(delivery_mode=2, message_id=f"k{i}"))
-                for i in range(lo, min(lo + 20_000, n))]
+        msgs = [
+            (queue, json.dumps({"n": i}).encode(), pika.BasicProperties(delivery_mode=2, message_id=f"k{i}"))
+            for i in range(lo, min(lo + 20_000, n))
+        ]
         assert not publish_confirmed(url, "", msgs)
     src = RabbitMQ(url, queue)  # dead letters would go to the flow's error sink
     src.configure(max_inflight=2000, error_sink=True)
@@ -263,8 +289,12 @@ def rabbitmq_phase(url: str, n: int) -> dict[str, Any]:
     conn = pika.BlockingConnection(pika.URLParameters(url))
     conn.channel().queue_delete(queue)
     conn.close()
-    return {"messages": n, "consume_us": round(took / n * 1e6, 1),
-            "longest_call_ms": round(longest * 1e3, 1), **remembered}
+    return {
+        "messages": n,
+        "consume_us": round(took / n * 1e6, 1),
+        "longest_call_ms": round(longest * 1e3, 1),
+        **remembered,
+    }
 
 
 def stream_phase(server: Any, n: int) -> dict[str, Any]:
@@ -281,12 +311,12 @@ def stream_phase(server: Any, n: int) -> dict[str, Any]:
     stream = f"scale-{uuid.uuid4().hex[:8]}"
 
     async def fill(lo: int, hi: int) -> None:
-        async with Producer("127.0.0.1", server.stream_port, username="guest",
-                            password="guest") as p:
+        async with Producer("127.0.0.1", server.stream_port, username="guest", password="guest") as p:
             await p.create_stream(stream, exists_ok=True)
             for k in range(lo, hi, 500):
-                await p.send_batch(stream, [json.dumps({"n": i}).encode()
-                                            for i in range(k, min(k + 500, hi))])
+                await p.send_batch(
+                    stream, [json.dumps({"n": i}).encode() for i in range(k, min(k + 500, hi))]
+                )
 
     asyncio.run(fill(0, n))
 
@@ -317,18 +347,28 @@ def stream_phase(server: Any, n: int) -> dict[str, Any]:
         reread = n - first
     finally:
         src.close()
-    return {"offsets": n, "consume_us": round(took / n * 1e6, 1),
-            "longest_call_ms": round(longest * 1e3, 1), "restart_ms": round(restart * 1e3, 1),
-            "reread_at_restart": reread}
+    return {
+        "offsets": n,
+        "consume_us": round(took / n * 1e6, 1),
+        "longest_call_ms": round(longest * 1e3, 1),
+        "restart_ms": round(restart * 1e3, 1),
+        "reread_at_restart": reread,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phases", default="files,state,offsets,embedded,rabbitmq,stream",
-                   help="which phases (rabbitmq and stream start a throwaway broker)")
+    p.add_argument(
+        "--phases",
+        default="files,state,offsets,embedded,rabbitmq,stream",
+        help="which phases (rabbitmq and stream start a throwaway broker)",
+    )
     p.add_argument("--files", default="2000,20000", help="folder sizes (default 2000,20000)")
-    p.add_argument("--rows", default="0,20000,200000",
-                   help="recorded instances in the state store (default 0,20000,200000)")
+    p.add_argument(
+        "--rows",
+        default="0,20000,200000",
+        help="recorded instances in the state store (default 0,20000,200000)",
+    )
     p.add_argument("--gaps", default="1000,1000000,1000000000")
     p.add_argument("--rounds", type=int, default=100, help="timed writes per store size")
     p.add_argument("--queue", default="10000,100000", help="embedded queue history sizes")
@@ -340,24 +380,27 @@ def main() -> None:
     result: dict[str, Any] = {}
 
     if "files" in phases:
-        files = [files_phase(int(n), done) for n in args.files.split(",")
-                 for done in ("record", "move")]
-        print(f"{'files':>8} {'done':>7} {'open s':>7} {'total s':>8} {'µs/file':>8} "
-              f"{'longest call ms':>16}")
+        files = [files_phase(int(n), done) for n in args.files.split(",") for done in ("record", "move")]
+        print(f"{'files':>8} {'done':>7} {'open s':>7} {'total s':>8} {'µs/file':>8} {'longest call ms':>16}")
         for r in files:
-            print(f"{r['files']:>8,} {r['done']:>7} {r['open_s']:>7} {r['total_s']:>8} "
-                  f"{r['us_per_file']:>8} {r['longest_call_ms']:>16}")
+            print(
+                f"{r['files']:>8,} {r['done']:>7} {r['open_s']:>7} {r['total_s']:>8} "
+                f"{r['us_per_file']:>8} {r['longest_call_ms']:>16}"
+            )
         result["files"] = files
 
     if "state" in phases:
-        state = [state_phase(int(n), args.rounds, json_too=int(n) > 0)
-                 for n in args.rows.split(",")]
-        print(f"\n{'rows':>8} {'insert ms':>10} {'settle ms':>10} {'lookup ms':>10} "
-              f"{'store MB':>9} {'old json ms':>12} {'old json MB':>12}")
+        state = [state_phase(int(n), args.rounds, json_too=int(n) > 0) for n in args.rows.split(",")]
+        print(
+            f"\n{'rows':>8} {'insert ms':>10} {'settle ms':>10} {'lookup ms':>10} "
+            f"{'store MB':>9} {'old json ms':>12} {'old json MB':>12}"
+        )
         for r in state:
-            print(f"{r['rows']:>8,} {r['insert_ms']:>10} {r['settle_ms']:>10} "
-                  f"{r['lookup_ms']:>10} {r['store_mb']:>9} "
-                  f"{r.get('old_json_write_ms', '-'):>12} {r.get('old_json_mb', '-'):>12}")
+            print(
+                f"{r['rows']:>8,} {r['insert_ms']:>10} {r['settle_ms']:>10} "
+                f"{r['lookup_ms']:>10} {r['store_mb']:>9} "
+                f"{r.get('old_json_write_ms', '-'):>12} {r.get('old_json_mb', '-'):>12}"
+            )
         result["state"] = state
 
     if "offsets" in phases:
@@ -369,12 +412,16 @@ def main() -> None:
 
     if "embedded" in phases:
         emb = [embedded_phase(int(n)) for n in args.queue.split(",")]
-        print(f"\n{'messages':>9} {'dead':>7} {'remembered':>11} {'publish µs':>11} "
-              f"{'refuse µs':>10} {'consume µs':>11} {'longest ms':>11} {'file MB':>8}")
+        print(
+            f"\n{'messages':>9} {'dead':>7} {'remembered':>11} {'publish µs':>11} "
+            f"{'refuse µs':>10} {'consume µs':>11} {'longest ms':>11} {'file MB':>8}"
+        )
         for r in emb:
-            print(f"{r['messages']:>9,} {r['dead_letters']:>7,} {r['remembered_ids']:>11,} "
-                  f"{r['publish_remembered_us']:>11} {r['refuse_remembered_us']:>10} "
-                  f"{r['consume_us']:>11} {r['longest_call_ms']:>11} {r['file_mb']:>8}")
+            print(
+                f"{r['messages']:>9,} {r['dead_letters']:>7,} {r['remembered_ids']:>11,} "
+                f"{r['publish_remembered_us']:>11} {r['refuse_remembered_us']:>10} "
+                f"{r['consume_us']:>11} {r['longest_call_ms']:>11} {r['file_mb']:>8}"
+            )
         result["embedded"] = emb
 
     if phases & {"rabbitmq", "stream"}:
@@ -384,19 +431,27 @@ def main() -> None:
         try:
             if "rabbitmq" in phases:
                 amqp = [rabbitmq_phase(server.url, int(n)) for n in args.amqp.split(",")]
-                print(f"\n{'messages':>9} {'consume µs':>11} {'longest ms':>11} "
-                      f"{'seen ids':>9} {'retry keys':>11}")
+                print(
+                    f"\n{'messages':>9} {'consume µs':>11} {'longest ms':>11} "
+                    f"{'seen ids':>9} {'retry keys':>11}"
+                )
                 for r in amqp:
-                    print(f"{r['messages']:>9,} {r['consume_us']:>11} {r['longest_call_ms']:>11} "
-                          f"{r['seen_ids']:>9,} {r['retry_keys']:>11,}")
+                    print(
+                        f"{r['messages']:>9,} {r['consume_us']:>11} {r['longest_call_ms']:>11} "
+                        f"{r['seen_ids']:>9,} {r['retry_keys']:>11,}"
+                    )
                 result["rabbitmq"] = amqp
             if "stream" in phases:
                 streams = [stream_phase(server, int(n)) for n in args.offsets.split(",")]
-                print(f"\n{'offsets':>9} {'consume µs':>11} {'longest ms':>11} "
-                      f"{'restart ms':>11} {'re-read':>8}")
+                print(
+                    f"\n{'offsets':>9} {'consume µs':>11} {'longest ms':>11} "
+                    f"{'restart ms':>11} {'re-read':>8}"
+                )
                 for r in streams:
-                    print(f"{r['offsets']:>9,} {r['consume_us']:>11} {r['longest_call_ms']:>11} "
-                          f"{r['restart_ms']:>11} {r['reread_at_restart']:>8}")
+                    print(
+                        f"{r['offsets']:>9,} {r['consume_us']:>11} {r['longest_call_ms']:>11} "
+                        f"{r['restart_ms']:>11} {r['reread_at_restart']:>8}"
+                    )
                 result["stream"] = streams
         finally:
             server.close()

@@ -31,16 +31,23 @@ import pyarrow.compute as pc
 from ackflow.sinks import Delta, Iceberg
 from ackflow.sinks.lakehouse import KeyManifest, TableSink
 
-SCHEMA = pa.schema([("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()),
-                    ("ackflow_key", pa.string())])
+SCHEMA = pa.schema(
+    [("id", pa.int64()), ("sku", pa.string()), ("qty", pa.int64()), ("ackflow_key", pa.string())]
+)
 
 
 def rows(lo: int, hi: int) -> pa.Table:
     ids = pa.array(range(lo, hi), pa.int64())
-    keys = pc.binary_join_element_wise("orders-", pc.utf8_lpad(pc.cast(ids, pa.string()), 12, "0"),
-                                       "#0", "")
-    return pa.table({"id": ids, "sku": pc.cast(pc.remainder(ids, 977), pa.string()),
-                     "qty": pc.remainder(ids, 7), "ackflow_key": keys}, schema=SCHEMA)
+    keys = pc.binary_join_element_wise("orders-", pc.utf8_lpad(pc.cast(ids, pa.string()), 12, "0"), "#0", "")
+    return pa.table(
+        {
+            "id": ids,
+            "sku": pc.cast(pc.remainder(ids, 977), pa.string()),
+            "qty": pc.remainder(ids, 7),
+            "ackflow_key": keys,
+        },
+        schema=SCHEMA,
+    )
 
 
 def make(kind: str, folder: str) -> TableSink:
@@ -68,8 +75,10 @@ def fill(kind: str, sink: TableSink, n: int) -> float:
         db = KeyManifest(sink.manifest_path).connect()
         try:
             db.execute("BEGIN IMMEDIATE")
-            db.executemany("INSERT INTO row_keys (key) VALUES (?)",
-                           ((k,) for k in chunk.column("ackflow_key").to_pylist()))
+            db.executemany(
+                "INSERT INTO row_keys (key) VALUES (?)",
+                ((k,) for k in chunk.column("ackflow_key").to_pylist()),
+            )
             db.execute("COMMIT")
         finally:
             db.close()
@@ -77,10 +86,18 @@ def fill(kind: str, sink: TableSink, n: int) -> float:
 
 
 def commit_ms(sink: TableSink, batch_id: str, keys: list[str], start: int) -> float:
-    data = pa.table({"id": pa.array(range(start, start + len(keys)), pa.int64()),
-                     "sku": ["x"] * len(keys), "qty": [1] * len(keys), "__af_key": keys})
-    tokens = [sink.write_partition(batch_id, p, data.slice(o, len(keys) // 2)).token
-              for p, o in enumerate((0, len(keys) // 2))]  # two partitions, as on 2 cores
+    data = pa.table(
+        {
+            "id": pa.array(range(start, start + len(keys)), pa.int64()),
+            "sku": ["x"] * len(keys),
+            "qty": [1] * len(keys),
+            "__af_key": keys,
+        }
+    )
+    tokens = [
+        sink.write_partition(batch_id, p, data.slice(o, len(keys) // 2)).token
+        for p, o in enumerate((0, len(keys) // 2))
+    ]  # two partitions, as on 2 cores
     started = time.perf_counter()
     sink.commit(batch_id, tokens)
     return (time.perf_counter() - started) * 1000
@@ -91,11 +108,22 @@ def anti_join_ms(kind: str, sink: TableSink, keys: list[str]) -> float:
     if kind == "delta":
         from deltalake import DeltaTable
 
-        column = DeltaTable(sink.path).to_pyarrow_table(  # type: ignore[attr-defined]
-            columns=["ackflow_key"]).column("ackflow_key")
+        column = (
+            DeltaTable(sink.path)
+            .to_pyarrow_table(  # type: ignore[attr-defined]
+                columns=["ackflow_key"]
+            )
+            .column("ackflow_key")
+        )
     else:
-        column = sink._load().scan(  # type: ignore[attr-defined]
-            selected_fields=("ackflow_key",)).to_arrow().column("ackflow_key")
+        column = (
+            sink._load()
+            .scan(  # type: ignore[attr-defined]
+                selected_fields=("ackflow_key",)
+            )
+            .to_arrow()
+            .column("ackflow_key")
+        )
     pc.sum(pc.is_in(pa.array(keys), value_set=column.combine_chunks())).as_py()
     return (time.perf_counter() - started) * 1000
 
@@ -105,8 +133,10 @@ def measure(kind: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
     try:
         sink = make(kind, folder)
         fill_s = fill(kind, sink, n)
-        fresh = [commit_ms(sink, f"f{r}", [f"new-{r}-{i:08d}#0" for i in range(batch)],
-                           n + r * batch) for r in range(rounds)]
+        fresh = [
+            commit_ms(sink, f"f{r}", [f"new-{r}-{i:08d}#0" for i in range(batch)], n + r * batch)
+            for r in range(rounds)
+        ]
         again = [f"orders-{i:012d}#0" for i in range(0, max(n, 1), max(1, n // batch))][:batch]
         if n == 0:
             again = [f"new-0-{i:08d}#0" for i in range(batch)]
@@ -114,10 +144,16 @@ def measure(kind: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
         anti = anti_join_ms(kind, sink, [f"new-x-{i:08d}#0" for i in range(batch)])
         size = os.path.getsize(sink.manifest_path)
         sink.close()
-        return {"sink": kind, "rows": n, "fill_s": fill_s, "manifest_mb": size / 2**20,
-                "commit_fresh_ms_median": statistics.median(fresh),
-                "commit_fresh_ms_max": max(fresh), "commit_redelivered_ms": redelivered,
-                "anti_join_ms": anti}
+        return {
+            "sink": kind,
+            "rows": n,
+            "fill_s": fill_s,
+            "manifest_mb": size / 2**20,
+            "commit_fresh_ms_median": statistics.median(fresh),
+            "commit_fresh_ms_max": max(fresh),
+            "commit_redelivered_ms": redelivered,
+            "anti_join_ms": anti,
+        }
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -130,14 +166,19 @@ def main() -> None:
     p.add_argument("--sinks", default="delta,iceberg")
     p.add_argument("--out", default="benchmarks/results/table_keys.json")
     a = p.parse_args()
-    results = [measure(kind, int(n), a.batch, a.rounds) for kind in a.sinks.split(",")
-               for n in a.rows.split(",")]
-    print(f"{'sink':<8} {'rows':>11} {'commit ms (median/max)':>23} {'redelivered ms':>15} "
-          f"{'anti-join ms':>13} {'manifest MB':>12}")
+    results = [
+        measure(kind, int(n), a.batch, a.rounds) for kind in a.sinks.split(",") for n in a.rows.split(",")
+    ]
+    print(
+        f"{'sink':<8} {'rows':>11} {'commit ms (median/max)':>23} {'redelivered ms':>15} "
+        f"{'anti-join ms':>13} {'manifest MB':>12}"
+    )
     for r in results:
-        print(f"{r['sink']:<8} {r['rows']:>11,} {r['commit_fresh_ms_median']:>14.0f} / "
-              f"{r['commit_fresh_ms_max']:<6.0f} {r['commit_redelivered_ms']:>15.0f} "
-              f"{r['anti_join_ms']:>13.0f} {r['manifest_mb']:>12.0f}")
+        print(
+            f"{r['sink']:<8} {r['rows']:>11,} {r['commit_fresh_ms_median']:>14.0f} / "
+            f"{r['commit_fresh_ms_max']:<6.0f} {r['commit_redelivered_ms']:>15.0f} "
+            f"{r['anti_join_ms']:>13.0f} {r['manifest_mb']:>12.0f}"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"batch": a.batch, "results": results}, f, indent=2)

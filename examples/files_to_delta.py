@@ -44,15 +44,17 @@ def check(event: dict) -> dict:
         raise ValueError("user is missing")
     if event.get("kind") not in ("view", "click", "buy"):
         raise ValueError(f"unknown kind {event.get('kind')!r}")
-    return {"user": event["user"], "kind": event["kind"], "ms": int(event.get("ms", 0)),
-            "day": str(event.get("day", ""))}
+    return {
+        "user": event["user"],
+        "kind": event["kind"],
+        "ms": int(event.get("ms", 0)),
+        "day": str(event.get("day", "")),
+    }
 
 
 def build_flow(input_dir: str, table: str) -> ackflow.Flow:
     source = Files(input_dir, "jsonl", policy=RetryPolicy(max_deliveries=1))
-    return (ackflow.Flow(source)
-            .map(check, name="check")
-            .to(Delta(table, partition_by="day", name="events")))
+    return ackflow.Flow(source).map(check, name="check").to(Delta(table, partition_by="day", name="events"))
 
 
 def write_samples(input_dir: str, files: int, lines: int = 200, seed: int = 1) -> None:
@@ -64,8 +66,12 @@ def write_samples(input_dir: str, files: int, lines: int = 200, seed: int = 1) -
     for f in range(files):
         rows = []
         for i in range(lines):
-            event = {"user": f"u{rnd.randrange(50)}", "kind": rnd.choice(["view", "click", "buy"]),
-                     "ms": rnd.randrange(1000), "day": f"2026-01-0{1 + f % 3}"}
+            event = {
+                "user": f"u{rnd.randrange(50)}",
+                "kind": rnd.choice(["view", "click", "buy"]),
+                "ms": rnd.randrange(1000),
+                "day": f"2026-01-0{1 + f % 3}",
+            }
             if i % 50 == 49:
                 event["kind"] = "teleport"  # invalid
             rows.append(json.dumps(event))
@@ -76,21 +82,32 @@ def write_samples(input_dir: str, files: int, lines: int = 200, seed: int = 1) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="See the module docstring for more.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="See the module docstring for more.",
+    )
     p.add_argument("input", help="the folder files are dropped into")
     p.add_argument("table", help="the Delta table's folder (created if missing)")
-    p.add_argument("--sample", type=int, default=0, metavar="N",
-                   help="first write N sample files (200 events each, 4 invalid)")
-    p.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
-                   help="stop after this long without new lines (default: until Ctrl-C)")
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first write N sample files (200 events each, 4 invalid)",
+    )
+    p.add_argument(
+        "--until-idle",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long without new lines (default: until Ctrl-C)",
+    )
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
     args = p.parse_args(argv)
     if args.sample:
         write_samples(args.input, args.sample)
-    report = ackflow.run(build_flow(args.input, args.table), master=args.master,
-                         until_idle=args.until_idle)
+    report = ackflow.run(build_flow(args.input, args.table), master=args.master, until_idle=args.until_idle)
     print(report.summary())
     return 0
 

@@ -48,17 +48,23 @@ def validate(order: dict) -> dict:
     price = order.get("price")
     if not isinstance(price, int | float) or price < 0:
         raise ValueError(f"order {order['order_id']}: price must be a number >= 0")
-    return {"order_id": order["order_id"], "customer": str(order.get("customer", "")),
-            "qty": qty, "price": float(price), "total": round(qty * float(price), 2)}
+    return {
+        "order_id": order["order_id"],
+        "customer": str(order.get("customer", "")),
+        "qty": qty,
+        "price": float(price),
+        "total": round(qty * float(price), 2),
+    }
 
 
 def build_flow(amqp_url: str, queue: str, dsn: str, table: str, dead_table: str) -> ackflow.Flow:
-    source = RabbitMQ(amqp_url, queue, declare=True,
-                      policy=RetryPolicy(max_deliveries=3, backoff_s=0.2))
-    return (ackflow.Flow(source)
-            .map(validate, name="validate")
-            .to(Postgres(dsn, table, key=["order_id"], create=True, name="orders"))
-            .on_error(Postgres(dsn, dead_table, create=True, name="dead letters")))
+    source = RabbitMQ(amqp_url, queue, declare=True, policy=RetryPolicy(max_deliveries=3, backoff_s=0.2))
+    return (
+        ackflow.Flow(source)
+        .map(validate, name="validate")
+        .to(Postgres(dsn, table, key=["order_id"], create=True, name="orders"))
+        .on_error(Postgres(dsn, dead_table, create=True, name="dead letters"))
+    )
 
 
 def publish(amqp_url: str, queue: str, n: int, seed: int = 1) -> None:
@@ -72,31 +78,60 @@ def publish(amqp_url: str, queue: str, n: int, seed: int = 1) -> None:
     ch.queue_declare(queue, durable=True)
     ch.confirm_delivery()  # each publish returns once the broker has the message
     for i in range(n):
-        order = {"order_id": f"o-{i}", "customer": f"c-{rnd.randrange(100)}",
-                 "qty": rnd.randrange(1, 5), "price": round(rnd.uniform(1, 100), 2)}
+        order = {
+            "order_id": f"o-{i}",
+            "customer": f"c-{rnd.randrange(100)}",
+            "qty": rnd.randrange(1, 5),
+            "price": round(rnd.uniform(1, 100), 2),
+        }
         if i % 10 == 9:
             order["qty"] = 0  # invalid: dead-lettered after its retries
-        ch.basic_publish("", queue, json.dumps(order).encode(), pika.BasicProperties(
-            delivery_mode=2, message_id=order["order_id"], content_type="application/json"))
+        ch.basic_publish(
+            "",
+            queue,
+            json.dumps(order).encode(),
+            pika.BasicProperties(
+                delivery_mode=2, message_id=order["order_id"], content_type="application/json"
+            ),
+        )
     conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="See the module docstring (or docs/tools.md) for more.")
-    p.add_argument("--amqp-url", default=os.environ.get("ACKFLOW_AMQP_URL"),
-                   help="amqp://user:pass@host:5672/%%2F (default $ACKFLOW_AMQP_URL)")
-    p.add_argument("--dsn", default=os.environ.get("ACKFLOW_DSN"),
-                   help="postgresql://user@host:5432/db (default $ACKFLOW_DSN)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="See the module docstring (or docs/tools.md) for more.",
+    )
+    p.add_argument(
+        "--amqp-url",
+        default=os.environ.get("ACKFLOW_AMQP_URL"),
+        help="amqp://user:pass@host:5672/%%2F (default $ACKFLOW_AMQP_URL)",
+    )
+    p.add_argument(
+        "--dsn",
+        default=os.environ.get("ACKFLOW_DSN"),
+        help="postgresql://user@host:5432/db (default $ACKFLOW_DSN)",
+    )
     p.add_argument("--queue", default="orders", help="the queue to read (default orders)")
     p.add_argument("--table", default="orders", help="the orders table (default orders)")
-    p.add_argument("--dead-table", default="orders_dead",
-                   help="the dead letters' table (default orders_dead)")
-    p.add_argument("--publish", type=int, default=0, metavar="N",
-                   help="first publish N sample orders (one in ten invalid)")
-    p.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
-                   help="stop after this long without messages (default: until Ctrl-C)")
+    p.add_argument(
+        "--dead-table", default="orders_dead", help="the dead letters' table (default orders_dead)"
+    )
+    p.add_argument(
+        "--publish",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first publish N sample orders (one in ten invalid)",
+    )
+    p.add_argument(
+        "--until-idle",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long without messages (default: until Ctrl-C)",
+    )
     p.add_argument("--master", default=None, help="Spark master (default local[*])")
     args = p.parse_args(argv)
     if not args.amqp_url or not args.dsn:

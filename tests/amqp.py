@@ -16,8 +16,9 @@ def names(prefix):
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def setup(url, *, queue, arguments=None, out_exchange=None, out_queue=None, out_args=None,
-          dlx=None, dead_queue=None):
+def setup(
+    url, *, queue, arguments=None, out_exchange=None, out_queue=None, out_args=None, dlx=None, dead_queue=None
+):
     """Declare the input queue, an output exchange bound to an output queue, and a
     dead-letter exchange bound to a dead-letter queue (each if named)."""
     conn = connect(url)
@@ -41,8 +42,7 @@ def publish(url, queue, rows, *, ids=None):
     ch = conn.channel()
     ch.confirm_delivery()
     for i, r in enumerate(rows):
-        props = pika.BasicProperties(delivery_mode=2,
-                                     message_id=ids[i] if ids is not None else None)
+        props = pika.BasicProperties(delivery_mode=2, message_id=ids[i] if ids is not None else None)
         ch.basic_publish("", queue, json.dumps(r).encode(), props)
     conn.close()
 
@@ -51,9 +51,10 @@ def publish_many(url, queue, rows, ids):
     """Fast: asynchronous confirms (the sink's own publisher)."""
     from ackflow.sinks.rabbitmq import publish_confirmed
 
-    msgs = [(queue, json.dumps(r).encode(),
-             pika.BasicProperties(delivery_mode=2, message_id=ids[i]))
-            for i, r in enumerate(rows)]
+    msgs = [
+        (queue, json.dumps(r).encode(), pika.BasicProperties(delivery_mode=2, message_id=ids[i]))
+        for i, r in enumerate(rows)
+    ]
     failed = publish_confirmed(url, "", msgs)
     assert not failed, list(failed.items())[:3]
 
@@ -88,11 +89,10 @@ def stream_publish(server, stream, bodies):
     from rstream import Producer
 
     async def go():
-        async with Producer("127.0.0.1", server.stream_port, username="guest",
-                            password="guest") as p:
+        async with Producer("127.0.0.1", server.stream_port, username="guest", password="guest") as p:
             await p.create_stream(stream, exists_ok=True)
             for k in range(0, len(bodies), 500):
-                await p.send_batch(stream, list(bodies[k:k + 500]))
+                await p.send_batch(stream, list(bodies[k : k + 500]))
 
     asyncio.run(go())
 

@@ -39,21 +39,28 @@ class Cluster:
     def _env(self) -> dict[str, str]:
         home = os.path.dirname(pyspark.__file__)
         env = dict(os.environ)
-        env.update({
-            "SPARK_HOME": home,
-            "SPARK_LOCAL_IP": "127.0.0.1",
-            "SPARK_LOG_DIR": os.path.join(self.workdir, "logs"),
-            "SPARK_WORKER_DIR": os.path.join(self.workdir, "work"),
-            "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
-            "SPARK_NO_DAEMONIZE": "1",
-        })
+        env.update(
+            {
+                "SPARK_HOME": home,
+                "SPARK_LOCAL_IP": "127.0.0.1",
+                "SPARK_LOG_DIR": os.path.join(self.workdir, "logs"),
+                "SPARK_WORKER_DIR": os.path.join(self.workdir, "work"),
+                "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
+                "SPARK_NO_DAEMONIZE": "1",
+            }
+        )
         return env
 
     def _spawn(self, *args: str, log: str) -> subprocess.Popen:
         home = os.path.dirname(pyspark.__file__)
         out = open(os.path.join(self.workdir, log), "wb")
-        p = subprocess.Popen([os.path.join(home, "bin", "spark-class"), *args], env=self._env(),
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            [os.path.join(home, "bin", "spark-class"), *args],
+            env=self._env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs.append(p)
         return p
 
@@ -61,17 +68,36 @@ class Cluster:
         os.makedirs(os.path.join(self.workdir, "work"), exist_ok=True)
         port = free_port()
         self.master_url = f"spark://127.0.0.1:{port}"
-        self._spawn("org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                    "--port", str(port), "--webui-port", str(free_port()), log="master.log")
+        self._spawn(
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--webui-port",
+            str(free_port()),
+            log="master.log",
+        )
         self._wait(lambda: _listening(port), timeout, "master")
         self.worker_ui = free_port()
-        self._spawn("org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                    "--port", str(free_port()), "--webui-port", str(self.worker_ui),
-                    "--cores", str(self.cores), "--memory", "2g",
-                    "--work-dir", os.path.join(self.workdir, "work"), self.master_url,
-                    log="worker.log")
-        self._wait(lambda: "Successfully registered with master" in self.log("worker.log"),
-                   timeout, "worker")
+        self._spawn(
+            "org.apache.spark.deploy.worker.Worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--webui-port",
+            str(self.worker_ui),
+            "--cores",
+            str(self.cores),
+            "--memory",
+            "2g",
+            "--work-dir",
+            os.path.join(self.workdir, "work"),
+            self.master_url,
+            log="worker.log",
+        )
+        self._wait(lambda: "Successfully registered with master" in self.log("worker.log"), timeout, "worker")
         return self
 
     def log(self, name: str) -> str:
@@ -89,8 +115,9 @@ class Cluster:
             if any(p.poll() is not None for p in self.procs):
                 break
             time.sleep(0.2)
-        raise RuntimeError(f"spark {what} did not start:\n{self.log('master.log')[-2000:]}\n"
-                           f"{self.log('worker.log')[-2000:]}")
+        raise RuntimeError(
+            f"spark {what} did not start:\n{self.log('master.log')[-2000:]}\n{self.log('worker.log')[-2000:]}"
+        )
 
     def executor_pids(self) -> list[int]:
         """PIDs of executor JVMs started by this cluster's worker."""
@@ -104,8 +131,9 @@ class Cluster:
                 cwd = os.readlink(f"/proc/{p}/cwd")
             except OSError:
                 continue
-            if (b"org.apache.spark.executor.CoarseGrainedExecutorBackend" in cmd
-                    and cwd.startswith(self.workdir)):
+            if b"org.apache.spark.executor.CoarseGrainedExecutorBackend" in cmd and cwd.startswith(
+                self.workdir
+            ):
                 pids.append(int(p))
         return pids
 

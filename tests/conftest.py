@@ -67,7 +67,6 @@ def spark():
     s.stop()
 
 
-
 @pytest.fixture(scope="session")
 def postgres():
     """A throwaway PostgreSQL cluster on 127.0.0.1 (a free port) for the whole session."""

@@ -62,8 +62,9 @@ def iceberg_rows(catalog, table):
 
 def assert_exactly_once(rows, expected):
     assert len(rows) == len(set(rows)), f"{len(rows) - len(set(rows))} duplicate rows"
-    assert set(rows) == expected, (f"missing {len(expected - set(rows))}, "
-                                   f"unexpected {len(set(rows) - expected)}")
+    assert set(rows) == expected, (
+        f"missing {len(expected - set(rows))}, unexpected {len(set(rows) - expected)}"
+    )
 
 
 def queue_left(db, queue="orders"):
@@ -77,8 +78,13 @@ def queue_left(db, queue="orders"):
 
 def run_local(env, *args, timeout=120):
     """The pipeline in a subprocess with the in-process executor (no JVM)."""
-    return subprocess.run([sys.executable, PIPELINE, *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, PIPELINE, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def dead_ids(db, queue="orders"):
@@ -90,15 +96,24 @@ def dead_ids(db, queue="orders"):
 
 
 #: a table made beforehand: ``qty`` is int32, so a larger qty is refused by the sink
-ITEMS = pa.schema([("order", pa.int64()), ("line", pa.int64()), ("sku", pa.string()),
-                   ("qty", pa.int32()), ("ackflow_key", pa.string())])
+ITEMS = pa.schema(
+    [
+        ("order", pa.int64()),
+        ("line", pa.int64()),
+        ("sku", pa.string()),
+        ("qty", pa.int32()),
+        ("ackflow_key", pa.string()),
+    ]
+)
 
 
 def items(order):
     if order.get("poison"):
         raise ValueError(f"order {order['order']} is poison")
-    return [{"order": order["order"], "line": j, "sku": f"s{j}", "qty": order["qty"]}
-            for j in range(order["items"])]
+    return [
+        {"order": order["order"], "line": j, "sku": f"s{j}", "qty": order["qty"]}
+        for j in range(order["items"])
+    ]
 
 
 def run_refusing_orders(spark, sink, n=240):
@@ -106,17 +121,20 @@ def run_refusing_orders(spark, sink, n=240):
     every 40th has a qty the table refuses, every 50th is poison. Checks that exactly
     those fail (the refused ones in the sink's step) and the rest are acked; returns the
     run's report and the (order, line) pairs the table must hold."""
-    orders = [{"order": i, "items": 1 + i % 3, "qty": 2**40 if i % 40 == 7 else i,
-               "poison": i % 50 == 13} for i in range(n)]
+    orders = [
+        {"order": i, "items": 1 + i % 3, "qty": 2**40 if i % 40 == 7 else i, "poison": i % 50 == 13}
+        for i in range(n)
+    ]
     src = ListSource(bodies(orders))
-    report = ackflow.run(ackflow.Flow(src).flat_map(items, name="items").to(sink),
-                         spark=spark, **FAST)
+    report = ackflow.run(ackflow.Flow(src).flat_map(items, name="items").to(sink), spark=spark, **FAST)
     refused = {f"m{i}" for i in range(n) if i % 40 == 7}
     poison = {f"m{i}" for i in range(n) if i % 50 == 13}
     assert set(src.dead_letters) == refused | poison
-    assert all(src.failures[m].step == sink.name and "cannot store" in src.failures[m].error
-               for m in refused), src.failures
+    assert all(
+        src.failures[m].step == sink.name and "cannot store" in src.failures[m].error for m in refused
+    ), src.failures
     assert report.acked == n - len(refused | poison)
-    expected = {(o["order"], j) for o in orders if f"m{o['order']}" not in refused | poison
-                for j in range(o["items"])}
+    expected = {
+        (o["order"], j) for o in orders if f"m{o['order']}" not in refused | poison for j in range(o["items"])
+    }
     return report, expected

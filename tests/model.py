@@ -39,11 +39,18 @@ from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.testing import KeyedSink, ListSource
 
-ENGINE_FAULTS = ("batch.after_job", "batch.after_commit", "engine.mid_ack",
-                 "engine.before_fail", "engine.dead_letter_written", "engine.drain")
+ENGINE_FAULTS = (
+    "batch.after_job",
+    "batch.after_commit",
+    "engine.mid_ack",
+    "engine.before_fail",
+    "engine.dead_letter_written",
+    "engine.drain",
+)
 
 
 # -- the example -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Branch:
@@ -129,29 +136,53 @@ COLUMN_STEPS = st.one_of(
 
 @st.composite
 def examples(draw: Any, spark: bool = False, max_messages: int = 30) -> Example:
-    ns = tuple(draw(st.lists(st.one_of(st.integers(0, 20), st.none()) if draw(st.booleans())
-                             else st.integers(0, 20), min_size=1, max_size=max_messages)))
+    ns = tuple(
+        draw(
+            st.lists(
+                st.one_of(st.integers(0, 20), st.none()) if draw(st.booleans()) else st.integers(0, 20),
+                min_size=1,
+                max_size=max_messages,
+            )
+        )
+    )
     step_kinds = st.one_of(PY_STEPS, COLUMN_STEPS) if spark else PY_STEPS
     steps = tuple(draw(st.lists(step_kinds, max_size=4)))
     grouped = not spark and draw(st.integers(0, 4)) == 0
     mode = draw(st.sampled_from(["all", "all", "primary"]))
     sink_kind = st.sampled_from(["ok", "ok", "refuse", "refuse", "raise"])
-    bsteps = st.lists(st.tuples(st.sampled_from(["bmap", "bfilter"]), st.integers(2, 7)),
-                      max_size=2)
+    bsteps = st.lists(st.tuples(st.sampled_from(["bmap", "bfilter"]), st.integers(2, 7)), max_size=2)
     n_branches = draw(st.integers(2, 3) if mode == "primary" else st.integers(1, 3))
     branches = []
     for _ in range(n_branches):
         with_steps = mode == "all" and not grouped and draw(st.booleans())
-        branches.append(Branch(draw(sink_kind), draw(st.integers(2, 7)), draw(st.integers(0, 6)),
-                               tuple(draw(bsteps)) if with_steps else ()))
+        branches.append(
+            Branch(
+                draw(sink_kind),
+                draw(st.integers(2, 7)),
+                draw(st.integers(0, 6)),
+                tuple(draw(bsteps)) if with_steps else (),
+            )
+        )
     on_error = draw(st.booleans())
     targets = list(range(n_branches)) + ([-1] if on_error else [])
-    commit_faults = tuple(draw(st.lists(
-        st.tuples(st.sampled_from(targets), st.integers(1, 4), st.sampled_from(["before", "after"])),
-        max_size=2, unique_by=lambda f: (f[0], f[1]))))
-    engine_faults = tuple(draw(st.lists(
-        st.tuples(st.sampled_from(ENGINE_FAULTS), st.integers(1, 3)), max_size=2,
-        unique_by=lambda f: f[0])))
+    commit_faults = tuple(
+        draw(
+            st.lists(
+                st.tuples(st.sampled_from(targets), st.integers(1, 4), st.sampled_from(["before", "after"])),
+                max_size=2,
+                unique_by=lambda f: (f[0], f[1]),
+            )
+        )
+    )
+    engine_faults = tuple(
+        draw(
+            st.lists(
+                st.tuples(st.sampled_from(ENGINE_FAULTS), st.integers(1, 3)),
+                max_size=2,
+                unique_by=lambda f: f[0],
+            )
+        )
+    )
     if spark and not any(br.steps for br in branches) and draw(st.booleans()):
         steps = (*steps, ("types", 0))  # last: later Python steps would rebuild the rows
     batch_size = draw(st.integers(1, 16))
@@ -159,13 +190,32 @@ def examples(draw: Any, spark: bool = False, max_messages: int = 30) -> Example:
     window = draw(st.integers(max(batch_size, sources), 40))  # merged: a share each
     concurrency = draw(st.integers(1, 3))
     index = st.integers(0, len(ns) - 1)
-    repeats = tuple(draw(st.lists(st.tuples(index, st.sampled_from(["next", "end"])),
-                                  max_size=3))) if draw(st.booleans()) else ()
-    null_keys = tuple(sorted({i for i in draw(st.lists(index, max_size=3))
-                              if ns[i] is not None})) if draw(st.booleans()) else ()
-    return Example(ns, sources, steps, grouped, mode,
-                   tuple(branches), on_error, commit_faults, engine_faults, batch_size,
-                   window, concurrency, repeats, null_keys)
+    repeats = (
+        tuple(draw(st.lists(st.tuples(index, st.sampled_from(["next", "end"])), max_size=3)))
+        if draw(st.booleans())
+        else ()
+    )
+    null_keys = (
+        tuple(sorted({i for i in draw(st.lists(index, max_size=3)) if ns[i] is not None}))
+        if draw(st.booleans())
+        else ()
+    )
+    return Example(
+        ns,
+        sources,
+        steps,
+        grouped,
+        mode,
+        tuple(branches),
+        on_error,
+        commit_faults,
+        engine_faults,
+        batch_size,
+        window,
+        concurrency,
+        repeats,
+        null_keys,
+    )
 
 
 @st.composite
@@ -178,11 +228,13 @@ def down_examples(draw: Any, spark: bool = False) -> Example:
     ex = draw(examples(spark=spark, max_messages=16))
     steps = tuple(s for s in ex.steps if s[0] not in ("crash", "cast"))
     branches = tuple(Branch("down", b.mod, b.rest, b.steps) for b in ex.branches)
-    return replace(ex, steps=steps, branches=branches, mode="all", grouped=False,
-                   commit_faults=(), engine_faults=())
+    return replace(
+        ex, steps=steps, branches=branches, mode="all", grouped=False, commit_faults=(), engine_faults=()
+    )
 
 
 # -- the source: a broker that redelivers what a dead consumer held ----------------------
+
 
 class ModelSource(ListSource):
     """A :class:`ListSource` that behaves like a broker across crashes: deliveries still
@@ -219,8 +271,10 @@ class ModelSource(ListSource):
             d.delivery_count = self._count(int(d.handle))  # type: ignore[call-overload]
         looping = [d.key for d in got if d.delivery_count > self.limit]
         if looping:
-            raise AssertionError(f"messages delivered more than {self.limit} times (retried "
-                                 f"forever, never dead-lettered): {looping}")
+            raise AssertionError(
+                f"messages delivered more than {self.limit} times (retried "
+                f"forever, never dead-lettered): {looping}"
+            )
         with self._guard:
             for d in got:
                 self.outstanding[(int(d.handle), d.delivery_count)] = d  # type: ignore[call-overload]
@@ -297,9 +351,11 @@ class ModelSink(KeyedSink):
 
 # -- the flow ----------------------------------------------------------------------------
 
+
 def _sink_pred(b: Branch) -> Any:
     def pred(r: dict[str, Any], m: int = b.mod, x: int = b.rest) -> bool:
         return nv(r.get("n")) % m == x % m  # a column null in every row of a batch is absent
+
     return pred
 
 
@@ -329,16 +385,32 @@ def type_values(n: int | None, c: int | None) -> dict[str, Any]:
     from decimal import Decimal
 
     if n is None:  # SQL: a null in, a null out (inside arrays, maps and structs too)
-        return {"ts": None, "ntz": None, "day": None, "dec": None, "bin": None,
-                "arr": [None, c], "mp": [("n", None)], "st": {"n": None, "at": None},
-                "ok": None, "f32": None, "i16": None}
+        return {
+            "ts": None,
+            "ntz": None,
+            "day": None,
+            "dec": None,
+            "bin": None,
+            "arr": [None, c],
+            "mp": [("n", None)],
+            "st": {"n": None, "at": None},
+            "ok": None,
+            "f32": None,
+            "i16": None,
+        }
     at = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=n)
     return {
-        "ts": None if n % 3 == 0 else at, "ntz": at.replace(tzinfo=None),
+        "ts": None if n % 3 == 0 else at,
+        "ntz": at.replace(tzinfo=None),
         "day": dt.date(1970, 1, 1) + dt.timedelta(days=n),
-        "dec": None if n % 3 == 0 else Decimal(n) / 4, "bin": str(n).encode(),
-        "arr": [n, c], "mp": [("n", n)], "st": {"n": n, "at": at}, "ok": n % 2 == 0,
-        "f32": n / 2, "i16": n,
+        "dec": None if n % 3 == 0 else Decimal(n) / 4,
+        "bin": str(n).encode(),
+        "arr": [n, c],
+        "mp": [("n", n)],
+        "st": {"n": n, "at": at},
+        "ok": n % 2 == 0,
+        "f32": n / 2,
+        "i16": n,
     }
 
 
@@ -370,23 +442,22 @@ def unrescued(row: dict[str, Any]) -> dict[str, Any]:
                 put(into[k], v)
             else:
                 into[k] = v
+
     put(row, rescued)
     return row
 
 
-def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSource],
-                                                  list[KeyedSink], KeyedSink | None]:
+def build(
+    ex: Example, spark: Any = None
+) -> tuple[ackflow.Flow, list[ModelSource], list[KeyedSink], KeyedSink | None]:
     policy = RetryPolicy(max_deliveries=ex.max_deliveries, backoff_s=0)
     window = [0, 0]
     sources = []
     for k, order in enumerate(layout(ex)):
         keys = [f"m{i // ex.sources}" for i in order]  # a copy has its original's key
-        bodies = ["{bad" if ex.ns[i] is None else json.dumps({"n": ex.n(i), "c": 0})
-                  for i in order]
-        sources.append(ModelSource(bodies, policy=policy, name=f"src{k}", window=window,
-                                   keys=keys))
-    flow = (ackflow.Flow(sources[0]) if ex.sources == 1
-            else ackflow.merge(*(ackflow.Flow(s) for s in sources)))
+        bodies = ["{bad" if ex.ns[i] is None else json.dumps({"n": ex.n(i), "c": 0}) for i in order]
+        sources.append(ModelSource(bodies, policy=policy, name=f"src{k}", window=window, keys=keys))
+    flow = ackflow.Flow(sources[0]) if ex.sources == 1 else ackflow.merge(*(ackflow.Flow(s) for s in sources))
     for k, (kind, arg) in enumerate(ex.steps):
         flow = _add_step(flow, f"s{k}", kind, arg, spark)
     if ex.grouped:
@@ -397,8 +468,15 @@ def build(ex: Example, spark: Any = None) -> tuple[ackflow.Flow, list[ModelSourc
     sinks = []
     for b, br in enumerate(ex.branches):
         pred = _sink_pred(br)
-        kw = {"fail_if": pred} if br.sink == "refuse" else {"raise_if": pred} \
-            if br.sink == "raise" else {"raise_if": _always} if br.sink == "down" else {}
+        kw = (
+            {"fail_if": pred}
+            if br.sink == "refuse"
+            else {"raise_if": pred}
+            if br.sink == "raise"
+            else {"raise_if": _always}
+            if br.sink == "down"
+            else {}
+        )
         sinks.append(ModelSink(f"b{b}", fail_commits=commit_faults.get(b), **kw))
     if ex.mode == "primary":
         flow = flow.broadcast(sinks[0], mode="primary", fallback=sinks[1:])
@@ -424,35 +502,41 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
 
     schema = pa.schema([("n", pa.int64()), ("c", pa.int64())])
     if kind == "map":
+
         def fn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
             if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise ValueError("poison row")
             return {"n": r.get("n"), "c": nv(r.get("c")) + 1}
+
         return flow.map(fn, name=name, schema=schema)
     if kind == "bmap":
+
         def bfn(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
             if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise ValueError("poison row in a branch")
             return {"n": r.get("n"), "c": nv(r.get("c")) + 10}
+
         return flow.map(bfn, name=name)  # columns inferred from the batch
     if kind in ("filter", "bfilter"):
         return flow.filter(lambda r, m=arg: (nv(r.get("n")) + nv(r.get("c"))) % m != 0, name=name)
     if kind == "flat_map":
-        return flow.flat_map(lambda r, k=arg: [{"n": r.get("n"), "c": j} for j in range(k)],
-                             name=name)
+        return flow.flat_map(lambda r, k=arg: [{"n": r.get("n"), "c": j} for j in range(k)], name=name)
     if kind == "shape":
+
         def reshape(r: dict[str, Any]) -> dict[str, Any]:
             return {**r, **shape_fields(r)}
+
         return flow.map(reshape, name=name, schema_mode="rescue" if arg == 2 else "evolve")
     if kind == "crash":
+
         def crash(r: dict[str, Any], m: int = arg) -> dict[str, Any]:
             if (nv(r.get("n")) + nv(r.get("c"))) % m == 0:
                 raise SystemExit("the task dies")  # not an Exception: fails the whole job
             return r
+
         return flow.map(crash, name=name, schema=schema)
     if kind == "cast":
-        expr = (f"CAST(CASE WHEN (n + c) % {arg} = 0 THEN 'x' ELSE CAST(c AS STRING) END "
-                "AS BIGINT)")
+        expr = f"CAST(CASE WHEN (n + c) % {arg} = 0 THEN 'x' ELSE CAST(c AS STRING) END AS BIGINT)"
         return flow.with_columns({"c": expr}, name=name)
     if kind == "group":
         return flow.group_by("n").agg("min(n) AS c", name=name)
@@ -469,6 +553,7 @@ def _add_step(flow: ackflow.Flow, name: str, kind: str, arg: int, spark: Any) ->
 
 
 # -- the model ---------------------------------------------------------------------------
+
 
 @dataclass
 class Fate:
@@ -504,7 +589,7 @@ def _read_later(steps: Sequence[tuple[str, int]], k: int) -> bool:
     later step reads: a ``group`` replaces ``c`` by ``min(n)``, so a cast whose only
     readers before that group are other Column steps is never evaluated and cannot fail
     (a plain-Python step, a branch step and the sinks read every column)."""
-    for kind, _ in steps[k + 1:]:
+    for kind, _ in steps[k + 1 :]:
         if kind == "group":
             return False
         if kind in ("map", "filter", "flat_map", "crash"):
@@ -554,8 +639,7 @@ def model(ex: Example) -> list[Fate]:
             elif kind == "shape":
                 out.append((i, key, {**r, **shape_fields(r)}))
             elif kind == "cast":  # SQL: a null n or c never fails it
-                if (r["n"] is not None and r["c"] is not None and v % arg == 0
-                        and _read_later(ex.steps, k)):
+                if r["n"] is not None and r["c"] is not None and v % arg == 0 and _read_later(ex.steps, k):
                     fates[i].crash = fates[i].crash or name
                 else:
                     out.append((i, key, r))
@@ -624,8 +708,9 @@ def reasons(ex: Example, fate: Fate) -> set[str]:
     return first | fate.may | transient
 
 
-def settle_all(ex: Example, sources: list[ModelSource], run: Any,
-               within_s: float = 60) -> tuple[int, list[str]]:
+def settle_all(
+    ex: Example, sources: list[ModelSource], run: Any, within_s: float = 60
+) -> tuple[int, list[str]]:
     """Run until every message is finally settled, restarting after every crash (an
     armed fault point that raised); returns the number of crashes and their texts."""
     from ackflow import faults
@@ -647,7 +732,6 @@ def settle_all(ex: Example, sources: list[ModelSource], run: Any,
                 continue
             if all(s.pending() == 0 for s in sources):
                 return len(crashes), crashes
-        raise AssertionError(f"not settled within {within_s:.0f} s: "
-                             f"{[s.pending() for s in sources]}")
+        raise AssertionError(f"not settled within {within_s:.0f} s: {[s.pending() for s in sources]}")
     finally:
         faults.disarm()

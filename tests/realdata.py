@@ -35,8 +35,9 @@ def botocore_operations(services: int = 40) -> list[dict[str, Any]]:
     for svc in sorted(os.listdir(root)):
         if not os.path.isdir(os.path.join(root, svc)):
             continue
-        versions = sorted(v for v in os.listdir(os.path.join(root, svc))
-                          if os.path.isdir(os.path.join(root, svc, v)))
+        versions = sorted(
+            v for v in os.listdir(os.path.join(root, svc)) if os.path.isdir(os.path.join(root, svc, v))
+        )
         for v in reversed(versions):
             base = os.path.join(root, svc, v, "service-2.json")
             path = base if os.path.exists(base) else base + ".gz"
@@ -58,11 +59,13 @@ def same(given: Any, back: Any) -> bool:
     if empty(given):
         return empty(back)
     if isinstance(given, dict):
-        return isinstance(back, dict) and all(same(given.get(k), back.get(k))
-                                              for k in set(given) | set(back))
+        return isinstance(back, dict) and all(same(given.get(k), back.get(k)) for k in set(given) | set(back))
     if isinstance(given, list):
-        return isinstance(back, list) and len(given) == len(back) and all(
-            same(a, b) for a, b in zip(given, back, strict=True))
+        return (
+            isinstance(back, list)
+            and len(given) == len(back)
+            and all(same(a, b) for a, b in zip(given, back, strict=True))
+        )
     if isinstance(given, bool) or isinstance(back, bool):
         return given is back
     if isinstance(given, int | float):

@@ -57,10 +57,17 @@ def test_a_stalled_sink_throttles_without_nacks_and_recovers(spark, tmp_path):
     sink = StallingSink(gate)
     port = free_port()
     samples = []
-    engine = Engine(ackflow.Flow(src).to(sink), spark=spark, batch_size=100, max_inflight=300,
-                    max_concurrent_batches=2, batch_timeout_s=0.1, until_idle=1.0,
-                    metrics_port=port, progress=lambda r, w: samples.append(
-                        (w.in_flight, w.throttled, r.pulled, r.nacked, r.acked)))
+    engine = Engine(
+        ackflow.Flow(src).to(sink),
+        spark=spark,
+        batch_size=100,
+        max_inflight=300,
+        max_concurrent_batches=2,
+        batch_timeout_s=0.1,
+        until_idle=1.0,
+        metrics_port=port,
+        progress=lambda r, w: samples.append((w.in_flight, w.throttled, r.pulled, r.nacked, r.acked)),
+    )
     result = {}
     runner = threading.Thread(target=lambda: result.setdefault("report", engine.run()))
     runner.start()
@@ -97,8 +104,15 @@ def test_metrics_cover_outcomes_and_bind_to_loopback(spark):
         if report.settled >= 41 and not seen:
             seen.update(scrape(port))
 
-    ackflow.run(ackflow.Flow(src).to(MemorySink()), spark=spark, batch_size=50,
-                max_inflight=100, until_idle=0.8, metrics_port=port, progress=peek)
+    ackflow.run(
+        ackflow.Flow(src).to(MemorySink()),
+        spark=spark,
+        batch_size=50,
+        max_inflight=100,
+        until_idle=0.8,
+        metrics_port=port,
+        progress=peek,
+    )
     assert seen["ackflow_messages_acked_total"] == 40
     assert seen['ackflow_messages_dead_lettered_total{step="decode"}'] == 1
     assert seen['ackflow_rows_written_total{sink="memory"}'] == 40

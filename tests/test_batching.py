@@ -37,9 +37,15 @@ class Trickle(ListSource):
 
 def test_an_idle_engine_cuts_small_batches_instead_of_waiting_for_the_timeout():
     src = Trickle(150)
-    report = ackflow.run(ackflow.Flow(src).to(MemorySink()), executor="local",
-                         batch_size=1000, max_inflight=1000, batch_timeout_s=10.0,
-                         until_idle=0.3, handle_signals=False)
+    report = ackflow.run(
+        ackflow.Flow(src).to(MemorySink()),
+        executor="local",
+        batch_size=1000,
+        max_inflight=1000,
+        batch_timeout_s=10.0,
+        until_idle=0.3,
+        handle_signals=False,
+    )
     assert report.acked == 150
     waits = [src.acked_at[k] - src.pulled_at[k] for k in src.pulled_at]
     # before: one batch of all 150, cut when the source ran dry after ~2 s

@@ -121,17 +121,19 @@ class Cell:
         self.gate = f"/tmp/ackflow-conformance-{self.id}"
 
     def publish(self, kinds: list[str]) -> None:
-        rows = [{"cell": self.id, "n": n, "kind": k, "gate": self.gate}
-                for n, k in enumerate(kinds)]
+        rows = [{"cell": self.id, "n": n, "kind": k, "gate": self.gate} for n, k in enumerate(kinds)]
         publish(self.url, self.queue, rows, ids=[f"{self.id}-{n}" for n in range(len(kinds))])
         self.published = set(range(len(kinds)))
 
     def source(self) -> RabbitMQ:
-        return Counting(self.url, self.queue, name=self.queue,
-                        policy=RetryPolicy(max_deliveries=MAX_DELIVERIES, backoff_s=BACKOFF_S,
-                                           max_backoff_s=BACKOFF_S),
-                        reject_to_dlx=self.route == "broker-dlx",
-                        dead_letter_exchange=self.dlx if self.route == "ackflow-dlx" else None)
+        return Counting(
+            self.url,
+            self.queue,
+            name=self.queue,
+            policy=RetryPolicy(max_deliveries=MAX_DELIVERIES, backoff_s=BACKOFF_S, max_backoff_s=BACKOFF_S),
+            reject_to_dlx=self.route == "broker-dlx",
+            dead_letter_exchange=self.dlx if self.route == "ackflow-dlx" else None,
+        )
 
     def left(self, queue: str) -> list[tuple[int, dict]]:
         """Take every message of ``queue``: (n, headers)."""
@@ -152,9 +154,18 @@ class Cell:
 
 
 def run_cell(cell: Cell, flow: Flow, **kw) -> tuple[Engine, dict]:
-    opts = {"executor": "local", "batch_size": 10, "max_inflight": 50, "until_idle": IDLE_S,
-            "batch_timeout_s": 0.02, "linger_s": 0.01, "handle_signals": False,
-            "systemic_backoff_s": 0.05, "systemic_max_backoff_s": 0.1, **kw}
+    opts = {
+        "executor": "local",
+        "batch_size": 10,
+        "max_inflight": 50,
+        "until_idle": IDLE_S,
+        "batch_timeout_s": 0.02,
+        "linger_s": 0.01,
+        "handle_signals": False,
+        "systemic_backoff_s": 0.05,
+        "systemic_max_backoff_s": 0.1,
+        **kw,
+    }
     engine = Engine(flow, **opts)
     outcome: dict = {}
 
@@ -183,20 +194,30 @@ def dead_letters(cell: Cell, dead: Memory | None) -> dict[int, dict]:
         import json
 
         assert dead is not None
-        return {json.loads(r["body"])["n"]: {"step": r["step"], "error": r["error"],
-                                             "deliveries": r["deliveries"]}
-                for r in dead.rows}
+        return {
+            json.loads(r["body"])["n"]: {
+                "step": r["step"],
+                "error": r["error"],
+                "deliveries": r["deliveries"],
+            }
+            for r in dead.rows
+        }
     out = {}
     if cell.route == "ackflow-dlx":  # ackflow's copies, with their provenance headers
         for n, h in cell.left(cell.dead_queue):
-            out[n] = {"step": h["x-ackflow-step"].decode() if isinstance(
-                h["x-ackflow-step"], bytes) else h["x-ackflow-step"],
-                "error": str(h["x-ackflow-error"]), "deliveries": h["x-ackflow-deliveries"]}
+            out[n] = {
+                "step": h["x-ackflow-step"].decode()
+                if isinstance(h["x-ackflow-step"], bytes)
+                else h["x-ackflow-step"],
+                "error": str(h["x-ackflow-error"]),
+                "deliveries": h["x-ackflow-deliveries"],
+            }
         return out
     for n, h in cell.left(cell.dead_queue):
         death = h["x-death"][0]
-        out[n] = {"reason": death["reason"].decode() if isinstance(death["reason"], bytes)
-                  else death["reason"]}
+        out[n] = {
+            "reason": death["reason"].decode() if isinstance(death["reason"], bytes) else death["reason"]
+        }
     return out
 
 
@@ -243,8 +264,9 @@ def test_a_dead_letter_exchange_named_but_missing_is_refused_at_start(url, kind)
     cell = Cell(url, kind, "none", "missing-dlx")
     conn = connect(url)
     q = cell.queue + "-m"
-    conn.channel().queue_declare(q, durable=True, arguments={
-        **KINDS[kind], "x-dead-letter-exchange": cell.id + "-nowhere"})
+    conn.channel().queue_declare(
+        q, durable=True, arguments={**KINDS[kind], "x-dead-letter-exchange": cell.id + "-nowhere"}
+    )
     conn.close()
     flow = Flow(RabbitMQ(url, q, reject_to_dlx=True)).map(step, name="check").to(Memory())
     with pytest.raises(ConfigError, match="dead letters would be lost") as e:
@@ -285,8 +307,7 @@ def test_conformance(url, kind, route, event):
         queued = [n for n, _ in cell.left(cell.queue)]
         dls = dead_letters(cell, dead)
         no_loss(cell, written, queued, dls)
-        assert sorted(written) == [0, 1, 2] and not queued and not dls, (written, queued, dls,
-                                                                          report)
+        assert sorted(written) == [0, 1, 2] and not queued and not dls, (written, queued, dls, report)
         assert DELIVERED[(cell.id, 1)] == 2 and report.acked == 3 and report.nacked == 1
 
     elif event == "release":
@@ -296,12 +317,13 @@ def test_conformance(url, kind, route, event):
         cell.publish(["transient"] * 3 + ["hold"])
         flow, dead = build(cell)
         src = flow.source
-        engine, outcome = run_cell(cell, flow, batch_size=3, max_concurrent_batches=1,
-                                   until_idle=None)
+        engine, outcome = run_cell(cell, flow, batch_size=3, max_concurrent_batches=1, until_idle=None)
         try:
             # 0..2 failed once and were pulled again while 3 holds its batch
-            assert wait_until(lambda: engine.report.pulled >= 7 and len(engine.inflight) >= 4,
-                              timeout=20), (engine.report.pulled, len(engine.inflight))
+            assert wait_until(lambda: engine.report.pulled >= 7 and len(engine.inflight) >= 4, timeout=20), (
+                engine.report.pulled,
+                len(engine.inflight),
+            )
             engine.request_stop()
         finally:
             open(cell.gate, "w").close()
@@ -337,13 +359,18 @@ def test_conformance(url, kind, route, event):
         flow, dead = build(cell, sink=DownSink(cell.id))
         engine, outcome = run_cell(cell, flow, until_idle=1.0)
         try:
-            assert wait_until(lambda: all(SINK_TRIES[(cell.id, n)] >= 2 for n in range(6))
-                              or "report" in outcome or "error" in outcome, timeout=30)
+            assert wait_until(
+                lambda: (
+                    all(SINK_TRIES[(cell.id, n)] >= 2 for n in range(6))
+                    or "report" in outcome
+                    or "error" in outcome
+                ),
+                timeout=30,
+            )
         finally:
             HEALED.add(cell.id)
         # one more message: the step works again, the episode ends, the run goes idle
-        publish(url, cell.queue, [{"cell": cell.id, "n": 6, "kind": "ok", "gate": ""}],
-                ids=[f"{cell.id}-6"])
+        publish(url, cell.queue, [{"cell": cell.id, "n": 6, "kind": "ok", "gate": ""}], ids=[f"{cell.id}-6"])
         cell.published.add(6)
         report = finish(outcome)
         written = [r["n"] for r in flow.sink.rows]

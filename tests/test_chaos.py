@@ -19,9 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_three_minute_chaos_soak_loses_and_duplicates_nothing():
     seed = int.from_bytes(os.urandom(3), "little")
-    done = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--minutes", "3",
-                           "--seed", str(seed), "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=330)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.chaos", "--minutes", "3", "--seed", str(seed), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=330,
+    )
     out = done.stdout.strip().splitlines()
     assert out, done.stderr[-3000:]
     summary = json.loads(out[-1])

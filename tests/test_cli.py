@@ -12,16 +12,20 @@ from ackflow.embedded import EmbeddedQueue
 
 
 def ackflow_cmd(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ackflow.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ackflow.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["demo", "--messages", "0"], "must be at least 1"),
-    (["demo", "--poison-rate", "2"], "must be between 0 and 1"),
-    (["run", "flow.py:flow", "--batch-size", "ten"], "expected a whole number"),
-    (["queue", "stats", "--db", "x.db"], "--queue"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["demo", "--messages", "0"], "must be at least 1"),
+        (["demo", "--poison-rate", "2"], "must be between 0 and 1"),
+        (["run", "flow.py:flow", "--batch-size", "ten"], "expected a whole number"),
+        (["queue", "stats", "--db", "x.db"], "--queue"),
+    ],
+)
 def test_bad_arguments_say_what_to_fix(args, expected, capsys):
     with pytest.raises(SystemExit) as e:
         main(args)
@@ -47,7 +51,11 @@ def test_queue_stats_peek_dead_letters_replay(tmp_path, capsys):
     assert main(["queue", "stats", "--db", db, "--queue", "orders", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert {k: stats[k] for k in ("ready", "leased", "dead_lettered", "delivered_total")} == {
-        "ready": 0, "leased": 1, "dead_lettered": 1, "delivered_total": 2}
+        "ready": 0,
+        "leased": 1,
+        "dead_lettered": 1,
+        "delivered_total": 2,
+    }
 
     assert main(["queue", "dead-letters", "--db", db, "--queue", "orders"]) == 0
     text = capsys.readouterr().out
@@ -59,7 +67,6 @@ def test_queue_stats_peek_dead_letters_replay(tmp_path, capsys):
     assert main(["queue", "replay", "--db", db, "--queue", "orders", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"replayed": 1, "kept": []}
     assert EmbeddedQueue(db).stats("orders")["ready"] == 1
-
 
 
 def test_replay_never_destroys_a_dead_letter_whose_msg_id_is_queued(tmp_path, capsys):
@@ -86,15 +93,16 @@ def test_replay_never_destroys_a_dead_letter_whose_msg_id_is_queued(tmp_path, ca
     assert main(["queue", "replay", "--db", db, "--queue", "orders", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"replayed": 1, "kept": []}
     q = EmbeddedQueue(db)
-    assert q.dead_letters("orders") == [] and [p["body"] for p in q.peek("orders")] == [
-        '{"v": "old"}']
+    assert q.dead_letters("orders") == [] and [p["body"] for p in q.peek("orders")] == ['{"v": "old"}']
     q.close()
+
 
 @pytest.mark.spark
 def test_run_a_flow_file(tmp_path):
     db = tmp_path / "q.db"
     EmbeddedQueue(str(db)).publish("in", [json.dumps({"x": i}).encode() for i in range(50)])
-    (tmp_path / "myflow.py").write_text(textwrap.dedent(f'''
+    (tmp_path / "myflow.py").write_text(
+        textwrap.dedent(f"""
         import ackflow
         from ackflow.sources import EmbeddedQueue
         from ackflow.sinks import Parquet
@@ -107,9 +115,11 @@ def test_run_a_flow_file(tmp_path):
                 .map(double, name="double")
                 .with_columns(z=F.col("y") + 1)
                 .to(Parquet({str(tmp_path / "out")!r})))
-    '''))
-    r = ackflow_cmd("run", "myflow.py:flow", "--until-idle", "1", "--json", "--master", "local[2]",
-                    cwd=tmp_path)
+    """)
+    )
+    r = ackflow_cmd(
+        "run", "myflow.py:flow", "--until-idle", "1", "--json", "--master", "local[2]", cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["acked"] == 50 and report["rows_written"] == {"parquet": 50}
@@ -126,9 +136,24 @@ def test_run_rejects_a_target_that_is_not_a_flow(tmp_path):
 
 
 def test_demo_through_a_real_rabbitmq_broker(tmp_path, rabbitmq):
-    r = ackflow_cmd("demo", "--source", "rabbitmq", "--amqp-url", rabbitmq.url,
-                    "--messages", "4000", "--workdir", str(tmp_path / "demo"), "--json",
-                    "--master", "local[2]", "--batch-size", "1000", "--max-inflight", "3000")
+    r = ackflow_cmd(
+        "demo",
+        "--source",
+        "rabbitmq",
+        "--amqp-url",
+        rabbitmq.url,
+        "--messages",
+        "4000",
+        "--workdir",
+        str(tmp_path / "demo"),
+        "--json",
+        "--master",
+        "local[2]",
+        "--batch-size",
+        "1000",
+        "--max-inflight",
+        "3000",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     check = summary["check"]
@@ -147,9 +172,9 @@ def test_demo_source_rabbitmq_needs_a_url(capsys):
 def test_run_without_json_prints_a_summary(tmp_path):
     """A person's summary: acked, dead-lettered with the top reasons, rows written."""
     db = tmp_path / "q.db"
-    EmbeddedQueue(str(db)).publish("in", [json.dumps({"x": i}).encode() for i in range(30)]
-                                   + [b"not json"])
-    (tmp_path / "f.py").write_text(textwrap.dedent(f'''
+    EmbeddedQueue(str(db)).publish("in", [json.dumps({"x": i}).encode() for i in range(30)] + [b"not json"])
+    (tmp_path / "f.py").write_text(
+        textwrap.dedent(f"""
         import ackflow
         from ackflow.core.policy import RetryPolicy
         from ackflow.sources import EmbeddedQueue
@@ -163,9 +188,9 @@ def test_run_without_json_prints_a_summary(tmp_path):
         flow = (ackflow.Flow(EmbeddedQueue({str(db)!r}, "in",
                                            policy=RetryPolicy(max_deliveries=1)))
                 .map(check, name="check").to(Parquet({str(tmp_path / "out")!r}, name="out")))
-    '''))
-    r = ackflow_cmd("run", "f.py:flow", "--until-idle", "1", "--master", "local[2]",
-                    cwd=tmp_path)
+    """)
+    )
+    r = ackflow_cmd("run", "f.py:flow", "--until-idle", "1", "--master", "local[2]", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("ackflow run: 31 messages settled in "), lines

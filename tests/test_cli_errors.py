@@ -19,8 +19,9 @@ from ackflow.testing import ListSource
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "ackflow.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "ackflow.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
 
 
 def digest(path):
@@ -43,8 +44,9 @@ def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(tmp_path, action):
         c.execute("CREATE TABLE users (id INTEGER, name TEXT)")
         c.execute("INSERT INTO users VALUES (1, 'ada')")
     before = digest(foreign)
-    one_clear_line(cli("queue", action, "--db", str(foreign), "--queue", "q"),
-                   "not an ackflow queue database")
+    one_clear_line(
+        cli("queue", action, "--db", str(foreign), "--queue", "q"), "not an ackflow queue database"
+    )
     assert digest(foreign) == before  # before: ackflow's tables added, switched to WAL
     with sqlite3.connect(foreign) as c:
         assert c.execute("PRAGMA journal_mode").fetchone()[0] != "wal"
@@ -53,8 +55,7 @@ def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(tmp_path, action):
 def test_a_file_that_is_not_a_database_is_one_line(tmp_path):
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"this is not sqlite" * 100)
-    one_clear_line(cli("queue", "stats", "--db", str(junk), "--queue", "q"),
-                   "not an ackflow queue database")
+    one_clear_line(cli("queue", "stats", "--db", str(junk), "--queue", "q"), "not an ackflow queue database")
 
 
 def test_flow_files_that_do_not_load_are_one_line(tmp_path):
@@ -81,20 +82,22 @@ def test_queue_files_are_private(tmp_path):
         os.umask(old)
 
 
-@pytest.mark.parametrize("args, words", [
-    (["demo", "--until-idle", "nan"], ["--until-idle", "a finite number", "'nan'"]),
-    (["demo", "--until-idle", "inf"], ["--until-idle", "a finite number"]),
-    (["demo", "--until-idle", "-1"], ["--until-idle", "must not be negative"]),
-    (["demo", "--drain-timeout", "nan"], ["--drain-timeout", "a finite number"]),
-    (["demo", "--drain-timeout", "-0.5"], ["--drain-timeout", "must not be negative"]),
-    (["demo", "--poison-rate", "nan"], ["--poison-rate", "a finite number"]),
-    (["demo", "--metrics-port", "-1"], ["--metrics-port", "between 0 and 65535"]),
-    (["demo", "--metrics-port", "70000"], ["--metrics-port", "between 0 and 65535"]),
-    (["run", "f.py:flow", "--until-idle", "NaN"], ["--until-idle", "a finite number"]),
-    (["run", "f.py:flow", "--drain-timeout=-inf"], ["--drain-timeout", "a finite number"]),
-    (["queue", "replay", "--db", "q.db", "--queue", "q", "--id", "-3"],
-     ["--id", "must not be negative"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["demo", "--until-idle", "nan"], ["--until-idle", "a finite number", "'nan'"]),
+        (["demo", "--until-idle", "inf"], ["--until-idle", "a finite number"]),
+        (["demo", "--until-idle", "-1"], ["--until-idle", "must not be negative"]),
+        (["demo", "--drain-timeout", "nan"], ["--drain-timeout", "a finite number"]),
+        (["demo", "--drain-timeout", "-0.5"], ["--drain-timeout", "must not be negative"]),
+        (["demo", "--poison-rate", "nan"], ["--poison-rate", "a finite number"]),
+        (["demo", "--metrics-port", "-1"], ["--metrics-port", "between 0 and 65535"]),
+        (["demo", "--metrics-port", "70000"], ["--metrics-port", "between 0 and 65535"]),
+        (["run", "f.py:flow", "--until-idle", "NaN"], ["--until-idle", "a finite number"]),
+        (["run", "f.py:flow", "--drain-timeout=-inf"], ["--drain-timeout", "a finite number"]),
+        (["queue", "replay", "--db", "q.db", "--queue", "q", "--id", "-3"], ["--id", "must not be negative"]),
+    ],
+)
 def test_numeric_options_refuse_nan_inf_and_negatives_in_one_line(tmp_path, args, words):
     # before: `--until-idle nan` ran forever, `--drain-timeout nan` never cancelled,
     # `--metrics-port -1` reached the engine
@@ -108,14 +111,26 @@ def test_numeric_options_refuse_nan_inf_and_negatives_in_one_line(tmp_path, args
     assert not os.listdir(tmp_path)  # refused before anything was created
 
 
-@pytest.mark.parametrize("option, value", [
-    ("until_idle", float("nan")), ("until_idle", float("inf")), ("until_idle", -1),
-    ("drain_timeout_s", float("nan")), ("drain_timeout_s", float("inf")),
-    ("drain_timeout_s", -1.0), ("keepalive_s", float("nan")), ("keepalive_s", 0),
-    ("keepalive_s", -5), ("batch_timeout_s", float("nan")), ("batch_timeout_s", 0),
-    ("linger_s", float("nan")), ("linger_s", float("inf")), ("drain_timeout_s", "60"),
-    ("keepalive_s", True),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("until_idle", float("nan")),
+        ("until_idle", float("inf")),
+        ("until_idle", -1),
+        ("drain_timeout_s", float("nan")),
+        ("drain_timeout_s", float("inf")),
+        ("drain_timeout_s", -1.0),
+        ("keepalive_s", float("nan")),
+        ("keepalive_s", 0),
+        ("keepalive_s", -5),
+        ("batch_timeout_s", float("nan")),
+        ("batch_timeout_s", 0),
+        ("linger_s", float("nan")),
+        ("linger_s", float("inf")),
+        ("drain_timeout_s", "60"),
+        ("keepalive_s", True),
+    ],
+)
 def test_the_engine_refuses_meaningless_durations(option, value):
     flow = Flow(ListSource([])).to(MemorySink())
     with pytest.raises(ConfigError, match=f"^{option} must be .* seconds .*got"):

@@ -17,7 +17,7 @@ from helpers import wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
-FLOW = textwrap.dedent('''
+FLOW = textwrap.dedent("""
     import os, time
     import ackflow
     from ackflow.sources import EmbeddedQueue
@@ -44,7 +44,7 @@ FLOW = textwrap.dedent('''
             .group_by(*os.environ.get("FLOW_GROUP", "sku").split(","))
             .agg("sum(qty) AS qty", "count(*) AS n", name="per_sku")
             .to(Parquet(OUT)))
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,9 @@ def cluster(tmp_path_factory):
 
 def publish(db, n, poison_every=50):
     rows = [{"id": i, "qty": -1 if i % poison_every == 7 else 1 + i % 5} for i in range(n)]
-    EmbeddedQueue(db).publish("in", [json.dumps(r).encode() for r in rows],
-                              msg_ids=[f"o{i}" for i in range(n)])
+    EmbeddedQueue(db).publish(
+        "in", [json.dumps(r).encode() for r in rows], msg_ids=[f"o{i}" for i in range(n)]
+    )
     return rows
 
 
@@ -68,11 +69,16 @@ def run_flow(tmp_path, tag, master, n=600, extra_env=None, args=(), wait=True):
     db, out = str(work / "q.db"), str(work / "out")
     rows = publish(db, n)
     env = {**os.environ, "FLOW_DB": db, "FLOW_OUT": out, **(extra_env or {})}
-    cmd = [sys.executable, "-m", "ackflow.cli", "run", "flow.py:flow", "--master", master,
-           "--json", *args]
+    cmd = [sys.executable, "-m", "ackflow.cli", "run", "flow.py:flow", "--master", master, "--json", *args]
     if not wait:
-        return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True), db, out, rows
+        return (
+            subprocess.Popen(
+                cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            ),
+            db,
+            out,
+            rows,
+        )
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), db, out, rows
@@ -85,8 +91,7 @@ def outcome(db, out):
     q.close()
     table = pq.read_table(out)
     per_sku: dict[str, int] = {}
-    for sku, qty in zip(table.column("sku").to_pylist(), table.column("qty").to_pylist(),
-                        strict=True):
+    for sku, qty in zip(table.column("sku").to_pylist(), table.column("qty").to_pylist(), strict=True):
         per_sku[sku] = per_sku.get(sku, 0) + qty
     return dead, left, per_sku
 
@@ -116,8 +121,14 @@ def test_cluster_and_local_give_the_same_results_and_settlements(tmp_path, clust
 def test_a_killed_executor_means_retries_or_nacks_never_loss(tmp_path, cluster):
     env = {"FLOW_DELAY": "0.01", "FLOW_DELIVERIES": "5", "FLOW_GROUP": "id,sku"}
     proc, db, out, rows = run_flow(
-        tmp_path, "kill", cluster.master_url, n=1500, extra_env=env, wait=False,
-        args=("--until-idle", "8", "--batch-size", "150", "--max-inflight", "450"))
+        tmp_path,
+        "kill",
+        cluster.master_url,
+        n=1500,
+        extra_env=env,
+        wait=False,
+        args=("--until-idle", "8", "--batch-size", "150", "--max-inflight", "450"),
+    )
 
     def acked():
         q = EmbeddedQueue(db)
@@ -153,7 +164,8 @@ def test_a_function_executors_cannot_import_fails_at_start_naming_its_step(tmp_p
     work.mkdir()
     db = str(work / "q.db")
     publish(db, 3)
-    (work / "flow.py").write_text(textwrap.dedent(f'''
+    (work / "flow.py").write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(hidden)!r})  # importable here, on the driver only
         import secret_steps
@@ -163,10 +175,25 @@ def test_a_function_executors_cannot_import_fails_at_start_naming_its_step(tmp_p
 
         flow = ackflow.Flow(EmbeddedQueue({db!r}, "in")).map(secret_steps.tag, name="tagging") \\
             .to(Memory())
-    '''))
-    r = subprocess.run([sys.executable, "-m", "ackflow.cli", "run", "flow.py:flow", "--master",
-                        cluster.master_url, "--until-idle", "1"], cwd=work, capture_output=True,
-                       text=True, timeout=300)
+    """)
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ackflow.cli",
+            "run",
+            "flow.py:flow",
+            "--master",
+            cluster.master_url,
+            "--until-idle",
+            "1",
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "step 'tagging': the executors cannot load it" in r.stderr
     assert "secret_steps" in r.stderr
@@ -182,12 +209,25 @@ def test_the_files_to_delta_example_runs_on_the_cluster(tmp_path, cluster):
 
     src, table = tmp_path / "in", tmp_path / "table"
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "files_to_delta.py")
-    r = subprocess.run([sys.executable, script, str(src), str(table), "--sample", "2",
-                        "--until-idle", "2", "--master", cluster.master_url],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            script,
+            str(src),
+            str(table),
+            "--sample",
+            "2",
+            "--until-idle",
+            "2",
+            "--master",
+            cluster.master_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "acked             392" in r.stdout and "check: 8" in r.stdout, r.stdout
     rows = DeltaTable(str(table)).to_pyarrow_table().to_pylist()
     assert len(rows) == 392 and all(row["kind"] in ("view", "click", "buy") for row in rows)
     assert len(os.listdir(src / "done")) == 4
-

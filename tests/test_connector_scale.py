@@ -58,8 +58,9 @@ class Ledger:
         assert all(n <= 2 for n in self.acked.values())
 
 
-def drive(src, ledger: Ledger, *, settled_before_crash: int | None, deadline_s: float,
-          chunk: int = 1000, done=None) -> None:
+def drive(
+    src, ledger: Ledger, *, settled_before_crash: int | None, deadline_s: float, chunk: int = 1000, done=None
+) -> None:
     """Pull and settle until ``done()``: poison messages fail, the rest are acked. With
     ``settled_before_crash`` it returns once that many were acked, the last pull's
     ``IN_FLIGHT_AT_CRASH`` deliveries still unsettled (the caller then "crashes")."""
@@ -67,8 +68,11 @@ def drive(src, ledger: Ledger, *, settled_before_crash: int | None, deadline_s: 
     while not done():
         assert time.monotonic() < deadline, f"{len(ledger.acked)} acked after {deadline_s} s"
         got = src.pull(chunk, 0.2)
-        if settled_before_crash is not None and len(ledger.acked) + len(got) >= \
-                settled_before_crash and len(got) > IN_FLIGHT_AT_CRASH:
+        if (
+            settled_before_crash is not None
+            and len(ledger.acked) + len(got) >= settled_before_crash
+            and len(got) > IN_FLIGHT_AT_CRASH
+        ):
             got, held = got[:-IN_FLIGHT_AT_CRASH], got[-IN_FLIGHT_AT_CRASH:]
             ledger.in_flight_at_crash = {d.key for d in held}
             settle(src, ledger, got)
@@ -106,8 +110,12 @@ def test_embedded_queue_source_many_messages_dead_letters_ids_and_a_restart(tmp_
     q = EmbeddedQueue(db)
     ids = [f"m{i}" for i in range(MESSAGES)]
     for k in range(0, MESSAGES, 5000):
-        q.publish("in", [json.dumps({"n": i}).encode() for i in range(k, min(k + 5000, MESSAGES))],
-                  msg_ids=ids[k:k + 5000], remember=True)
+        q.publish(
+            "in",
+            [json.dumps({"n": i}).encode() for i in range(k, min(k + 5000, MESSAGES))],
+            msg_ids=ids[k : k + 5000],
+            remember=True,
+        )
     q.close()
 
     def start():
@@ -122,9 +130,17 @@ def test_embedded_queue_source_many_messages_dead_letters_ids_and_a_restart(tmp_
     src, given_back = start()
     assert given_back >= IN_FLIGHT_AT_CRASH
     good = MESSAGES - poisoned
-    drive(src, ledger, settled_before_crash=None, deadline_s=60,
-          done=lambda: len(ledger.acked) >= good and src.q.stats("in")["ready"] == 0
-          and src.q.stats("in")["delayed"] == 0)
+    drive(
+        src,
+        ledger,
+        settled_before_crash=None,
+        deadline_s=60,
+        done=lambda: (
+            len(ledger.acked) >= good
+            and src.q.stats("in")["ready"] == 0
+            and src.q.stats("in")["delayed"] == 0
+        ),
+    )
     stats = src.q.stats("in")
     src.close()
     ledger.check_once(good)
@@ -161,12 +177,12 @@ def test_rabbitmq_queue_source_many_messages_dead_letters_and_a_restart(rabbitmq
 
     q, dlx, dead_q = names("scale"), names("scale-dlx"), names("scale-dead")
     setup(rabbitmq.url, queue=q, dlx=dlx, dead_queue=dead_q)
-    publish_many(rabbitmq.url, q, [{"n": i} for i in range(MESSAGES)],
-                 [f"k{i}" for i in range(MESSAGES)])
+    publish_many(rabbitmq.url, q, [{"n": i} for i in range(MESSAGES)], [f"k{i}" for i in range(MESSAGES)])
 
     def start():
-        src = RabbitMQ(rabbitmq.url, q, dead_letter_exchange=dlx,
-                       policy=RetryPolicy(max_deliveries=2, backoff_s=0.0))
+        src = RabbitMQ(
+            rabbitmq.url, q, dead_letter_exchange=dlx, policy=RetryPolicy(max_deliveries=2, backoff_s=0.0)
+        )
         src.configure(max_inflight=2000, error_sink=False)
         src.open()
         return src
@@ -178,9 +194,13 @@ def test_rabbitmq_queue_source_many_messages_dead_letters_and_a_restart(rabbitmq
     src.close()  # a crash: the broker delivers the unsettled messages again
     src = start()
     try:
-        drive(src, ledger, settled_before_crash=None, deadline_s=90,
-              done=lambda: len(ledger.acked) >= good
-              and count(rabbitmq.url, dead_q) >= poisoned)
+        drive(
+            src,
+            ledger,
+            settled_before_crash=None,
+            deadline_s=90,
+            done=lambda: len(ledger.acked) >= good and count(rabbitmq.url, dead_q) >= poisoned,
+        )
         # the last nacks, dead letters and held acks are sent by the owner's next calls
         deadline = time.monotonic() + 15
         while (src._outstanding or count(rabbitmq.url, q)) and time.monotonic() < deadline:
@@ -211,8 +231,13 @@ def test_rabbitmq_stream_source_many_offsets_retries_and_a_restart(rabbitmq):
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(MESSAGES)])
 
     def start():
-        src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
-                             policy=RetryPolicy(max_deliveries=3, backoff_s=0.0))
+        src = RabbitMQStream(
+            "127.0.0.1",
+            rabbitmq.stream_port,
+            stream,
+            "c1",
+            policy=RetryPolicy(max_deliveries=3, backoff_s=0.0),
+        )
         src.configure(max_inflight=2000, error_sink=True)
         src.open()
         return src
@@ -229,8 +254,9 @@ def test_rabbitmq_stream_source_many_offsets_retries_and_a_restart(rabbitmq):
             src.ack(part)
             ledger.ack(part)
         if first:
-            assert src.fail([(d, Failure("check", "once")) for d in first]) == \
-                [Settlement.NACKED] * len(first)
+            assert src.fail([(d, Failure("check", "once")) for d in first]) == [Settlement.NACKED] * len(
+                first
+            )
             retried.update(d.key for d in first)
 
     src = start()
@@ -275,8 +301,14 @@ def test_rabbitmq_stream_source_many_offsets_retries_and_a_restart(rabbitmq):
 
 def rows(n: int, per: int = 10) -> pa.Table:
     ids = list(range(n * per, (n + 1) * per))
-    return pa.table({"id": ids, "sku": [f"s{i % 977}" for i in ids], "qty": [i % 7 for i in ids],
-                     ROW_KEY: [f"m{i}#0" for i in ids]})
+    return pa.table(
+        {
+            "id": ids,
+            "sku": [f"s{i % 977}" for i in ids],
+            "qty": [i % 7 for i in ids],
+            ROW_KEY: [f"m{i}#0" for i in ids],
+        }
+    )
 
 
 def commit_batches(sink, numbers, prefix="b") -> float:
@@ -325,8 +357,9 @@ def test_parquet_sink_many_batches_keys_and_a_restart(tmp_path):
 
     db = sqlite3.connect(path / "_manifest.db")
     assert db.execute("SELECT COUNT(*) FROM row_keys").fetchone()[0] == want
-    assert db.execute("SELECT SUM(dropped) FROM batches").fetchone()[0] == \
-        len(redelivered(BATCHES)) * 10  # every redelivered row left out, and counted
+    assert (
+        db.execute("SELECT SUM(dropped) FROM batches").fetchone()[0] == len(redelivered(BATCHES)) * 10
+    )  # every redelivered row left out, and counted
     db.close()
 
 
@@ -352,8 +385,7 @@ def test_postgres_sink_many_batches_and_a_restart(postgres, pg_table):
     for n in redelivered(BATCHES // 2):
         assert not again.write_partition(f"r{n}", 0, batch(n)).failed
     with psycopg.connect(postgres.dsn) as c:
-        total, distinct = c.execute(f'SELECT COUNT(*), COUNT(DISTINCT id) FROM "{pg_table}"'
-                                    ).fetchone()
+        total, distinct = c.execute(f'SELECT COUNT(*), COUNT(DISTINCT id) FROM "{pg_table}"').fetchone()
     assert total == distinct == BATCHES // 2 * 40
 
 
@@ -414,14 +446,24 @@ def test_rabbitmq_sink_many_partitions_bad_rows_and_a_restart(rabbitmq):
     from ackflow.sinks import RabbitMQSink
 
     ex, out_q = names("scale-ex"), names("scale-out")
-    setup(rabbitmq.url, queue=names("unused"), out_exchange=ex, out_queue=out_q,
-          out_args={"x-max-length": 10 * MESSAGES})
+    setup(
+        rabbitmq.url,
+        queue=names("unused"),
+        out_exchange=ex,
+        out_queue=out_q,
+        out_args={"x-max-length": 10 * MESSAGES},
+    )
     per = MESSAGES // 200
 
     def part(p: int) -> pa.Table:
         ids = list(range(p * per, (p + 1) * per))
-        return pa.table({"n": ids, "rk": ["x" * 300 if i % 97 == 0 else out_q for i in ids],
-                         ROW_KEY: [f"m{i}#0" for i in ids]})
+        return pa.table(
+            {
+                "n": ids,
+                "rk": ["x" * 300 if i % 97 == 0 else out_q for i in ids],
+                ROW_KEY: [f"m{i}#0" for i in ids],
+            }
+        )
 
     before = connections_to(rabbitmq.port)
     sink = RabbitMQSink(rabbitmq.url, ex, routing_key_column="rk")
@@ -437,8 +479,7 @@ def test_rabbitmq_sink_many_partitions_bad_rows_and_a_restart(rabbitmq):
         again.write_partition("r", p, part(p))
     assert bad == {i for i in range(MESSAGES) if i % 97 == 0}
     good = MESSAGES - len(bad)
-    expected = good + sum(1 for p in range(0, 200, 10)
-                          for i in range(p * per, (p + 1) * per) if i % 97)
+    expected = good + sum(1 for p in range(0, 200, 10) for i in range(p * per, (p + 1) * per) if i % 97)
     got = []
     deadline = time.monotonic() + 30  # (drain stops after 0.5 s without a message)
     while len(got) < expected and time.monotonic() < deadline:
@@ -508,6 +549,7 @@ def test_embedded_queue_sink_many_batches_remembered_ids_and_a_restart(tmp_path)
         time.sleep(0.06)
     commit_batches(bounded, [499], prefix="last")  # its commit applies the retention
     import sqlite3
+
     db = sqlite3.connect(tmp_path / "bounded.db")
     remembered = db.execute("SELECT COUNT(*) FROM published_ids").fetchone()[0]
     db.close()

@@ -49,33 +49,35 @@ row = st.tuples(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(row, max_size=30), st.sets(st.integers(1, 8), min_size=1))
 def test_property_ack_iff_all_rows_written_without_error(rows, expected):
-    table = receipts([
-        (i, "s", e, e if ok else max(e - 1, 0), step, None if step is None else "boom")
-        for i, e, ok, step in rows
-    ])
+    table = receipts(
+        [
+            (i, "s", e, e if ok else max(e - 1, 0), step, None if step is None else "boom")
+            for i, e, ok, step in rows
+        ]
+    )
     for t in (table, compact_receipts(table)):  # partial sums must not change the verdict
         out = settle_receipts(sorted(expected), t)
         assert set(out.acked) | set(out.failed) == expected
         assert not set(out.acked) & set(out.failed)
         for mid in expected:
             mine = [r for r in rows if r[0] == mid]
-            should_ack = bool(mine) and all(
-                step is None and (ok or e == 0) for _, e, ok, step in mine
-            )
+            should_ack = bool(mine) and all(step is None and (ok or e == 0) for _, e, ok, step in mine)
             assert (mid in out.acked) == should_ack, (mid, mine)
 
 
 def _r(mid, sink, emitted, written, step=None, err=None):
-    return {"id": mid, "sink": sink, "emitted": emitted, "written": written,
-            "err_step": step, "err": err}
+    return {"id": mid, "sink": sink, "emitted": emitted, "written": written, "err_step": step, "err": err}
 
 
 def test_the_first_failure_along_the_plan_is_kept_not_the_smallest_or_largest_text():
     """Three rows of message 1 fail in three places. Plan order: m_first, z_later, then the
     sink a_sink. min() of the text would say a_sink, max() z_later: both wrong."""
     order = ["decode", "m_first", "z_later", "a_sink"]
-    rows = [_r(1, "a_sink", 1, 0, "a_sink", "refused"), _r(1, "a_sink", 0, 0, "z_later", "late"),
-            _r(1, "a_sink", 0, 0, "m_first", "the cause")]
+    rows = [
+        _r(1, "a_sink", 1, 0, "a_sink", "refused"),
+        _r(1, "a_sink", 0, 0, "z_later", "late"),
+        _r(1, "a_sink", 0, 0, "m_first", "the cause"),
+    ]
     for perm in (rows, rows[::-1], rows[1:] + rows[:1]):
         table = pa.Table.from_pylist(perm, schema=RECEIPT_SCHEMA)
         assert settle_receipts([1], table, order=order).failed[1] == Failure("m_first", "the cause")
@@ -97,9 +99,14 @@ def test_compacting_one_row_per_message_gives_what_grouping_gives():
     with the separator in it is kept whole."""
     from ackflow.core.ledger import _SEP, _compact_grouped
 
-    rows = [_r(1, "s", 1, 1), _r(2, "s", 1, 0, "s", "refused"), _r(3, "s", 0, 0, None, "odd"),
-            _r(4, "s", 1, 1, "parse", None), _r(5, "s", 0, 0, "parse", f"a{_SEP}b{_SEP}c"),
-            _r(6, "s", 3, 2, "decode", "")]
+    rows = [
+        _r(1, "s", 1, 1),
+        _r(2, "s", 1, 0, "s", "refused"),
+        _r(3, "s", 0, 0, None, "odd"),
+        _r(4, "s", 1, 1, "parse", None),
+        _r(5, "s", 0, 0, "parse", f"a{_SEP}b{_SEP}c"),
+        _r(6, "s", 3, 2, "decode", ""),
+    ]
     table = pa.Table.from_pylist(rows, schema=RECEIPT_SCHEMA)
     order = ["decode", "parse", "s"]
     assert compact_receipts(table, order).to_pylist() == _compact_grouped(table, order).to_pylist()

@@ -115,8 +115,7 @@ class Log(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def settle_many(self, data):  # a batch settled at once (the Files source's ack)
-        some = data.draw(st.lists(st.sampled_from(sorted(self.pending)), min_size=1,
-                                  unique=True))
+        some = data.draw(st.lists(st.sampled_from(sorted(self.pending)), min_size=1, unique=True))
         self.pending.difference_update(some)
         self.tracker.settled_many(some)
         self.done.update(some)
@@ -227,12 +226,15 @@ class _Reference:
             self.base += 1
 
 
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("pull"), st.integers(0, 40)),
-    st.tuples(st.just("settle"), st.lists(st.integers(0, 40), max_size=4)),
-    st.tuples(st.just("fail"), st.integers(0, 40)),
-    st.tuples(st.just("gap"), st.integers(0, 40), st.integers(0, 12)),
-), max_size=60)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("pull"), st.integers(0, 40)),
+        st.tuples(st.just("settle"), st.lists(st.integers(0, 40), max_size=4)),
+        st.tuples(st.just("fail"), st.integers(0, 40)),
+        st.tuples(st.just("gap"), st.integers(0, 40), st.integers(0, 12)),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
@@ -283,11 +285,12 @@ def test_a_huge_gap_costs_what_a_small_one_does(length):
         t = OffsetTracker(start=0)
         t.gap(0, length)
         t.pulled(length + 1)
-        t.gap(length + 2, 2 * length)       # a second gap, above one in flight
+        t.gap(length + 2, 2 * length)  # a second gap, above one in flight
         assert t.committed == length
         t.pulled(length)
         t.settled_many([length, length + 1])
         assert t.committed == 2 * length and len(t) == 0
+
     took, peak = _cost(run)
     assert peak < 64 * 1024, f"{peak} bytes for a gap of {length}"
     assert took < 0.5, f"{took:.3f} s for a gap of {length}"

@@ -14,8 +14,21 @@ from helpers import wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
-DEMO = [sys.executable, "-m", "ackflow.cli", "demo", "--master", "local[2]", "--json",
-        "--batch-size", "500", "--max-inflight", "1500", "--until-idle", "2"]
+DEMO = [
+    sys.executable,
+    "-m",
+    "ackflow.cli",
+    "demo",
+    "--master",
+    "local[2]",
+    "--json",
+    "--batch-size",
+    "500",
+    "--max-inflight",
+    "1500",
+    "--until-idle",
+    "2",
+]
 
 
 def acked_total(db):
@@ -37,12 +50,17 @@ def test_sigkill_at_random_moments_then_resume_converges(tmp_path):
     resume = False
     for _ in range(2):  # two kills, each after a random share of the work
         threshold = acked_total(db) + rng.randint(300, 1500)
-        proc = subprocess.Popen([*DEMO, "--messages", str(messages), "--workdir", work,
-                                 *(["--resume"] if resume else [])],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [*DEMO, "--messages", str(messages), "--workdir", work, *(["--resume"] if resume else [])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            reached = wait_until(lambda t=threshold, p=proc: acked_total(db) >= t or p.poll() is not None,
-                                 timeout=180, every=0.05)
+            reached = wait_until(
+                lambda t=threshold, p=proc: acked_total(db) >= t or p.poll() is not None,
+                timeout=180,
+                every=0.05,
+            )
             assert reached and proc.poll() is None, "the demo ended before it could be killed"
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
@@ -52,8 +70,7 @@ def test_sigkill_at_random_moments_then_resume_converges(tmp_path):
                 proc.kill()
         resume = True
     assert kills == 2
-    done = subprocess.run([*DEMO, "--resume", "--workdir", work], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([*DEMO, "--resume", "--workdir", work], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     check = summary["check"]

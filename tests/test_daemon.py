@@ -56,10 +56,12 @@ def test_preloading_leaves_one_thread_and_forked_workers_draw_different_numbers(
         "        os.write(w, repr(numpy.random.random()).encode()); os._exit(0)\n"
         "    os.wait(); print(os.read(r, 100).decode())\n"
     )
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JE_ARROW_MALLOC_CONF", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JE_ARROW_MALLOC_CONF", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+    }
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     n, first, second = out.stdout.split()
     assert n == "1"
@@ -74,8 +76,7 @@ def test_workers_import_the_installed_pyspark(spark):
         import pyspark as p
 
         for _ in batches:
-            zips = [e for e in sys.path if e.endswith(".jar") or "pyspark.zip" in e
-                    or "py4j-" in e]
+            zips = [e for e in sys.path if e.endswith(".jar") or "pyspark.zip" in e or "py4j-" in e]
             yield pa.RecordBatch.from_pydict({"file": [p.__file__], "zips": [";".join(zips)]})
 
     df = spark.createDataFrame(pa.table({"x": [1]}))
@@ -111,8 +112,13 @@ def test_a_daemon_left_with_threads_after_preloading_starts_again_without():
     """jemalloc's background thread kept on: the daemon must not fork from that process."""
     env = {**os.environ, "JE_ARROW_MALLOC_CONF": "background_thread:true"}
     env.pop("ACKFLOW_DAEMON_PRELOAD", None)
-    done = subprocess.run([sys.executable, "-m", "ackflow_daemon", "pyspark.worker"], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ackflow_daemon", "pyspark.worker"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+    )
     assert b"threads after preloading; starting again without preloading" in done.stderr
     assert done.stderr.count(b"starting again") == 1, done.stderr  # once, then it ran
     assert len(done.stdout) >= 4, done  # Spark's daemon started and told its port

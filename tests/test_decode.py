@@ -15,8 +15,7 @@ def test_json_gives_fields_and_bad_json_fails_with_the_reason(spark):
     sink = MemorySink()
     report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark, **FAST)
     assert sorted(r["a"] for r in sink.rows) == [1, 2]
-    assert src.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "dead_lettered",
-                           "m3": "acked"}
+    assert src.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "dead_lettered", "m3": "acked"}
     assert src.failures["m1"].step == "decode"
     assert src.failures["m1"].error.startswith("could not decode the json payload: JSONDecodeError")
     assert "expected a JSON object, got a JSON list" in src.failures["m2"].error
@@ -26,8 +25,9 @@ def test_json_gives_fields_and_bad_json_fails_with_the_reason(spark):
 def test_text_gives_body_str_and_invalid_utf8_fails(spark):
     src = ListSource([b"hello", b"\xff\xfe bad", "h\u00e9".encode()], format="text")
     sink = MemorySink()
-    ackflow.run(ackflow.Flow(src).map(lambda r: {"body": r["body"].upper()}, name="up").to(sink),
-                spark=spark, **FAST)
+    ackflow.run(
+        ackflow.Flow(src).map(lambda r: {"body": r["body"].upper()}, name="up").to(sink), spark=spark, **FAST
+    )
     assert sorted(r["body"] for r in sink.rows) == ["HELLO", "H\u00c9"]
     assert src.final()["m1"] == "dead_lettered"
     assert "UnicodeDecodeError" in src.failures["m1"].error
@@ -36,8 +36,9 @@ def test_text_gives_body_str_and_invalid_utf8_fails(spark):
 def test_bytes_gives_body_bytes(spark):
     src = ListSource([b"\x00\x01", b"\xff"], format="bytes")
     sink = MemorySink()
-    ackflow.run(ackflow.Flow(src).map(lambda r: {"size": len(r["body"])}, name="size").to(sink),
-                spark=spark, **FAST)
+    ackflow.run(
+        ackflow.Flow(src).map(lambda r: {"size": len(r["body"])}, name="size").to(sink), spark=spark, **FAST
+    )
     assert sorted(r["size"] for r in sink.rows) == [1, 2]
     assert set(src.final().values()) == {"acked"}
 
@@ -62,8 +63,9 @@ def test_hostile_json_fails_alone_with_its_reason_and_the_rest_flows():
 
     bodies = [b'{"ok": 1}', *(b for b, _ in HOSTILE_JSON.values()), b'{"big": "' + b"x" * 10_000_000 + b'"}']
     n = len(bodies)
-    batch = pa.RecordBatch.from_pydict({ID: list(range(n)), KEY: [str(i) for i in range(n)],
-                                        BODY: bodies, SRC: [0] * n})
+    batch = pa.RecordBatch.from_pydict(
+        {ID: list(range(n)), KEY: [str(i) for i in range(n)], BODY: bodies, SRC: [0] * n}
+    )
     rows, status, steps, errs = decode_batch(batch, ["json"])
     assert status[0] == LIVE and status[-1] == LIVE and len(rows[-1]["big"]) == 10_000_000
     for i, (name, (_, reason)) in enumerate(HOSTILE_JSON.items(), start=1):
@@ -71,15 +73,16 @@ def test_hostile_json_fails_alone_with_its_reason_and_the_rest_flows():
         assert reason in errs[i], (name, errs[i])
 
 
-@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le",
-                                      "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+@pytest.mark.parametrize(
+    "encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+)
 def test_json_bodies_are_read_in_every_encoding_json_loads_reads(encoding):
     """The shared decoder reads bytes as json.loads does (its fast path is UTF-8 only)."""
     import json
 
     from ackflow.spark.rows import decode
 
-    for text in ['{"a": "h\u00e9", "b": [1.5, 2]}', ' {"a": 1}', '{}', '[1]']:
+    for text in ['{"a": "h\u00e9", "b": [1.5, 2]}', ' {"a": 1}', "{}", "[1]"]:
         body = text.encode(encoding)
         expected = json.loads(body)
         if isinstance(expected, dict):
@@ -99,8 +102,12 @@ def test_the_shared_decoder_gives_each_thread_its_own_result():
 
     from ackflow.spark.rows import decode
 
-    bodies = [json.dumps({f"k{j}_{i % 7}": 1.5 * i if j % 2 else {"n": [i, 2.25, "x" * j]}
-                          for j in range(6)}).encode() for i in range(1000)]
+    bodies = [
+        json.dumps(
+            {f"k{j}_{i % 7}": 1.5 * i if j % 2 else {"n": [i, 2.25, "x" * j]} for j in range(6)}
+        ).encode()
+        for i in range(1000)
+    ]
     expected = [json.loads(b) for b in bodies]
     wrong: list[int] = []
 
@@ -122,8 +129,10 @@ def test_the_shared_decoder_gives_each_thread_its_own_result():
     assert wrong == []
 
 
-NAN_BODY = (b'{"a": NaN, "b": -Infinity, "c": Infinity, "n": 1.5,'
-            b' "nested": {"x": [1, NaN, {"y": -Infinity}], "z": "NaN"}}')
+NAN_BODY = (
+    b'{"a": NaN, "b": -Infinity, "c": Infinity, "n": 1.5,'
+    b' "nested": {"x": [1, NaN, {"y": -Infinity}], "z": "NaN"}}'
+)
 
 
 def test_nan_and_infinity_fail_by_default_and_read_as_null_when_asked():
@@ -136,8 +145,12 @@ def test_nan_and_infinity_fail_by_default_and_read_as_null_when_asked():
     with pytest.raises(ValueError, match="-Infinity is not JSON"):
         decode(b'{"v": [{"w": -Infinity}]}', "json")
     assert decode(NAN_BODY, "json_nan_as_null") == {
-        "a": None, "b": None, "c": None, "n": 1.5,
-        "nested": {"x": [1, None, {"y": None}], "z": "NaN"}}
+        "a": None,
+        "b": None,
+        "c": None,
+        "n": 1.5,
+        "nested": {"x": [1, None, {"y": None}], "z": "NaN"},
+    }
     for fmt in ("json", "json_nan_as_null"):
         with pytest.raises(ValueError, match="not finite"):
             decode(b'{"a": 1e999}', fmt)
@@ -176,11 +189,12 @@ def test_files_jsonl_nan_as_null(spark, tmp_path):
     from ackflow.sources import FilesSource
 
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "a.jsonl").write_text('{"id": 1, "v": NaN, "w": [2.5]}\n'
-                                             '{"id": 2, "v": 1.5, "w": [Infinity, 1.0]}\n')
+    (tmp_path / "in" / "a.jsonl").write_text(
+        '{"id": 1, "v": NaN, "w": [2.5]}\n{"id": 2, "v": 1.5, "w": [Infinity, 1.0]}\n'
+    )
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(FilesSource(tmp_path / "in", "jsonl_nan_as_null"))
-                         .to(sink), spark=spark, **FAST)
+    report = ackflow.run(
+        ackflow.Flow(FilesSource(tmp_path / "in", "jsonl_nan_as_null")).to(sink), spark=spark, **FAST
+    )
     assert report.acked == 2
-    assert sorted((r["id"], r["v"], r["w"]) for r in sink.rows) == [
-        (1, None, [2.5]), (2, 1.5, [None, 1.0])]
+    assert sorted((r["id"], r["v"], r["w"]) for r in sink.rows) == [(1, None, [2.5]), (2, 1.5, [None, 1.0])]

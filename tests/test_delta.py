@@ -19,8 +19,7 @@ from lake import ITEMS, assert_exactly_once, delta_rows, publish_orders, queue_l
 
 
 @pytest.mark.spark
-def test_a_run_is_exact_with_one_version_per_batch_and_refused_rows_fail_alone(spark,
-                                                                               tmp_path):
+def test_a_run_is_exact_with_one_version_per_batch_and_refused_rows_fail_alone(spark, tmp_path):
     """A table made beforehand with an int32 ``qty``: an order whose qty does not fit
     fails alone (dead-lettered by the sink's step), poison fails in its step, every
     other order's items are in the table once; each batch is one version, and time
@@ -30,15 +29,13 @@ def test_a_run_is_exact_with_one_version_per_batch_and_refused_rows_fail_alone(s
     report, expected = run_refusing_orders(spark, Delta(path))
     assert_exactly_once(delta_rows(path), expected)
     dt = DeltaTable(path)
-    commits = sorted((c for c in dt.history() if "ackflow.batch" in c),
-                     key=lambda c: c["version"])
+    commits = sorted((c for c in dt.history() if "ackflow.batch" in c), key=lambda c: c["version"])
     assert [c["version"] for c in commits] == list(range(1, dt.version() + 1))
     assert len(commits) == report.batches == len({c["ackflow.batch"] for c in commits})
     total = 0
     for c in commits:  # time travel: each version adds exactly its batch's files
         files = c["ackflow.files"]
-        added = sum(pa.parquet.ParquetFile(os.path.join(path, f)).metadata.num_rows
-                    for f in files)
+        added = sum(pa.parquet.ParquetFile(os.path.join(path, f)).metadata.num_rows for f in files)
         total += added
         assert DeltaTable(path, version=c["version"]).to_pyarrow_table().num_rows == total
 
@@ -51,8 +48,10 @@ def test_a_column_the_table_lacks_fails_its_rows_when_it_came_from_the_data(spar
     (``evolve=False``: with evolution the table takes the column, tests/test_sink_evolution)."""
     path = str(tmp_path / "t")
     DeltaTable.create(path, pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))
-    src = ListSource(bodies([{"n": 1, "city": "Oslo", "zip": "0150"}, {"n": 2}, {"n": 3}]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource(
+        bodies([{"n": 1, "city": "Oslo", "zip": "0150"}, {"n": 2}, {"n": 3}]),
+        policy=ackflow.RetryPolicy(max_deliveries=1),
+    )
     report = ackflow.run(ackflow.Flow(src).to(Delta(path, evolve=False)), spark=spark, **FAST)
     assert src.final() == {"m0": "dead_lettered", "m1": "acked", "m2": "acked"}
     assert src.failures["m0"].step == "delta" and "column 'city'" in src.failures["m0"].error
@@ -70,8 +69,10 @@ def test_a_type_from_the_data_is_written_value_by_value_in_the_tables_type(spark
     named like the sink's key column in another case fails alone too."""
     path = str(tmp_path / "t")
     DeltaTable.create(path, pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))
-    src = ListSource(bodies([{"n": 1.5}, {"n": 2}, {"n": 3, "Ackflow_Key": "m1"}]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource(
+        bodies([{"n": 1.5}, {"n": 2}, {"n": 3, "Ackflow_Key": "m1"}]),
+        policy=ackflow.RetryPolicy(max_deliveries=1),
+    )
     ackflow.run(ackflow.Flow(src).to(Delta(path)), spark=spark, **FAST)
     assert src.final() == {"m0": "dead_lettered", "m1": "acked", "m2": "dead_lettered"}
     assert "cannot store 1.5" in src.failures["m0"].error
@@ -86,9 +87,11 @@ def test_a_column_the_flow_makes_and_the_table_lacks_stops_the_run_and_names_it(
     DeltaTable.create(path, pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))
     src = ListSource(bodies([{"n": 1}]))
     with pytest.raises(FlowError) as e:
-        ackflow.run(ackflow.Flow(src).with_columns(city="'Oslo'", zip="'0150'")
-                    .to(Delta(path, evolve=False)),
-                    spark=spark, **FAST)
+        ackflow.run(
+            ackflow.Flow(src).with_columns(city="'Oslo'", zip="'0150'").to(Delta(path, evolve=False)),
+            spark=spark,
+            **FAST,
+        )
     assert "has no column(s) city, zip" in str(e.value) and path in str(e.value)
     assert src.final() == {"m0": "released"}  # given back, not failed
     assert DeltaTable(path).version() == 0  # the table was not changed
@@ -110,9 +113,15 @@ def test_two_processes_and_an_outside_writer_share_one_table(tmp_path):
     expected = set()
     for q in queues:
         expected, _ = publish_orders(q, 400, seed=9)
-    outside = pa.table({"order": pa.array([-1], pa.int64()), "line": pa.array([0], pa.int64()),
-                        "sku": ["outside"], "qty": pa.array([0], pa.int64()),
-                        "ackflow_key": pa.array([None], pa.string())})
+    outside = pa.table(
+        {
+            "order": pa.array([-1], pa.int64()),
+            "line": pa.array([0], pa.int64()),
+            "sku": ["outside"],
+            "qty": pa.array([0], pa.int64()),
+            "ackflow_key": pa.array([None], pa.string()),
+        }
+    )
     stop, appended = threading.Event(), []
 
     def writer():
@@ -129,8 +138,12 @@ def test_two_processes_and_an_outside_writer_share_one_table(tmp_path):
     from lake import PIPELINE
 
     env = {**os.environ, "AF_SINKS": "delta", "AF_DELTA": path}
-    procs = [subprocess.Popen([sys.executable, PIPELINE, q], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for q in queues]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, PIPELINE, q], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for q in queues
+    ]
     try:
         outs = [p.communicate(timeout=150) for p in procs]
     finally:
@@ -146,8 +159,7 @@ def test_two_processes_and_an_outside_writer_share_one_table(tmp_path):
     rows = [r for r in delta_rows(path) if r[0] >= 0]
     assert_exactly_once(rows, expected)
     dt = DeltaTable(path)
-    assert dt.to_pyarrow_table(columns=["sku"]).column("sku").to_pylist().count("outside") \
-        == len(appended)
+    assert dt.to_pyarrow_table(columns=["sku"]).column("sku").to_pylist().count("outside") == len(appended)
     ours = [c for c in dt.history() if "ackflow.seq" in c]
     assert sorted(int(c["ackflow.seq"]) for c in ours) == list(range(1, len(ours) + 1))
     assert len(dt.history()) == 1 + len(ours) + len(appended)  # no commit lost
@@ -171,8 +183,13 @@ def test_partitions_and_vacuum_of_files_no_version_references(tmp_path):
     days = ["2026-11-01", "a b/../%x", None]
 
     def stage(batch, keys, start):
-        rows = pa.table({"n": list(range(start, start + len(keys))),
-                         "day": [days[i % 3] for i in range(len(keys))], "__af_key": keys})
+        rows = pa.table(
+            {
+                "n": list(range(start, start + len(keys))),
+                "day": [days[i % 3] for i in range(len(keys))],
+                "__af_key": keys,
+            }
+        )
         return [sink.write_partition(batch, 0, rows).token]
 
     sink.commit("b1", stage("b1", ["a", "b", "c"], 0))
@@ -180,13 +197,11 @@ def test_partitions_and_vacuum_of_files_no_version_references(tmp_path):
     sink.commit("b3", stage("b3", ["c", "f"], 20))  # c came again: left out
     sink.close()
     frame = pl.read_delta(path).sort("n")
-    assert frame.select("n", "day").rows() == [(0, days[0]), (1, days[1]), (2, None),
-                                               (21, days[1])]
+    assert frame.select("n", "day").rows() == [(0, days[0]), (1, days[1]), (2, None), (21, days[1])]
     dt = DeltaTable(path)
     before = sorted(dt.to_pyarrow_table().column("n").to_pylist())
     stray = {f["path"] for t in orphan for f in json.loads(t)["files"]}
-    removed = dt.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False,
-                        full=True)
+    removed = dt.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False, full=True)
     assert {os.path.normpath(p) for p in removed} >= {os.path.normpath(p) for p in stray}
     assert not any(os.path.exists(os.path.join(path, p)) for p in stray)
     assert sorted(DeltaTable(path).to_pyarrow_table().column("n").to_pylist()) == before
@@ -197,8 +212,25 @@ def test_partitions_and_vacuum_of_files_no_version_references(tmp_path):
 def test_the_demo_into_a_delta_table_checks_out(spark, tmp_path, capsys):
     from ackflow.cli import main
 
-    assert main(["demo", "--sink", "delta", "--messages", "600", "--workdir", str(tmp_path),
-                 "--master", "local[2]", "--until-idle", "0.5", "--json"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--sink",
+                "delta",
+                "--messages",
+                "600",
+                "--workdir",
+                str(tmp_path),
+                "--master",
+                "local[2]",
+                "--until-idle",
+                "0.5",
+                "--json",
+            ]
+        )
+        == 0
+    )
     check = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["check"]
     assert check["ok"] and check["sink"] == "delta" and check["duplicate_rows"] == 0
     assert DeltaTable(str(tmp_path / "orders.delta")).version() >= 1
@@ -210,12 +242,14 @@ def test_an_empty_partition_value_fails_its_message_never_read_back_as_null(spar
     as null silently. It fails alone, naming the column; null and real values land."""
     path = str(tmp_path / "t")
     days = ["2024-01-01", "", None, "2024-01-02"]
-    src = ListSource([json.dumps({"n": i, "day": d}) for i, d in enumerate(days)],
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
-    report = ackflow.run(ackflow.Flow(src).to(Delta(path, partition_by="day")), spark=spark,
-                         **{**FAST, "batch_size": 4})
+    src = ListSource(
+        [json.dumps({"n": i, "day": d}) for i, d in enumerate(days)],
+        policy=ackflow.RetryPolicy(max_deliveries=1),
+    )
+    report = ackflow.run(
+        ackflow.Flow(src).to(Delta(path, partition_by="day")), spark=spark, **{**FAST, "batch_size": 4}
+    )
     assert report.acked == 3 and report.dead_lettered == 1
     assert "'day' is an empty string" in src.dead_letters["m1"].error
     got = DeltaTable(path).to_pyarrow_table(columns=["n", "day"]).to_pylist()
-    assert sorted((r["n"], r["day"]) for r in got) == [
-        (0, "2024-01-01"), (2, None), (3, "2024-01-02")]
+    assert sorted((r["n"], r["day"]) for r in got) == [(0, "2024-01-01"), (2, None), (3, "2024-01-02")]

@@ -55,10 +55,21 @@ def dead_letters(url, queue, n, *, kind="classic"):
     ch.confirm_delivery()
     for i in range(n):
         body = b"\xff\xfe binary" if i == n - 1 else json.dumps({"n": i}).encode()
-        headers = {"x-ackflow-step": "parse", "x-ackflow-error": f"ValueError: bad {i}",
-                   "x-ackflow-deliveries": 3, "x-ackflow-queue": "orders", "tenant": "a"}
-        ch.basic_publish("", queue, body, pika.BasicProperties(
-            delivery_mode=2, message_id=f"m{i}", headers=headers, content_type="application/json"))
+        headers = {
+            "x-ackflow-step": "parse",
+            "x-ackflow-error": f"ValueError: bad {i}",
+            "x-ackflow-deliveries": 3,
+            "x-ackflow-queue": "orders",
+            "tenant": "a",
+        }
+        ch.basic_publish(
+            "",
+            queue,
+            body,
+            pika.BasicProperties(
+                delivery_mode=2, message_id=f"m{i}", headers=headers, content_type="application/json"
+            ),
+        )
     conn.close()
 
 
@@ -117,16 +128,14 @@ def test_peek_leaves_the_queue_as_it_was(url, kind, window):
     assert [d.message_id for d in first] == ["m0", "m1"]  # spent delivery would drop them
     assert [d.message_id for d in again] == [f"m{i}" for i in range(5)]
     d = again[0]
-    assert (d.step, d.error, d.deliveries, d.source_queue) == ("parse", "ValueError: bad 0", 3,
-                                                               "orders")
+    assert (d.step, d.error, d.deliveries, d.source_queue) == ("parse", "ValueError: bad 0", 3, "orders")
     assert d.preview() == '{"n": 0}' and "\ufffd" in again[4].preview()
     left = take_all(url, q)
     assert [m[1] for m in left] == [f"m{i}" for i in range(5)]  # same order
     assert not any(m[0] for m in left), "a peeked message was left redelivered"
     assert all(m[2].get("x-delivery-count", 0) == 0 for m in left), "a delivery was spent"
     assert left[4][3] == b"\xff\xfe binary"
-    assert all(m[2]["x-ackflow-step"] in ("parse", b"parse") and m[2]["tenant"] in ("a", b"a")
-               for m in left)
+    assert all(m[2]["x-ackflow-step"] in ("parse", b"parse") and m[2]["tenant"] in ("a", b"a") for m in left)
 
 
 def test_peek_of_a_missing_queue_says_so(url):
@@ -159,8 +168,12 @@ def test_replay_to_an_exchange_routes_by_the_queue_it_came_from(url):
     ch.queue_bind(target, ex, routing_key=target)
     ch.confirm_delivery()
     ch.queue_declare(q, durable=True)
-    ch.basic_publish("", q, b"{}", pika.BasicProperties(
-        message_id="m0", headers={"x-ackflow-step": "s", "x-ackflow-queue": target}))
+    ch.basic_publish(
+        "",
+        q,
+        b"{}",
+        pika.BasicProperties(message_id="m0", headers={"x-ackflow-step": "s", "x-ackflow-queue": target}),
+    )
     conn.close()
     assert dlq.replay(url, q, f"exchange:{ex}").replayed == 1
     assert [m[1] for m in take_all(url, target)] == ["m0"]
@@ -185,8 +198,12 @@ def test_a_crash_mid_replay_loses_nothing(url):
     q, target = names("dlq-crash"), names("dlq-target")
     dead_letters(url, q, 5)
     declare(url, target)
-    env = {**os.environ, "PYTHONPATH": SRC, "ACKFLOW_AMQP_URL": url,
-           "ACKFLOW_FAULTS": "dlq.replay_published=exit@3"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": SRC,
+        "ACKFLOW_AMQP_URL": url,
+        "ACKFLOW_FAULTS": "dlq.replay_published=exit@3",
+    }
     cmd = [sys.executable, "-m", "ackflow.cli", "dlq", "replay", q, "--to", target]
     crashed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert crashed.returncode == 137, crashed.stderr
@@ -206,10 +223,13 @@ def test_a_crash_mid_replay_with_a_window_duplicates_at_most_the_window(url):
     q, target = names("dlq-crash-w"), names("dlq-target")
     dead_letters(url, q, 30)
     declare(url, target)
-    env = {**os.environ, "PYTHONPATH": SRC, "ACKFLOW_AMQP_URL": url,
-           "ACKFLOW_FAULTS": "dlq.replay_published=exit@2"}
-    cmd = [sys.executable, "-m", "ackflow.cli", "dlq", "replay", q, "--to", target,
-           "--window", "8"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": SRC,
+        "ACKFLOW_AMQP_URL": url,
+        "ACKFLOW_FAULTS": "dlq.replay_published=exit@2",
+    }
+    cmd = [sys.executable, "-m", "ackflow.cli", "dlq", "replay", q, "--to", target, "--window", "8"]
     assert subprocess.run(cmd, env=env, capture_output=True, timeout=120).returncode == 137
     assert depth(url, q) == 22  # the first window's acks went, the second's did not
     env.pop("ACKFLOW_FAULTS")
@@ -264,8 +284,7 @@ def test_a_stale_marker_and_a_route_probe_do_not_disturb_the_order(url):
     ch = conn.channel()
     ch.confirm_delivery()
     ch.basic_publish("", q, b"", pika.BasicProperties(headers={dlq.PEEK_END: "old"}))
-    ch.basic_publish("", q, b"", pika.BasicProperties(expiration="0",
-                                                      headers={dlq.PROBE: "route check"}))
+    ch.basic_publish("", q, b"", pika.BasicProperties(expiration="0", headers={dlq.PROBE: "route check"}))
     ch.basic_publish("", q, b"{}", pika.BasicProperties(message_id="m2"))
     conn.close()
     assert [d.message_id for d in dlq.peek(url, q)] == ["m0", "m1", "m2"]
@@ -302,13 +321,20 @@ def test_ackflow_dead_letters_round_trip(url, kind, route, capsys):
     publish(url, q, [{"n": i} for i in range(3)], ids=[f"o{i}" for i in range(3)])
 
     def run(max_deliveries):
-        src = RabbitMQSource(url, q, policy=RetryPolicy(max_deliveries=max_deliveries,
-                                                        backoff_s=0.01, max_backoff_s=0.01),
-                             dead_letter_exchange=dlx if route == "ackflow-dlx" else None,
-                             reject_to_dlx=route == "broker-dlx")
+        src = RabbitMQSource(
+            url,
+            q,
+            policy=RetryPolicy(max_deliveries=max_deliveries, backoff_s=0.01, max_backoff_s=0.01),
+            dead_letter_exchange=dlx if route == "ackflow-dlx" else None,
+            reject_to_dlx=route == "broker-dlx",
+        )
         sink = MemorySink("orders")
-        report = Engine(Flow(src).map(fails_until_fixed, name="check").to(sink),
-                        executor="local", until_idle=0.3, handle_signals=False).run()
+        report = Engine(
+            Flow(src).map(fails_until_fixed, name="check").to(sink),
+            executor="local",
+            until_idle=0.3,
+            handle_signals=False,
+        ).run()
         return report, sink
 
     FIXED.clear()
@@ -348,7 +374,8 @@ def test_the_command_says_what_it_needs_and_shows_dead_letters(url, capsys, monk
     out = capsys.readouterr()
     assert out.out.splitlines() == [
         "m0 from 'orders': step 'parse' after 3 deliveries: ValueError: bad 0",
-        '    body: {"n": 0}']
+        '    body: {"n": 0}',
+    ]
     assert "guest" not in out.out + out.err
     assert cli(["dlq", "replay", q, "--to", names("nowhere")]) == 2
     assert "there is no queue or exchange named" in capsys.readouterr().err

@@ -47,13 +47,15 @@ def runnable_blocks(text: str) -> list[tuple[str, set[str]]]:
         if j >= len(lines) or lines[j].strip() != "```python":
             raise AssertionError(f"line {i + 1}: {MARKER} is not followed by a ```python block")
         end = lines.index("```", j + 1)
-        blocks.append(("\n".join(lines[j + 1:end]), needs))
+        blocks.append(("\n".join(lines[j + 1 : end]), needs))
     return blocks
 
 
 def test_runnable_blocks_are_found():
-    text = ("a\n<!-- run -->\n\n```python\nx = 1\n```\n```python\nnot run\n```\n"
-            "<!-- run needs=postgres -->\n```python\ny = 2\n```\n")
+    text = (
+        "a\n<!-- run -->\n\n```python\nx = 1\n```\n```python\nnot run\n```\n"
+        "<!-- run needs=postgres -->\n```python\ny = 2\n```\n"
+    )
     assert runnable_blocks(text) == [("x = 1", set()), ("y = 2", {"postgres"})]
     with pytest.raises(AssertionError, match="not followed"):
         runnable_blocks("<!-- run -->\n```bash\nls\n```\n")
@@ -80,15 +82,17 @@ def test_the_first_hour_is_runnable():
 @pytest.mark.slow
 @pytest.mark.parametrize("page", sorted(p for p, blocks in RUNNABLE.items() if blocks))
 def test_examples_run(page, tmp_path, request):
-    script = "\n\n".join(f"# --- block {i + 1} of {page}\n{code}"
-                         for i, (code, _) in enumerate(RUNNABLE[page]))
+    script = "\n\n".join(
+        f"# --- block {i + 1} of {page}\n{code}" for i, (code, _) in enumerate(RUNNABLE[page])
+    )
     (tmp_path / "example.py").write_text(script)
     env = _env()
     for server in set().union(*(needs for _, needs in RUNNABLE[page])):
         fixture = request.getfixturevalue(server)  # the session's throwaway server
         env[SERVERS[server]] = fixture.url if server == "rabbitmq" else fixture.dsn
-    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, f"{page}: the runnable examples failed\n{r.stdout}\n{r.stderr[-6000:]}"
 
 
@@ -96,9 +100,14 @@ def test_site_builds_strictly(tmp_path):
     """``mkdocs build --strict``: any warning (a broken link or anchor, a page missing
     from the nav, an API reference that does not resolve) fails the build."""
     started = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
-                        "--site-dir", str(tmp_path / "site")],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "WARNING" not in out, out
@@ -136,8 +145,13 @@ def test_one_version_everywhere():
     assert project["version"] == ackflow.__version__ == "0.3.0"
     newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert newest and newest.group(1) == ackflow.__version__
-    r = subprocess.run([sys.executable, "-m", "ackflow.cli", "--version"], env=_env(),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "ackflow.cli", "--version"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (r.returncode, r.stdout.strip()) == (0, f"ackflow {ackflow.__version__}")
 
 
@@ -163,9 +177,15 @@ def test_docs_command_serves_the_site_on_loopback():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "ackflow.cli", "docs", "--port", str(port)],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ackflow.cli", "docs", "--port", str(port)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         page = None

@@ -43,15 +43,14 @@ def publish_orders(db, n, seed):
         msgs.append(json.dumps(order).encode())
         ids.append(f"o{i}")
     for k in range(0, n, 10_000):
-        q.publish("orders", msgs[k:k + 10_000], msg_ids=ids[k:k + 10_000])
+        q.publish("orders", msgs[k : k + 10_000], msg_ids=ids[k : k + 10_000])
     q.close()
     return expected, poison
 
 
 def table_rows(dsn, table):
     with psycopg.connect(dsn) as c:
-        return c.execute(sql.SQL('SELECT "order", line FROM {}').format(
-            sql.Identifier(table))).fetchall()
+        return c.execute(sql.SQL('SELECT "order", line FROM {}').format(sql.Identifier(table))).fetchall()
 
 
 def parquet_rows(path):
@@ -61,8 +60,9 @@ def parquet_rows(path):
 
 def assert_exactly_once(rows, expected):
     assert len(rows) == len(set(rows)), f"{len(rows) - len(set(rows))} duplicate rows"
-    assert set(rows) == expected, (f"missing {len(expected - set(rows))}, "
-                                   f"unexpected {len(set(rows) - expected)}")
+    assert set(rows) == expected, (
+        f"missing {len(expected - set(rows))}, unexpected {len(set(rows) - expected)}"
+    )
 
 
 def queue_state(db):
@@ -77,8 +77,7 @@ def test_50k_messages_with_poison_into_postgres(spark, postgres, pg_table, tmp_p
     db = str(tmp_path / "queue.db")
     expected, poison = publish_orders(db, 50_000, seed=1)
     flow = orders_pg.build(db, postgres.dsn, pg_table, str(tmp_path / "pq"))
-    report = ackflow.run(flow, spark=spark, batch_size=5000, max_inflight=15_000,
-                         until_idle=1.0)
+    report = ackflow.run(flow, spark=spark, batch_size=5000, max_inflight=15_000, until_idle=1.0)
     assert report.acked == 50_000 - len(poison) and report.dead_lettered == len(poison)
     rows = table_rows(postgres.dsn, pg_table)
     assert len(rows) == len(expected) == report.rows_written["pg"]
@@ -86,8 +85,7 @@ def test_50k_messages_with_poison_into_postgres(spark, postgres, pg_table, tmp_p
     assert_exactly_once(parquet_rows(tmp_path / "pq"), expected)
     stats, dead = queue_state(db)
     assert set(dead) == poison
-    assert all(d.step == "check" and "is poison" in d.error for d in dead.values()), \
-        next(iter(dead.values()))
+    assert all(d.step == "check" and "is poison" in d.error for d in dead.values()), next(iter(dead.values()))
     assert stats["ready"] + stats["leased"] + stats["delayed"] == 0
 
 
@@ -101,11 +99,23 @@ def test_sigkill_at_random_moments_then_exactly_once(postgres, pg_table, tmp_pat
     rows are certainly delivered again). Then a run to the end."""
     db, parquet = str(tmp_path / "queue.db"), str(tmp_path / "pq")
     expected, poison = publish_orders(db, 8000, seed=2)
-    env = {**os.environ, "AF_QUEUE": db, "AF_DSN": postgres.dsn, "AF_TABLE": pg_table,
-           "AF_PARQUET": parquet}
-    cmd = [sys.executable, "-m", "ackflow.cli", "run", f"{PIPELINE}:flow", "--master",
-           "local[2]", "--json", "--batch-size", "400", "--max-inflight", "1200",
-           "--until-idle", "2"]
+    env = {**os.environ, "AF_QUEUE": db, "AF_DSN": postgres.dsn, "AF_TABLE": pg_table, "AF_PARQUET": parquet}
+    cmd = [
+        sys.executable,
+        "-m",
+        "ackflow.cli",
+        "run",
+        f"{PIPELINE}:flow",
+        "--master",
+        "local[2]",
+        "--json",
+        "--batch-size",
+        "400",
+        "--max-inflight",
+        "1200",
+        "--until-idle",
+        "2",
+    ]
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     kills = {"outside": 0, "after_commit": 0}
     deadline = time.monotonic() + 420
@@ -114,8 +124,7 @@ def test_sigkill_at_random_moments_then_exactly_once(postgres, pg_table, tmp_pat
         inside = attempt % 2 == 1
         run_env = {**env, "AF_CRASH_AFTER_COMMIT": str(rng.randint(1, 3)) if inside else "0"}
         before = acked_total(db)
-        proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             if inside:
                 proc.wait(timeout=180)
@@ -123,8 +132,11 @@ def test_sigkill_at_random_moments_then_exactly_once(postgres, pg_table, tmp_pat
                 kills["after_commit"] += 1
             else:
                 threshold = before + rng.randint(200, 1200)
-                reached = wait_until(lambda t=threshold, p=proc: acked_total(db) >= t
-                                     or p.poll() is not None, timeout=180, every=0.05)
+                reached = wait_until(
+                    lambda t=threshold, p=proc: acked_total(db) >= t or p.poll() is not None,
+                    timeout=180,
+                    every=0.05,
+                )
                 assert reached and proc.poll() is None, "the run ended before the kill"
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(30)
@@ -155,9 +167,13 @@ def test_sigkill_at_random_moments_then_exactly_once(postgres, pg_table, tmp_pat
 def test_database_away_mid_run_nacks_retries_and_ends_exact(spark, postgres, pg_table, tmp_path):
     db = str(tmp_path / "queue.db")
     expected, poison = publish_orders(db, 4000, seed=3)
-    flow = orders_pg.build(db, postgres.dsn, pg_table, str(tmp_path / "pq"),
-                           policy=RetryPolicy(max_deliveries=60, backoff_s=0.2,
-                                              max_backoff_s=1.0))
+    flow = orders_pg.build(
+        db,
+        postgres.dsn,
+        pg_table,
+        str(tmp_path / "pq"),
+        policy=RetryPolicy(max_deliveries=60, backoff_s=0.2, max_backoff_s=1.0),
+    )
     outage = {}
 
     def take_it_away():
@@ -177,8 +193,7 @@ def test_database_away_mid_run_nacks_retries_and_ends_exact(spark, postgres, pg_
     t = threading.Thread(target=take_it_away, daemon=True)
     t.start()
     try:
-        report = ackflow.run(flow, spark=spark, batch_size=300, max_inflight=900,
-                             until_idle=4.0)
+        report = ackflow.run(flow, spark=spark, batch_size=300, max_inflight=900, until_idle=4.0)
     finally:
         t.join(timeout=150)
         if not postgres.running:

@@ -71,7 +71,13 @@ def test_source_retries_with_backoff_then_dead_letters_with_provenance(db):
     assert src.fail([(d, boom)]) == [Settlement.DEAD_LETTERED]
     (dl,) = src.q.dead_letters("a")
     assert (dl.msg_id, dl.body, dl.headers, dl.step, dl.error, dl.deliveries) == (
-        "order-1", b'{"n": 1}', {"h": "v"}, "validate", "ValueError: no", 3)
+        "order-1",
+        b'{"n": 1}',
+        {"h": "v"},
+        "validate",
+        "ValueError: no",
+        3,
+    )
     assert dl.dead_at >= dl.published_at
     s = src.q.stats("a")
     assert (s["ready"], s["delayed"], s["dead_lettered"]) == (0, 0, 1)
@@ -92,10 +98,10 @@ def test_a_failure_on_an_expired_lease_is_no_dead_letter(db):
     assert src.fail([(d, Failure("validate", "ValueError: no"))]) == [Settlement.RELEASED]
     assert src.q.dead_letters("a") == [] and src.q.stats("a")["ready"] == 1
     (again,) = _deliveries(src)
-    assert src.fail([(again, Failure("validate", "ValueError: no"))]) == [
-        Settlement.DEAD_LETTERED]
+    assert src.fail([(again, Failure("validate", "ValueError: no"))]) == [Settlement.DEAD_LETTERED]
     assert [x.msg_id for x in src.q.dead_letters("a")] == ["late"]
     src.close()
+
 
 def test_replay_keeps_each_dead_letter_it_cannot_move(db):
     """Issue 27 #3: replay moves a dead letter only together with its re-queue; two dead
@@ -115,6 +121,7 @@ def test_replay_keeps_each_dead_letter_it_cannot_move(db):
     assert sorted(p["body"] for p in q.peek("a")) == ["first", "other"]
     assert q.replay("a") == 0 and q.dead_letters("a") == [second]
     q.close()
+
 
 def test_release_gives_back_without_counting_a_delivery(db):
     EmbeddedQueue(db).publish("a", [b"{}"])
@@ -154,8 +161,10 @@ def _produce(db, start, n):
 
 def test_concurrent_producers_and_one_consumer(db):
     EmbeddedQueue(db).close()
-    procs = [multiprocessing.get_context("spawn").Process(target=_produce, args=(db, k * 2000, 2000))
-             for k in range(3)]
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_produce, args=(db, k * 2000, 2000))
+        for k in range(3)
+    ]
     for p in procs:
         p.start()
     src = EmbeddedQueueSource(db, "a")
@@ -206,14 +215,23 @@ def test_leases_are_extended_while_a_slow_batch_runs(spark, db, keepalive_s, ext
         return r
 
     deadline = time.monotonic() + 15  # without extension it could churn for ever: bound it
-    engine = Engine(ackflow.Flow(src).map(slow, name="slow").to(MemorySink()), spark=spark,
-                    batch_size=20, max_inflight=60, until_idle=0.5, keepalive_s=keepalive_s,
-                    progress=lambda r, w: time.monotonic() > deadline and engine.request_stop())
+    engine = Engine(
+        ackflow.Flow(src).map(slow, name="slow").to(MemorySink()),
+        spark=spark,
+        batch_size=20,
+        max_inflight=60,
+        until_idle=0.5,
+        keepalive_s=keepalive_s,
+        progress=lambda r, w: time.monotonic() > deadline and engine.request_stop(),
+    )
     if not extended:
         # leases shorter than the keepalive would be handed out again while their batch
         # runs (every message processed twice at once): refused at start
-        with pytest.raises(ConfigError, match=r"visibility_timeout \(1 s\) must be more than "
-                                              r"twice the lease keepalive \(1000 s\)"):
+        with pytest.raises(
+            ConfigError,
+            match=r"visibility_timeout \(1 s\) must be more than "
+            r"twice the lease keepalive \(1000 s\)",
+        ):
             engine.run()
         return
     report = engine.run()
@@ -283,10 +301,12 @@ def test_a_process_killed_while_creating_the_file_leaves_it_usable(tmp_path):
 
     old = tmp_path / "old.db"  # what the old code left when killed after two tables
     with sqlite3.connect(old) as c:
-        c.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT "
-                  "NOT NULL, msg_id TEXT, body BLOB NOT NULL, headers TEXT, deliveries "
-                  "INTEGER NOT NULL DEFAULT 0, visible_at REAL NOT NULL, leased INTEGER NOT "
-                  "NULL DEFAULT 0, published_at REAL NOT NULL, last_error TEXT)")
+        c.execute(
+            "CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT "
+            "NOT NULL, msg_id TEXT, body BLOB NOT NULL, headers TEXT, deliveries "
+            "INTEGER NOT NULL DEFAULT 0, visible_at REAL NOT NULL, leased INTEGER NOT "
+            "NULL DEFAULT 0, published_at REAL NOT NULL, last_error TEXT)"
+        )
     q = EmbeddedQueue(old)
     assert q.publish("q", [b"1"]) == 1 and q.stats("q")["ready"] == 1
 

@@ -30,21 +30,25 @@ def test_bad_options_fail_at_start_and_say_what_to_fix():
 def test_in_flight_never_exceeds_the_window(spark):
     seen = []
     src = ListSource(bodies([{"n": i} for i in range(500)]))
-    report = ackflow.run(ackflow.Flow(src).to(MemorySink()), spark=spark,
-                         progress=lambda rep, w: seen.append(w.in_flight),
-                         **{**FAST, "batch_size": 40, "max_inflight": 80})
+    report = ackflow.run(
+        ackflow.Flow(src).to(MemorySink()),
+        spark=spark,
+        progress=lambda rep, w: seen.append(w.in_flight),
+        **{**FAST, "batch_size": 40, "max_inflight": 80},
+    )
     assert report.acked == 500 and max(seen) <= 80
 
 
 def test_a_flow_error_stops_the_run_and_gives_everything_back(spark):
     src = ListSource(bodies([{"a": i} for i in range(30)]))
     with pytest.raises(ackflow.FlowError, match="step 'bad'"):
-        ackflow.run(ackflow.Flow(src).filter("no_such_col > 1", name="bad").to(MemorySink()),
-                    spark=spark, **FAST)
+        ackflow.run(
+            ackflow.Flow(src).filter("no_such_col > 1", name="bad").to(MemorySink()), spark=spark, **FAST
+        )
     assert set(src.final().values()) == {"released"}
 
 
-SIGNAL_FLOW = textwrap.dedent('''
+SIGNAL_FLOW = textwrap.dedent("""
     import json, sys, time
     import ackflow
     from ackflow.sinks import MemorySink
@@ -67,20 +71,27 @@ SIGNAL_FLOW = textwrap.dedent('''
           "acked_not_written": len(acked - written),
           "unsettled": sum(src.deliveries.values()) - sum(len(v) for v in src.settled.values())}),
           flush=True)
-''')
+""")
 
 
 def test_sigterm_stops_pulling_drains_and_exits_cleanly(tmp_path):
     script = tmp_path / "flow.py"
     script.write_text(SIGNAL_FLOW)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+    )
     lines = []
     try:
+
         def acked_some():
             line = proc.stdout.readline()
             lines.append(line)
             return line.startswith("progress") and int(line.split()[1]) > 0
+
         assert wait_until(acked_some, timeout=120, every=0)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)

@@ -85,8 +85,14 @@ class LosesEverythingOnce(ListSource):
 @pytest.mark.spark
 def test_stop_after_a_channel_loss_does_not_settle_twice(spark):
     src = LosesEverythingOnce(bodies([{"n": i} for i in range(20)]))
-    e = Engine(ackflow.Flow(src).to(MemorySink()), spark=spark, handle_signals=False,
-               batch_size=50, max_inflight=100, batch_timeout_s=5.0)
+    e = Engine(
+        ackflow.Flow(src).to(MemorySink()),
+        spark=spark,
+        handle_signals=False,
+        batch_size=50,
+        max_inflight=100,
+        batch_timeout_s=5.0,
+    )
     orig = e._drop_lost
 
     def drop_then_stop():
@@ -113,8 +119,7 @@ def test_a_source_that_cannot_open_leaves_no_metrics_server_behind(spark):
 
     port = free_port()
     with pytest.raises(OSError):
-        ackflow.run(ackflow.Flow(Broken([])).to(MemorySink()), spark=spark, metrics_port=port,
-                    **FAST)
+        ackflow.run(ackflow.Flow(Broken([])).to(MemorySink()), spark=spark, metrics_port=port, **FAST)
     with socket.socket() as s:  # before: still served by the leaked server
         s.bind(("127.0.0.1", port))
 
@@ -148,8 +153,12 @@ def test_an_error_during_drain_still_closes_everything(spark):
 @pytest.mark.spark
 def test_a_failing_error_sink_is_counted_and_the_messages_retried(spark):
     src = ListSource(bodies([{"n": 1}]), policy=ackflow.RetryPolicy(max_deliveries=1))
-    flow = (ackflow.Flow(src).map(lambda r: 1 / 0, name="boom").to(MemorySink())
-            .on_error(FailingSink(raise_if=lambda r: True, name="dead")))
+    flow = (
+        ackflow.Flow(src)
+        .map(lambda r: 1 / 0, name="boom")
+        .to(MemorySink())
+        .on_error(FailingSink(raise_if=lambda r: True, name="dead"))
+    )
     e = Engine(flow, spark=spark, handle_signals=False, **{**FAST, "until_idle": 0.5})
     e.run()
     assert src.settled["m0"][0] == "nacked"  # not dropped
@@ -194,7 +203,6 @@ def test_acks_that_never_reached_the_broker_are_not_counted(spark):
     their channel died they came back and were counted again (the report said 2 acks
     for 1 message)."""
     src = UnsentAcksSource(bodies([{"n": i} for i in range(5)]))
-    report = ackflow.run(ackflow.Flow(src).to(MemorySink()), spark=spark,
-                         **{**FAST, "batch_size": 5})
+    report = ackflow.run(ackflow.Flow(src).to(MemorySink()), spark=spark, **{**FAST, "batch_size": 5})
     assert src.final() == {f"m{i}": "acked" for i in range(5)}
     assert report.acked == 5 and report.redelivered == 5 and report.pulled == 10

@@ -17,8 +17,13 @@ ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
 
 
 def example(name, *args, env=None, timeout=600):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env or ENV)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or ENV,
+    )
 
 
 @pytest.mark.parametrize("name", ["rabbitmq_to_postgres.py", "files_to_delta.py"])
@@ -33,23 +38,45 @@ def test_rabbitmq_to_postgres(rabbitmq, postgres):
     tag = uuid.uuid4().hex[:8]
     queue, table, dead = f"orders-{tag}", f"orders_{tag}", f"orders_dead_{tag}"
     env = {**ENV, "ACKFLOW_AMQP_URL": rabbitmq.url}  # the URL through the environment
-    r = example("rabbitmq_to_postgres.py", "--dsn", postgres.dsn, "--queue", queue,
-                "--table", table, "--dead-table", dead, "--publish", "50",
-                "--until-idle", "2", "--master", "local[2]", env=env)
+    r = example(
+        "rabbitmq_to_postgres.py",
+        "--dsn",
+        postgres.dsn,
+        "--queue",
+        queue,
+        "--table",
+        table,
+        "--dead-table",
+        dead,
+        "--publish",
+        "50",
+        "--until-idle",
+        "2",
+        "--master",
+        "local[2]",
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "acked              45" in r.stdout and "validate: 5" in r.stdout, r.stdout
     assert "guest:guest" not in r.stdout + r.stderr
     with psycopg.connect(postgres.dsn) as c:
-        n, total = c.execute(sql.SQL("SELECT count(*), sum(qty) FROM {}").format(
-            sql.Identifier(table))).fetchone()
-        rows = c.execute(sql.SQL("SELECT message, step, error, left(body, 80), deliveries "
-                                 "FROM {} ORDER BY message").format(sql.Identifier(dead))
-                         ).fetchall()
+        n, total = c.execute(
+            sql.SQL("SELECT count(*), sum(qty) FROM {}").format(sql.Identifier(table))
+        ).fetchone()
+        rows = c.execute(
+            sql.SQL(
+                "SELECT message, step, error, left(body, 80), deliveries FROM {} ORDER BY message"
+            ).format(sql.Identifier(dead))
+        ).fetchall()
     assert n == 45 and total > 0
     assert [m for m, *_ in rows] == sorted(f"o-{i}" for i in range(9, 50, 10))
-    assert all(step == "validate" and "qty must be a positive integer" in error
-               and json.loads(body)["qty"] == 0 and deliveries == 3
-               for _, step, error, body, deliveries in rows), rows
+    assert all(
+        step == "validate"
+        and "qty must be a positive integer" in error
+        and json.loads(body)["qty"] == 0
+        and deliveries == 3
+        for _, step, error, body, deliveries in rows
+    ), rows
     import pika
 
     conn = pika.BlockingConnection(pika.URLParameters(rabbitmq.url))
@@ -64,15 +91,27 @@ def test_files_to_delta(tmp_path):
     from deltalake import DeltaTable
 
     src, table = tmp_path / "in", tmp_path / "table"
-    r = example("files_to_delta.py", str(src), str(table), "--sample", "2", "--until-idle", "2",
-                "--master", "local[2]")
+    r = example(
+        "files_to_delta.py",
+        str(src),
+        str(table),
+        "--sample",
+        "2",
+        "--until-idle",
+        "2",
+        "--master",
+        "local[2]",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "acked             392" in r.stdout and "check: 8" in r.stdout, r.stdout
     rows = DeltaTable(str(table)).to_pyarrow_table().to_pylist()
     assert len(rows) == 392 and all(row["kind"] in ("view", "click", "buy") for row in rows)
     done = sorted(os.listdir(src / "done"))
     assert len(done) == 4 and [d for d in done if d.endswith(".dead.jsonl")] == [
-        "events-0.jsonl.dead.jsonl", "events-1.jsonl.dead.jsonl"], done
-    dead = [json.loads(line) for line in (src / "done" / "events-0.jsonl.dead.jsonl")
-            .read_text().splitlines()]
+        "events-0.jsonl.dead.jsonl",
+        "events-1.jsonl.dead.jsonl",
+    ], done
+    dead = [
+        json.loads(line) for line in (src / "done" / "events-0.jsonl.dead.jsonl").read_text().splitlines()
+    ]
     assert len(dead) == 4 and all("teleport" in json.dumps(d) for d in dead), dead[:1]

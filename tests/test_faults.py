@@ -38,22 +38,35 @@ def test_unknown_points_and_actions_are_refused():
 
 
 @pytest.mark.spark
-@pytest.mark.parametrize("point", ["batch.after_job", "batch.after_commit", "engine.mid_ack",
-                                   "embedded.before_ack", "parquet.after_record"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        "batch.after_job",
+        "batch.after_commit",
+        "engine.mid_ack",
+        "embedded.before_ack",
+        "parquet.after_record",
+    ],
+)
 def test_a_fault_at_each_boundary_then_a_restart_ends_exact(spark, tmp_path, point):
     """Arm the point to raise on its first hit, run until it fires (the run stops or the
     batch fails), then run again from the durable state: every message's row exactly
     once in Parquet, the queue empty."""
     db, out = str(tmp_path / "q.db"), tmp_path / "out"
     n = 60
-    EmbeddedQueue(db).publish("in", [json.dumps({"n": i}).encode() for i in range(n)],
-                              msg_ids=[f"m{i}" for i in range(n)])
+    EmbeddedQueue(db).publish(
+        "in", [json.dumps({"n": i}).encode() for i in range(n)], msg_ids=[f"m{i}" for i in range(n)]
+    )
 
     def run():
-        src = EmbeddedQueueSource(db, "in", visibility_timeout=0.5,
-                                  policy=ackflow.RetryPolicy(max_deliveries=10, backoff_s=0.01))
-        return ackflow.run(ackflow.Flow(src).to(ParquetSink(out)), spark=spark,
-                           **{**FAST, "until_idle": 1.0, "keepalive_s": 0.1})
+        src = EmbeddedQueueSource(
+            db, "in", visibility_timeout=0.5, policy=ackflow.RetryPolicy(max_deliveries=10, backoff_s=0.01)
+        )
+        return ackflow.run(
+            ackflow.Flow(src).to(ParquetSink(out)),
+            spark=spark,
+            **{**FAST, "until_idle": 1.0, "keepalive_s": 0.1},
+        )
 
     faults.arm(point, "raise")
     try:
@@ -85,23 +98,34 @@ def test_a_fault_inside_the_postgres_write_ends_exact(postgres, pg_table, tmp_pa
 
     db = str(tmp_path / "q.db")
     n = 40
-    EmbeddedQueue(db).publish("in", [json.dumps({"n": i}).encode() for i in range(n)],
-                              msg_ids=[f"m{i}" for i in range(n)])
-    src = EmbeddedQueueSource(db, "in", visibility_timeout=2.0,
-                              policy=ackflow.RetryPolicy(max_deliveries=5, backoff_s=0.01))
-    flow = ackflow.Flow(src).flat_map(lambda r: [r, {"n": r["n"] + 1000}], name="two").to(
-        Postgres(postgres.dsn, pg_table, create=True))
+    EmbeddedQueue(db).publish(
+        "in", [json.dumps({"n": i}).encode() for i in range(n)], msg_ids=[f"m{i}" for i in range(n)]
+    )
+    src = EmbeddedQueueSource(
+        db, "in", visibility_timeout=2.0, policy=ackflow.RetryPolicy(max_deliveries=5, backoff_s=0.01)
+    )
+    flow = (
+        ackflow.Flow(src)
+        .flat_map(lambda r: [r, {"n": r["n"] + 1000}], name="two")
+        .to(Postgres(postgres.dsn, pg_table, create=True))
+    )
     faults.arm(point, "raise", nth=2)
     try:
-        report = Engine(flow, executor="local", batch_size=10, max_inflight=40,
-                        until_idle=0.3, batch_timeout_s=0.05, keepalive_s=0.5).run()
+        report = Engine(
+            flow,
+            executor="local",
+            batch_size=10,
+            max_inflight=40,
+            until_idle=0.3,
+            batch_timeout_s=0.05,
+            keepalive_s=0.5,
+        ).run()
         assert faults.hits(point) >= 2, "the point was never reached"
     finally:
         faults.disarm()
     assert report.acked == n and report.nacked >= 1, report
     with psycopg.connect(postgres.dsn) as c:
-        rows = c.execute(sql.SQL("SELECT ackflow_key, n FROM {}").format(
-            sql.Identifier(pg_table))).fetchall()
+        rows = c.execute(sql.SQL("SELECT ackflow_key, n FROM {}").format(sql.Identifier(pg_table))).fetchall()
     assert len(rows) == 2 * n and len({k for k, _ in rows}) == 2 * n
     assert sorted(v for _, v in rows) == sorted([*range(n), *range(1000, 1000 + n)])
     assert EmbeddedQueue(db).stats("in")["ready"] == 0

@@ -58,16 +58,19 @@ def test_done_never_overwrites_an_earlier_file_or_its_dead_letters(tmp_path):
         src._scan()
         got = pull(src)
         src.ack([d for d in got if d.body.startswith(b"{")])
-        src.fail([(d, Failure("decode", f"bad on day {day}")) for d in got
-                  if not d.body.startswith(b"{")])
+        src.fail([(d, Failure("decode", f"bad on day {day}")) for d in got if not d.body.startswith(b"{")])
     src.close()
     done = sorted(os.listdir(tmp_path / "done"))
     assert len(done) == 4, done  # two files, two dead-letter files
-    days = sorted(json.loads(open(tmp_path / "done" / n).readline())["day"]
-                  for n in done if not n.endswith(".dead.jsonl"))
+    days = sorted(
+        json.loads(open(tmp_path / "done" / n).readline())["day"]
+        for n in done
+        if not n.endswith(".dead.jsonl")
+    )
     assert days == [1, 2]
-    errors = sorted(json.loads(open(tmp_path / "done" / n).read())["error"]
-                    for n in done if n.endswith(".dead.jsonl"))
+    errors = sorted(
+        json.loads(open(tmp_path / "done" / n).read())["error"] for n in done if n.endswith(".dead.jsonl")
+    )
     assert errors == ["bad on day 1", "bad on day 2"]
 
 
@@ -142,8 +145,9 @@ def test_tomorrows_file_of_the_same_name_is_written_by_a_keyed_sink(spark, tmp_p
     inbox.mkdir()
     for _day in (1, 2):
         drop(inbox, "orders.jsonl", [json.dumps({"n": i}) for i in range(3)])  # same content
-        report = ackflow.run(ackflow.Flow(Files(inbox)).to(ParquetSink(out)), spark=spark,
-                             **{**FAST, "until_idle": 1.0})
+        report = ackflow.run(
+            ackflow.Flow(Files(inbox)).to(ParquetSink(out)), spark=spark, **{**FAST, "until_idle": 1.0}
+        )
         assert report.acked == 3
     # before: the second day's keys equalled the first's, and Parquet dropped its rows
     assert sorted(pq.read_table(out).column("n").to_pylist()) == [0, 0, 1, 1, 2, 2]
@@ -161,14 +165,18 @@ def test_dead_letters_of_a_replaced_instance_and_its_successor_are_both_kept(tmp
     second = pull(src)
     src.fail([(d, Failure("decode", "second")) for d in second])
     src.close()
-    dead = sorted(json.loads(open(tmp_path / "done" / n).read())["error"]
-                  for n in os.listdir(tmp_path / "done") if n.endswith(".dead.jsonl"))
+    dead = sorted(
+        json.loads(open(tmp_path / "done" / n).read())["error"]
+        for n in os.listdir(tmp_path / "done")
+        if n.endswith(".dead.jsonl")
+    )
     assert dead == ["first", "second"]  # neither overwrote the other
 
 
 @pytest.mark.parametrize("err", [errno.EXDEV, errno.EPERM])
 def test_a_file_that_cannot_be_moved_is_reported_left_and_the_source_keeps_reading(
-        tmp_path, monkeypatch, caplog, err):
+    tmp_path, monkeypatch, caplog, err
+):
     # done/ on another file system (EXDEV) or a sticky drop folder (EPERM). Before: the
     # error escaped ack, and every restart retried the move inside open() and crashed.
     real_replace = os.replace

@@ -29,8 +29,7 @@ def drop_file(folder, name, lines):
 def state(folder):
     """The state of each file instance, by file name (progress fields only)."""
     files = read_state(folder)
-    return {e["name"]: {k: e[k] for k in ("committed", "dead", "done") if k in e}
-            for e in files.values()}
+    return {e["name"]: {k: e[k] for k in ("committed", "dead", "done") if k in e} for e in files.values()}
 
 
 def line_of(key):
@@ -48,8 +47,7 @@ def check(row):
 def test_jsonl_csv_and_text_lines_become_messages(spark, tmp_path):
     for fmt, lines, expect in [
         ("jsonl", ['{"n": 1}', "", '{"n": 2}'], [{"n": 1}, {"n": 2}]),
-        ("csv", ["n,city", "1,Oslo", "2,Rome"], [{"n": "1", "city": "Oslo"},
-                                                   {"n": "2", "city": "Rome"}]),
+        ("csv", ["n,city", "1,Oslo", "2,Rome"], [{"n": "1", "city": "Oslo"}, {"n": "2", "city": "Rome"}]),
         ("text", ["hello", "world"], [{"body": "hello"}, {"body": "world"}]),
     ]:
         folder = tmp_path / fmt
@@ -64,8 +62,11 @@ def test_jsonl_csv_and_text_lines_become_messages(spark, tmp_path):
 
 
 def test_poison_lines_are_dead_lettered_and_the_file_says_so(spark, tmp_path):
-    drop_file(tmp_path, "orders.jsonl",
-              [json.dumps({"n": i, "bad": i in (3, 7)}) for i in range(10)] + ["{not json"])
+    drop_file(
+        tmp_path,
+        "orders.jsonl",
+        [json.dumps({"n": i, "bad": i in (3, 7)}) for i in range(10)] + ["{not json"],
+    )
     src = Files(tmp_path, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
     sink = Memory()
     report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(sink), spark=spark, **FAST)
@@ -91,8 +92,7 @@ def test_record_mode_keeps_files_and_new_files_are_picked_up(spark, tmp_path):
     assert st["2.jsonl"]["done"] and st["2.jsonl"]["committed"] == 2
     assert sorted(os.listdir(tmp_path)) == ["1.jsonl", "2.jsonl", "_ackflow"]
     # a second run finds nothing new to do
-    again = ackflow.run(ackflow.Flow(Files(tmp_path, done="record")).to(Memory()), spark=spark,
-                        **FAST)
+    again = ackflow.run(ackflow.Flow(Files(tmp_path, done="record")).to(Memory()), spark=spark, **FAST)
     assert again.pulled == 0
 
 
@@ -162,9 +162,13 @@ def test_an_idle_run_waits_for_the_retries_the_source_holds(tmp_path):
     drop_file(tmp_path, "f.jsonl", [json.dumps({"n": i}) for i in range(3)])
     src = CountingFiles(tmp_path, policy=RetryPolicy(max_deliveries=3, backoff_s=1.0))
     sink = Memory()
-    report = Engine(ackflow.Flow(src).map(fails_first_time, name="flaky").to(sink),
-                    executor="local", until_idle=0.3, batch_timeout_s=0.05,
-                    handle_signals=False).run()
+    report = Engine(
+        ackflow.Flow(src).map(fails_first_time, name="flaky").to(sink),
+        executor="local",
+        until_idle=0.3,
+        batch_timeout_s=0.05,
+        handle_signals=False,
+    ).run()
     assert report.nacked == 1 and report.acked == 3
     assert sorted(r["n"] for r in sink.rows) == [0, 1, 2]
     assert os.path.exists(tmp_path / "done" / "f.jsonl")

@@ -86,8 +86,7 @@ def test_record_a_file_recreated_between_two_scans_is_read_again_and_said(tmp_pa
         again = read_all(src)
     assert [json.loads(d.body)["n"] for d in again] == [1]
     assert again[0].key != first[0].key
-    assert any("another ctime" in r.getMessage() and "export.jsonl" in r.getMessage()
-               for r in caplog.records)
+    assert any("another ctime" in r.getMessage() and "export.jsonl" in r.getMessage() for r in caplog.records)
     src.close()
 
 
@@ -120,17 +119,34 @@ def test_an_old_state_json_is_taken_over_with_its_progress(tmp_path):
     drop(tmp_path, "half.jsonl", [json.dumps({"n": i}) for i in range(5)])
     drop(tmp_path, "done.jsonl", ['{"n": 9}'])
     drop(tmp_path, "older.jsonl", ['{"n": 7}', '{"n": 8}'])
-    fp = {n: (lambda st: [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])(
-        os.stat(tmp_path / n)) for n in ("half.jsonl", "done.jsonl")}
+    fp = {
+        n: (lambda st: [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])(os.stat(tmp_path / n))
+        for n in ("half.jsonl", "done.jsonl")
+    }
     os.makedirs(tmp_path / "_ackflow")
     with open(tmp_path / "_ackflow" / "state.json", "w") as f:  # as d2a9abf wrote it
-        json.dump({"version": 2, "files": {
-            "aaaaaaaaaaaaaaaa": {"name": "half.jsonl", "fingerprint": fp["half.jsonl"],
-                                 "committed": 3, "dead": 1},
-            "bbbbbbbbbbbbbbbb": {"name": "done.jsonl", "fingerprint": fp["done.jsonl"],
-                                 "committed": 1, "dead": 0, "done": True},
-            "older.jsonl": {"committed": 1, "dead": 0},  # before instance ids existed
-        }}, f)
+        json.dump(
+            {
+                "version": 2,
+                "files": {
+                    "aaaaaaaaaaaaaaaa": {
+                        "name": "half.jsonl",
+                        "fingerprint": fp["half.jsonl"],
+                        "committed": 3,
+                        "dead": 1,
+                    },
+                    "bbbbbbbbbbbbbbbb": {
+                        "name": "done.jsonl",
+                        "fingerprint": fp["done.jsonl"],
+                        "committed": 1,
+                        "dead": 0,
+                        "done": True,
+                    },
+                    "older.jsonl": {"committed": 1, "dead": 0},  # before instance ids existed
+                },
+            },
+            f,
+        )
     src = opened(tmp_path, done="record")
     got = read_all(src)
     keys = sorted(d.key for d in got)
@@ -163,8 +179,9 @@ def test_scanning_is_bounded_per_step_and_in_open_files(tmp_path, monkeypatch):
         if len(got) == 120:
             break
     assert most_open <= 5
-    assert sorted((json.loads(d.body)["f"], json.loads(d.body)["n"]) for d in got) == \
-        [(i, n) for i in range(40) for n in range(3)]
+    assert sorted((json.loads(d.body)["f"], json.loads(d.body)["n"]) for d in got) == [
+        (i, n) for i in range(40) for n in range(3)
+    ]
     src.close()
     assert len(os.listdir(tmp_path / "done")) == 40
     assert read_state(tmp_path) == {}  # moved files leave no row

@@ -69,9 +69,15 @@ def test_the_error_sink_needs_a_name_of_its_own(tmp_path):
     were not."""
     from ackflow.sinks import ParquetSink
 
-    flow = (ackflow.Flow(ListSource([b"{}"])).to(ParquetSink(tmp_path / "out"))
-            .on_error(ParquetSink(tmp_path / "dead")))
+    flow = (
+        ackflow.Flow(ListSource([b"{}"]))
+        .to(ParquetSink(tmp_path / "out"))
+        .on_error(ParquetSink(tmp_path / "dead"))
+    )
     with pytest.raises(ConfigError, match=r"\['parquet'\] are used more than once.*error sink"):
         flow.validate()
-    (ackflow.Flow(ListSource([b"{}"])).to(ParquetSink(tmp_path / "out"))
-     .on_error(ParquetSink(tmp_path / "dead", name="dead letters"))).validate()
+    (
+        ackflow.Flow(ListSource([b"{}"]))
+        .to(ParquetSink(tmp_path / "out"))
+        .on_error(ParquetSink(tmp_path / "dead", name="dead letters"))
+    ).validate()

@@ -15,8 +15,7 @@ from lake import ITEMS, assert_exactly_once, iceberg_rows, publish_orders, queue
 
 
 @pytest.mark.spark
-def test_a_run_is_exact_with_one_snapshot_per_batch_and_refused_rows_fail_alone(spark,
-                                                                                tmp_path):
+def test_a_run_is_exact_with_one_snapshot_per_batch_and_refused_rows_fail_alone(spark, tmp_path):
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
     made = Iceberg(catalog, "shop.items")
     made._cat().create_namespace("shop")
@@ -25,14 +24,15 @@ def test_a_run_is_exact_with_one_snapshot_per_batch_and_refused_rows_fail_alone(
     report, expected = run_refusing_orders(spark, sink)
     assert_exactly_once(iceberg_rows(catalog, "shop.items"), expected)
     table = sink._load()
-    ours = [s for s in table.snapshots()
-            if "ackflow.batch" in s.summary.additional_properties]
+    ours = [s for s in table.snapshots() if "ackflow.batch" in s.summary.additional_properties]
     assert len(ours) == len(table.snapshots()) == report.batches
     total = 0
     for s in ours:  # each snapshot adds exactly its batch's files
         props = s.summary.additional_properties
-        total += sum(pq.ParquetFile(f"{sink.data_dir()}/{f}").metadata.num_rows
-                     for f in json.loads(props["ackflow.files"]))
+        total += sum(
+            pq.ParquetFile(f"{sink.data_dir()}/{f}").metadata.num_rows
+            for f in json.loads(props["ackflow.files"])
+        )
         assert table.scan(snapshot_id=s.snapshot_id).to_arrow().num_rows == total
 
 
@@ -46,9 +46,11 @@ def test_on_a_postgresql_catalog_a_commit_whose_record_failed_is_caught_up(postg
 
     db = str(tmp_path / "q.db")
     expected, poison = publish_orders(db, 300, seed=3)
-    catalog = {"type": "sql", "uri": postgres.dsn.replace("postgresql://",
-                                                          "postgresql+psycopg://"),
-               "warehouse": f"file://{tmp_path / 'warehouse'}"}
+    catalog = {
+        "type": "sql",
+        "uri": postgres.dsn.replace("postgresql://", "postgresql+psycopg://"),
+        "warehouse": f"file://{tmp_path / 'warehouse'}",
+    }
     (tmp_path / "warehouse").mkdir()
 
     def order_items(order):
@@ -56,14 +58,13 @@ def test_on_a_postgresql_catalog_a_commit_whose_record_failed_is_caught_up(postg
             raise ValueError("poison")
         return [{"order": order["order"], "line": j} for j in range(order["items"])]
 
-    src = EmbeddedQueue(db, "orders", policy=ackflow.RetryPolicy(max_deliveries=5,
-                                                                 backoff_s=0.01))
-    flow = ackflow.Flow(src).flat_map(order_items, name="items").to(
-        Iceberg(catalog, "pg_shop.items"))
+    src = EmbeddedQueue(db, "orders", policy=ackflow.RetryPolicy(max_deliveries=5, backoff_s=0.01))
+    flow = ackflow.Flow(src).flat_map(order_items, name="items").to(Iceberg(catalog, "pg_shop.items"))
     faults.arm("iceberg.after_commit", "raise", nth=2)
     try:
-        report = Engine(flow, executor="local", batch_size=60, max_inflight=180,
-                        until_idle=0.5, batch_timeout_s=0.05).run()
+        report = Engine(
+            flow, executor="local", batch_size=60, max_inflight=180, until_idle=0.5, batch_timeout_s=0.05
+        ).run()
         assert faults.hits("iceberg.after_commit") >= 2, "the point was never reached"
     finally:
         faults.disarm()
@@ -89,14 +90,30 @@ def test_the_catalog_password_never_shows(tmp_path):
 def test_the_demo_into_an_iceberg_table_checks_out(spark, tmp_path, capsys):
     from ackflow.cli import main
 
-    assert main(["demo", "--sink", "iceberg", "--messages", "600", "--workdir", str(tmp_path),
-                 "--master", "local[2]", "--until-idle", "0.5", "--json"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--sink",
+                "iceberg",
+                "--messages",
+                "600",
+                "--workdir",
+                str(tmp_path),
+                "--master",
+                "local[2]",
+                "--until-idle",
+                "0.5",
+                "--json",
+            ]
+        )
+        == 0
+    )
     check = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["check"]
     assert check["ok"] and check["sink"] == "iceberg" and check["duplicate_rows"] == 0
 
 
-def test_every_file_of_a_snapshot_is_durable_before_its_keys_are_recorded(tmp_path,
-                                                                          monkeypatch):
+def test_every_file_of_a_snapshot_is_durable_before_its_keys_are_recorded(tmp_path, monkeypatch):
     """Each fsync's path is recorded (a wrapper around os.fsync), and the moment the
     keys are recorded: the commit's data files, the manifests it wrote, its manifest
     list, its metadata JSON and their folders come before. Another writer commits
@@ -119,8 +136,7 @@ def test_every_file_of_a_snapshot_is_durable_before_its_keys_are_recorded(tmp_pa
 
     sink.commit("b1", stage("b1", ["a", "b"], 0))  # a first snapshot and manifest
     log, ours = [], {}
-    real_fsync, real_record, real_commit = os.fsync, KeyManifest.record, \
-        Transaction.commit_transaction
+    real_fsync, real_record, real_commit = os.fsync, KeyManifest.record, Transaction.commit_transaction
 
     def fsync(fd):
         log.append(os.readlink(f"/proc/self/fd/{fd}"))
@@ -134,8 +150,7 @@ def test_every_file_of_a_snapshot_is_durable_before_its_keys_are_recorded(tmp_pa
         table = real_commit(self)
         if not ours:
             ours["metadata"] = self._table.metadata_location
-            other = pa.table({"n": pa.array([99], pa.int64()),
-                              "ackflow_key": pa.array([None], pa.string())})
+            other = pa.table({"n": pa.array([99], pa.int64()), "ackflow_key": pa.array([None], pa.string())})
             sink._cat().load_table("ns.t").append(other.cast(sink.target))
         return table
 
@@ -146,16 +161,17 @@ def test_every_file_of_a_snapshot_is_durable_before_its_keys_are_recorded(tmp_pa
     monkeypatch.undo()
 
     table = sink._load()
-    snap = next(s for s in table.snapshots()
-                if s.summary.additional_properties.get("ackflow.batch") == "b2")
+    snap = next(s for s in table.snapshots() if s.summary.additional_properties.get("ackflow.batch") == "b2")
     assert table.current_snapshot().snapshot_id != snap.snapshot_id  # the other writer's
     written = [m for m in snap.manifests(table.io) if m.added_snapshot_id == snap.snapshot_id]
     data = [e.data_file.file_path for m in written for e in m.fetch_manifest_entry(table.io)]
-    needed = {p.removeprefix("file://") for p in
-              [ours["metadata"], snap.manifest_list, *(m.manifest_path for m in written), *data]}
+    needed = {
+        p.removeprefix("file://")
+        for p in [ours["metadata"], snap.manifest_list, *(m.manifest_path for m in written), *data]
+    }
     assert written and data and len(needed) >= 4
     needed |= {os.path.dirname(p) for p in needed}
-    before = set(log[:log.index("RECORD")])
+    before = set(log[: log.index("RECORD")])
     assert needed <= before, f"not durable before the keys were recorded: {needed - before}"
     sink.close()
 
@@ -187,8 +203,11 @@ def test_an_error_at_each_durability_step_is_caught_up_by_the_next_commit(tmp_pa
         faults.disarm()
     sink.commit("b2", stage("b2", ["b", "c"], 10))  # b delivered again
     t = sink._load().scan().to_arrow()
-    assert sorted(zip(t.column("ackflow_key").to_pylist(), t.column("n").to_pylist(),
-                      strict=True)) == [("a", 0), ("b", 1), ("c", 11)]
+    assert sorted(zip(t.column("ackflow_key").to_pylist(), t.column("n").to_pylist(), strict=True)) == [
+        ("a", 0),
+        ("b", 1),
+        ("c", 11),
+    ]
     with sqlite3.connect(sink.manifest_path) as m:
         assert m.execute("SELECT sum(recovered) FROM batches").fetchone()[0] == 1
     sink.close()
@@ -212,8 +231,7 @@ def test_history_stays_bounded_over_hundreds_of_commits_and_dedupe_still_holds(t
     catalog = f"sqlite:///{tmp_path / 'cat.db'}"
     sink = Iceberg(catalog, "ns.t")
     sink._cat().create_namespace("ns")
-    sink._cat().create_table("ns.t", schema=pa.schema([("n", pa.int64()),
-                                                       ("ackflow_key", pa.string())]))
+    sink._cat().create_table("ns.t", schema=pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))
     sink.open()
     sink.prepare(pa.schema([("n", pa.int64())]))
     keep = sink.keep_snapshots
@@ -249,6 +267,9 @@ def test_history_stays_bounded_over_hundreds_of_commits_and_dedupe_still_holds(t
     t = sink._load().scan().to_arrow()
     keys = t.column("ackflow_key").to_pylist()
     assert len(keys) == len(set(keys)) == 300 * 3 + 3
-    assert sorted(k for k, n in zip(keys, t.column("n").to_pylist(), strict=True)
-                  if n >= 1000) == ["last", "late", "new"]
+    assert sorted(k for k, n in zip(keys, t.column("n").to_pylist(), strict=True) if n >= 1000) == [
+        "last",
+        "late",
+        "new",
+    ]
     sink.close()

@@ -69,8 +69,7 @@ def test_unique_keys_of_marked_identities_stay_unique():
 
 
 #: identities built of the pieces keys are made of, so that look-alikes come up often
-names = st.lists(st.sampled_from(["a", "#1", "~1", "#", "~", "!", "1", "1|", "|"]),
-                 max_size=4).map("".join)
+names = st.lists(st.sampled_from(["a", "#1", "~1", "#", "~", "!", "1", "1|", "|"]), max_size=4).map("".join)
 #: flat_map children (#n) and join repeats (~n), in any order
 paths = st.lists(st.tuples(st.sampled_from("#~"), st.integers(0, 12)), max_size=3).map(tuple)
 
@@ -78,13 +77,14 @@ paths = st.lists(st.tuples(st.sampled_from("#~"), st.integers(0, 12)), max_size=
 def message_of(key):
     """Read a row key from the right: drop its #n and ~n, then the mark."""
     while (m := re.search(r"[#~][0-9]+\Z", key)) is not None:
-        key = key[:m.start()]
+        key = key[: m.start()]
     return key[:-1] if key.endswith("!") and row_key(key[:-1]) == key else key
 
 
 @settings(max_examples=400)
-@given(st.lists(st.tuples(names, paths, st.integers(1, 3)), min_size=2, max_size=6,
-                unique_by=lambda t: t[:2]))
+@given(
+    st.lists(st.tuples(names, paths, st.integers(1, 3)), min_size=2, max_size=6, unique_by=lambda t: t[:2])
+)
 @example([("a~1", (), 1), ("a", (), 2)])  # a message named like a repeat
 @example([("a#1", (), 1), ("a", (("#", 1),), 1)])  # ... like a flat_map child
 @example([("a#1", (("#", 2),), 1), ("a", (("#", 1), ("#", 2)), 1)])
@@ -147,10 +147,25 @@ def test_a_join_repeat_keeps_its_number_when_an_earlier_repeat_failed():
     sink = Keys()
     write = make_writer(sink, "b1", ["n"])
     batch = pa.RecordBatch.from_pydict(
-        {"n": [0, 1, 2], ID: [1, 1, 1], ROW_KEY: ["m", "m", "m"], STATUS: [FAILED, LIVE, LIVE],
-         STEP: ["check", None, None], ERR: ["timeout", None, None]},
-        schema=pa.schema([("n", pa.int64()), (ID, pa.int64()), (ROW_KEY, pa.string()),
-                          (STATUS, pa.int32()), (STEP, pa.string()), (ERR, pa.string())]))
+        {
+            "n": [0, 1, 2],
+            ID: [1, 1, 1],
+            ROW_KEY: ["m", "m", "m"],
+            STATUS: [FAILED, LIVE, LIVE],
+            STEP: ["check", None, None],
+            ERR: ["timeout", None, None],
+        },
+        schema=pa.schema(
+            [
+                ("n", pa.int64()),
+                (ID, pa.int64()),
+                (ROW_KEY, pa.string()),
+                (STATUS, pa.int32()),
+                (STEP, pa.string()),
+                (ERR, pa.string()),
+            ]
+        ),
+    )
     list(write(iter([batch])))
     assert sink.keys == ["m~1", "m~2"]
 

@@ -30,8 +30,9 @@ def topic(kafka, partitions=3):
 def produce(kafka, name, bodies, partitions=3):
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": kafka.bootstrap, "enable.idempotence": True,
-                  "acks": "all", "linger.ms": 5})
+    p = Producer(
+        {"bootstrap.servers": kafka.bootstrap, "enable.idempotence": True, "acks": "all", "linger.ms": 5}
+    )
     for i, b in enumerate(bodies):
         p.produce(name, value=b, partition=i % partitions)
     assert p.flush(30) == 0
@@ -83,14 +84,17 @@ def test_a_flow_lands_every_message_once_and_commits_to_the_end(spark, kafka, tm
         return r
 
     out, dead = MemorySink("out"), MemorySink("dead")
-    src = source(kafka, name, group, tmp_path, policy=RetryPolicy(max_deliveries=2,
-                                                                    backoff_s=0.05))
-    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(out).on_error(dead),
-                         spark=spark, until_idle=3, batch_size=100, max_inflight=300)
+    src = source(kafka, name, group, tmp_path, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
+    report = ackflow.run(
+        ackflow.Flow(src).map(check, name="check").to(out).on_error(dead),
+        spark=spark,
+        until_idle=3,
+        batch_size=100,
+        max_inflight=300,
+    )
     assert report.acked + report.dead_lettered == 300
     assert sorted(r["i"] for r in out.rows) == [i for i in range(300) if i % 25 != 7]
-    assert sorted(json.loads(r["body"])["i"] for r in dead.rows) == [
-        i for i in range(300) if i % 25 == 7]
+    assert sorted(json.loads(r["body"])["i"] for r in dead.rows) == [i for i in range(300) if i % 25 == 7]
     assert all(r["step"] == "check" and r["deliveries"] == 2 for r in dead.rows)
     assert all(r["message"].startswith(f"{name}/") for r in dead.rows)
     assert committed(kafka, name, group) == {0: 100, 1: 100, 2: 100}
@@ -99,8 +103,7 @@ def test_a_flow_lands_every_message_once_and_commits_to_the_end(spark, kafka, tm
     produce(kafka, name, more)
     out2 = MemorySink("out")
     src2 = source(kafka, name, group, tmp_path)
-    ackflow.run(ackflow.Flow(src2).to(out2).on_error(MemorySink("dead")), spark=spark,
-                until_idle=3)
+    ackflow.run(ackflow.Flow(src2).to(out2).on_error(MemorySink("dead")), spark=spark, until_idle=3)
     assert sorted(r["i"] for r in out2.rows) == list(range(300, 330))
     assert committed(kafka, name, group) == {0: 110, 1: 110, 2: 110}
 
@@ -123,8 +126,7 @@ def test_the_commit_never_passes_an_unsettled_message(kafka, tmp_path):
         src.close()
 
 
-def test_a_poison_message_at_the_head_keeps_its_delivery_count_across_restarts(kafka,
-                                                                             tmp_path):
+def test_a_poison_message_at_the_head_keeps_its_delivery_count_across_restarts(kafka, tmp_path):
     """A crash after each failure (the source closed without settling) must not reset
     the count: the third delivery is the third, so the policy can give it up."""
     name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
@@ -200,12 +202,10 @@ def test_a_rebalance_with_messages_in_flight_commits_only_settled_prefixes(kafka
             time.sleep(0.1)
         assert moved, "the second member got no partition"
         # the moved partitions' commits stayed at the settled prefix
-        assert all(off == 10 for p, off in committed(kafka, name, group, parts).items()
-                   if p in moved)
+        assert all(off == 10 for p, off in committed(kafka, name, group, parts).items() if p in moved)
         a.ack([d for d in held if d not in first])  # late: commits only A's own
         again = pull_until(b, 10 * len(moved), timeout=60)
-        assert sorted(d.key for d in again) == sorted(
-            f"{name}/{p}@{o}" for p in moved for o in range(10, 20))
+        assert sorted(d.key for d in again) == sorted(f"{name}/{p}@{o}" for p in moved for o in range(10, 20))
         b.ack(again)
         want = {p: 20 for p in range(parts)}
         assert committed_soon(kafka, name, group, want, 20) == want
@@ -217,9 +217,16 @@ def test_a_rebalance_with_messages_in_flight_commits_only_settled_prefixes(kafka
 def consume_all(kafka, name, n, timeout=60.0):
     from confluent_kafka import Consumer
 
-    c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": f"r-{uuid.uuid4().hex[:6]}",
-                  "auto.offset.reset": "earliest", "session.timeout.ms": 6000,
-                  "heartbeat.interval.ms": 500, "max.poll.interval.ms": 10000})
+    c = Consumer(
+        {
+            "bootstrap.servers": kafka.bootstrap,
+            "group.id": f"r-{uuid.uuid4().hex[:6]}",
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 500,
+            "max.poll.interval.ms": 10000,
+        }
+    )
     c.subscribe([name])
     out = []
     deadline = time.monotonic() + timeout
@@ -246,22 +253,26 @@ def test_the_kafka_sink_acks_a_message_only_on_its_rows_delivery(spark, kafka):
     dead = MemorySink("dead")
     src = ListSource(bodies, policy=RetryPolicy(max_deliveries=1))
     sink = KafkaSink(kafka.bootstrap, name, config={"message.max.bytes": 2000})
-    report = ackflow.run(ackflow.Flow(src).flat_map(lambda r: [r, {**r, "copy": 1}],
-                                                    name="twice").to(sink).on_error(dead),
-                         spark=spark, until_idle=0.5)
+    report = ackflow.run(
+        ackflow.Flow(src).flat_map(lambda r: [r, {**r, "copy": 1}], name="twice").to(sink).on_error(dead),
+        spark=spark,
+        until_idle=0.5,
+    )
     assert (report.acked, report.dead_lettered) == (9, 1)
     assert "Kafka refused the row" in dead.rows[0]["error"]
     assert json.loads(dead.rows[0]["body"])["i"] == 4
     got = consume_all(kafka, name, 18, timeout=30)
-    rows = sorted((json.loads(m.value())["i"], json.loads(m.value()).get("copy") or 0)
-                  for m in got)
+    rows = sorted((json.loads(m.value())["i"], json.loads(m.value()).get("copy") or 0) for m in got)
     assert rows == sorted((i, c) for i in range(10) if i != 4 for c in (0, 1))
     heads = {dict(m.headers())["ackflow-row-key"].decode() for m in got}
     assert len(heads) == len(got)  # one message per row key
     assert all(m.key().decode() == dict(m.headers())["ackflow-row-key"].decode() for m in got)
     with pytest.raises(ConfigError, match="does not exist"):
-        ackflow.run(ackflow.Flow(ListSource(["{}"])).to(KafkaSink(kafka.bootstrap, "nope-x")),
-                    spark=spark, until_idle=0.5)
+        ackflow.run(
+            ackflow.Flow(ListSource(["{}"])).to(KafkaSink(kafka.bootstrap, "nope-x")),
+            spark=spark,
+            until_idle=0.5,
+        )
 
 
 def start_pipeline(kafka, postgres, name, group, table, dead, attempts, idle):
@@ -270,13 +281,33 @@ def start_pipeline(kafka, postgres, name, group, table, dead, attempts, idle):
     import sys
 
     here = os.path.dirname(__file__)
-    env = {**os.environ, "AF_BOOTSTRAP": kafka.bootstrap, "AF_TOPIC": name, "AF_GROUP": group,
-           "AF_DSN": postgres.dsn, "AF_TABLE": table, "AF_DEAD": dead, "AF_ATTEMPTS": attempts}
-    cmd = [sys.executable, "-m", "ackflow.cli", "run",
-           f"{os.path.join(here, 'pipelines', 'kafka_flow.py')}:flow", "--master", "local[2]",
-           "--json", "--batch-size", "500", "--max-inflight", "1500", "--until-idle", str(idle)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    env = {
+        **os.environ,
+        "AF_BOOTSTRAP": kafka.bootstrap,
+        "AF_TOPIC": name,
+        "AF_GROUP": group,
+        "AF_DSN": postgres.dsn,
+        "AF_TABLE": table,
+        "AF_DEAD": dead,
+        "AF_ATTEMPTS": attempts,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "ackflow.cli",
+        "run",
+        f"{os.path.join(here, 'pipelines', 'kafka_flow.py')}:flow",
+        "--master",
+        "local[2]",
+        "--json",
+        "--batch-size",
+        "500",
+        "--max-inflight",
+        "1500",
+        "--until-idle",
+        str(idle),
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def pg_rows(postgres, table):
@@ -285,15 +316,20 @@ def pg_rows(postgres, table):
 
     try:
         with psycopg.connect(postgres.dsn) as c:
-            return c.execute(sql.SQL("SELECT count(*), count(DISTINCT ackflow_key) FROM {}")
-                             .format(sql.Identifier(table))).fetchone()
+            return c.execute(
+                sql.SQL("SELECT count(*), count(DISTINCT ackflow_key) FROM {}").format(sql.Identifier(table))
+            ).fetchone()
     except psycopg.errors.UndefinedTable:
         return (0, 0)
 
 
 def produce_orders(kafka, name, n, partitions):
-    produce(kafka, name, [json.dumps({"order": i, "qty": i % 7, "poison": i % 100 == 3}).encode()
-                          for i in range(n)], partitions=partitions)
+    produce(
+        kafka,
+        name,
+        [json.dumps({"order": i, "qty": i % 7, "poison": i % 100 == 3}).encode() for i in range(n)],
+        partitions=partitions,
+    )
     return n - len([i for i in range(n) if i % 100 == 3])
 
 
@@ -315,8 +351,9 @@ def test_two_pipelines_in_one_group_one_sigkilled_lose_nothing(kafka, postgres, 
     a = start_pipeline(kafka, postgres, name, group, table, dead, str(tmp_path / "a.db"), 60)
     b = start_pipeline(kafka, postgres, name, group, table, dead, str(tmp_path / "b.db"), 15)
     try:
-        assert wait_until(lambda: pg_rows(postgres, table)[0] >= 1500 or a.poll() is not None,
-                          timeout=240, every=0.2)
+        assert wait_until(
+            lambda: pg_rows(postgres, table)[0] >= 1500 or a.poll() is not None, timeout=240, every=0.2
+        )
         assert a.poll() is None, a.stderr.read()[-3000:]
         os.kill(a.pid, signal.SIGKILL)
         a.wait(30)
@@ -338,8 +375,7 @@ def test_a_dead_letter_topic_takes_given_up_messages_with_provenance(spark, kafk
     their identity, place, step, error and deliveries in headers; the commits pass them
     only after their delivery to that topic."""
     name, dlt, group = topic(kafka, 2), topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
-    produce(kafka, name, [json.dumps({"i": i, "bad": i % 10 == 3}).encode() for i in range(40)],
-            partitions=2)
+    produce(kafka, name, [json.dumps({"i": i, "bad": i % 10 == 3}).encode() for i in range(40)], partitions=2)
 
     def check(r):
         if r["bad"]:
@@ -347,23 +383,34 @@ def test_a_dead_letter_topic_takes_given_up_messages_with_provenance(spark, kafk
         return r
 
     out = MemorySink("out")
-    src = source(kafka, name, group, tmp_path, dead_letter_topic=dlt,
-                 policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
-    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(out), spark=spark,
-                         until_idle=3)
+    src = source(
+        kafka,
+        name,
+        group,
+        tmp_path,
+        dead_letter_topic=dlt,
+        policy=RetryPolicy(max_deliveries=2, backoff_s=0.05),
+    )
+    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(out), spark=spark, until_idle=3)
     assert (report.acked, report.dead_lettered) == (36, 4)
     dead = consume_all(kafka, dlt, 4, timeout=30)
     heads = [{k: v.decode() for k, v in m.headers()} for m in dead]
     assert sorted(json.loads(m.value())["i"] for m in dead) == [3, 13, 23, 33]
-    assert all(h["ackflow-step"] == "check" and "is bad" in h["ackflow-error"]
-               and h["ackflow-deliveries"] == "2" and h["ackflow-topic"] == name
-               and h["ackflow-message"] == f"{name}/{h['ackflow-partition']}@"
-               f"{h['ackflow-offset']}" for h in heads), heads
+    assert all(
+        h["ackflow-step"] == "check"
+        and "is bad" in h["ackflow-error"]
+        and h["ackflow-deliveries"] == "2"
+        and h["ackflow-topic"] == name
+        and h["ackflow-message"] == f"{name}/{h['ackflow-partition']}@{h['ackflow-offset']}"
+        for h in heads
+    ), heads
     assert committed(kafka, name, group, 2) == {0: 20, 1: 20}
     with pytest.raises(ackflow.ConfigError, match="does not exist"):
-        ackflow.run(ackflow.Flow(source(kafka, name, "g2", tmp_path,
-                                        dead_letter_topic="no-such")).to(MemorySink()),
-                    spark=spark, until_idle=1)
+        ackflow.run(
+            ackflow.Flow(source(kafka, name, "g2", tmp_path, dead_letter_topic="no-such")).to(MemorySink()),
+            spark=spark,
+            until_idle=1,
+        )
 
 
 def test_offsets_never_delivered_are_gaps_that_never_hold_the_commit(kafka, tmp_path):
@@ -400,8 +447,7 @@ def test_offsets_never_delivered_are_gaps_that_never_hold_the_commit(kafka, tmp_
         src.close()
 
 
-def test_a_broker_restart_mid_run_loses_nothing_and_commits_to_the_end(spark, kafka_durable,
-                                                                     tmp_path):
+def test_a_broker_restart_mid_run_loses_nothing_and_commits_to_the_end(spark, kafka_durable, tmp_path):
     """The broker (durable storage) is restarted while a flow runs: the source reports
     itself disconnected, keeps what it settled in memory, commits it when the broker
     answers again, and the run finishes with every message written and the group's
@@ -430,9 +476,13 @@ def test_a_broker_restart_mid_run_loses_nothing_and_commits_to_the_end(spark, ka
     src = source(kafka, name, group, tmp_path)
     t = threading.Thread(target=restart_when_half_done, daemon=True)
     t.start()
-    report = ackflow.run(ackflow.Flow(src).map(slow, name="slow").to(out)
-                         .on_error(MemorySink("dead")), spark=spark, until_idle=8,
-                         batch_size=200, max_inflight=600)
+    report = ackflow.run(
+        ackflow.Flow(src).map(slow, name="slow").to(out).on_error(MemorySink("dead")),
+        spark=spark,
+        until_idle=8,
+        batch_size=200,
+        max_inflight=600,
+    )
     t.join(60)
     assert "done" in restarted and restarted["at"] < n, restarted
     assert {r["i"] for r in out.rows} == set(range(n))  # none missing (a copy may repeat)
@@ -463,8 +513,7 @@ def test_a_late_settlement_from_an_earlier_assignment_settles_nothing(kafka, tmp
         assert len(moved) == 1, moved
         b.close()  # leaves: the partition goes back to A, which reads it again
         second = pull_until(a, 10, timeout=60)
-        assert sorted(d.key for d in second) == sorted(f"{name}/{moved[0]}@{o}"
-                                                       for o in range(10))
+        assert sorted(d.key for d in second) == sorted(f"{name}/{moved[0]}@{o}" for o in range(10))
         a.ack(first)  # late, for the moved partition: the second copies are in flight
         time.sleep(1.0)
         assert committed(kafka, name, group, parts)[moved[0]] in (-1001, 0)
@@ -478,12 +527,14 @@ def test_a_late_settlement_from_an_earlier_assignment_settles_nothing(kafka, tmp
 
 # -- found by an adversarial review (each failed on the first version) -------------------
 
+
 def produce_raw(kafka, name, msgs):
     """msgs: (partition, value, key, headers)"""
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": kafka.bootstrap, "enable.idempotence": True,
-                  "acks": "all", "linger.ms": 5})
+    p = Producer(
+        {"bootstrap.servers": kafka.bootstrap, "enable.idempotence": True, "acks": "all", "linger.ms": 5}
+    )
     for part, value, key, headers in msgs:
         p.produce(name, value=value, key=key, headers=headers, partition=part)
     assert p.flush(30) == 0
@@ -529,8 +580,7 @@ def test_a_hostile_header_key_does_not_escape_its_message(kafka, tmp_path):
     """A header key that is not UTF-8 (producers accept bytes) fails nothing, and a
     message's own header named like ackflow's (``key``) never stands in for them."""
     name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
-    produce_raw(kafka, name, [(0, b'{"a": 1}', None, [(b"\xff\xfe", b"v")]),
-                          (0, b'{"a": 2}', None, None)])
+    produce_raw(kafka, name, [(0, b'{"a": 1}', None, [(b"\xff\xfe", b"v")]), (0, b'{"a": 2}', None, None)])
     src = source(kafka, name, group, tmp_path)
     src.configure(max_inflight=100, error_sink=True)
     src.open()
@@ -612,8 +662,7 @@ def test_a_partition_paused_before_an_incremental_assign_is_resumed(kafka, tmp_p
             a.ack(got)
             acked.extend(d.key for d in got)
         missing = want - set(acked)
-        assert not missing, (f"{len(missing)} messages of {name}[{kept_p}] never came: "
-                             f"status {a.status()}")
+        assert not missing, f"{len(missing)} messages of {name}[{kept_p}] never came: status {a.status()}"
     finally:
         logger.removeHandler(handler)
         b.close()

@@ -25,9 +25,13 @@ pytestmark = pytest.mark.slow
 
 
 def tables(tmp_path, kind):
-    env = {"AF_QUEUE": str(tmp_path / "q.db"), "AF_SINKS": kind,
-           "AF_DELTA": str(tmp_path / "delta"),
-           "AF_CATALOG": f"sqlite:///{tmp_path / 'catalog.db'}", "AF_TABLE": "shop.items"}
+    env = {
+        "AF_QUEUE": str(tmp_path / "q.db"),
+        "AF_SINKS": kind,
+        "AF_DELTA": str(tmp_path / "delta"),
+        "AF_CATALOG": f"sqlite:///{tmp_path / 'catalog.db'}",
+        "AF_TABLE": "shop.items",
+    }
 
     def rows():
         if kind == "delta":
@@ -97,8 +101,7 @@ def content(sink):
         t = DeltaTable(sink.path).to_pyarrow_table()
     else:
         t = sink._load().scan().to_arrow()
-    return sorted(zip(t.column("ackflow_key").to_pylist(), t.column("n").to_pylist(),
-                      strict=True), key=str)
+    return sorted(zip(t.column("ackflow_key").to_pylist(), t.column("n").to_pylist(), strict=True), key=str)
 
 
 @pytest.mark.parametrize("kind", ["delta", "iceberg"])
@@ -133,13 +136,15 @@ def test_a_failed_record_after_the_commit_is_caught_up_in_the_same_process(tmp_p
 
 
 @pytest.mark.parametrize("kind", ["delta", "iceberg"])
-def test_a_refused_value_fails_only_its_row_and_a_type_the_table_cannot_take_stops(tmp_path,
-                                                                                   kind):
+def test_a_refused_value_fails_only_its_row_and_a_type_the_table_cannot_take_stops(tmp_path, kind):
     from ackflow.core.errors import FlowError
 
     sink = make(kind, tmp_path, evolve=False)  # evolution: tests/test_sink_evolution.py
-    narrow = Delta(tmp_path / "narrow", evolve=False) if kind == "delta" else \
-        Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.narrow", evolve=False)
+    narrow = (
+        Delta(tmp_path / "narrow", evolve=False)
+        if kind == "delta"
+        else Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.narrow", evolve=False)
+    )
     narrow.open()
     narrow.prepare(pa.schema([pa.field("n", pa.int32())]))
     rows = pa.table({"n": pa.array([1, 2**40, 3], pa.int64()), "__af_key": ["a", "b", "c"]})
@@ -173,8 +178,7 @@ def test_a_table_made_again_does_not_inherit_the_old_tables_keys(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["delta", "iceberg"])
-def test_a_commit_that_loses_the_race_to_another_writer_is_retried(tmp_path, kind,
-                                                                    monkeypatch):
+def test_a_commit_that_loses_the_race_to_another_writer_is_retried(tmp_path, kind, monkeypatch):
     """Another writer commits between the moment the sink read the table and its commit:
     the commit conflicts, is retried on top of the winner, and both writes are kept."""
     sink = make(kind, tmp_path)
@@ -222,8 +226,9 @@ def test_with_key_columns_the_first_write_of_a_key_wins(tmp_path, kind):
     sink.prepare(pa.schema([("sku", pa.string()), ("qty", pa.int64())]))
 
     def stage_rows(batch, skus, qty):
-        rows = pa.table({"sku": skus, "qty": [qty] * len(skus),
-                         "__af_key": [f"{batch}-{i}" for i in range(len(skus))]})
+        rows = pa.table(
+            {"sku": skus, "qty": [qty] * len(skus), "__af_key": [f"{batch}-{i}" for i in range(len(skus))]}
+        )
         return [sink.write_partition(batch, 0, rows).token]
 
     sink.commit("b1", stage_rows("b1", ["x", "y", "x"], 1))
@@ -235,8 +240,11 @@ def test_with_key_columns_the_first_write_of_a_key_wins(tmp_path, kind):
     else:
         t = sink._load().scan().to_arrow()
     assert t.column_names == ["sku", "qty"]
-    assert sorted(zip(t.column("sku").to_pylist(), t.column("qty").to_pylist(), strict=True)) \
-        == [("x", 1), ("y", 1), ("z", 2)]
+    assert sorted(zip(t.column("sku").to_pylist(), t.column("qty").to_pylist(), strict=True)) == [
+        ("x", 1),
+        ("y", 1),
+        ("z", 2),
+    ]
     sink.close()
 
 
@@ -257,8 +265,7 @@ def test_a_committed_batch_survives_the_abort_after_a_later_sink_failed(tmp_path
         sink.close()
 
 
-def test_keys_of_a_typed_partition_column_match_after_a_crash_between_commit_and_record(
-        tmp_path):
+def test_keys_of_a_typed_partition_column_match_after_a_crash_between_commit_and_record(tmp_path):
     """key=["order", "line"] with partition_by="order" (an integer): keys recovered from
     the files of an unrecorded commit take the partition value from the path; before,
     as a string ("7" is not 7), so the redelivered rows were added again."""
@@ -267,8 +274,7 @@ def test_keys_of_a_typed_partition_column_match_after_a_crash_between_commit_and
     sink.prepare(pa.schema([("order", pa.int64()), ("line", pa.int64()), ("v", pa.string())]))
 
     def staged(batch):
-        rows = pa.table({"order": [7, 7], "line": [0, 1], "v": ["x", "y"],
-                         "__af_key": ["k0", "k1"]})
+        rows = pa.table({"order": [7, 7], "line": [0, 1], "v": ["x", "y"], "__af_key": ["k0", "k1"]})
         return [sink.write_partition(batch, 0, rows).token]
 
     try:
@@ -298,9 +304,13 @@ def test_hostile_values_fail_their_rows_only(tmp_path, kind):
     sink.open()
     schema = pa.schema([("sku", pa.string()), ("at", pa.timestamp("us"))])
     sink.prepare(schema)
-    rows = pa.table({"sku": ["a", "b", None, "d"],
-                     "at": pa.array([1, 10**15, 2, 3], pa.timestamp("s")),
-                     "__af_key": ["k0", "k1", "k2", "k3"]})
+    rows = pa.table(
+        {
+            "sku": ["a", "b", None, "d"],
+            "at": pa.array([1, 10**15, 2, 3], pa.timestamp("s")),
+            "__af_key": ["k0", "k1", "k2", "k3"],
+        }
+    )
     sink.prepare(rows.schema.remove(2))
     try:
         result = sink.write_partition("b1", 0, rows)
@@ -315,8 +325,7 @@ def test_hostile_values_fail_their_rows_only(tmp_path, kind):
 def test_a_flow_column_named_like_the_key_column_stops_the_run_at_start(tmp_path, kind):
     from ackflow.core.errors import FlowError
 
-    sink = Delta(tmp_path / "t") if kind == "delta" else \
-        Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+    sink = Delta(tmp_path / "t") if kind == "delta" else Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
     sink.open()
     with pytest.raises(FlowError, match="writes a column 'ackflow_key'"):
         sink.prepare(pa.schema([("n", pa.int64()), ("ackflow_key", pa.string())]))

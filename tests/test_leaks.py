@@ -31,8 +31,7 @@ def test_broadcast_with_one_branch_failed(spark):
 
 def test_group_whose_write_failed(spark):
     src = ListSource(bodies([{"k": 1, "n": i} for i in range(3)]))
-    flow = (ackflow.Flow(src).group_by("k").agg("count(*) AS c")
-            .to(FailingSink(fail_if=lambda r: True)))
+    flow = ackflow.Flow(src).group_by("k").agg("count(*) AS c").to(FailingSink(fail_if=lambda r: True))
     assert set(outcome(spark, flow, src).values()) == {"dead_lettered"}
 
 
@@ -50,6 +49,11 @@ def test_exception_in_the_middle_of_a_sink_write(spark):
 
     src = ListSource(bodies([{"n": i} for i in range(4)]))
     with pytest.raises(SystemicFailure, match="lost the database half way"):
-        ackflow.run(ackflow.Flow(src).to(Half("half")), spark=spark, systemic_stop_after_s=1,
-                    systemic_backoff_s=0.05, **FAST)
+        ackflow.run(
+            ackflow.Flow(src).to(Half("half")),
+            spark=spark,
+            systemic_stop_after_s=1,
+            systemic_backoff_s=0.05,
+            **FAST,
+        )
     assert set(src.final().values()) == {"released"}

@@ -25,9 +25,24 @@ PIPELINE = os.path.join(HERE, "pipelines", "offsets_flow.py")
 
 
 def cmd(flow, until_idle=2):
-    return [sys.executable, "-m", "ackflow.cli", "run", f"{PIPELINE}:{flow}", "--master",
-            "local[2]", "--json", "--batch-size", "100", "--max-inflight", "600",
-            "--max-concurrent-batches", "2", "--until-idle", str(until_idle)]
+    return [
+        sys.executable,
+        "-m",
+        "ackflow.cli",
+        "run",
+        f"{PIPELINE}:{flow}",
+        "--master",
+        "local[2]",
+        "--json",
+        "--batch-size",
+        "100",
+        "--max-inflight",
+        "600",
+        "--max-concurrent-batches",
+        "2",
+        "--until-idle",
+        str(until_idle),
+    ]
 
 
 def written(out):
@@ -66,8 +81,7 @@ def kill_at_random_moments(flow, env, out, kills=3):
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     for _ in range(kills):
         target = len(written(out)) + rng.randint(200, 1200)
-        proc = subprocess.Popen(cmd(flow), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd(flow), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             kill_when(proc, lambda t=target: len(written(out)) >= t)
         finally:
@@ -81,8 +95,7 @@ def test_a_slow_batch_at_the_head_holds_the_commit_and_its_crash_loses_nothing(t
     folder.mkdir()
     total = write_files(folder, 1, 1500)
     env = {**os.environ, "AF_DIR": str(folder), "AF_OUT": out, "AF_SLOW_SECONDS": "120"}
-    proc = subprocess.Popen(cmd("files_flow"), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd("files_flow"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         # later batches finish and are acked while the first (line 1) is still running
         kill_when(proc, lambda: len(written(out)) >= 500)
@@ -94,8 +107,7 @@ def test_a_slow_batch_at_the_head_holds_the_commit_and_its_crash_loses_nothing(t
             proc.kill()
             proc.wait(30)
     env["AF_SLOW_SECONDS"] = "0"
-    done = subprocess.run(cmd("files_flow"), env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(cmd("files_flow"), env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = written(out)
     assert set(got) == set(range(total))  # the slow batch was processed again
@@ -109,8 +121,7 @@ def test_sigkill_at_random_moments_over_a_file_directory(tmp_path):
     total = write_files(folder, 6, 1000)
     env = {**os.environ, "AF_DIR": str(folder), "AF_OUT": out}
     kill_at_random_moments("files_flow", env, out)
-    done = subprocess.run(cmd("files_flow"), env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(cmd("files_flow"), env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(written(out)) == set(range(total))  # every line at least once
     assert sorted(os.listdir(folder / "done")) == [f"f{f:02d}.jsonl" for f in range(6)]
@@ -120,12 +131,12 @@ def test_sigkill_at_random_moments_over_a_stream(tmp_path, rabbitmq):
     stream, out = names("rec"), str(tmp_path / "out")
     total = 6000
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(total)])
-    env = {**os.environ, "AF_STREAM_PORT": str(rabbitmq.stream_port), "AF_STREAM": stream,
-           "AF_OUT": out}
+    env = {**os.environ, "AF_STREAM_PORT": str(rabbitmq.stream_port), "AF_STREAM": stream, "AF_OUT": out}
     kill_at_random_moments("stream_flow", env, out)
     started = time.monotonic()
-    done = subprocess.run(cmd("stream_flow", until_idle=3), env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        cmd("stream_flow", until_idle=3), env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(written(out)) == set(range(total)), time.monotonic() - started
     report = json.loads(done.stdout.strip().splitlines()[-1])

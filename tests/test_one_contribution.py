@@ -24,8 +24,13 @@ def lines(order):
 
 
 def orders_flow(src, sink):
-    return (ackflow.Flow(src).flat_map(lines, name="lines")
-            .group_by("id").agg("sum(qty) AS qty", "count(*) AS n").to(sink))
+    return (
+        ackflow.Flow(src)
+        .flat_map(lines, name="lines")
+        .group_by("id")
+        .agg("sum(qty) AS qty", "count(*) AS n")
+        .to(sink)
+    )
 
 
 @pytest.mark.spark
@@ -53,12 +58,12 @@ def test_a_repeat_of_a_failed_message_is_given_back_not_failed(tmp_path):
         return row
 
     body = json.dumps({"n": 1})
-    src = ListSource([body, body], keys=["m", "m"],
-                     policy=ackflow.RetryPolicy(max_deliveries=10, backoff_s=0.01))
+    src = ListSource(
+        [body, body], keys=["m", "m"], policy=ackflow.RetryPolicy(max_deliveries=10, backoff_s=0.01)
+    )
     sink = KeyedSink("out")
     flow = ackflow.Flow(src).map(flaky, name="flaky", schema="n BIGINT").to(sink)
-    report = ackflow.run(flow, executor="local",
-                         **{**FAST, "batch_size": 10})
+    report = ackflow.run(flow, executor="local", **{**FAST, "batch_size": 10})
     assert report.duplicates >= 1 and report.dead_lettered == 0
     assert src.settled["m"][:2] == ["nacked", "released"]  # the repeat: given back
     assert src.settled["m"].count("acked") == 2  # each copy finally, once

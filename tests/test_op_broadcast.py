@@ -27,8 +27,9 @@ def test_mode_primary_falls_back_and_acks(spark, tmp_path):
     src = ListSource(bodies([{"n": i} for i in range(10)]))
     primary = FailingSink(fail_if=lambda r: r["n"] % 3 == 0, name="primary")
     spare = ParquetSink(tmp_path / "spare", name="spare")
-    report = ackflow.run(ackflow.Flow(src).broadcast(primary, mode="primary", fallback=[spare]),
-                         spark=spark, **FAST)
+    report = ackflow.run(
+        ackflow.Flow(src).broadcast(primary, mode="primary", fallback=[spare]), spark=spark, **FAST
+    )
     assert report.acked == 10
     assert report.rows_written == {"primary": 6, "spare": 4}
     import pyarrow.parquet as pq
@@ -40,8 +41,7 @@ def test_mode_primary_fails_when_every_fallback_failed(spark):
     src = ListSource(bodies([{"n": i} for i in range(4)]))
     primary = FailingSink(fail_if=lambda r: r["n"] == 2, name="primary")
     spare = FailingSink(raise_if=lambda r: True, name="spare")
-    ackflow.run(ackflow.Flow(src).broadcast(primary, mode="primary", fallback=[spare]),
-                spark=spark, **FAST)
+    ackflow.run(ackflow.Flow(src).broadcast(primary, mode="primary", fallback=[spare]), spark=spark, **FAST)
     assert src.final()["m2"] == "dead_lettered"
     assert src.failures["m2"].step == "primary"
     err = src.failures["m2"].error
@@ -60,9 +60,17 @@ def test_sub_flow_branches_each_with_steps(spark):
 
     src = ListSource(bodies([{"n": i} for i in range(10)]))
     raw, odd = MemorySink("raw"), FailingSink(fail_if=lambda r: r["sq"] == 49, name="odd")
-    flow = ackflow.Flow(src).map(lambda r: {"n": r["n"], "half": r["n"] // 2}, name="prep") \
-        .broadcast(raw, branch().filter(lambda r: r["n"] % 2 == 1, name="odds")
-                   .map(lambda r: {"n": r["n"], "sq": r["n"] ** 2}, name="square").to(odd))
+    flow = (
+        ackflow.Flow(src)
+        .map(lambda r: {"n": r["n"], "half": r["n"] // 2}, name="prep")
+        .broadcast(
+            raw,
+            branch()
+            .filter(lambda r: r["n"] % 2 == 1, name="odds")
+            .map(lambda r: {"n": r["n"], "sq": r["n"] ** 2}, name="square")
+            .to(odd),
+        )
+    )
     report = ackflow.run(flow, spark=spark, **FAST)
     assert sorted(r["n"] for r in raw.rows) == list(range(10))
     assert sorted(r["sq"] for r in odd.rows) == [1, 9, 25, 81]
@@ -75,11 +83,10 @@ def test_a_branch_that_loses_rows_cannot_ack(spark):
 
     src = ListSource(bodies([{"n": i} for i in range(4)]))
     flow = ackflow.Flow(src).broadcast(
-        MemorySink("all"), branch().transform(lambda df: df.where("n < 2"), name="cut")
-        .to(MemorySink("some")))
+        MemorySink("all"), branch().transform(lambda df: df.where("n < 2"), name="cut").to(MemorySink("some"))
+    )
     ackflow.run(flow, spark=spark, **FAST)
-    assert src.final() == {"m0": "acked", "m1": "acked", "m2": "dead_lettered",
-                           "m3": "dead_lettered"}
+    assert src.final() == {"m0": "acked", "m1": "acked", "m2": "dead_lettered", "m3": "dead_lettered"}
     assert "lineage lost" in src.failures["m2"].error
 
 

@@ -17,10 +17,10 @@ def explode(r):
 def test_children_are_all_written_and_zero_children_acks(spark):
     src = ListSource(bodies([{"n": i} for i in range(40)]))
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(src).flat_map(explode, name="explode").to(sink),
-                         spark=spark, **FAST)
+    report = ackflow.run(ackflow.Flow(src).flat_map(explode, name="explode").to(sink), spark=spark, **FAST)
     assert sorted((r["n"], r["k"]) for r in sink.rows) == sorted(
-        (i, k) for i in range(40) for k in range(i % 4))
+        (i, k) for i in range(40) for k in range(i % 4)
+    )
     assert report.acked == 40  # n % 4 == 0 yields no child: acked on purpose
 
 
@@ -41,8 +41,11 @@ def test_a_child_failing_a_later_step_nacks_the_parent(spark):
         return r
 
     src = ListSource(bodies([{"n": i} for i in range(8)]))
-    ackflow.run(ackflow.Flow(src).flat_map(explode, name="explode").map(check, name="check")
-                .to(MemorySink()), spark=spark, **FAST)
+    ackflow.run(
+        ackflow.Flow(src).flat_map(explode, name="explode").map(check, name="check").to(MemorySink()),
+        spark=spark,
+        **FAST,
+    )
     assert src.final()["m6"] == "dead_lettered"
     assert (src.failures["m6"].step, src.failures["m6"].error) == ("check", "KeyError: 'sku'")
     assert sum(v == "acked" for v in src.final().values()) == 7
@@ -63,10 +66,13 @@ def test_a_message_keeps_the_failure_of_its_earliest_step(spark):
         return r
 
     src = ListSource(['{"n": 1}'])
-    flow = (ackflow.Flow(src).flat_map(lambda r: [{"n": r["n"], "c": c} for c in range(3)],
-                                       name="kids")
-            .map(early, name="m_early").map(late, name="z_late")
-            .to(FailingSink(fail_if=lambda r: r["c"] == 2, name="a_sink")))
+    flow = (
+        ackflow.Flow(src)
+        .flat_map(lambda r: [{"n": r["n"], "c": c} for c in range(3)], name="kids")
+        .map(early, name="m_early")
+        .map(late, name="z_late")
+        .to(FailingSink(fail_if=lambda r: r["c"] == 2, name="a_sink"))
+    )
     ackflow.run(flow, spark=spark, **FAST)
     assert src.failures["m0"].step == "m_early"
     assert "the cause" in src.failures["m0"].error

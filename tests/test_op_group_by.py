@@ -17,11 +17,17 @@ def test_groups_aggregate_and_every_member_is_acked(spark):
 
     src = ListSource(bodies([{"k": i % 4, "v": i} for i in range(40)]))
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(src).group_by("k")
-                         .agg(F.sum("v").alias("total"), "count(*) AS n", name="per_k").to(sink),
-                         spark=spark, **BATCH)
+    report = ackflow.run(
+        ackflow.Flow(src)
+        .group_by("k")
+        .agg(F.sum("v").alias("total"), "count(*) AS n", name="per_k")
+        .to(sink),
+        spark=spark,
+        **BATCH,
+    )
     assert sorted((r["k"], r["total"], r["n"]) for r in sink.rows) == [
-        (k, sum(i for i in range(40) if i % 4 == k), 10) for k in range(4)]
+        (k, sum(i for i in range(40) if i % 4 == k), 10) for k in range(4)
+    ]
     assert report.acked == 40 and report.rows_written == {"memory": 4}
 
 
@@ -42,9 +48,17 @@ def test_failed_and_filtered_rows_keep_their_own_outcome_through_a_group(spark):
 
     src = ListSource(bodies([{"k": i % 2, "v": i} for i in range(10)]))
     sink = MemorySink()
-    ackflow.run(ackflow.Flow(src).map(check, name="check").filter(lambda r: r["v"] != 8, name="no8")
-                .group_by("k").agg("sum(v) AS s").map(lambda r: {**r, "s2": r["s"] * 2}, name="x2")
-                .to(sink), spark=spark, **BATCH)
+    ackflow.run(
+        ackflow.Flow(src)
+        .map(check, name="check")
+        .filter(lambda r: r["v"] != 8, name="no8")
+        .group_by("k")
+        .agg("sum(v) AS s")
+        .map(lambda r: {**r, "s2": r["s"] * 2}, name="x2")
+        .to(sink),
+        spark=spark,
+        **BATCH,
+    )
     final = src.final()
     assert final["m5"] == "dead_lettered" and src.failures["m5"].step == "check"
     assert final["m8"] == "acked"  # filtered before grouping: acked on purpose
@@ -58,7 +72,10 @@ def test_a_python_error_after_grouping_fails_every_member(spark):
         return r
 
     src = ListSource(bodies([{"k": i % 2, "v": i} for i in range(6)]))
-    ackflow.run(ackflow.Flow(src).group_by("k").agg("sum(v) AS s").map(boom, name="boom")
-                .to(MemorySink()), spark=spark, **BATCH)
+    ackflow.run(
+        ackflow.Flow(src).group_by("k").agg("sum(v) AS s").map(boom, name="boom").to(MemorySink()),
+        spark=spark,
+        **BATCH,
+    )
     assert {k for k, v in src.final().items() if v != "acked"} == {"m0", "m2", "m4"}
     assert src.failures["m2"].step == "boom"

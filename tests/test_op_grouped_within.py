@@ -33,9 +33,14 @@ def bodies(n, keys="ab"):
 def test_groups_span_batches_and_members_wait_for_the_write(spark):
     sink = MemorySink()
     src = CheckingSource(bodies(24), sink)
-    report = ackflow.run(ackflow.Flow(src).grouped_within(6, 30.0, "k", name="six").to(sink),
-                         spark=spark, batch_size=4, max_inflight=40, batch_timeout_s=0.1,
-                         until_idle=0.3)
+    report = ackflow.run(
+        ackflow.Flow(src).grouped_within(6, 30.0, "k", name="six").to(sink),
+        spark=spark,
+        batch_size=4,
+        max_inflight=40,
+        batch_timeout_s=0.1,
+        until_idle=0.3,
+    )
     assert report.acked == 24 and src.early_acks == []
     assert sorted((g["k"], g["count"]) for g in sink.rows) == [("a", 6)] * 2 + [("b", 6)] * 2
     assert sorted(r["n"] for g in sink.rows for r in g["rows"]) == list(range(24))
@@ -46,9 +51,15 @@ def test_a_full_window_cannot_deadlock_the_timer_flushes(spark):
     sink = MemorySink()
     seen = []
     src = ListSource(bodies(30))
-    report = ackflow.run(ackflow.Flow(src).grouped_within(1000, 0.3, name="big").to(sink),
-                         spark=spark, batch_size=3, max_inflight=6, batch_timeout_s=0.05,
-                         until_idle=0.5, progress=lambda r, w: seen.append(w.in_flight))
+    report = ackflow.run(
+        ackflow.Flow(src).grouped_within(1000, 0.3, name="big").to(sink),
+        spark=spark,
+        batch_size=3,
+        max_inflight=6,
+        batch_timeout_s=0.05,
+        until_idle=0.5,
+        progress=lambda r, w: seen.append(w.in_flight),
+    )
     assert report.acked == 30
     assert max(seen) <= 6 and report.throttle_episodes >= 1  # the window filled with held rows
     assert all(g["count"] <= 6 for g in sink.rows)  # partial groups, flushed by the timer
@@ -57,8 +68,14 @@ def test_a_full_window_cannot_deadlock_the_timer_flushes(spark):
 def test_a_failed_group_fails_every_member_across_batches(spark):
     src = ListSource(bodies(12, keys="abc"))
     sink = FailingSink(fail_if=lambda g: g["k"] == "b")
-    report = ackflow.run(ackflow.Flow(src).grouped_within(4, 30.0, "k").to(sink), spark=spark,
-                         batch_size=3, max_inflight=20, batch_timeout_s=0.05, until_idle=0.3)
+    report = ackflow.run(
+        ackflow.Flow(src).grouped_within(4, 30.0, "k").to(sink),
+        spark=spark,
+        batch_size=3,
+        max_inflight=20,
+        batch_timeout_s=0.05,
+        until_idle=0.3,
+    )
     final = src.final()
     assert {k for k, v in final.items() if v != "acked"} == {f"m{i}" for i in range(1, 12, 3)}
     assert report.acked == 8 and report.dead_lettered == 4
@@ -73,12 +90,17 @@ def test_steps_before_and_after_the_window(spark):
 
     sink = MemorySink()
     src = ListSource(bodies(10))
-    flow = (ackflow.Flow(src).map(check, name="check").filter(lambda r: r["n"] != 7, name="no7")
-            .grouped_within(3, 0.3, "k")
-            .map(lambda g: {"k": g["k"], "sum": sum(r["n"] for r in g["rows"])}, name="sum")
-            .to(sink))
-    report = ackflow.run(flow, spark=spark, batch_size=4, max_inflight=20,
-                         batch_timeout_s=0.05, until_idle=0.5)
+    flow = (
+        ackflow.Flow(src)
+        .map(check, name="check")
+        .filter(lambda r: r["n"] != 7, name="no7")
+        .grouped_within(3, 0.3, "k")
+        .map(lambda g: {"k": g["k"], "sum": sum(r["n"] for r in g["rows"])}, name="sum")
+        .to(sink)
+    )
+    report = ackflow.run(
+        flow, spark=spark, batch_size=4, max_inflight=20, batch_timeout_s=0.05, until_idle=0.5
+    )
     assert src.final()["m5"] == "dead_lettered" and src.final()["m7"] == "acked"
     assert report.acked == 9
     assert sum(g["sum"] for g in sink.rows) == sum(i for i in range(10) if i not in (5, 7))
@@ -94,12 +116,22 @@ def test_a_message_failed_by_one_group_leaves_its_other_groups_without_a_crash(s
     timer: before the fix the engine looked their members up (KeyError) and the run died.
     (The timer is long enough for a's failure to be known first on a loaded machine: a
     group due earlier is written, as it should be, since its messages were not failed yet.)"""
-    src = ListSource([json.dumps({"n": 0, "ks": ["a", "b"]}), json.dumps({"n": 1, "ks": ["a", "c"]}),
-                      json.dumps({"n": 2, "ks": ["d"]})])
+    src = ListSource(
+        [
+            json.dumps({"n": 0, "ks": ["a", "b"]}),
+            json.dumps({"n": 1, "ks": ["a", "c"]}),
+            json.dumps({"n": 2, "ks": ["d"]}),
+        ]
+    )
     sink = FailingSink(fail_if=lambda g: g["k"] == "a")
-    report = ackflow.run(ackflow.Flow(src).flat_map(two_groups, name="split")
-                         .grouped_within(2, 3.0, "k").to(sink), spark=spark,
-                         batch_size=3, max_inflight=20, batch_timeout_s=0.05, until_idle=4.0)
+    report = ackflow.run(
+        ackflow.Flow(src).flat_map(two_groups, name="split").grouped_within(2, 3.0, "k").to(sink),
+        spark=spark,
+        batch_size=3,
+        max_inflight=20,
+        batch_timeout_s=0.05,
+        until_idle=4.0,
+    )
     assert src.final() == {"m0": "dead_lettered", "m1": "dead_lettered", "m2": "acked"}
     assert report.dead_lettered == 2 and report.acked == 1
     assert sorted(g["k"] for g in sink.rows) == ["d"]  # b and c held only failed rows
@@ -132,9 +164,14 @@ class LosingSource(ListSource):
 def test_a_member_lost_with_its_channel_leaves_its_groups_without_a_crash(spark):
     src = LosingSource([json.dumps({"n": 0, "ks": ["a", "b"]}), json.dumps({"n": 1, "ks": ["b"]})])
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(src).flat_map(two_groups, name="split")
-                         .grouped_within(10, 0.5, "k").to(sink), spark=spark,
-                         batch_size=2, max_inflight=20, batch_timeout_s=0.05, until_idle=1.0)
+    report = ackflow.run(
+        ackflow.Flow(src).flat_map(two_groups, name="split").grouped_within(10, 0.5, "k").to(sink),
+        spark=spark,
+        batch_size=2,
+        max_inflight=20,
+        batch_timeout_s=0.05,
+        until_idle=1.0,
+    )
     assert src.lost_once and report.redelivered == 1
     assert src.final().get("m1") == "acked"
     assert sorted((g["k"], [r["n"] for r in g["rows"]]) for g in sink.rows) == [("b", [1])]
@@ -174,9 +211,16 @@ def test_a_group_job_cancelled_at_shutdown_gives_its_members_back(spark, tmp_pat
         if started.exists():
             engine.request_stop()
 
-    engine = Engine(ackflow.Flow(src).grouped_within(4, 30.0, "k").to(sink), spark=spark,
-                    batch_size=4, max_inflight=20, batch_timeout_s=0.05, drain_timeout_s=0.5,
-                    progress=stop_once_the_group_job_runs, handle_signals=False)
+    engine = Engine(
+        ackflow.Flow(src).grouped_within(4, 30.0, "k").to(sink),
+        spark=spark,
+        batch_size=4,
+        max_inflight=20,
+        batch_timeout_s=0.05,
+        drain_timeout_s=0.5,
+        progress=stop_once_the_group_job_runs,
+        handle_signals=False,
+    )
     try:
         report = engine.run()
     finally:

@@ -62,8 +62,10 @@ def test_data_columns_that_clash_with_the_static_side_fail_their_rows_not_the_ru
     first batch without the join column at all stopped it too. Now the rows holding the
     clashing field fail alone, and a missing join column is null (matches nothing)."""
     policy = ackflow.RetryPolicy(max_deliveries=1)
-    src = ListSource(bodies([{"sku": "a", "qty": 1}, {"sku": "b", "Price": 9.0},
-                             {"sku": "a", "Price": None}]), policy=policy)
+    src = ListSource(
+        bodies([{"sku": "a", "qty": 1}, {"sku": "b", "Price": 9.0}, {"sku": "a", "Price": None}]),
+        policy=policy,
+    )
     sink = MemorySink()
     run(spark, ackflow.Flow(src).join(skus, "sku", name="prices").to(sink))
     assert src.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "acked"}
@@ -74,8 +76,7 @@ def test_data_columns_that_clash_with_the_static_side_fail_their_rows_not_the_ru
     src = ListSource(bodies([{"qty": 1}, {"qty": 2}]), policy=policy)  # no "sku" anywhere
     sink = MemorySink()
     report = run(spark, ackflow.Flow(src).join(skus, "sku", "left", name="prices").to(sink))
-    assert report.acked == 2 and sorted((r["qty"], r["price"]) for r in sink.rows) == [
-        (1, None), (2, None)]
+    assert report.acked == 2 and sorted((r["qty"], r["price"]) for r in sink.rows) == [(1, None), (2, None)]
 
 
 def test_a_static_column_the_flow_itself_makes_twice_still_stops(spark, skus):
@@ -98,8 +99,7 @@ def test_a_repeat_failed_in_one_attempt_keeps_the_keys_of_the_others(spark, tmp_
     from ackflow.core.policy import RetryPolicy
     from ackflow.sinks import ParquetSink
 
-    stock = spark.createDataFrame([("k", "north"), ("k", "south"), ("k", "west")],
-                                  "sku STRING, wh STRING")
+    stock = spark.createDataFrame([("k", "north"), ("k", "south"), ("k", "west")], "sku STRING, wh STRING")
     marker = str(tmp_path / "failed-once")
 
     def pair(r):
@@ -108,14 +108,17 @@ def test_a_repeat_failed_in_one_attempt_keeps_the_keys_of_the_others(spark, tmp_
             raise TimeoutError("the first attempt times out")
         return [{**r, "i": i} for i in range(2)]
 
-    src = ListSource(bodies([{"sku": "k", "n": 1}]),
-                     policy=RetryPolicy(max_deliveries=3, backoff_s=0.05))
+    src = ListSource(bodies([{"sku": "k", "n": 1}]), policy=RetryPolicy(max_deliveries=3, backoff_s=0.05))
     out = str(tmp_path / "out")
-    flow = (ackflow.Flow(src).join(stock, "sku")  # the columns given: no sampling run
-            .flat_map(pair, name="pair", schema="sku STRING, n BIGINT, wh STRING, i BIGINT")
-            .to(ParquetSink(out)))
+    flow = (
+        ackflow.Flow(src)
+        .join(stock, "sku")  # the columns given: no sampling run
+        .flat_map(pair, name="pair", schema="sku STRING, n BIGINT, wh STRING, i BIGINT")
+        .to(ParquetSink(out))
+    )
     report = run(spark, flow)
     assert report.acked == 1 and src.deliveries["m0"] == 2
     rows = pq.read_table(out).to_pylist()
     assert sorted((r["wh"], r["i"]) for r in rows) == [
-        (w, i) for w in ("north", "south", "west") for i in (0, 1)]
+        (w, i) for w in ("north", "south", "west") for i in (0, 1)
+    ]

@@ -13,8 +13,11 @@ pytestmark = pytest.mark.spark
 def test_map_writes_every_row_and_acks_every_message(spark):
     src = ListSource(bodies([{"n": i} for i in range(120)]))
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(src).map(lambda r: {"n": r["n"], "sq": r["n"] ** 2},
-                                               name="square").to(sink), spark=spark, **FAST)
+    report = ackflow.run(
+        ackflow.Flow(src).map(lambda r: {"n": r["n"], "sq": r["n"] ** 2}, name="square").to(sink),
+        spark=spark,
+        **FAST,
+    )
     assert sorted((r["n"], r["sq"]) for r in sink.rows) == [(i, i * i) for i in range(120)]
     assert set(src.final().values()) == {"acked"} and len(src.final()) == 120
     assert report.acked == 120 and report.rows_written == {"memory": 120}
@@ -47,10 +50,10 @@ def test_failed_messages_are_retried_by_policy_before_dead_lettering(spark):
             raise RuntimeError("always")
         return r
 
-    src = ListSource(bodies([{"n": i} for i in range(5)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=3, backoff_s=0.05))
-    report = ackflow.run(ackflow.Flow(src).map(flaky, name="flaky").to(MemorySink()),
-                         spark=spark, **FAST)
+    src = ListSource(
+        bodies([{"n": i} for i in range(5)]), policy=ackflow.RetryPolicy(max_deliveries=3, backoff_s=0.05)
+    )
+    report = ackflow.run(ackflow.Flow(src).map(flaky, name="flaky").to(MemorySink()), spark=spark, **FAST)
     assert src.settled["m3"] == ["nacked", "nacked", "dead_lettered"]
     assert report.nacked == 2 and report.dead_lettered == 1 and report.acked == 4
     assert calls["n"] == 0  # the function ran on executors, not here
@@ -58,8 +61,11 @@ def test_failed_messages_are_retried_by_policy_before_dead_lettering(spark):
 
 def test_map_must_return_a_dict(spark):
     src = ListSource(bodies([{"n": 1}, {"n": 2}]))
-    ackflow.run(ackflow.Flow(src).map(lambda r: r if r["n"] == 1 else None, name="m")
-                .to(MemorySink()), spark=spark, **FAST)
+    ackflow.run(
+        ackflow.Flow(src).map(lambda r: r if r["n"] == 1 else None, name="m").to(MemorySink()),
+        spark=spark,
+        **FAST,
+    )
     assert src.final() == {"m0": "acked", "m1": "dead_lettered"}
     assert "map must return a dict" in src.failures["m1"].error
 
@@ -69,8 +75,9 @@ def test_a_row_that_does_not_fit_the_inferred_columns_fails_alone(spark):
     src = ListSource(bodies(rows))
     sink = MemorySink()
     # the schema is given, so "eleven" cannot be a BIGINT
-    ackflow.run(ackflow.Flow(src).map(lambda r: r, name="ident", schema="n BIGINT").to(sink),
-                spark=spark, **FAST)
+    ackflow.run(
+        ackflow.Flow(src).map(lambda r: r, name="ident", schema="n BIGINT").to(sink), spark=spark, **FAST
+    )
     assert src.final()["m10"] == "dead_lettered"
     assert src.failures["m10"].step == "ident" and "does not fit" in src.failures["m10"].error
     assert len(sink.rows) == 10
@@ -86,8 +93,11 @@ def test_a_crashing_python_worker_is_bisected_to_its_message(spark):
 
     src = ListSource(bodies([{"n": i} for i in range(8)]))
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(src).map(crash, name="crash").to(sink), spark=spark,
-                         **{**FAST, "batch_size": 8, "until_idle": 0.5})
+    report = ackflow.run(
+        ackflow.Flow(src).map(crash, name="crash").to(sink),
+        spark=spark,
+        **{**FAST, "batch_size": 8, "until_idle": 0.5},
+    )
     assert src.final()["m5"] == "dead_lettered"
     assert src.failures["m5"].step == "crash"  # located by re-running prefixes of the plan
     assert report.acked == 7 and report.bisections >= 1
@@ -99,19 +109,27 @@ def test_outside_data_never_stops_the_run_through_column_inference(spark):
     and a value Spark cannot type. Before, inference raised FlowError: the batch was given
     back, the run stopped, and a restart met the same batch first (a crash loop). Now only
     the messages that do not fit fail, each with a reason naming the step and the field."""
-    src = ListSource(['{"qty": 1}', '{"qty": 2}', '{"qty": "three"}', '{"qty": 4, "__af_id": 7}',
-                      '{"qty": 5, "tags": [null]}', '{"qty": 6}'],
-                     policy=ackflow.RetryPolicy(max_deliveries=2, backoff_s=0.01))
+    src = ListSource(
+        [
+            '{"qty": 1}',
+            '{"qty": 2}',
+            '{"qty": "three"}',
+            '{"qty": 4, "__af_id": 7}',
+            '{"qty": 5, "tags": [null]}',
+            '{"qty": 6}',
+        ],
+        policy=ackflow.RetryPolicy(max_deliveries=2, backoff_s=0.01),
+    )
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same").to(sink), spark=spark,
-                         **{**FAST, "until_idle": 0.5})
+    report = ackflow.run(
+        ackflow.Flow(src).map(lambda r: r, name="same").to(sink), spark=spark, **{**FAST, "until_idle": 0.5}
+    )
     final = src.final()
     assert final["m2"] == "dead_lettered" and final["m3"] == "dead_lettered"
     assert src.deliveries["m2"] == 2  # retried by the policy, then given up: no endless loop
     assert "qty" in src.failures["m2"].error and src.failures["m2"].step == "same"
     assert "'__af_id'" in src.failures["m3"].error and "reserved" in src.failures["m3"].error
-    assert sorted(r["qty"] for r in sink.rows) == sorted(
-        [1, 2, 6] + ([5] if final["m4"] == "acked" else []))
+    assert sorted(r["qty"] for r in sink.rows) == sorted([1, 2, 6] + ([5] if final["m4"] == "acked" else []))
     assert report.acked == len(sink.rows)
 
 
@@ -122,16 +140,24 @@ def test_field_names_spark_cannot_address_fail_their_messages_not_the_run(spark)
     or the same name in another case) fails only the rows holding it, with the reason."""
     # Spark compares names like Java's equalsIgnoreCase: the dotless i twins "i", and an
     # upper-case "__AF_ID" twins ackflow's own "__af_id"
-    bodies_ = ['{"._-": 1}', '{"a.b": 2}', '{"`x": 3}', '{"": 4}', '{"n": 5, "N": 6}',
-               '{"n": 7}', '{"n": 8, "*": 9}', '{"n": 10, "id": 2, "\u0131d": 1}',
-               '{"n": 11, "__AF_ID": 3}']
+    bodies_ = [
+        '{"._-": 1}',
+        '{"a.b": 2}',
+        '{"`x": 3}',
+        '{"": 4}',
+        '{"n": 5, "N": 6}',
+        '{"n": 7}',
+        '{"n": 8, "*": 9}',
+        '{"n": 10, "id": 2, "\u0131d": 1}',
+        '{"n": 11, "__AF_ID": 3}',
+    ]
     src = ListSource(bodies_, policy=ackflow.RetryPolicy(max_deliveries=1))
     sink = MemorySink()
-    report = ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same").to(sink), spark=spark,
-                         **{**FAST, "until_idle": 0.5})
+    report = ackflow.run(
+        ackflow.Flow(src).map(lambda r: r, name="same").to(sink), spark=spark, **{**FAST, "until_idle": 0.5}
+    )
     final = src.final()
-    assert [final[f"m{i}"] for i in range(9)] == ["dead_lettered"] * 5 + ["acked"] + \
-        ["dead_lettered"] * 3
+    assert [final[f"m{i}"] for i in range(9)] == ["dead_lettered"] * 5 + ["acked"] + ["dead_lettered"] * 3
     assert sink.rows == [{"n": 7, "id": None}]
     assert "'a.b'" in src.failures["m1"].error and "rename the field" in src.failures["m1"].error
     assert "only in case" in src.failures["m4"].error and "only in case" in src.failures["m7"].error
@@ -148,21 +174,29 @@ def test_a_field_outside_the_inferred_columns_is_never_lost(spark, tmp_path):
     are kept in ``state_dir`` between them.)"""
     first = [f'{{"n": {i}}}' for i in range(5)]
     later = ['{"n": 5, "extra": "kept?"}', '{"n": 6}']
-    for schema, mode, expect in ((None, "evolve", "acked"), (None, "freeze", "dead_lettered"),
-                                 (None, "rescue", "acked"), ("n BIGINT", "evolve", "acked")):
+    for schema, mode, expect in (
+        (None, "evolve", "acked"),
+        (None, "freeze", "dead_lettered"),
+        (None, "rescue", "acked"),
+        ("n BIGINT", "evolve", "acked"),
+    ):
         sink = MemorySink()
         state = tmp_path / f"{mode}-{schema}"
         for batch in (first, ["{}"] * 5 + later):
             src = ListSource(batch, policy=ackflow.RetryPolicy(max_deliveries=1))
-            ackflow.run(ackflow.Flow(src).map(lambda r: r, name="same", schema=schema)
-                        .filter(lambda r: r != {}).to(sink), spark=spark,
-                        **{**FAST, "until_idle": 0.5, "schema_mode": mode, "state_dir": state})
+            ackflow.run(
+                ackflow.Flow(src)
+                .map(lambda r: r, name="same", schema=schema)
+                .filter(lambda r: r != {})
+                .to(sink),
+                spark=spark,
+                **{**FAST, "until_idle": 0.5, "schema_mode": mode, "state_dir": state},
+            )
         assert src.final()["m5"] == expect and src.final()["m6"] == "acked"
         if expect == "dead_lettered":
             err = src.failures["m5"].error
             assert "'extra'" in err and "freeze" in err
-        assert sorted(r["n"] for r in sink.rows) == [i for i in range(7) if i != 5 or
-                                                     expect == "acked"]
+        assert sorted(r["n"] for r in sink.rows) == [i for i in range(7) if i != 5 or expect == "acked"]
         five = [r for r in sink.rows if r["n"] == 5]
         if mode == "evolve" and schema is None:
             assert five == [{"n": 5, "extra": "kept?"}]
@@ -170,11 +204,14 @@ def test_a_field_outside_the_inferred_columns_is_never_lost(spark, tmp_path):
             assert five == [{"n": 5, "_rescued": '{"extra": "kept?"}'}]
 
 
-@pytest.mark.parametrize("build", [
-    lambda f: f.map(lambda r: r, name="shape", schema="`a.b` BIGINT"),
-    lambda f: f.with_columns(**{"x.y": "1"}),
-    lambda f: f.map(lambda r: r, name="shape", schema="n BIGINT, N STRING"),
-])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda f: f.map(lambda r: r, name="shape", schema="`a.b` BIGINT"),
+        lambda f: f.with_columns(**{"x.y": "1"}),
+        lambda f: f.map(lambda r: r, name="shape", schema="n BIGINT, N STRING"),
+    ],
+)
 def test_configured_column_names_spark_cannot_address_stop_at_start(spark, build):
     src = ListSource(['{"n": 1}'])
     with pytest.raises(ackflow.FlowError, match=r"cannot be a Spark column|only in case"):

@@ -18,16 +18,18 @@ pytestmark = pytest.mark.spark
 def test_merged_sources_keep_their_formats_and_settle_at_home(spark, tmp_path):
     a = ListSource([json.dumps({"v": i}) for i in range(10)] + ["oops"], name="a")
     db = str(tmp_path / "q.db")
-    EmbeddedQueue(db).publish("b", [f"text {i}".encode() for i in range(5)],
-                              msg_ids=[f"m{i}" for i in range(5)])  # same keys as source a
+    EmbeddedQueue(db).publish(
+        "b", [f"text {i}".encode() for i in range(5)], msg_ids=[f"m{i}" for i in range(5)]
+    )  # same keys as source a
     b = EmbeddedQueueSource(db, "b", format="text", name="b")
 
     def shape(r):
         return {"v": r["v"] if "v" in r else len(r["body"])}
 
     sink = MemorySink()
-    report = ackflow.run(ackflow.merge(ackflow.Flow(a), ackflow.Flow(b)).map(shape, name="shape")
-                         .to(sink), spark=spark, **FAST)
+    report = ackflow.run(
+        ackflow.merge(ackflow.Flow(a), ackflow.Flow(b)).map(shape, name="shape").to(sink), spark=spark, **FAST
+    )
     assert report.acked == 15 and report.dead_lettered == 1
     assert sorted(r["v"] for r in sink.rows) == sorted([*range(10), *([6] * 5)])
     assert a.final()["m10"] == "dead_lettered" and len(a.final()) == 11
@@ -51,8 +53,7 @@ def _unacked(url, queues, published):
     conn = connect(url)
     try:
         ch = conn.channel()
-        return [published - ch.queue_declare(q, passive=True).method.message_count
-                for q in queues]
+        return [published - ch.queue_declare(q, passive=True).method.message_count for q in queues]
     finally:
         conn.close()
 
@@ -83,12 +84,17 @@ def test_merged_rabbitmq_sources_share_the_window_at_the_broker(rabbitmq, tmp_pa
             time.sleep(0.02)
         return r
 
-    sources = [ackflow.Flow(RabbitMQ(url, q, name=q, reject_to_dlx=True, dlx_by_policy=True))
-               for q in queues]
+    sources = [ackflow.Flow(RabbitMQ(url, q, name=q, reject_to_dlx=True, dlx_by_policy=True)) for q in queues]
     sink = MemorySink()
-    engine = Engine(ackflow.merge(*sources).map(hold, name="hold").to(sink), executor="local",
-                    batch_size=50, max_inflight=100, batch_timeout_s=0.05, until_idle=0.5,
-                    handle_signals=False)
+    engine = Engine(
+        ackflow.merge(*sources).map(hold, name="hold").to(sink),
+        executor="local",
+        batch_size=50,
+        max_inflight=100,
+        batch_timeout_s=0.05,
+        until_idle=0.5,
+        handle_signals=False,
+    )
     outcome = {}
     runner = threading.Thread(target=lambda: outcome.update(report=engine.run()), daemon=True)
     runner.start()
@@ -112,5 +118,10 @@ def test_merged_rabbitmq_sources_share_the_window_at_the_broker(rabbitmq, tmp_pa
 def test_a_window_smaller_than_the_number_of_sources_is_refused():
     flows = [ackflow.Flow(ListSource([], name=n)) for n in "abc"]
     with pytest.raises(ConfigError, match="max_inflight"):
-        ackflow.run(ackflow.merge(*flows).to(MemorySink()), executor="local", batch_size=2,
-                    max_inflight=2, until_idle=0.1)
+        ackflow.run(
+            ackflow.merge(*flows).to(MemorySink()),
+            executor="local",
+            batch_size=2,
+            max_inflight=2,
+            until_idle=0.1,
+        )

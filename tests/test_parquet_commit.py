@@ -43,8 +43,9 @@ def redeliver(sink, batch, keys):
 
 
 @pytest.mark.parametrize("how", ["eio", "fault"])
-def test_a_failed_rename_after_the_record_undoes_it_and_the_redelivery_writes(sink, tmp_path,
-                                                                              monkeypatch, how):
+def test_a_failed_rename_after_the_record_undoes_it_and_the_redelivery_writes(
+    sink, tmp_path, monkeypatch, how
+):
     tokens = stage(sink, "b1", ["a", "b"])
     if how == "eio":
         real = os.rename
@@ -67,7 +68,8 @@ def test_a_failed_rename_after_the_record_undoes_it_and_the_redelivery_writes(si
 
 
 def test_a_recorded_batch_whose_undo_fails_is_kept_and_finished_at_the_next_start(
-        sink, tmp_path, monkeypatch):
+    sink, tmp_path, monkeypatch
+):
     tokens = stage(sink, "b1", ["a", "b"])
     faults.arm("parquet.after_record", "raise")
     real_db = ParquetSink._db
@@ -137,8 +139,7 @@ s = ParquetSink(sys.argv[1]); s.open(); print("open", flush=True); time.sleep(60
 
 def test_a_second_process_on_the_same_path_is_refused_until_the_first_dies(tmp_path):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "open"
         os.makedirs(out / "_staging" / "live-batch")  # the first writer's batch in progress

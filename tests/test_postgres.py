@@ -17,8 +17,9 @@ pytestmark = pytest.mark.spark
 
 def rows_of(dsn, table, order="ackflow_key"):
     with psycopg.connect(dsn) as c:
-        cur = c.execute(sql.SQL("SELECT * FROM {} ORDER BY {}").format(
-            sql.Identifier(table), sql.Identifier(order)))
+        cur = c.execute(
+            sql.SQL("SELECT * FROM {} ORDER BY {}").format(sql.Identifier(table), sql.Identifier(order))
+        )
         names = [d.name for d in cur.description]
         return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
@@ -29,8 +30,12 @@ def execute(dsn, statement):
 
 
 def orders(n):
-    return bodies([{"order": i, "items": [{"sku": f"s{i}-{j}", "qty": j + 1}
-                                          for j in range(i % 3 + 1)]} for i in range(n)])
+    return bodies(
+        [
+            {"order": i, "items": [{"sku": f"s{i}-{j}", "qty": j + 1} for j in range(i % 3 + 1)]}
+            for i in range(n)
+        ]
+    )
 
 
 def explode(o):
@@ -56,53 +61,58 @@ def test_redelivered_messages_are_written_in_place_not_twice(spark, postgres, pg
     ackflow.run(flow, spark=spark, **FAST)
     first = rows_of(postgres.dsn, pg_table)
     # the same messages again (as after a crash before the acks): same keys, same rows
-    again = ackflow.run(ackflow.Flow(ListSource(orders(40))).flat_map(explode).to(sink),
-                        spark=spark, **FAST)
+    again = ackflow.run(ackflow.Flow(ListSource(orders(40))).flat_map(explode).to(sink), spark=spark, **FAST)
     assert again.acked == 40
     assert rows_of(postgres.dsn, pg_table) == first
 
 
 def test_user_key_upsert_keeps_the_last_write_and_insert_the_first(spark, postgres, pg_table):
-    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (sku text PRIMARY KEY, qty int)").format(
-        sql.Identifier(pg_table)))
+    execute(
+        postgres.dsn,
+        sql.SQL("CREATE TABLE {} (sku text PRIMARY KEY, qty int)").format(sql.Identifier(pg_table)),
+    )
     first = bodies([{"sku": "a", "qty": 1}, {"sku": "b", "qty": 1}])
     second = bodies([{"sku": "a", "qty": 2}, {"sku": "c", "qty": 2}])
     upsert = Postgres(postgres.dsn, pg_table, key=["sku"])
     keep = Postgres(postgres.dsn, pg_table, key=["sku"], mode="insert")
     ackflow.run(ackflow.Flow(ListSource(first)).to(upsert), spark=spark, **FAST)
     ackflow.run(ackflow.Flow(ListSource(second)).to(keep), spark=spark, **FAST)
-    assert {r["sku"]: r["qty"] for r in rows_of(postgres.dsn, pg_table, "sku")} == \
-        {"a": 1, "b": 1, "c": 2}
+    assert {r["sku"]: r["qty"] for r in rows_of(postgres.dsn, pg_table, "sku")} == {"a": 1, "b": 1, "c": 2}
     ackflow.run(ackflow.Flow(ListSource(second)).to(upsert), spark=spark, **FAST)
-    assert {r["sku"]: r["qty"] for r in rows_of(postgres.dsn, pg_table, "sku")} == \
-        {"a": 2, "b": 1, "c": 2}
+    assert {r["sku"]: r["qty"] for r in rows_of(postgres.dsn, pg_table, "sku")} == {"a": 2, "b": 1, "c": 2}
 
 
 @pytest.mark.parametrize("constraint", ["UNIQUE", "PRIMARY KEY"])
-def test_a_null_key_fails_its_message_alone_never_acked_unwritten(spark, postgres, pg_table,
-                                                                  constraint):
+def test_a_null_key_fails_its_message_alone_never_acked_unwritten(spark, postgres, pg_table, constraint):
     """Issue 27 #6: two null-key rows in one piece were one for DISTINCT ON (the other
     message acked without its row), and ON CONFLICT never matches NULL (a redelivery
     writes it again). A null key fails its own message, naming the key column."""
-    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (sku text {}, qty int)").format(
-        sql.Identifier(pg_table), sql.SQL(constraint)))
-    msgs = bodies([{"sku": "a", "qty": 1}, {"sku": None, "qty": 2}, {"sku": None, "qty": 3},
-                   {"sku": "b", "qty": 4}])
+    execute(
+        postgres.dsn,
+        sql.SQL("CREATE TABLE {} (sku text {}, qty int)").format(
+            sql.Identifier(pg_table), sql.SQL(constraint)
+        ),
+    )
+    msgs = bodies(
+        [{"sku": "a", "qty": 1}, {"sku": None, "qty": 2}, {"sku": None, "qty": 3}, {"sku": "b", "qty": 4}]
+    )
     sink = Postgres(postgres.dsn, pg_table, key=["sku"], name="pg")
     for _ in range(2):  # the second run is a redelivery of every message
         src = ListSource(msgs)
-        report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
-                             **{**FAST, "batch_size": 4})
+        report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark, **{**FAST, "batch_size": 4})
         assert report.acked == 2 and set(src.dead_letters) == {"m1", "m2"}
         for m in ("m1", "m2"):
             assert src.failures[m].step == "pg" and "'sku' has no value" in src.failures[m].error
-        assert [(r["sku"], r["qty"]) for r in rows_of(postgres.dsn, pg_table, "qty")] == [
-            ("a", 1), ("b", 4)]
+        assert [(r["sku"], r["qty"]) for r in rows_of(postgres.dsn, pg_table, "qty")] == [("a", 1), ("b", 4)]
+
 
 def test_constraint_violations_fail_only_their_messages(spark, postgres, pg_table):
-    execute(postgres.dsn, sql.SQL(
-        "CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int NOT NULL CHECK (n >= 0), "
-        "label varchar(5))").format(sql.Identifier(pg_table)))
+    execute(
+        postgres.dsn,
+        sql.SQL(
+            "CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int NOT NULL CHECK (n >= 0), label varchar(5))"
+        ).format(sql.Identifier(pg_table)),
+    )
     msgs = []
     for i in range(200):
         if i in (17, 101):
@@ -113,8 +123,9 @@ def test_constraint_violations_fail_only_their_messages(spark, postgres, pg_tabl
             msgs.append({"n": i, "label": "ok"})
     src = ListSource(bodies(msgs))
     sink = Postgres(postgres.dsn, pg_table, name="pg")
-    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
-                         **{**FAST, "batch_size": 200, "max_inflight": 200})
+    report = ackflow.run(
+        ackflow.Flow(src).to(sink), spark=spark, **{**FAST, "batch_size": 200, "max_inflight": 200}
+    )
     assert report.acked == 197 and report.dead_lettered == 3
     assert set(src.dead_letters) == {"m17", "m101", "m150"}
     assert src.failures["m17"].step == "pg"
@@ -125,30 +136,38 @@ def test_constraint_violations_fail_only_their_messages(spark, postgres, pg_tabl
 
 
 def test_a_missing_column_the_flow_makes_stops_the_run_and_names_it(spark, postgres, pg_table):
-    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int)")
-            .format(sql.Identifier(pg_table)))
+    execute(
+        postgres.dsn,
+        sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int)").format(sql.Identifier(pg_table)),
+    )
     src = ListSource(bodies([{"n": 1}]))
     with pytest.raises(FlowError) as e:
-        ackflow.run(ackflow.Flow(src).with_columns(city="'Oslo'")
-                    .to(Postgres(postgres.dsn, pg_table, evolve=False)), spark=spark, **FAST)
+        ackflow.run(
+            ackflow.Flow(src).with_columns(city="'Oslo'").to(Postgres(postgres.dsn, pg_table, evolve=False)),
+            spark=spark,
+            **FAST,
+        )
     assert "city" in str(e.value) and pg_table in str(e.value)
     assert src.final() == {"m0": "released"}  # given back, not failed
 
 
-def test_a_missing_column_from_the_data_fails_only_the_messages_holding_it(
-        spark, postgres, pg_table):
+def test_a_missing_column_from_the_data_fails_only_the_messages_holding_it(spark, postgres, pg_table):
     """Before, the columns inferred from a first batch holding one message with a field
     the table lacks stopped the run, and a restart met that message first again: a crash
     loop on one bad message. Now that message fails, naming the column; the rest flow."""
-    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int)")
-            .format(sql.Identifier(pg_table)))
+    execute(
+        postgres.dsn,
+        sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int)").format(sql.Identifier(pg_table)),
+    )
     # m3 also tries to write over m1's row through the sink's own key column
-    src = ListSource(bodies([{"n": 1, "city": "Oslo"}, {"n": 2}, {"n": 3, "city": None},
-                             {"n": 4, "ackflow_key": "m1"}]), policy=RetryPolicy(max_deliveries=1))
-    report = ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, evolve=False)),
-                         spark=spark, **FAST)  # (evolution: tests/test_sink_evolution.py)
-    assert src.final() == {"m0": "dead_lettered", "m1": "acked", "m2": "acked",
-                           "m3": "dead_lettered"}
+    src = ListSource(
+        bodies([{"n": 1, "city": "Oslo"}, {"n": 2}, {"n": 3, "city": None}, {"n": 4, "ackflow_key": "m1"}]),
+        policy=RetryPolicy(max_deliveries=1),
+    )
+    report = ackflow.run(
+        ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, evolve=False)), spark=spark, **FAST
+    )  # (evolution: tests/test_sink_evolution.py)
+    assert src.final() == {"m0": "dead_lettered", "m1": "acked", "m2": "acked", "m3": "dead_lettered"}
     f = src.failures["m0"]
     assert f.step.startswith("postgres") and "column 'city'" in f.error
     assert "own key column" in src.failures["m3"].error
@@ -159,22 +178,20 @@ def test_field_names_longer_than_postgres_allows_fail_their_rows(spark, postgres
     """PostgreSQL cuts names at 63 bytes: two data fields sharing their first 63 bytes made
     CREATE TABLE fail, and every job with it (every message dead-lettered as poison)."""
     long_a, long_b = "x" * 63 + "a", "x" * 63 + "b"
-    src = ListSource(bodies([{"n": 1}, {"n": 2, long_a: 1}, {"n": 3, long_b: 2}]),
-                     policy=RetryPolicy(max_deliveries=1))
-    ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, create=True)),
-                spark=spark, **FAST)
+    src = ListSource(
+        bodies([{"n": 1}, {"n": 2, long_a: 1}, {"n": 3, long_b: 2}]), policy=RetryPolicy(max_deliveries=1)
+    )
+    ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, create=True)), spark=spark, **FAST)
     assert src.final() == {"m0": "acked", "m1": "dead_lettered", "m2": "dead_lettered"}
     assert "longer than PostgreSQL's 63 bytes" in src.failures["m1"].error
     assert [r["n"] for r in rows_of(postgres.dsn, pg_table)] == [1]
 
 
 def test_a_key_without_a_unique_index_is_a_clear_error(spark, postgres, pg_table):
-    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (sku text, qty int)")
-            .format(sql.Identifier(pg_table)))
+    execute(postgres.dsn, sql.SQL("CREATE TABLE {} (sku text, qty int)").format(sql.Identifier(pg_table)))
     src = ListSource(bodies([{"sku": "a", "qty": 1}]))
     with pytest.raises(FlowError, match="UNIQUE"):
-        ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, key=["sku"])),
-                    spark=spark, **FAST)
+        ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, key=["sku"])), spark=spark, **FAST)
 
 
 def test_missing_table_and_unreachable_server_fail_at_start_without_the_password(postgres):
@@ -202,12 +219,18 @@ def test_an_unreachable_database_never_acks_never_dead_letters_and_hides_the_pas
         def prepare(self, schema):
             pass
 
-    src = ListSource(bodies([{"n": i} for i in range(30)]),
-                     policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
-    sink = Unreachable("postgresql://app:hunter2secret@127.0.0.1:1/db", "t", name="pg",
-                       connect_timeout=1)
-    engine = Engine(ackflow.Flow(src).to(sink), spark=spark, handle_signals=False,
-                    systemic_stop_after_s=2, systemic_backoff_s=0.1, **FAST)
+    src = ListSource(
+        bodies([{"n": i} for i in range(30)]), policy=RetryPolicy(max_deliveries=2, backoff_s=0.05)
+    )
+    sink = Unreachable("postgresql://app:hunter2secret@127.0.0.1:1/db", "t", name="pg", connect_timeout=1)
+    engine = Engine(
+        ackflow.Flow(src).to(sink),
+        spark=spark,
+        handle_signals=False,
+        systemic_stop_after_s=2,
+        systemic_backoff_s=0.1,
+        **FAST,
+    )
     with pytest.raises(SystemicFailure) as e:
         engine.run()
     assert e.value.step == "pg" and "cannot connect to PostgreSQL" in str(e.value)
@@ -216,15 +239,18 @@ def test_an_unreachable_database_never_acks_never_dead_letters_and_hides_the_pas
     assert not src.dead_letters and set(src.settled["m0"]) == {"released"}
 
 
-def test_join_matches_and_groups_get_stable_keys_so_a_rerun_changes_nothing(
-        spark, postgres, pg_table):
-    stock = spark.createDataFrame([("a", "north"), ("a", "south"), ("b", "north")],
-                                  "sku string, warehouse string")
+def test_join_matches_and_groups_get_stable_keys_so_a_rerun_changes_nothing(spark, postgres, pg_table):
+    stock = spark.createDataFrame(
+        [("a", "north"), ("a", "south"), ("b", "north")], "sku string, warehouse string"
+    )
     msgs = bodies([{"sku": "a" if i % 2 else "b", "n": i} for i in range(20)])
 
     def flow():
-        return (ackflow.Flow(ListSource(msgs)).join(stock, on="sku")
-                .to(Postgres(postgres.dsn, pg_table, create=True)))
+        return (
+            ackflow.Flow(ListSource(msgs))
+            .join(stock, on="sku")
+            .to(Postgres(postgres.dsn, pg_table, create=True))
+        )
 
     ackflow.run(flow(), spark=spark, **FAST)
     first = rows_of(postgres.dsn, pg_table)
@@ -235,23 +261,25 @@ def test_join_matches_and_groups_get_stable_keys_so_a_rerun_changes_nothing(
     # a message named like m1's second match had that row's key: one upsert replaced the
     # other, and both messages were acked
     named = ackflow.Flow(ListSource(bodies([{"sku": "b", "n": 100}]), keys=["m1~1"]))
-    ackflow.run(named.join(stock, on="sku").to(Postgres(postgres.dsn, pg_table)),
-                spark=spark, **FAST)
+    ackflow.run(named.join(stock, on="sku").to(Postgres(postgres.dsn, pg_table)), spark=spark, **FAST)
     after = rows_of(postgres.dsn, pg_table)
     assert len(after) == len(first) + 1
     assert {r["n"] for r in after if r["ackflow_key"].startswith("m1~1")} == {1, 100}
     groups = pg_table + "_g"
     execute(postgres.dsn, sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(groups)))
-    grouped = (ackflow.Flow(ListSource(msgs)).group_by("sku").agg("count(*) AS n")
-               .to(Postgres(postgres.dsn, groups, create=True)))
+    grouped = (
+        ackflow.Flow(ListSource(msgs))
+        .group_by("sku")
+        .agg("count(*) AS n")
+        .to(Postgres(postgres.dsn, groups, create=True))
+    )
     ackflow.run(grouped, spark=spark, **{**FAST, "batch_size": 20, "max_inflight": 20})
     g1 = rows_of(postgres.dsn, groups)
     assert sorted((r["sku"], r["n"]) for r in g1) == [("a", 10), ("b", 10)]
     assert all(r["ackflow_key"].startswith("g:") for r in g1)
 
 
-def test_an_error_sink_in_postgres_creates_its_table_and_holds_the_dead_letters(spark, postgres,
-                                                                                pg_table):
+def test_an_error_sink_in_postgres_creates_its_table_and_holds_the_dead_letters(spark, postgres, pg_table):
     """The error sink is a sink: prepared like a main sink. Before, the engine never called
     prepare() on it, every dead letter failed "relation does not exist" and was nacked
     forever."""
@@ -261,14 +289,18 @@ def test_an_error_sink_in_postgres_creates_its_table_and_holds_the_dead_letters(
             raise ValueError(f"bad {r['n']}")
         return r
 
-    src = ListSource([f'{{"n": {i}}}' for i in range(9)],
-                     policy=RetryPolicy(max_deliveries=1))
-    flow = (ackflow.Flow(src).map(check, name="check").to(ackflow.sinks.MemorySink())
-            .on_error(Postgres(postgres.dsn, pg_table, create=True, name="dead")))
+    src = ListSource([f'{{"n": {i}}}' for i in range(9)], policy=RetryPolicy(max_deliveries=1))
+    flow = (
+        ackflow.Flow(src)
+        .map(check, name="check")
+        .to(ackflow.sinks.MemorySink())
+        .on_error(Postgres(postgres.dsn, pg_table, create=True, name="dead"))
+    )
     report = ackflow.run(flow, spark=spark, **FAST)
     assert report.dead_lettered == 3 and report.acked == 6
     with psycopg.connect(postgres.dsn) as c:
-        got = c.execute(sql.SQL("SELECT message, step, error FROM {} ORDER BY message")
-                        .format(sql.Identifier(pg_table))).fetchall()
+        got = c.execute(
+            sql.SQL("SELECT message, step, error FROM {} ORDER BY message").format(sql.Identifier(pg_table))
+        ).fetchall()
     assert [(m, s) for m, s, _ in got] == [("m0", "check"), ("m3", "check"), ("m6", "check")]
     assert "bad 3" in got[1][2]

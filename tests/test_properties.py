@@ -83,41 +83,62 @@ def build(src, steps, branches):
     for k, (kind, arg) in enumerate(steps):
         name = f"s{k}"
         if kind == "map":
+
             def fn(r, m=arg):
                 if (r["n"] + r["c"]) % m == 0:
                     raise ValueError("poison row")
                 return {"n": r["n"], "c": r["c"] + 1}
+
             flow = flow.map(fn, name=name, schema="n BIGINT, c BIGINT")
         elif kind == "filter":
             flow = flow.filter(lambda r, m=arg: (r["n"] + r["c"]) % m != 0, name=name)
         elif kind == "flat_map":
-            flow = flow.flat_map(lambda r, k=arg: [{"n": r["n"], "c": j} for j in range(k)],
-                                 name=name, schema="n BIGINT, c BIGINT")
+            flow = flow.flat_map(
+                lambda r, k=arg: [{"n": r["n"], "c": j} for j in range(k)],
+                name=name,
+                schema="n BIGINT, c BIGINT",
+            )
         elif kind == "group":
             flow = flow.group_by("n").agg("count(*) AS c", name=name)
         else:
             flow = flow.transform(lambda df: df.withColumn("c", df["c"] + 0), name=name)
     sinks = []
     for b, (mod, rest, raises) in enumerate(branches):
+
         def pred(r, m=mod, x=rest):
             return r["n"] % m == x % m
-        sinks.append(FailingSink(name=f"b{b}", **({"raise_if": pred} if raises else
-                                                   {"fail_if": pred})))
+
+        sinks.append(FailingSink(name=f"b{b}", **({"raise_if": pred} if raises else {"fail_if": pred})))
     return flow.broadcast(*sinks)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 8,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(ns=st.lists(st.integers(0, 20), min_size=1, max_size=25),
-       steps=st.lists(step, max_size=4), branches=st.lists(branch, min_size=1, max_size=2))
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=EXAMPLES <= 8,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ns=st.lists(st.integers(0, 20), min_size=1, max_size=25),
+    steps=st.lists(step, max_size=4),
+    branches=st.lists(branch, min_size=1, max_size=2),
+)
 def test_ack_iff_every_derived_row_was_written(spark, ns, steps, branches):
     src = ListSource([json.dumps({"n": n, "c": 0}) for n in ns])
     flow = build(src, steps, branches)
     # the poison here fails by value with one text, a raising branch fails its partition:
     # by construction not told from a systemic failure, so that rule is off here
     # (tests/test_systemic.py and the model test's down examples test it)
-    ackflow.run(flow, spark=spark, batch_size=100, max_inflight=100, until_idle=0.2,
-                batch_timeout_s=0.2, max_concurrent_batches=1, systemic_after=0)
+    ackflow.run(
+        flow,
+        spark=spark,
+        batch_size=100,
+        max_inflight=100,
+        until_idle=0.2,
+        batch_timeout_s=0.2,
+        max_concurrent_batches=1,
+        systemic_after=0,
+    )
     must, may = model(ns, steps, branches)
     final = src.final()
     assert set(final) == {f"m{i}" for i in range(len(ns))}  # none left unsettled

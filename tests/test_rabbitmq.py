@@ -57,17 +57,25 @@ def test_quorum_queue_delivery_limit_rejects_into_its_dead_letter_exchange(spark
     q, dlx, dead = names("qq"), names("qdlx"), names("qdead")
     setup(url, queue=names("unused"), dlx=dlx, dead_queue=dead)
     args = {"x-queue-type": "quorum", "x-delivery-limit": 1, "x-dead-letter-exchange": dlx}
-    src = RabbitMQ(url, q, declare=True, arguments=args, reject_to_dlx=True,
-                   policy=RetryPolicy(max_deliveries=10, backoff_s=0.05))
+    src = RabbitMQ(
+        url,
+        q,
+        declare=True,
+        arguments=args,
+        reject_to_dlx=True,
+        policy=RetryPolicy(max_deliveries=10, backoff_s=0.05),
+    )
     # declare=True declares the quorum queue; publish after it exists
     src.configure(max_inflight=100, error_sink=False)
     src.open()
     src.close()
-    publish(url, q, [{"order": i, "qty": 1, "poison": i == 2} for i in range(5)],
-            ids=[f"q{i}" for i in range(5)])
+    publish(
+        url, q, [{"order": i, "qty": 1, "poison": i == 2} for i in range(5)], ids=[f"q{i}" for i in range(5)]
+    )
     sink = Memory()
-    report = ackflow.run(ackflow.Flow(src).map(check, name="check").to(sink), spark=spark,
-                         **{**RUN, "batch_size": 10})
+    report = ackflow.run(
+        ackflow.Flow(src).map(check, name="check").to(sink), spark=spark, **{**RUN, "batch_size": 10}
+    )
     assert report.acked == 4 and report.dead_lettered == 1
     # x-delivery-limit 1: the second delivery (x-delivery-count 1) is the last one
     dead_letters = drain(url, dead)
@@ -82,35 +90,42 @@ def test_unroutable_rows_are_nacked_not_acked(spark, rabbitmq):
     q, out_x, out_q, dlx, dead = (names(p) for p in ("in", "out-x", "out", "dlx", "dead"))
     setup(url, queue=q, out_exchange=out_x, out_queue=out_q, dlx=dlx, dead_queue=dead)
     publish(url, q, [{"order": i, "qty": 1} for i in range(30)], ids=[f"u{i}" for i in range(30)])
-    src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05),
-                   dead_letter_exchange=dlx)
+    src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05), dead_letter_exchange=dlx)
     sink = RabbitMQSink(url, out_x, routing_key="nowhere", name="out")
     report = ackflow.run(ackflow.Flow(src).map(check).to(sink), spark=spark, **RUN)
     assert report.acked == 0 and report.nacked == 30 and report.dead_lettered == 30
     dead_letters = drain(url, dead)
     assert len(dead_letters) == 30
-    assert all("unroutable" in h["x-ackflow-error"] and h["x-ackflow-step"] == "out"
-               for _, _, h in dead_letters)
+    assert all(
+        "unroutable" in h["x-ackflow-error"] and h["x-ackflow-step"] == "out" for _, _, h in dead_letters
+    )
     assert count(url, out_q) == 0
 
 
 def test_a_queue_refusing_publishes_fails_only_the_refused_rows(spark, rabbitmq):
     url = rabbitmq.url
     q, out_x, out_q, dlx, dead = (names(p) for p in ("in", "out-x", "out", "dlx", "dead"))
-    setup(url, queue=q, out_exchange=out_x, out_queue=out_q, dlx=dlx, dead_queue=dead,
-          out_args={"x-max-length": 5, "x-overflow": "reject-publish"})
+    setup(
+        url,
+        queue=q,
+        out_exchange=out_x,
+        out_queue=out_q,
+        dlx=dlx,
+        dead_queue=dead,
+        out_args={"x-max-length": 5, "x-overflow": "reject-publish"},
+    )
     publish(url, q, [{"order": i, "qty": 1} for i in range(20)], ids=[f"r{i}" for i in range(20)])
     src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=1), dead_letter_exchange=dlx)
     sink = RabbitMQSink(url, out_x, routing_key=out_q, name="out")
-    report = ackflow.run(ackflow.Flow(src).map(check).to(sink), spark=spark,
-                         **{**RUN, "batch_size": 20})
+    report = ackflow.run(ackflow.Flow(src).map(check).to(sink), spark=spark, **{**RUN, "batch_size": 20})
     assert report.acked == 5 and report.dead_lettered == 15
     assert count(url, out_q) == 5
     dead_letters = drain(url, dead)
     assert all("refused" in h["x-ackflow-error"] for _, _, h in dead_letters)
     # what was refused is exactly what is missing downstream
-    assert {m for m, _, _ in dead_letters} | {m for m, _, _ in drain(url, out_q)} == \
-        {f"r{i}" for i in range(20)}
+    assert {m for m, _, _ in dead_letters} | {m for m, _, _ in drain(url, out_q)} == {
+        f"r{i}" for i in range(20)
+    }
 
 
 def test_clear_errors_at_start_and_no_password_in_them(rabbitmq):
@@ -163,8 +178,12 @@ def test_headers_and_message_ids_are_carried_from_the_source(spark, rabbitmq):
     conn = connect(url)
     ch = conn.channel()
     for i in range(5):
-        ch.basic_publish("", q, b'{"order": %d, "qty": 1}' % i, pika.BasicProperties(
-            delivery_mode=2, message_id=f"h{i}", headers={"tenant": f"t{i % 2}"}))
+        ch.basic_publish(
+            "",
+            q,
+            b'{"order": %d, "qty": 1}' % i,
+            pika.BasicProperties(delivery_mode=2, message_id=f"h{i}", headers={"tenant": f"t{i % 2}"}),
+        )
     conn.close()
     src = RabbitMQ(url, q, dead_letter_exchange=dlx, headers_field="meta")
     sink = RabbitMQSink(url, out_x, routing_key=out_q, headers_column="meta")
@@ -204,11 +223,10 @@ def test_a_release_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq):
 
     url = rabbitmq.url
     q, dlx, dead = names("qrel"), names("qreldlx"), names("qreldead")
-    setup(url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1},
-          dlx=dlx, dead_queue=dead)
+    setup(url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1}, dlx=dlx, dead_queue=dead)
     publish(url, q, [{"a": 1}], ids=["tired"])
     conn = pika.BlockingConnection(pika.URLParameters(url))  # one failed delivery: the
-    ch = conn.channel()                                     # next one is its last
+    ch = conn.channel()  # next one is its last
     method, _, _ = ch.basic_get(q)
     ch.basic_nack(method.delivery_tag, requeue=True)
     conn.close()
@@ -235,8 +253,7 @@ def test_a_stop_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq, tmp_
 
     url = rabbitmq.url
     q, dlx, dead = names("qstop"), names("qstopdlx"), names("qstopdead")
-    setup(url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1},
-          dlx=dlx, dead_queue=dead)
+    setup(url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1}, dlx=dlx, dead_queue=dead)
     publish(url, q, [{"a": 0}, {"a": 1}, {"a": 2}], ids=["blocker", "tired", "weary"])
     conn = pika.BlockingConnection(pika.URLParameters(url))
     ch = conn.channel()
@@ -247,10 +264,14 @@ def test_a_stop_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq, tmp_
     publish(url, q, [{"a": 3}], ids=["young"])
     gate = tmp_path / "stall"
     gate.write_text("stalled")
-    engine = Engine(ackflow.Flow(RabbitMQ(url, q, dead_letter_exchange=dlx))
-                    .to(Stalling(str(gate))),
-                    spark=spark, batch_size=1, max_inflight=10, max_concurrent_batches=1,
-                    handle_signals=False)
+    engine = Engine(
+        ackflow.Flow(RabbitMQ(url, q, dead_letter_exchange=dlx)).to(Stalling(str(gate))),
+        spark=spark,
+        batch_size=1,
+        max_inflight=10,
+        max_concurrent_batches=1,
+        handle_signals=False,
+    )
     result = {}
     runner = threading.Thread(target=lambda: result.setdefault("report", engine.run()))
     runner.start()
@@ -264,7 +285,9 @@ def test_a_stop_never_spends_a_quorum_queues_last_delivery(spark, rabbitmq, tmp_
     report = result["report"]
     assert (report.acked, report.released, report.dead_lettered) == (1, 1, 2)
     assert sorted((m, h["x-ackflow-step"]) for m, _, h in drain(url, dead)) == [
-        ("tired", "release"), ("weary", "release")]
+        ("tired", "release"),
+        ("weary", "release"),
+    ]
     ((mid, _, headers),) = drain(url, q)
     assert mid == "young" and headers.get("x-delivery-count") == 1  # one give-back, not two
 
@@ -299,11 +322,15 @@ def test_a_give_back_spends_no_delivery_on_a_classic_queue(spark, rabbitmq, tmp_
     sink.write_partition = write
     from ackflow.engine.loop import Engine
 
-    src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05),
-                   dead_letter_exchange=dlx)
+    src = RabbitMQ(url, q, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05), dead_letter_exchange=dlx)
     engine = Engine(
-        ackflow.Flow(src).map(step, name="step").to(sink), spark=spark, handle_signals=False,
-        systemic_backoff_s=0.05, systemic_max_backoff_s=0.1, **RUN)
+        ackflow.Flow(src).map(step, name="step").to(sink),
+        spark=spark,
+        handle_signals=False,
+        systemic_backoff_s=0.05,
+        systemic_max_backoff_s=0.1,
+        **RUN,
+    )
 
     def heal():
         from helpers import wait_until
@@ -337,17 +364,22 @@ def test_a_row_pika_cannot_encode_fails_alone(spark, rabbitmq):
     rows[6]["h"] = {**ok, "long_name": {"k" * 256: 1}}  # a table key is a short string
     rows[8]["rk"] = None  # never published as "None"
     src = ListSource([json.dumps(r) for r in rows])
-    sink = RabbitMQSink(url, out_x, routing_key_column="rk", message_id_column="mid",
-                        headers_column="h", name="out")
-    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
-                         **{**RUN, "batch_size": 9, "until_idle": 0.5})
-    bad = {"m1": "routing key", "m3": "message id", "m5": "header 'score'",
-           "m6": "header 'long_name'", "m8": "routing_key_column 'rk' is null"}
-    assert {k: v for k, v in src.final().items() if v != "acked"} == \
-        dict.fromkeys(bad, "dead_lettered")
+    sink = RabbitMQSink(
+        url, out_x, routing_key_column="rk", message_id_column="mid", headers_column="h", name="out"
+    )
+    report = ackflow.run(
+        ackflow.Flow(src).to(sink), spark=spark, **{**RUN, "batch_size": 9, "until_idle": 0.5}
+    )
+    bad = {
+        "m1": "routing key",
+        "m3": "message id",
+        "m5": "header 'score'",
+        "m6": "header 'long_name'",
+        "m8": "routing_key_column 'rk' is null",
+    }
+    assert {k: v for k, v in src.final().items() if v != "acked"} == dict.fromkeys(bad, "dead_lettered")
     for key, field in bad.items():
-        assert field in src.failures[key].error and src.failures[key].step == "out", \
-            src.failures[key]
+        assert field in src.failures[key].error and src.failures[key].step == "out", src.failures[key]
     assert report.acked == 4 and report.jobs == 1  # no bisection: the job did not fail
     got = drain(url, out_q)
     assert sorted(m for m, _, _ in got) == ["v0", "v2", "v4", "v7"]  # each once
@@ -366,12 +398,16 @@ def test_an_exchange_gone_after_the_start_is_systemic_not_poison(spark, rabbitmq
         def open(self):
             pass
 
-    src = ListSource([json.dumps({"n": i}) for i in range(12)],
-                     policy=RetryPolicy(max_deliveries=1))
+    src = ListSource([json.dumps({"n": i}) for i in range(12)], policy=RetryPolicy(max_deliveries=1))
     sink = Gone(rabbitmq.url, names("no-such-exchange"), routing_key="x", name="out")
-    engine = Engine(ackflow.Flow(src).to(sink), spark=spark, handle_signals=False,
-                    systemic_stop_after_s=1, systemic_backoff_s=0.05,
-                    **{**RUN, "batch_size": 12, "until_idle": 0.5})
+    engine = Engine(
+        ackflow.Flow(src).to(sink),
+        spark=spark,
+        handle_signals=False,
+        systemic_stop_after_s=1,
+        systemic_backoff_s=0.05,
+        **{**RUN, "batch_size": 12, "until_idle": 0.5},
+    )
     with pytest.raises(SystemicFailure, match="channel closed") as e:
         engine.run()
     assert e.value.step == "out" and engine.report.dead_lettered == 0

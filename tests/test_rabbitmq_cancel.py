@@ -35,9 +35,15 @@ def start(url, q, tmp_path, **kw):
     gate = str(tmp_path / "deleted")
     src = RabbitMQ(url, q, name=q, reject_to_dlx=True, dlx_by_policy=True, **kw)
     sink = Memory()
-    engine = Engine(Flow(src).map(lambda r, g=gate: hold(r, g), name="hold").to(sink),
-                    executor="local", batch_size=20, max_inflight=60,
-                    batch_timeout_s=0.05, until_idle=1.0, handle_signals=False)
+    engine = Engine(
+        Flow(src).map(lambda r, g=gate: hold(r, g), name="hold").to(sink),
+        executor="local",
+        batch_size=20,
+        max_inflight=60,
+        batch_timeout_s=0.05,
+        until_idle=1.0,
+        handle_signals=False,
+    )
     outcome = {}
 
     def run():
@@ -67,8 +73,9 @@ def test_queue_deleted_while_consuming_stops_the_run_with_one_line(rabbitmq, tmp
     url, q = rabbitmq.url, names(f"gone-{kind}")
     setup(url, queue=q, arguments={"x-queue-type": kind})
     publish(url, q, [{"n": i} for i in range(200)], ids=[f"m{i}" for i in range(200)])
-    src, sink, engine, runner, outcome, gate = start(url, q, tmp_path, gone_timeout_s=1.0,
-                                                     reconnect_max_s=0.2)
+    src, sink, engine, runner, outcome, gate = start(
+        url, q, tmp_path, gone_timeout_s=1.0, reconnect_max_s=0.2
+    )
     try:
         delete(url, q)
         deleted = time.monotonic()
@@ -93,16 +100,14 @@ def test_queue_deleted_then_declared_again_is_consumed_again(rabbitmq, tmp_path)
     url, q = rabbitmq.url, names("back")
     setup(url, queue=q)
     publish(url, q, [{"n": i} for i in range(100)], ids=[f"m{i}" for i in range(100)])
-    src, sink, engine, runner, outcome, gate = start(url, q, tmp_path, gone_timeout_s=60,
-                                                     reconnect_max_s=0.2)
+    src, sink, engine, runner, outcome, gate = start(url, q, tmp_path, gone_timeout_s=60, reconnect_max_s=0.2)
     try:
         delete(url, q)
         gate.touch()
         assert wait_until(lambda: not src.connected, timeout=10), "basic.cancel went unnoticed"
         assert wait_until(lambda: gauge(engine) == 0, timeout=10)
         setup(url, queue=q)  # the queue comes back, with new messages
-        publish(url, q, [{"n": i} for i in range(1000, 1050)],
-                ids=[f"m{i}" for i in range(1000, 1050)])
+        publish(url, q, [{"n": i} for i in range(1000, 1050)], ids=[f"m{i}" for i in range(1000, 1050)])
         assert wait_until(lambda: src.connected, timeout=30), "not consuming again"
     finally:
         gate.touch()

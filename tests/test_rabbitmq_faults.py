@@ -35,15 +35,35 @@ def prepare(url, n):
 def test_pipeline_sigkilled_mid_run_then_restarted_loses_nothing(rabbitmq):
     url = rabbitmq.url
     (q, out_x, out_q, dlx, dead), valid, poison = prepare(url, 20_000)
-    env = {**os.environ, "AF_URL": url, "AF_QUEUE": q, "AF_OUT_EXCHANGE": out_x,
-           "AF_OUT_QUEUE": out_q, "AF_DLX": dlx}
-    cmd = [sys.executable, "-m", "ackflow.cli", "run",
-           f"{os.path.join(HERE, 'pipelines', 'rmq_flow.py')}:flow", "--master", "local[2]",
-           "--json", "--batch-size", "1000", "--max-inflight", "3000", "--until-idle", "2"]
+    env = {
+        **os.environ,
+        "AF_URL": url,
+        "AF_QUEUE": q,
+        "AF_OUT_EXCHANGE": out_x,
+        "AF_OUT_QUEUE": out_q,
+        "AF_DLX": dlx,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "ackflow.cli",
+        "run",
+        f"{os.path.join(HERE, 'pipelines', 'rmq_flow.py')}:flow",
+        "--master",
+        "local[2]",
+        "--json",
+        "--batch-size",
+        "1000",
+        "--max-inflight",
+        "3000",
+        "--until-idle",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        reached = wait_until(lambda: count(url, out_q) >= 3000 or proc.poll() is not None,
-                             timeout=180, every=0.1)
+        reached = wait_until(
+            lambda: count(url, out_q) >= 3000 or proc.poll() is not None, timeout=180, every=0.1
+        )
         assert reached and proc.poll() is None, "the pipeline ended before the kill"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
@@ -75,8 +95,9 @@ def test_broker_restart_mid_run_reconnects_and_loses_nothing(spark, rabbitmq):
 
     t = threading.Thread(target=restart_broker, daemon=True)
     t.start()
-    report = ackflow.run(flow, spark=spark, batch_size=1000, max_inflight=3000,
-                         until_idle=6.0, batch_timeout_s=0.3)
+    report = ackflow.run(
+        flow, spark=spark, batch_size=1000, max_inflight=3000, until_idle=6.0, batch_timeout_s=0.3
+    )
     t.join(timeout=120)
     assert "done" in restarted, "the broker was not restarted mid-run"
     assert restarted["at_out"] < len(valid)

@@ -67,8 +67,11 @@ def test_hostile_header_values_never_raise_and_rows_get_text(rabbitmq, opened):
         {"nested": {"a": [1, b"\x00", {"b": None}]}, "dec": decimal.Decimal("1.5")},
         {"when": datetime.datetime(2026, 1, 1), "bin": b"\xc3\x28", "big": "x" * 100_000},
     ]
-    publish_raw(rabbitmq.url, q, [(b'{"n": 1}', pika.BasicProperties(headers=h, message_id=f"m{i}"))
-                                  for i, h in enumerate(hostile)])
+    publish_raw(
+        rabbitmq.url,
+        q,
+        [(b'{"n": 1}', pika.BasicProperties(headers=h, message_id=f"m{i}")) for i, h in enumerate(hostile)],
+    )
     src = opened(q, reject_to_dlx=True)
     got = pull_all(src, len(hostile))  # before: ValueError out of pull()
     assert len(got) == len(hostile)
@@ -159,8 +162,7 @@ def test_the_sink_timeout_is_on_confirm_progress_not_one_deadline(rabbitmq):
 
     q = names("slow")
     setup(rabbitmq.url, queue=q, arguments=DLX)
-    msgs = [(q, b"x" * 200, pika.BasicProperties(delivery_mode=2, message_id=f"s{i}"))
-            for i in range(20_000)]
+    msgs = [(q, b"x" * 200, pika.BasicProperties(delivery_mode=2, message_id=f"s{i}")) for i in range(20_000)]
     started = time.monotonic()
     failed = publish_confirmed(rabbitmq.url, "", msgs, window=200, timeout_s=0.3)
     took = time.monotonic() - started
@@ -212,13 +214,16 @@ def test_a_dead_letter_route_is_proven_at_start_or_the_run_stops(rabbitmq):
     missing, unbound, unbound_q = names("missing"), names("unbound"), names("unboundq")
     ch.exchange_declare(unbound, "direct", durable=True)
     ch.queue_declare(missing, durable=True, arguments={"x-dead-letter-exchange": names("gone")})
-    ch.queue_declare(unbound_q, durable=True, arguments={
-        "x-message-ttl": 60_000, "x-dead-letter-exchange": unbound})
+    ch.queue_declare(
+        unbound_q, durable=True, arguments={"x-message-ttl": 60_000, "x-dead-letter-exchange": unbound}
+    )
     conn.close()
-    for q, why in [(ttl, "has no x-dead-letter-exchange"),
-                   (transient, "has no x-dead-letter-exchange"),
-                   (missing, r"dead letters would be lost: .*gone-.* does not exist"),
-                   (unbound_q, "routes routing key .* to no queue")]:
+    for q, why in [
+        (ttl, "has no x-dead-letter-exchange"),
+        (transient, "has no x-dead-letter-exchange"),
+        (missing, r"dead letters would be lost: .*gone-.* does not exist"),
+        (unbound_q, "routes routing key .* to no queue"),
+    ]:
         with pytest.raises(ConfigError, match=why):
             open_source(url, q, reject_to_dlx=True).close()
     with pytest.raises(ConfigError, match="does not exist"):  # ackflow's own copies too
@@ -229,8 +234,13 @@ def test_a_dead_letter_route_is_proven_at_start_or_the_run_stops(rabbitmq):
     # present and bound (with arguments ackflow was not told about): a poison message
     # rejected after its last delivery reaches the dead-letter queue
     q, dlx, dlq = names("bound"), names("dlx"), names("dlq")
-    setup(url, queue=q, arguments={"x-message-ttl": 60_000, "x-max-length": 1000,
-                                   "x-dead-letter-exchange": dlx}, dlx=dlx, dead_queue=dlq)
+    setup(
+        url,
+        queue=q,
+        arguments={"x-message-ttl": 60_000, "x-max-length": 1000, "x-dead-letter-exchange": dlx},
+        dlx=dlx,
+        dead_queue=dlq,
+    )
     publish(url, q, [{"poison": 1}], ids=["p1"])
     src = open_source(url, q, reject_to_dlx=True, policy=RetryPolicy(max_deliveries=1))
     try:
@@ -351,8 +361,9 @@ def test_a_window_past_the_prefetch_cap_is_all_in_flight_and_no_more(rabbitmq, q
     window, q = 70_000, names(f"wide-{queue_type}")
     args = {**DLX, "x-queue-type": queue_type}
     setup(rabbitmq.url, queue=q, arguments=args)
-    publish_many(rabbitmq.url, q, [{"n": i} for i in range(window + 10)],
-                 [f"m{i}" for i in range(window + 10)])
+    publish_many(
+        rabbitmq.url, q, [{"n": i} for i in range(window + 10)], [f"m{i}" for i in range(window + 10)]
+    )
     src = RabbitMQ(rabbitmq.url, q, reject_to_dlx=True)
     src.configure(max_inflight=window, error_sink=False)
     src.open()
@@ -380,8 +391,11 @@ def test_a_producers_delivery_count_header_is_never_trusted(rabbitmq, opened, qu
     args = {"x-queue-type": "quorum"} if queue_type == "quorum" else None
     setup(rabbitmq.url, queue=q, arguments=args, dlx=dlx, dead_queue=dlq)
     header = 0 if queue_type == "classic" else 7
-    publish_raw(rabbitmq.url, q, [(b'{"poison": 1}', pika.BasicProperties(
-        headers={"x-delivery-count": header}, message_id="poison"))])
+    publish_raw(
+        rabbitmq.url,
+        q,
+        [(b'{"poison": 1}', pika.BasicProperties(headers={"x-delivery-count": header}, message_id="poison"))],
+    )
     src = opened(q, dead_letter_exchange=dlx, policy=RetryPolicy(max_deliveries=3, backoff_s=0.0))
     assert src.queue_type == queue_type and src.broker_counts == (queue_type == "quorum")
     counts, outcomes = [], []
@@ -407,15 +421,15 @@ def test_a_refused_dead_letter_fails_that_message_not_the_connection(rabbitmq, o
     conn = connect(url)
     ch = conn.channel()
     ch.exchange_declare(dlx, "fanout", durable=True)
-    ch.queue_declare(dlq, durable=True, arguments={"x-max-length": 1,
-                                                   "x-overflow": "reject-publish"})
+    ch.queue_declare(dlq, durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
     ch.queue_bind(dlq, dlx)
     ch.queue_declare(q, durable=True)
     conn.close()
     publish(url, dlq, [{"older": "dead letter"}], ids=["old"])  # the DLQ is full
     publish(url, q, [{"poison": 1}, {"ok": 1}], ids=["p1", "g1"])
-    src = opened(q, dead_letter_exchange=dlx,
-                 policy=RetryPolicy(max_deliveries=1, backoff_s=0.2, max_backoff_s=0.2))
+    src = opened(
+        q, dead_letter_exchange=dlx, policy=RetryPolicy(max_deliveries=1, backoff_s=0.2, max_backoff_s=0.2)
+    )
     got = sorted(pull_all(src, 2), key=lambda d: d.key)
     good, poison = got
     assert src.ack([good]) == []  # younger than the poison: held until it is settled

@@ -20,16 +20,23 @@ from helpers import FAST, bodies, wait_until
 
 def test_queue_commands_refuse_a_broker_url_without_echoing_its_password():
     url = "amqp://alice:s3cr3t-pw@127.0.0.1:5672/%2F"
-    out = subprocess.run([sys.executable, "-m", "ackflow.cli", "queue", "dead-letters",
-                          "--db", url, "--queue", "orders"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ackflow.cli", "queue", "dead-letters", "--db", url, "--queue", "orders"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "s3cr3t-pw" not in text, text
     assert "embedded queue" in text and "alice:***@" in text, text
     dsn = "host=db user=app password=hunter22 dbname=x"
-    out = subprocess.run([sys.executable, "-m", "ackflow.cli", "queue", "stats", "--db", dsn,
-                          "--queue", "q"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ackflow.cli", "queue", "stats", "--db", dsn, "--queue", "q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "hunter22" not in out.stdout + out.stderr
 
 
@@ -37,10 +44,8 @@ def test_the_failures_list_says_it_is_cut_and_counts_them_all():
     def boom(row):
         raise ValueError(f"bad {row['n']}")  # a different error each: poison, not systemic
 
-    src = ListSource(bodies([{"n": i} for i in range(25)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
-    report = ackflow.run(ackflow.Flow(src).map(boom, name="boom").to(MemorySink()),
-                         executor="local", **FAST)
+    src = ListSource(bodies([{"n": i} for i in range(25)]), policy=ackflow.RetryPolicy(max_deliveries=1))
+    report = ackflow.run(ackflow.Flow(src).map(boom, name="boom").to(MemorySink()), executor="local", **FAST)
     assert report.dead_lettered == 25 and len(report.failures) == 20
     d = report.as_dict()
     assert d["failures_total"] == 25
@@ -49,8 +54,7 @@ def test_the_failures_list_says_it_is_cut_and_counts_them_all():
 
 def test_the_rate_leaves_out_the_until_idle_wait():
     src = ListSource(bodies([{"n": i} for i in range(40)]))
-    report = ackflow.run(ackflow.Flow(src).to(MemorySink()), executor="local",
-                         **{**FAST, "until_idle": 2.0})
+    report = ackflow.run(ackflow.Flow(src).to(MemorySink()), executor="local", **{**FAST, "until_idle": 2.0})
     assert report.acked == 40
     assert report.elapsed_s >= 2.0 and report.active_s < report.elapsed_s - 1.5
     assert report.messages_per_s == pytest.approx(40 / report.active_s)
@@ -64,8 +68,7 @@ def test_the_page_counts_jobs_and_bisections_while_a_bisection_runs(spark):
     rows[7] = {"v": "abc"}
     src = ListSource(bodies(rows), policy=ackflow.RetryPolicy(max_deliveries=1))
     flow = ackflow.Flow(src).with_columns(n=F.col("v").cast("int")).to(MemorySink())
-    engine = Engine(flow, spark=spark, handle_signals=False, ui_port=0,
-                    **{**FAST, "batch_size": 32})
+    engine = Engine(flow, spark=spark, handle_signals=False, ui_port=0, **{**FAST, "batch_size": 32})
     seen = []
 
     def watch():

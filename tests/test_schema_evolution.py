@@ -27,8 +27,7 @@ def run(bodies, state, sink=None, mode="evolve", build=None, **kw):
     src = ListSource([json.dumps(b) if not isinstance(b, str) else b for b in bodies])
     sink = sink if sink is not None else MemorySink()
     flow = (build or (lambda f: f.map(lambda r: r, name="ident")))(Flow(src))
-    report = ackflow.run(flow.to(sink), **{**LOCAL, "schema_mode": mode, "state_dir": state,
-                                           **kw})
+    report = ackflow.run(flow.to(sink), **{**LOCAL, "schema_mode": mode, "state_dir": state, **kw})
     return src, sink, report
 
 
@@ -46,22 +45,25 @@ def test_a_nested_field_new_in_a_later_batch_is_never_dropped(tmp_path):
     (law 10). Lists of structs the same. Now the field lands (evolve), fails its message
     naming it (freeze), or is kept in _rescued (rescue)."""
     first = [{"id": 1, "customer": {"name": "a"}, "lines": [{"sku": "x"}]}]
-    later = [{"id": 2, "customer": {"name": "b", "vip": True}, "lines": [{"sku": "y"}]},
-             {"id": 3, "customer": {"name": "c"}, "lines": [{"sku": "z", "qty": 2}]}]
+    later = [
+        {"id": 2, "customer": {"name": "b", "vip": True}, "lines": [{"sku": "y"}]},
+        {"id": 3, "customer": {"name": "c"}, "lines": [{"sku": "z", "qty": 2}]},
+    ]
     out = {}
     for mode in ("evolve", "freeze", "rescue"):
         state = tmp_path / mode
         sink = MemorySink()
         run(first, state, sink, mode)
         src, sink, _ = run(later, state, sink, mode)
-        out[mode] = (src.final(), {k: str(v) for k, v in src.failures.items()},
-                     sorted(sink.rows, key=lambda r: r["id"]))
+        out[mode] = (
+            src.final(),
+            {k: str(v) for k, v in src.failures.items()},
+            sorted(sink.rows, key=lambda r: r["id"]),
+        )
     final, failures, rows = out["evolve"]
     assert final == {"m0": "acked", "m1": "acked"}
-    assert rows[1] == {"id": 2, "customer": {"name": "b", "vip": True},
-                       "lines": [{"sku": "y", "qty": None}]}
-    assert rows[2] == {"id": 3, "customer": {"name": "c", "vip": None},
-                       "lines": [{"sku": "z", "qty": 2}]}
+    assert rows[1] == {"id": 2, "customer": {"name": "b", "vip": True}, "lines": [{"sku": "y", "qty": None}]}
+    assert rows[2] == {"id": 3, "customer": {"name": "c", "vip": None}, "lines": [{"sku": "z", "qty": 2}]}
     final, failures, rows = out["freeze"]
     assert final == {"m0": "dead_lettered", "m1": "dead_lettered"}
     assert "'customer.vip'" in failures["m0"] and "freeze" in failures["m0"]
@@ -87,7 +89,9 @@ def test_a_restart_reuses_the_stored_columns_and_widens_them_once(tmp_path):
     assert all(set(r) == {"n", "tag"} for r in sink.rows)
     versions = history(state)
     assert [(v["version"], v["changes"]) for v in versions] == [
-        (1, ["+n: int64", "+tag: string"]), (2, ["n: int64 -> double"])]
+        (1, ["+n: int64", "+tag: string"]),
+        (2, ["n: int64 -> double"]),
+    ]
     assert versions[1]["brought_by"] == "m0"
     assert report.schema_versions == {"0:ident": 2}
     assert [c["version"] for c in report.schema_changes] == [2]
@@ -101,8 +105,11 @@ def test_a_value_that_cannot_widen_fails_its_message_naming_field_and_types(tmp_
     run([{"n": 1, "c": {"a": 1}}], state)
     src, _sink, _ = run([{"n": "one"}, {"n": 2, "c": {"a": "x"}}, {"n": 3}], state)
     assert src.final() == {"m0": "dead_lettered", "m1": "dead_lettered", "m2": "acked"}
-    assert "field 'n'" in str(src.failures["m0"]) and "string" in str(src.failures["m0"]) \
+    assert (
+        "field 'n'" in str(src.failures["m0"])
+        and "string" in str(src.failures["m0"])
         and "int64" in str(src.failures["m0"])
+    )
     assert "field 'c.a'" in str(src.failures["m1"])
     assert len(history(state)) == 1  # nothing evolved for values that cannot widen
 
@@ -135,12 +142,12 @@ def test_a_field_in_one_row_of_a_big_first_batch_takes_part(tmp_path):
     """No sampling luck: the first columns come from every good row of the first batch
     (the issue measured 21 valid records dead-lettered with a 200-row sample)."""
     bodies = [{"n": i} for i in range(999)] + [{"n": 999, "rare": {"deep": [1, 2]}}]
-    src, _sink, report = run(bodies, tmp_path / "s", batch_size=1000, max_inflight=1000,
-                            mode="freeze")
+    src, _sink, report = run(bodies, tmp_path / "s", batch_size=1000, max_inflight=1000, mode="freeze")
     assert set(src.final().values()) == {"acked"}
     assert report.jobs == 1  # no evolution needed, no second job
     assert [v["columns"] for v in history(tmp_path / "s")] == [
-        ["n: int64", "rare: struct<deep: list<element: int64>>"]]
+        ["n: int64", "rare: struct<deep: list<element: int64>>"]
+    ]
 
 
 def test_null_only_fields_are_null_columns_until_a_value_arrives(tmp_path):
@@ -159,8 +166,9 @@ def test_bad_names_still_fail_their_message_in_every_mode(tmp_path):
     for mode in ("evolve", "rescue", "freeze"):
         state = tmp_path / mode
         run([{"n": 1}], state, mode=mode)
-        src, _sink, _ = run([{"n": 2, "a.b": 1}, {"n": 3, "N": 1}, {"n": 4, "__af_x": 1},
-                            {"n": 5}], state, mode=mode)
+        src, _sink, _ = run(
+            [{"n": 2, "a.b": 1}, {"n": 3, "N": 1}, {"n": 4, "__af_x": 1}, {"n": 5}], state, mode=mode
+        )
         final = src.final()
         assert [final[f"m{i}"] for i in range(4)] == ["dead_lettered"] * 3 + ["acked"], mode
         assert "rename the field" in str(src.failures["m0"])
@@ -171,22 +179,28 @@ def test_bad_names_still_fail_their_message_in_every_mode(tmp_path):
 def test_flat_map_rows_and_a_second_segment_evolve_too(tmp_path):
     """A flat_map child with a new field makes its message run again after the columns
     evolved; every child is written once, and the other message is not run again."""
+
     def build(f):
-        return f.flat_map(lambda r: [{"k": r["k"], "i": i, **r.get("extra", {})}
-                                     for i in range(2)], name="split")
+        return f.flat_map(
+            lambda r: [{"k": r["k"], "i": i, **r.get("extra", {})} for i in range(2)], name="split"
+        )
+
     state = tmp_path / "s"
     run([{"k": "a"}], state, build=build)
     src, sink, report = run([{"k": "b", "extra": {"x": 1}}, {"k": "c"}], state, build=build)
     assert src.final() == {"m0": "acked", "m1": "acked"}
     assert sorted((r["k"], r["i"], r.get("x")) for r in sink.rows) == [
-        ("b", 0, 1), ("b", 1, 1), ("c", 0, None), ("c", 1, None)]
+        ("b", 0, 1),
+        ("b", 1, 1),
+        ("c", 0, None),
+        ("c", 1, None),
+    ]
     assert report.schema_versions == {"0:split": 2}
 
 
 def test_schema_mode_is_checked_at_start():
     with pytest.raises(ConfigError, match="schema_mode"):
-        ackflow.run(Flow(ListSource([])).map(lambda r: r).to(MemorySink()),
-                    schema_mode="merge", **LOCAL)
+        ackflow.run(Flow(ListSource([])).map(lambda r: r).to(MemorySink()), schema_mode="merge", **LOCAL)
     with pytest.raises(ConfigError, match="schema_mode"):
         Flow(ListSource([])).map(lambda r: r, schema_mode="x")
     with pytest.raises(ConfigError, match="schema="):
@@ -195,8 +209,10 @@ def test_schema_mode_is_checked_at_start():
 
 def test_a_step_overrides_the_run_mode(tmp_path):
     state = tmp_path / "s"
+
     def build(f):
         return f.map(lambda r: r, name="ident", schema_mode="freeze")
+
     run([{"n": 1}], state, build=build)
     src, _, _ = run([{"n": 2, "x": 1}], state, build=build, mode="evolve")
     assert src.final() == {"m0": "dead_lettered"}
@@ -217,7 +233,7 @@ from ackflow.sinks import MemorySink
 from ackflow.embedded import EmbeddedQueue
 from ackflow.sources import EmbeddedQueueSource
 sink = MemorySink()
-report = ackflow.run(Flow(EmbeddedQueueSource({str(tmp_path / 'q.db')!r}, "q"))
+report = ackflow.run(Flow(EmbeddedQueueSource({str(tmp_path / "q.db")!r}, "q"))
                      .map(lambda r: r, name="ident").to(sink), executor="local",
                      until_idle=0.3, batch_size=10, state_dir={str(state)!r})
 with open({str(out)!r}, "a") as f:
@@ -225,19 +241,19 @@ with open({str(out)!r}, "a") as f:
         f.write(json.dumps(r, sort_keys=True) + "\\n")
 """)
     from ackflow.embedded import EmbeddedQueue
+
     q = EmbeddedQueue(tmp_path / "q.db")
     q.publish("q", [json.dumps({"n": i}).encode() for i in range(5)])
-    first = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                           timeout=120)
+    first = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr[-2000:]
     q.publish("q", [json.dumps({"n": i, "new": {"x": i}}).encode() for i in range(5, 10)])
     env = {**os.environ, "ACKFLOW_FAULTS": "schema.recorded=exit@1"}
-    crashed = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                             text=True, timeout=120)
+    crashed = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert crashed.returncode == 137, crashed.stderr[-2000:]
     assert [v["version"] for v in history(state)] == [1, 2]  # recorded before the crash
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     later = sorted((r for r in rows if r["n"] >= 5), key=lambda r: r["n"])
@@ -260,6 +276,7 @@ def test_the_store_keeps_versions_and_refuses_foreign_files(tmp_path):
     again.close()
     foreign = tmp_path / "other.db"
     import sqlite3
+
     with sqlite3.connect(foreign) as c:
         c.execute("CREATE TABLE t (x)")
     with pytest.raises(ConfigError, match="not an ackflow schema store"):
@@ -274,13 +291,11 @@ def test_cli_schema_show_and_history(tmp_path):
     shown = subprocess.run([*cli, "show", str(state)], capture_output=True, text=True)
     assert shown.returncode == 0 and "0:ident  version 2" in shown.stdout
     assert "n: int64" in shown.stdout and "m: string" in shown.stdout
-    hist = subprocess.run([*cli, "history", str(state), "--json"], capture_output=True,
-                          text=True)
+    hist = subprocess.run([*cli, "history", str(state), "--json"], capture_output=True, text=True)
     versions = json.loads(hist.stdout)
     assert [v["changes"] for v in versions] == [["+n: int64"], ["+m: string"]]
     assert versions[1]["brought_by"] == "m0"
-    missing = subprocess.run([*cli, "show", str(tmp_path / "none")], capture_output=True,
-                             text=True)
+    missing = subprocess.run([*cli, "show", str(tmp_path / "none")], capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
 
 
@@ -290,13 +305,19 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 KEYS = st.sampled_from(["a", "b", "c", "d"])
-LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**53, 2**53),
-                 st.floats(allow_nan=False, allow_infinity=False, width=64),
-                 st.text("xyz", max_size=3))
-VALUE = st.recursive(LEAF, lambda inner: st.one_of(
-    st.dictionaries(KEYS, inner, max_size=3), st.lists(inner, max_size=3)), max_leaves=6)
-RECORDS = st.lists(st.dictionaries(KEYS, VALUE, min_size=1, max_size=4), min_size=1,
-                   max_size=25)
+LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**53), 2**53),
+    st.floats(allow_nan=False, allow_infinity=False, width=64),
+    st.text("xyz", max_size=3),
+)
+VALUE = st.recursive(
+    LEAF,
+    lambda inner: st.one_of(st.dictionaries(KEYS, inner, max_size=3), st.lists(inner, max_size=3)),
+    max_leaves=6,
+)
+RECORDS = st.lists(st.dictionaries(KEYS, VALUE, min_size=1, max_size=4), min_size=1, max_size=25)
 
 
 def kind(v):
@@ -323,10 +344,12 @@ def kinds(v, path, out):
             kinds(x, f"{path}[]", out)
 
 
-@settings(max_examples=int(os.environ.get("AF_SHAPES", "40")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(records=RECORDS, batch=st.integers(1, 8), mode=st.sampled_from(["evolve", "rescue",
-                                                                      "freeze"]))
+@settings(
+    max_examples=int(os.environ.get("AF_SHAPES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(records=RECORDS, batch=st.integers(1, 8), mode=st.sampled_from(["evolve", "rescue", "freeze"]))
 def test_evolving_shapes_lose_no_field_in_any_mode(tmp_path_factory, records, batch, mode):
     """Random records whose fields appear, nest, widen and conflict, in random batches:
     - every message is settled; a message is dead-lettered only for a field whose kinds
@@ -376,10 +399,10 @@ def test_the_store_sits_beside_the_flows_durable_state(tmp_path):
     assert default_location(Flow(ListSource([])).to(MemorySink())) is None
     (tmp_path / "in").mkdir()
     assert default_location(Flow(Files(tmp_path / "in")).to(MemorySink())) == str(
-        tmp_path / "in" / "_ackflow" / "schemas.db")
+        tmp_path / "in" / "_ackflow" / "schemas.db"
+    )
     q = str(tmp_path / "q.db")
-    assert default_location(Flow(EmbeddedQueueSource(q, "q")).to(MemorySink())) == \
-        q + ".schemas.db"
+    assert default_location(Flow(EmbeddedQueueSource(q, "q")).to(MemorySink())) == q + ".schemas.db"
 
 
 # -- found by an adversarial review (each failed before its fix) -----------------------------
@@ -390,16 +413,16 @@ def test_rescue_over_columns_stored_by_an_evolve_run_keeps_every_field(tmp_path)
     acked. Now the column is added as a new version."""
     state = tmp_path / "s"
     run([{"id": 1, "a": "x"}], state, mode="evolve")
-    src, sink, _ = run([{"id": 2, "a": "y", "new": 42, "c": {"deep": 1}}], state,
-                       mode="rescue")
+    src, sink, _ = run([{"id": 2, "a": "y", "new": 42, "c": {"deep": 1}}], state, mode="rescue")
     assert src.final() == {"m0": "acked"}
     assert json.loads(sink.rows[0]["_rescued"]) == {"new": 42, "c": {"deep": 1}}
     assert history(state)[-1]["changes"] == ["+_rescued: string"]
 
 
 def test_a_data_field_named_rescued_is_kept_inside_the_rescued_column(tmp_path):
-    src, sink, _ = run([{"id": 1, "_rescued": 7}, {"id": 2, "_rescued": "x", "z": 1}],
-                       tmp_path / "s", mode="rescue")
+    src, sink, _ = run(
+        [{"id": 1, "_rescued": 7}, {"id": 2, "_rescued": "x", "z": 1}], tmp_path / "s", mode="rescue"
+    )
     assert set(src.final().values()) == {"acked"}
     kept = [json.loads(r["_rescued"]) for r in sink.rows]
     assert {"_rescued": 7} in kept and {"_rescued": "x"} in kept
@@ -412,8 +435,7 @@ def test_a_value_arrow_cannot_hold_never_makes_a_column(tmp_path):
     field, and the next integer makes the column bigint."""
     state = tmp_path / "s"
     run([{"id": 1}], state)
-    src, _, _ = run([{"id": 2, "n": 2**64}, {"id": 3, "n": 5}], state, batch_size=1,
-                    max_inflight=1)
+    src, _, _ = run([{"id": 2, "n": 2**64}, {"id": 3, "n": 5}], state, batch_size=1, max_inflight=1)
     assert src.final() == {"m0": "dead_lettered", "m1": "acked"}
     assert "'n'" in str(src.failures["m0"])
     assert history(state)[-1]["columns"] == ["id: int64", "n: int64"]
@@ -431,15 +453,16 @@ def test_decimals_datetimes_and_map_values_are_never_cut(tmp_path):
     import datetime as dt
     from decimal import Decimal
 
-    given = pa.schema([("price", pa.int64()), ("day", pa.date32()),
-                       ("m", pa.map_(pa.string(), pa.int64()))])
-    values = [{"price": Decimal("1.99")}, {"day": dt.datetime(2020, 1, 1, 23, 59)},
-              {"m": {"k": 1.7}}, {"price": Decimal("2"), "day": dt.datetime(2020, 1, 2),
-                                  "m": {"k": 3.0}}]
+    given = pa.schema([("price", pa.int64()), ("day", pa.date32()), ("m", pa.map_(pa.string(), pa.int64()))])
+    values = [
+        {"price": Decimal("1.99")},
+        {"day": dt.datetime(2020, 1, 1, 23, 59)},
+        {"m": {"k": 1.7}},
+        {"price": Decimal("2"), "day": dt.datetime(2020, 1, 2), "m": {"k": 3.0}},
+    ]
     sink = MemorySink()
     src = ListSource([json.dumps({"i": i}) for i in range(len(values))])
-    ackflow.run(Flow(src).map(lambda r, v=tuple(values): v[r["i"]], name="m", schema=given)
-                .to(sink), **LOCAL)
+    ackflow.run(Flow(src).map(lambda r, v=tuple(values): v[r["i"]], name="m", schema=given).to(sink), **LOCAL)
     final = src.final()
     assert [final[f"m{i}"] for i in range(4)] == ["dead_lettered"] * 3 + ["acked"]
     assert "fraction" in str(src.failures["m0"]) and "time of day" in str(src.failures["m1"])
@@ -477,13 +500,16 @@ def test_a_headers_field_of_strings_is_a_map_not_a_struct_that_grows(tmp_path):
     from ackflow.sources import EmbeddedQueueSource
 
     db = str(tmp_path / "q.db")
-    EmbeddedQueue(db).publish("in", [b"a", b"b", b"c"],
-                              headers=[{"x": "1"}, {"y": "2", "\n": "3"}, {"X": "4"}])
+    EmbeddedQueue(db).publish(
+        "in", [b"a", b"b", b"c"], headers=[{"x": "1"}, {"y": "2", "\n": "3"}, {"X": "4"}]
+    )
     src = EmbeddedQueueSource(db, "in", format="text")
     src.headers_field = "meta"
     sink = MemorySink()
-    report = ackflow.run(Flow(src).map(lambda r: r, name="same").to(sink),
-                         **{**LOCAL, "batch_size": 1, "max_inflight": 1})
+    report = ackflow.run(
+        Flow(src).map(lambda r: r, name="same").to(sink), **{**LOCAL, "batch_size": 1, "max_inflight": 1}
+    )
     assert report.acked == 3 and [c["version"] for c in report.schema_changes] == [1]
     assert sorted(sorted(r["meta"]) for r in sink.rows) == sorted(
-        [[("X", "4")], [("\n", "3"), ("y", "2")], [("x", "1")]])
+        [[("X", "4")], [("\n", "3"), ("y", "2")], [("x", "1")]]
+    )

@@ -48,11 +48,13 @@ def parquet_rows(path):
     table = pads.dataset(str(path), schema=schema, format="parquet").to_table()
     rows = [{k: v for k, v in r.items() if k != "ackflow_key"} for r in table.to_pylist()]
     frame = pl.scan_parquet(
-        f"{path}/**/*.parquet", schema=pl.read_parquet_schema(f"{path}/_common_metadata"),
+        f"{path}/**/*.parquet",
+        schema=pl.read_parquet_schema(f"{path}/_common_metadata"),
         missing_columns="insert",
-        cast_options=pl.ScanCastOptions(integer_cast=["upcast", "allow-float"],
-                                        float_cast="upcast",
-                                        missing_struct_fields="insert")).collect()
+        cast_options=pl.ScanCastOptions(
+            integer_cast=["upcast", "allow-float"], float_cast="upcast", missing_struct_fields="insert"
+        ),
+    ).collect()
     assert frame.height == len(rows), "polars and pyarrow disagree"
     return rows
 
@@ -64,9 +66,13 @@ def test_iso_639_3_sparse_fields_all_land(tmp_path):
     folder.mkdir()
     write_jsonl(folder, "iso_639_3.jsonl", records)
     out = tmp_path / "out"
-    report = ackflow.run(ackflow.Flow(Files(folder, scan_interval_s=0.1))
-                         .map(lambda r: r, name="record").to(Parquet(out)),
-                         executor="local", batch_size=100, max_inflight=400, until_idle=0.5)
+    report = ackflow.run(
+        ackflow.Flow(Files(folder, scan_interval_s=0.1)).map(lambda r: r, name="record").to(Parquet(out)),
+        executor="local",
+        batch_size=100,
+        max_inflight=400,
+        until_idle=0.5,
+    )
     assert report.dead_lettered == 0 and report.acked == 7910
     rows = {r["alpha_3"]: r for r in parquet_rows(out)}
     assert len(rows) == 7910
@@ -78,14 +84,12 @@ def test_iso_639_3_sparse_fields_all_land(tmp_path):
 
 
 def _run(cmd, env, kill_when=None):
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if kill_when is None:
         out, err = proc.communicate(timeout=300)
         return proc.returncode, out, err
     try:
-        reached = wait_until(lambda: kill_when() or proc.poll() is not None, timeout=240,
-                             every=0.05)
+        reached = wait_until(lambda: kill_when() or proc.poll() is not None, timeout=240, every=0.05)
         assert reached and proc.poll() is None, "the run ended before the kill"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
@@ -108,26 +112,49 @@ def _committed_batches(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["files", "queue"])
 def test_botocore_operations_evolve_through_a_sigkill_into_every_sink(
-        spark, postgres, pg_table, tmp_path, source):
+    spark, postgres, pg_table, tmp_path, source
+):
     records = botocore_operations(40)
     assert len(records) > 1000
-    env = {**os.environ, "AF_SOURCE": source, "AF_PARQUET": str(tmp_path / "parquet"),
-           "AF_DSN": postgres.dsn, "AF_TABLE": pg_table, "AF_DELTA": str(tmp_path / "delta")}
+    env = {
+        **os.environ,
+        "AF_SOURCE": source,
+        "AF_PARQUET": str(tmp_path / "parquet"),
+        "AF_DSN": postgres.dsn,
+        "AF_TABLE": pg_table,
+        "AF_DELTA": str(tmp_path / "delta"),
+    }
     if source == "files":
         folder = tmp_path / "in"
         folder.mkdir()
         for k in range(0, len(records), 300):  # several files, shapes drifting across them
-            write_jsonl(folder, f"ops-{k:05d}.jsonl", records[k:k + 300])
+            write_jsonl(folder, f"ops-{k:05d}.jsonl", records[k : k + 300])
         env["AF_IN"] = str(folder)
     else:
         db = str(tmp_path / "queue.db")
-        EmbeddedQueue(db).publish("records", [json.dumps(r).encode() for r in records],
-                                  msg_ids=[f"{r['service']}/{r['name']}" for r in records])
+        EmbeddedQueue(db).publish(
+            "records",
+            [json.dumps(r).encode() for r in records],
+            msg_ids=[f"{r['service']}/{r['name']}" for r in records],
+        )
         env["AF_IN"] = db
     state = tmp_path / "parquet" / "_ackflow"  # beside the first sink with local state
-    cmd = [sys.executable, "-m", "ackflow.cli", "run", f"{PIPELINE}:flow", "--master",
-           "local[2]", "--json", "--batch-size", "100", "--max-inflight", "300",
-           "--until-idle", "1.5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ackflow.cli",
+        "run",
+        f"{PIPELINE}:flow",
+        "--master",
+        "local[2]",
+        "--json",
+        "--batch-size",
+        "100",
+        "--max-inflight",
+        "300",
+        "--until-idle",
+        "1.5",
+    ]
     # 1. killed in the middle, after a few committed batches
     _run(cmd, env, kill_when=lambda: _committed_batches(tmp_path / "parquet") >= 3)
     # 2. to the end
@@ -146,15 +173,25 @@ def test_botocore_operations_evolve_through_a_sigkill_into_every_sink(
     check(parquet_rows(tmp_path / "parquet"), "parquet (pyarrow)")
     # Spark takes the schema from _common_metadata, and adds the batch=... folders as a
     # partition column
-    check([{k: v for k, v in r.items() if k not in ("ackflow_key", "batch")}
-           for r in spark.read.parquet(str(tmp_path / "parquet")).toArrow().to_pylist()],
-          "parquet (Spark)")
+    check(
+        [
+            {k: v for k, v in r.items() if k not in ("ackflow_key", "batch")}
+            for r in spark.read.parquet(str(tmp_path / "parquet")).toArrow().to_pylist()
+        ],
+        "parquet (Spark)",
+    )
     from deltalake import DeltaTable
-    check([{k: v for k, v in r.items() if k != "ackflow_key"}
-           for r in DeltaTable(str(tmp_path / "delta")).to_pyarrow_table().to_pylist()],
-          "delta")
+
+    check(
+        [
+            {k: v for k, v in r.items() if k != "ackflow_key"}
+            for r in DeltaTable(str(tmp_path / "delta")).to_pyarrow_table().to_pylist()
+        ],
+        "delta",
+    )
     import psycopg
     from psycopg.rows import dict_row
+
     with psycopg.connect(postgres.dsn, row_factory=dict_row) as c:
         pg = c.execute(f'SELECT * FROM "{pg_table}"').fetchall()
     check([{k: v for k, v in r.items() if k != "ackflow_key"} for r in pg], "postgres")

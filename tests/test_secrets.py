@@ -9,9 +9,12 @@ HOSTILE = ["p@ss", "a:b", "sl/ash", "pe%rcent", "ünï©ødé", "@@", "a@b:c/d%e
 
 @pytest.mark.parametrize("pw", HOSTILE)
 def test_amqp_url_passwords_never_leak(pw):
-    for url, rest in ((f"amqp://app:{pw}@127.0.0.1:5672/%2F", "127.0.0.1:5672/%2F"),
-                      (f"amqps://app:{pw}@h/v", "@h/v"), (f"amqp://:{pw}@host", "@host"),
-                      (f"error connecting to amqp://app:{pw}@host:1/x: refused", "host:1/x: refused")):
+    for url, rest in (
+        (f"amqp://app:{pw}@127.0.0.1:5672/%2F", "127.0.0.1:5672/%2F"),
+        (f"amqps://app:{pw}@h/v", "@h/v"),
+        (f"amqp://:{pw}@host", "@host"),
+        (f"error connecting to amqp://app:{pw}@host:1/x: refused", "host:1/x: refused"),
+    ):
         out = redact(url)
         assert out == url.replace(pw, "***", 1), out  # nothing of it left, the rest kept
         assert rest in out

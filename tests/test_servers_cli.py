@@ -20,15 +20,25 @@ ENV = {**os.environ, "PYTHONPATH": SRC}
 
 
 def test_help_prints_usage():
-    out = subprocess.run([sys.executable, "-m", "ackflow.servers", "--help"], env=ENV,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ackflow.servers", "--help"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "rabbitmq|postgres" in out.stdout
     assert "Ctrl-C" in out.stdout
 
 
 def test_an_unknown_server_is_refused():
-    out = subprocess.run([sys.executable, "-m", "ackflow.servers", "mysql"], env=ENV,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ackflow.servers", "mysql"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "unknown server(s) mysql" in out.stderr
 
 
@@ -58,14 +68,19 @@ def processes_with(text: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["python -m", "ackflow servers"])
 def test_servers_start_print_their_urls_and_stop_on_sigint(how, tmp_path):
-    cmd = ([sys.executable, "-m", "ackflow.servers", "rabbitmq", "postgres"]
-           if how == "python -m" else
-           [sys.executable, "-m", "ackflow.cli", "servers"])
+    cmd = (
+        [sys.executable, "-m", "ackflow.servers", "rabbitmq", "postgres"]
+        if how == "python -m"
+        else [sys.executable, "-m", "ackflow.cli", "servers"]
+    )
     out = open(tmp_path / "out", "w+")
     proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        assert wait_until(lambda: "ready:" in (tmp_path / "out").read_text()
-                          or proc.poll() is not None, timeout=120, every=0.2)
+        assert wait_until(
+            lambda: "ready:" in (tmp_path / "out").read_text() or proc.poll() is not None,
+            timeout=120,
+            every=0.2,
+        )
         text = (tmp_path / "out").read_text()
         assert "ready:" in text, text
         amqp = re.search(r"^rabbitmq\s+(amqp://\S+)$", text, re.M).group(1)
@@ -78,11 +93,14 @@ def test_servers_start_print_their_urls_and_stop_on_sigint(how, tmp_path):
         conn.close()
         with psycopg.connect(dsn) as c:
             assert c.execute("SELECT 1").fetchone() == (1,)
-        listed = subprocess.run(ctl.group(1), shell=True, capture_output=True, text=True,
-                                timeout=120)
+        listed = subprocess.run(ctl.group(1), shell=True, capture_output=True, text=True, timeout=120)
         assert "hello" in listed.stdout, listed.stderr
-        assert subprocess.run([*psql.split(), "-Atc", "SELECT 41 + 1"], capture_output=True,
-                              text=True, timeout=60).stdout.strip() == "42"
+        assert (
+            subprocess.run(
+                [*psql.split(), "-Atc", "SELECT 41 + 1"], capture_output=True, text=True, timeout=60
+            ).stdout.strip()
+            == "42"
+        )
         rmq_dir = ctl.group(2)
         ports = [int(re.search(r":(\d+)/", u).group(1)) for u in (amqp, dsn)]
         assert processes_with(rmq_dir)
@@ -90,8 +108,7 @@ def test_servers_start_print_their_urls_and_stop_on_sigint(how, tmp_path):
         assert proc.wait(timeout=120) == 0
         assert "stopped" in (tmp_path / "out").read_text()
         assert wait_until(lambda: not any(listening(p) for p in ports), timeout=30)
-        assert wait_until(lambda: not processes_with(rmq_dir), timeout=30), \
-            processes_with(rmq_dir)
+        assert wait_until(lambda: not processes_with(rmq_dir), timeout=30), processes_with(rmq_dir)
         assert not os.path.exists(rmq_dir)
     finally:
         if proc.poll() is None:

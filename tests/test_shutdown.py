@@ -23,9 +23,11 @@ N = 20000
 def setup(tmp_path):
     db = str(tmp_path / "q.db")
     out = str(tmp_path / "out")
-    EmbeddedQueue(db).publish("in", [json.dumps({"n": i}).encode() for i in range(N)],
-                              msg_ids=[f"m{i}" for i in range(N)])
-    (tmp_path / "flow.py").write_text(textwrap.dedent(f'''
+    EmbeddedQueue(db).publish(
+        "in", [json.dumps({"n": i}).encode() for i in range(N)], msg_ids=[f"m{i}" for i in range(N)]
+    )
+    (tmp_path / "flow.py").write_text(
+        textwrap.dedent(f"""
         import time
         import ackflow
         from ackflow.sources import EmbeddedQueue
@@ -36,15 +38,34 @@ def setup(tmp_path):
             return {{"id": "m" + str(r["n"])}}
 
         flow = ackflow.Flow(EmbeddedQueue({db!r}, "in")).map(slow, name="slow").to(Parquet({out!r}))
-    '''))
+    """)
+    )
     return tmp_path, db, out
 
 
 def start(tmp_path, drain):
     return subprocess.Popen(
-        [sys.executable, "-m", "ackflow.cli", "run", "flow.py:flow", "--master", "local[2]",
-         "--batch-size", "400", "--max-inflight", "1200", "--drain-timeout", str(drain), "--json"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "ackflow.cli",
+            "run",
+            "flow.py:flow",
+            "--master",
+            "local[2]",
+            "--batch-size",
+            "400",
+            "--max-inflight",
+            "1200",
+            "--drain-timeout",
+            str(drain),
+            "--json",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def stats(db):
@@ -92,8 +113,7 @@ def test_a_second_signal_exits_at_once(setup):
         assert wait_until(lambda: stats(db)[0]["acked_total"] > 0, timeout=120, every=0.1)
         proc.send_signal(signal.SIGTERM)
         # signals sent back to back are merged by the kernel: wait until the first was seen
-        assert wait_until(lambda: "stopping; draining" in proc.stderr.readline(), timeout=30,
-                          every=0)
+        assert wait_until(lambda: "stopping; draining" in proc.stderr.readline(), timeout=30, every=0)
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     finally:

@@ -28,23 +28,32 @@ S1 = pa.struct([("x", pa.string())])
 S2 = pa.struct([("x", pa.string()), ("z", pa.bool_())])
 L1 = pa.list_(pa.struct([("y", pa.int64())]))
 L2 = pa.list_(pa.struct([("y", pa.int64()), ("w", pa.string())]))
-V1 = pa.schema([("id", pa.int64()), ("a", pa.int32()), ("f", pa.int64()), ("s", S1),
-                ("l", L1)])
-V2 = pa.schema([("id", pa.int64()), ("a", pa.int64()), ("f", pa.float64()), ("s", S2),
-                ("l", L2), ("n", pa.string())])
+V1 = pa.schema([("id", pa.int64()), ("a", pa.int32()), ("f", pa.int64()), ("s", S1), ("l", L1)])
+V2 = pa.schema(
+    [("id", pa.int64()), ("a", pa.int64()), ("f", pa.float64()), ("s", S2), ("l", L2), ("n", pa.string())]
+)
 KINDS = ["postgres", "parquet", "delta", "iceberg"]
 #: which widenings each sink makes: a (int32 -> int64), f (int64 -> float64)
 WIDENS = {"postgres": {"a", "f"}, "parquet": {"a"}, "iceberg": {"a"}, "delta": set()}
-POINT = {"postgres": "postgres.evolved", "parquet": "parquet.evolved",
-         "delta": "delta.evolved", "iceberg": "iceberg.evolved"}
+POINT = {
+    "postgres": "postgres.evolved",
+    "parquet": "parquet.evolved",
+    "delta": "delta.evolved",
+    "iceberg": "iceberg.evolved",
+}
 
 ROW1 = {"id": 1, "a": 1, "f": 5, "s": {"x": "u"}, "l": [{"y": 1}]}
 
 
 def row2(kind):
-    return {"id": 2, "a": 2**40 if "a" in WIDENS[kind] else 7,
-            "f": 6.5 if "f" in WIDENS[kind] else 6.0, "s": {"x": "v", "z": True},
-            "l": [{"y": 2, "w": "q"}, {"y": 3, "w": None}], "n": "new"}
+    return {
+        "id": 2,
+        "a": 2**40 if "a" in WIDENS[kind] else 7,
+        "f": 6.5 if "f" in WIDENS[kind] else 6.0,
+        "s": {"x": "v", "z": True},
+        "l": [{"y": 2, "w": "q"}, {"y": 3, "w": None}],
+        "n": "new",
+    }
 
 
 def make(kind, tmp_path, postgres=None, table=None, **options):
@@ -85,8 +94,13 @@ def prepare_like_plan(sink, schema):
     table's type, until ``prepare`` accepts. Returns (refused, retyped)."""
     refused, retyped = {}, {}
     while True:
-        use = pa.schema([f.with_type(retyped[f.name]) if f.name in retyped else f
-                         for f in schema if f.name not in refused])
+        use = pa.schema(
+            [
+                f.with_type(retyped[f.name]) if f.name in retyped else f
+                for f in schema
+                if f.name not in refused
+            ]
+        )
         try:
             sink.prepare(use)
             return refused, retyped
@@ -99,8 +113,9 @@ def prepare_like_plan(sink, schema):
 
 def rows(schema, records, refused=()):
     schema = pa.schema([f for f in schema if f.name not in refused])
-    table = pa.Table.from_pylist([{k: v for k, v in r.items() if k not in refused}
-                                  for r in records], schema=schema)
+    table = pa.Table.from_pylist(
+        [{k: v for k, v in r.items() if k not in refused} for r in records], schema=schema
+    )
     return table.append_column(ROW_KEY, pa.array([f"m{r['id']}" for r in records]))
 
 
@@ -141,10 +156,20 @@ def parquet_by_polars(path):
     import polars as pl
 
     schema = pl.read_parquet_schema(f"{path}/_common_metadata")
-    cast = pl.ScanCastOptions(integer_cast=["upcast", "allow-float"], float_cast="upcast",
-                              missing_struct_fields="insert")
-    return pl.scan_parquet(f"{path}/**/*.parquet", schema=schema, missing_columns="insert",
-                           cast_options=cast, hive_partitioning=False).collect().to_dicts()
+    cast = pl.ScanCastOptions(
+        integer_cast=["upcast", "allow-float"], float_cast="upcast", missing_struct_fields="insert"
+    )
+    return (
+        pl.scan_parquet(
+            f"{path}/**/*.parquet",
+            schema=schema,
+            missing_columns="insert",
+            cast_options=cast,
+            hive_partitioning=False,
+        )
+        .collect()
+        .to_dicts()
+    )
 
 
 def same(got, want):
@@ -168,10 +193,13 @@ def table_types(kind, sink):
         import psycopg
 
         with psycopg.connect(sink.dsn) as conn:
-            return dict(conn.execute(
-                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
-                "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-                [sink.table]).fetchall())
+            return dict(
+                conn.execute(
+                    "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+                    "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+                    [sink.table],
+                ).fetchall()
+            )
     if kind == "parquet":
         schema = sink.stored_schema()
     else:
@@ -245,8 +273,7 @@ def test_evolve_false_keeps_refusing_and_the_table_unchanged(kind, sink_of):
     # a nested field the table lacks fails the rows holding a value in it (never dropped
     # by the cast to the table's struct); a row without one is written
     old_shape = {"id": 4, "a": 4, "f": 4.0, "s": {"x": "w", "z": None}, "l": [{"y": 4}]}
-    failed = write(sink, "b2", rows(V2, [row2(kind) | {"a": 7, "f": 6.0}, old_shape],
-                                    refused))
+    failed = write(sink, "b2", rows(V2, [row2(kind) | {"a": 7, "f": 6.0}, old_shape], refused))
     assert list(failed) == [0] and "'s.z'" in failed[0], failed
     assert [r["id"] for r in read_back(kind, sink)] == [1, 4]
 
@@ -260,9 +287,10 @@ def test_a_struct_field_the_table_lacks_fails_its_row_and_is_never_dropped(kind,
     sink.evolve = False  # (set after construction: the same test runs on older code)
     sink.prepare(pa.schema([("id", pa.int64()), ("s", S1)]))
     sink.prepare(pa.schema([("id", pa.int64()), ("s", S1)]))
-    table = pa.Table.from_pylist([{"id": 1, "s": {"x": "a", "z": True}},
-                                  {"id": 2, "s": {"x": "b", "z": None}}],
-                                 schema=pa.schema([("id", pa.int64()), ("s", S2)]))
+    table = pa.Table.from_pylist(
+        [{"id": 1, "s": {"x": "a", "z": True}}, {"id": 2, "s": {"x": "b", "z": None}}],
+        schema=pa.schema([("id", pa.int64()), ("s", S2)]),
+    )
     failed = write(sink, "b1", table.append_column(ROW_KEY, pa.array(["m1", "m2"])))
     assert list(failed) == [0] and "'s.z'" in failed[0], failed
     assert [(r["id"], r["s"]) for r in read_back(kind, sink)] == [(2, {"x": "b"})]
@@ -324,8 +352,9 @@ def test_spark_reads_an_evolved_parquet_dataset_as_one_table(spark, sink_of):
     that fails on INT32 beside INT64, measured) and reads older files in it."""
     sink = sink_of("parquet")
     evolve_and_check("parquet", sink)
-    got = sorted((r.asDict(recursive=True) for r in spark.read.parquet(sink.path).collect()),
-                 key=lambda r: r["id"])
+    got = sorted(
+        (r.asDict(recursive=True) for r in spark.read.parquet(sink.path).collect()), key=lambda r: r["id"]
+    )
     same({k: got[0][k] for k in V2.names}, {**ROW1, "n": None})
     same({k: got[1][k] for k in V2.names}, row2("parquet"))
     assert got[0]["s"] == {"x": "u", "z": None}
@@ -344,8 +373,9 @@ def test_an_error_sinks_table_keeps_its_columns(kind, sink_of):
     write_dead_letters(sink, "d1", [(Delivery(1, "m1", b"x"), Failure("parse", "bad"))])
     before = table_types(kind, sink)
     for i in range(2, 4):
-        write_dead_letters(sink, f"d{i}", [(Delivery(i, f"m{i}", b"{}", {"h": "v"}),
-                                            Failure("parse", "bad"))])
+        write_dead_letters(
+            sink, f"d{i}", [(Delivery(i, f"m{i}", b"{}", {"h": "v"}), Failure("parse", "bad"))]
+        )
     assert table_types(kind, sink) == before
     assert len(read_back_any(kind, sink)) == 3
 
@@ -377,20 +407,28 @@ def test_a_postgres_table_the_sink_may_not_alter_refuses_the_columns(postgres, p
     with psycopg.connect(postgres.dsn, autocommit=True) as c:
         c.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
         c.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        c.execute(sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, id bigint, a integer)")
-                  .format(sql.Identifier(pg_table)))
-        c.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(
-            sql.Identifier(pg_table), sql.Identifier(role)))
+        c.execute(
+            sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, id bigint, a integer)").format(
+                sql.Identifier(pg_table)
+            )
+        )
+        c.execute(
+            sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(
+                sql.Identifier(pg_table), sql.Identifier(role)
+            )
+        )
     try:
         sink = Postgres(postgres.dsn.replace("postgres@", f"{role}@", 1), pg_table)
         sink.open()
-        refused, _ = prepare_like_plan(sink, pa.schema([("id", pa.int64()), ("a", pa.int64()),
-                                                        ("n", pa.string())]))
+        refused, _ = prepare_like_plan(
+            sink, pa.schema([("id", pa.int64()), ("a", pa.int64()), ("n", pa.string())])
+        )
         assert set(refused) == {"n"}
-        assert write(sink, "b1", rows(pa.schema([("id", pa.int64()), ("a", pa.int64())]),
-                                      [{"id": 1, "a": 5}])) == {}
-        assert table_types("postgres", sink) == {"ackflow_key": "text", "id": "bigint",
-                                                 "a": "integer"}
+        assert (
+            write(sink, "b1", rows(pa.schema([("id", pa.int64()), ("a", pa.int64())]), [{"id": 1, "a": 5}]))
+            == {}
+        )
+        assert table_types("postgres", sink) == {"ackflow_key": "text", "id": "bigint", "a": "integer"}
     finally:
         with psycopg.connect(postgres.dsn, autocommit=True) as c:
             c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(pg_table)))
@@ -401,10 +439,10 @@ def test_a_parquet_field_that_held_only_nulls_takes_the_later_type(sink_of):
     """An empty list and a field null in every row of the first batch have Arrow's null
     type; a later batch's values give them their type (they are not refused)."""
     sink = sink_of("parquet")
-    first = pa.schema([("id", pa.int64()), ("t", pa.list_(pa.null())),
-                       ("s", pa.struct([("x", pa.null())]))])
-    later = pa.schema([("id", pa.int64()), ("t", pa.list_(pa.string())),
-                       ("s", pa.struct([("x", pa.int64())]))])
+    first = pa.schema([("id", pa.int64()), ("t", pa.list_(pa.null())), ("s", pa.struct([("x", pa.null())]))])
+    later = pa.schema(
+        [("id", pa.int64()), ("t", pa.list_(pa.string())), ("s", pa.struct([("x", pa.int64())]))]
+    )
     prepare_like_plan(sink, first)
     write(sink, "b1", rows(first, [{"id": 1, "t": [], "s": {"x": None}}]))
     assert prepare_like_plan(sink, later) == ({}, {})
@@ -441,11 +479,18 @@ def test_two_runs_with_a_grown_schema_land_every_field_through_the_engine(spark,
     from helpers import FAST, bodies
 
     v1 = "id BIGINT, a INT, s STRUCT<x: STRING>, l ARRAY<STRUCT<y: BIGINT>>"
-    v2 = ("id BIGINT, a BIGINT, s STRUCT<x: STRING, z: BOOLEAN>, "
-          "l ARRAY<STRUCT<y: BIGINT, w: STRING>>, n STRING")
+    v2 = (
+        "id BIGINT, a BIGINT, s STRUCT<x: STRING, z: BOOLEAN>, "
+        "l ARRAY<STRUCT<y: BIGINT, w: STRING>>, n STRING"
+    )
     one = {"id": 1, "a": 1, "s": {"x": "u"}, "l": [{"y": 1}]}
-    two = {"id": 2, "a": 7, "s": {"x": "v", "z": True}, "l": [{"y": 2, "w": "q"}],
-           "n": "new"}  # (a fits Delta's int: Delta does not widen)
+    two = {
+        "id": 2,
+        "a": 7,
+        "s": {"x": "v", "z": True},
+        "l": [{"y": 2, "w": "q"}],
+        "n": "new",
+    }  # (a fits Delta's int: Delta does not widen)
     kinds = ["parquet", "delta", "postgres"]
     for schema, body in [(v1, one), (v2, two)]:
         sinks = [sink_of(k) for k in kinds]
@@ -453,8 +498,11 @@ def test_two_runs_with_a_grown_schema_land_every_field_through_the_engine(spark,
             s.close()  # (opened again by the run)
         key = f"m{body['id']}"
         src = ListSource(bodies([body]), keys=[key])
-        report = ackflow.run(ackflow.Flow(src).map(lambda r: r, name="shape", schema=schema)
-                             .to(Broadcast(*sinks)), spark=spark, **FAST)
+        report = ackflow.run(
+            ackflow.Flow(src).map(lambda r: r, name="shape", schema=schema).to(Broadcast(*sinks)),
+            spark=spark,
+            **FAST,
+        )
         assert src.final() == {key: "acked"}, (src.failures, report)
     # the runs' last sinks read the tables back
     for kind, sink in zip(kinds, sinks, strict=True):

@@ -49,8 +49,13 @@ def test_a_failed_commit_fails_the_batch(spark, tmp_path):
     out = tmp_path / "out"
     src = ListSource(bodies([{"n": i} for i in range(10)]))
     with pytest.raises(SystemicFailure, match="disk full") as e:
-        ackflow.run(ackflow.Flow(src).to(BrokenCommit(out, name="pq")), spark=spark,
-                    systemic_stop_after_s=1, systemic_backoff_s=0.05, **FAST)
+        ackflow.run(
+            ackflow.Flow(src).to(BrokenCommit(out, name="pq")),
+            spark=spark,
+            systemic_stop_after_s=1,
+            systemic_backoff_s=0.05,
+            **FAST,
+        )
     assert e.value.step == "pq"
     assert not src.dead_letters and set(src.final().values()) == {"released"}
     assert not [n for n in os.listdir(out) if n.startswith("batch=")]
@@ -60,8 +65,9 @@ def test_a_failed_commit_fails_the_batch(spark, tmp_path):
 def test_a_sink_raising_mid_write_nacks_every_message_of_the_partition(spark):
     src = ListSource(bodies([{"n": i} for i in range(20)]))
     sink = FailingSink(raise_if=lambda r: r["n"] == 13)
-    report = ackflow.run(ackflow.Flow(src).to(sink), spark=spark,
-                         **{**FAST, "batch_size": 20, "until_idle": 0.5})
+    report = ackflow.run(
+        ackflow.Flow(src).to(sink), spark=spark, **{**FAST, "batch_size": 20, "until_idle": 0.5}
+    )
     failed = {k for k, v in src.final().items() if v != "acked"}
     assert "m13" in failed
     assert report.acked + report.dead_lettered == 20
@@ -72,8 +78,13 @@ def test_a_sink_raising_mid_write_nacks_every_message_of_the_partition(spark):
 def test_embedded_queue_sink_chains_pipelines(spark, tmp_path):
     db = str(tmp_path / "q.db")
     src = ListSource(bodies([{"n": i} for i in range(25)]))
-    ackflow.run(ackflow.Flow(src).map(lambda r: {"n": r["n"], "id": f"x{r['n']}"}, name="tag")
-                .to(EmbeddedQueueSink(db, "next", id_column="id")), spark=spark, **FAST)
+    ackflow.run(
+        ackflow.Flow(src)
+        .map(lambda r: {"n": r["n"], "id": f"x{r['n']}"}, name="tag")
+        .to(EmbeddedQueueSink(db, "next", id_column="id")),
+        spark=spark,
+        **FAST,
+    )
     q = EmbeddedQueue(db)
     assert q.stats("next")["ready"] == 25
     assert {m["msg_id"] for m in q.peek("next", 100)} == {f"x{i}" for i in range(25)}
@@ -94,8 +105,9 @@ def test_parquet_writes_a_redelivered_message_once(spark, tmp_path):
     msgs = bodies([{"n": i, "k": [i, i + 1]} for i in range(120)])
 
     def flow(src):
-        return ackflow.Flow(src).flat_map(lambda r: ({"n": r["n"], "v": v} for v in r["k"])) \
-            .to(ParquetSink(out))
+        return (
+            ackflow.Flow(src).flat_map(lambda r: ({"n": r["n"], "v": v} for v in r["k"])).to(ParquetSink(out))
+        )
 
     keys = [f"id{i}" for i in range(120)]
     ackflow.run(flow(ListSource(msgs[:80], keys=keys[:80])), spark=spark, **FAST)

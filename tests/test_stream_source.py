@@ -19,8 +19,14 @@ pytestmark = pytest.mark.spark
 
 
 def source(server, stream, consumer="c1", **kw):
-    return RabbitMQStream("127.0.0.1", server.stream_port, stream, consumer,
-                          policy=RetryPolicy(max_deliveries=2, backoff_s=0.05), **kw)
+    return RabbitMQStream(
+        "127.0.0.1",
+        server.stream_port,
+        stream,
+        consumer,
+        policy=RetryPolicy(max_deliveries=2, backoff_s=0.05),
+        **kw,
+    )
 
 
 def open_and_pull(server, stream, n):
@@ -42,8 +48,7 @@ def check(row):
 
 def test_consumes_commits_and_resumes_after_the_stored_offset(spark, rabbitmq):
     stream = names("s")
-    stream_publish(rabbitmq, stream, [json.dumps({"n": i, "poison": i == 7}).encode()
-                                      for i in range(300)])
+    stream_publish(rabbitmq, stream, [json.dumps({"n": i, "poison": i == 7}).encode() for i in range(300)])
     sink, dead = Memory(), Memory("dead")
     src = source(rabbitmq, stream)
     flow = ackflow.Flow(src).map(check, name="check").to(sink).on_error(dead)
@@ -55,8 +60,9 @@ def test_consumes_commits_and_resumes_after_the_stored_offset(spark, rabbitmq):
     # the same consumer again: nothing new; then only the new messages
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(300, 320)])
     sink2 = Memory()
-    again = ackflow.run(ackflow.Flow(source(rabbitmq, stream)).to(sink2).on_error(Memory("dead")),
-                        spark=spark, **FAST)
+    again = ackflow.run(
+        ackflow.Flow(source(rabbitmq, stream)).to(sink2).on_error(Memory("dead")), spark=spark, **FAST
+    )
     assert again.acked == 20 and sorted(r["n"] for r in sink2.rows) == list(range(300, 320))
 
 
@@ -97,8 +103,9 @@ def test_messages_waiting_for_a_retry_count_against_the_window(rabbitmq):
 
     stream = names("s")
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(300)])
-    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
-                         policy=RetryPolicy(max_deliveries=50, backoff_s=30))
+    src = RabbitMQStream(
+        "127.0.0.1", rabbitmq.stream_port, stream, "c1", policy=RetryPolicy(max_deliveries=50, backoff_s=30)
+    )
     src.configure(max_inflight=20, error_sink=True)
     src.open()
     try:
@@ -135,8 +142,7 @@ def _stored_offset(server, stream, consumer):
     from rstream import Consumer
 
     async def go():
-        async with Consumer("127.0.0.1", server.stream_port, username="guest",
-                            password="guest") as c:
+        async with Consumer("127.0.0.1", server.stream_port, username="guest", password="guest") as c:
             return await c.query_offset(stream, consumer)
 
     return asyncio.run(go())
@@ -168,25 +174,38 @@ def test_a_broker_restart_with_messages_in_flight_loses_and_repeats_nothing(rabb
                 time.sleep(0.02)
         return r
 
-    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
-                         policy=RetryPolicy(max_deliveries=3, backoff_s=0.05),
-                         reconnect_max_s=1.0)
+    src = RabbitMQStream(
+        "127.0.0.1",
+        rabbitmq.stream_port,
+        stream,
+        "c1",
+        policy=RetryPolicy(max_deliveries=3, backoff_s=0.05),
+        reconnect_max_s=1.0,
+    )
     sink = Memory()
-    engine = Engine(ackflow.Flow(src).map(hold, name="hold").to(sink).on_error(Memory("dead")),
-                    executor="local", batch_size=50, max_inflight=200, batch_timeout_s=0.05,
-                    until_idle=1.0, handle_signals=False)
+    engine = Engine(
+        ackflow.Flow(src).map(hold, name="hold").to(sink).on_error(Memory("dead")),
+        executor="local",
+        batch_size=50,
+        max_inflight=200,
+        batch_timeout_s=0.05,
+        until_idle=1.0,
+        handle_signals=False,
+    )
     outcome, seen = {}, {}
     runner = threading.Thread(target=lambda: outcome.update(report=engine.run()), daemon=True)
     runner.start()
     try:
-        assert wait_until(lambda: src.committed >= 200 and engine.window.in_flight > 0,
-                          timeout=60), "the run did not reach message 250"
+        assert wait_until(lambda: src.committed >= 200 and engine.window.in_flight > 0, timeout=60), (
+            "the run did not reach message 250"
+        )
         rabbitmq.stop()
         assert wait_until(lambda: not src.connected, timeout=30), "the loss went unnoticed"
         seen["down"] = wait_until(lambda: gauge(engine) == 0, timeout=10)
         rabbitmq.start()
-        assert wait_until(lambda: _publish_once(rabbitmq, stream, range(first, total)),
-                          timeout=60, every=0.5), "the stream did not come back"
+        assert wait_until(
+            lambda: _publish_once(rabbitmq, stream, range(first, total)), timeout=60, every=0.5
+        ), "the stream did not come back"
         gate.touch()
         assert wait_until(lambda: src.connected, timeout=60), "no reconnection"
     finally:
@@ -219,8 +238,9 @@ def test_a_deleted_stream_stops_the_run_with_one_line(rabbitmq):
 
     stream = names("s")
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(5)])
-    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
-                         reconnect_max_s=0.2, gone_timeout_s=1.0)
+    src = RabbitMQStream(
+        "127.0.0.1", rabbitmq.stream_port, stream, "c1", reconnect_max_s=0.2, gone_timeout_s=1.0
+    )
     src.configure(max_inflight=10, error_sink=True)
     src.open()
     try:
@@ -230,8 +250,7 @@ def test_a_deleted_stream_stops_the_run_with_one_line(rabbitmq):
         src.ack(got)
 
         async def delete():
-            async with Producer("127.0.0.1", rabbitmq.stream_port, username="guest",
-                                password="guest") as p:
+            async with Producer("127.0.0.1", rabbitmq.stream_port, username="guest", password="guest") as p:
                 await p.delete_stream(stream)
 
         asyncio.run(delete())
@@ -268,14 +287,18 @@ def test_an_idle_run_waits_for_the_retries_the_stream_holds(rabbitmq):
     from ackflow.engine.loop import Engine
 
     stream = names("s")
-    stream_publish(rabbitmq, stream, [json.dumps({"key": f"{stream}@{i}"}).encode()
-                                      for i in range(3)])
-    src = CountingStream("127.0.0.1", rabbitmq.stream_port, stream, "c1",
-                         policy=RetryPolicy(max_deliveries=3, backoff_s=1.0))
+    stream_publish(rabbitmq, stream, [json.dumps({"key": f"{stream}@{i}"}).encode() for i in range(3)])
+    src = CountingStream(
+        "127.0.0.1", rabbitmq.stream_port, stream, "c1", policy=RetryPolicy(max_deliveries=3, backoff_s=1.0)
+    )
     sink = Memory()
-    report = Engine(ackflow.Flow(src).map(fails_on_first_delivery, name="flaky").to(sink)
-                    .on_error(Memory("dead")), executor="local", until_idle=0.3,
-                    batch_timeout_s=0.05, handle_signals=False).run()
+    report = Engine(
+        ackflow.Flow(src).map(fails_on_first_delivery, name="flaky").to(sink).on_error(Memory("dead")),
+        executor="local",
+        until_idle=0.3,
+        batch_timeout_s=0.05,
+        handle_signals=False,
+    ).run()
     assert report.nacked == 3 and report.acked == 3 and len(sink.rows) == 3
     assert src.committed == 3 and _stored_offset(rabbitmq, stream, "c1") == 2
 
@@ -292,8 +315,7 @@ def test_a_frozen_broker_is_a_lost_connection(rabbitmq):
 
     stream = names("s")
     stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(5)])
-    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1", heartbeat_s=1,
-                         reconnect_max_s=0.5)
+    src = RabbitMQStream("127.0.0.1", rabbitmq.stream_port, stream, "c1", heartbeat_s=1, reconnect_max_s=0.5)
     src.configure(max_inflight=50, error_sink=True)
     src.open()
     got = []
@@ -304,12 +326,14 @@ def test_a_frozen_broker_is_a_lost_connection(rabbitmq):
         src.ack(got)
         os.killpg(rabbitmq.proc.pid, signal.SIGSTOP)
         try:
-            assert wait_until(lambda: src.pull(5, 0.1) == [] and not src.connected,
-                              timeout=30, every=0.1), "a silent broker went unnoticed"
+            assert wait_until(lambda: src.pull(5, 0.1) == [] and not src.connected, timeout=30, every=0.1), (
+                "a silent broker went unnoticed"
+            )
         finally:
             os.killpg(rabbitmq.proc.pid, signal.SIGCONT)
-        assert wait_until(lambda: src.pull(5, 0.1) == [] and src.connected, timeout=60,
-                          every=0.1), "no reconnection"
+        assert wait_until(lambda: src.pull(5, 0.1) == [] and src.connected, timeout=60, every=0.1), (
+            "no reconnection"
+        )
         stream_publish(rabbitmq, stream, [json.dumps({"n": i}).encode() for i in range(5, 8)])
         more = []
         deadline = time.monotonic() + 20

@@ -24,6 +24,7 @@ from helpers import FAST, bodies
 
 # -- the detector, without Spark -----------------------------------------------------------
 
+
 def test_a_streak_across_batches_becomes_systemic_and_evidence_ends_it():
     t = [0.0]
     d = SystemicDetector(sinks={"pg"}, after=3, stop_after_s=10, clock=lambda: t[0])
@@ -59,9 +60,15 @@ def test_different_errors_are_different_signatures():
 def test_what_varies_between_writes_failing_alike_is_one_signature():
     """A staging folder per batch, a file per partition, a row number in a detail."""
     d = SystemicDetector(sinks={"pq"}, after=3)
-    fails = [(i, "pq", f"write failed: PermissionError: [Errno 13] Permission denied: "
-                       f"'/data/out/_staging/20261125T0900-{i:06d}/part-{i}-5f0c1e2a.parquet'")
-             for i in range(3)]
+    fails = [
+        (
+            i,
+            "pq",
+            f"write failed: PermissionError: [Errno 13] Permission denied: "
+            f"'/data/out/_staging/20261125T0900-{i:06d}/part-{i}-5f0c1e2a.parquet'",
+        )
+        for i in range(3)
+    ]
     assert d.judge(fails, working=set()) == {0, 1, 2}
 
 
@@ -78,8 +85,16 @@ def test_systemic_after_zero_turns_the_rule_off():
     assert d.suspects == set() and d.episode is None
 
 
-@pytest.mark.parametrize("kwargs", [{"after": 1}, {"after": 2.5}, {"stop_after_s": float("nan")},
-                                    {"stop_after_s": -1}, {"max_backoff_s": float("inf")}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"after": 1},
+        {"after": 2.5},
+        {"stop_after_s": float("nan")},
+        {"stop_after_s": -1},
+        {"max_backoff_s": float("inf")},
+    ],
+)
 def test_bad_settings_fail_at_start(kwargs):
     with pytest.raises(ConfigError):
         SystemicDetector(**kwargs)
@@ -87,9 +102,16 @@ def test_bad_settings_fail_at_start(kwargs):
 
 # -- end to end, on Spark ------------------------------------------------------------------
 
+
 def engine_for(flow, spark, **options):
-    opts = {**FAST, "until_idle": 0.5, "systemic_stop_after_s": 3.0, "systemic_backoff_s": 0.1,
-            "systemic_max_backoff_s": 0.2, **options}
+    opts = {
+        **FAST,
+        "until_idle": 0.5,
+        "systemic_stop_after_s": 3.0,
+        "systemic_backoff_s": 0.1,
+        "systemic_max_backoff_s": 0.2,
+        **options,
+    }
     return Engine(flow, spark=spark, handle_signals=False, **opts)
 
 
@@ -100,8 +122,7 @@ def only_released(src):
 
 @pytest.mark.spark
 def test_a_sink_that_raises_for_every_message_never_makes_a_dead_letter(spark):
-    src = ListSource(bodies([{"n": i} for i in range(30)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource(bodies([{"n": i} for i in range(30)]), policy=ackflow.RetryPolicy(max_deliveries=1))
     sink = FailingSink(raise_if=lambda r: True, name="broken")
     engine = engine_for(ackflow.Flow(src).to(sink), spark, ui_port=0)
     seen: dict[str, object] = {}
@@ -142,8 +163,7 @@ def test_a_column_that_fails_every_row_is_probed_not_bisected_to_the_end(spark):
     messages tried alone, the rest gets the failure untested and all are given back."""
     from pyspark.sql import functions as F
 
-    src = ListSource(bodies([{"n": i} for i in range(64)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource(bodies([{"n": i} for i in range(64)]), policy=ackflow.RetryPolicy(max_deliveries=1))
     flow = ackflow.Flow(src).with_columns(bad=F.lit("x").cast("int")).to(MemorySink())
     engine = engine_for(flow, spark, batch_size=64, max_inflight=64)
     with pytest.raises(SystemicFailure) as info:
@@ -187,8 +207,7 @@ def test_a_sink_that_comes_back_ends_the_episode_and_every_message_lands(spark, 
         return _real(batch_id, partition, rows)
 
     sink.write_partition = write  # pickled with the sink: the tasks see the file
-    src = ListSource(bodies([{"n": i} for i in range(20)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource(bodies([{"n": i} for i in range(20)]), policy=ackflow.RetryPolicy(max_deliveries=1))
     engine = engine_for(ackflow.Flow(src).to(sink), spark, systemic_stop_after_s=120)
 
     def heal_later():
@@ -210,8 +229,7 @@ def test_a_commit_that_always_fails_is_systemic(spark):
         def commit(self, batch_id, tokens):
             raise PermissionError("permission denied for table orders")
 
-    src = ListSource(bodies([{"n": i} for i in range(10)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource(bodies([{"n": i} for i in range(10)]), policy=ackflow.RetryPolicy(max_deliveries=1))
     engine = engine_for(ackflow.Flow(src).to(NoCommit(name="orders")), spark)
     with pytest.raises(SystemicFailure) as info:
         engine.run()
@@ -220,8 +238,7 @@ def test_a_commit_that_always_fails_is_systemic(spark):
 
 
 @pytest.mark.spark
-def test_postgres_refusing_every_write_for_privilege_is_systemic_not_poison(
-        spark, postgres, pg_table):
+def test_postgres_refusing_every_write_for_privilege_is_systemic_not_poison(spark, postgres, pg_table):
     """The table refuses every insert with SQLSTATE 42501 (insufficient privilege, raised
     by a trigger: the start-up check passes, the writes do not). A SQLSTATE no row's
     values cause fails the write as a whole: given back, never dead-lettered. A
@@ -234,15 +251,18 @@ def test_postgres_refusing_every_write_for_privilege_is_systemic_not_poison(
     table = sql.Identifier(pg_table)
     with psycopg.connect(postgres.dsn, autocommit=True) as c:
         c.execute(sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n bigint)").format(table))
-        c.execute("CREATE OR REPLACE FUNCTION af_deny() RETURNS trigger LANGUAGE plpgsql AS "
-                  "$$ BEGIN RAISE EXCEPTION 'permission denied for table orders' "
-                  "USING ERRCODE = '42501'; END $$")
-        c.execute(sql.SQL("CREATE TRIGGER deny BEFORE INSERT ON {} FOR EACH ROW "
-                          "EXECUTE FUNCTION af_deny()").format(table))
-    src = ListSource(bodies([{"n": i} for i in range(12)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
-    engine = engine_for(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, name="orders")),
-                        spark)
+        c.execute(
+            "CREATE OR REPLACE FUNCTION af_deny() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'permission denied for table orders' "
+            "USING ERRCODE = '42501'; END $$"
+        )
+        c.execute(
+            sql.SQL("CREATE TRIGGER deny BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION af_deny()").format(
+                table
+            )
+        )
+    src = ListSource(bodies([{"n": i} for i in range(12)]), policy=ackflow.RetryPolicy(max_deliveries=1))
+    engine = engine_for(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, name="orders")), spark)
     with pytest.raises(SystemicFailure) as info:
         engine.run()
     assert info.value.step == "orders" and "permission denied" in str(info.value)
@@ -253,10 +273,8 @@ def test_postgres_refusing_every_write_for_privilege_is_systemic_not_poison(
 def test_one_message_whose_write_always_raises_is_poison_not_systemic(spark):
     """Its deliveries are one message however often it comes: below the three distinct
     messages a systemic failure needs, so it is retried and dead-lettered as before."""
-    src = ListSource(bodies([{"n": 1}]),
-                     policy=ackflow.RetryPolicy(max_deliveries=3, backoff_s=0.01))
-    report = ackflow.run(ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)),
-                         spark=spark, **FAST)
+    src = ListSource(bodies([{"n": 1}]), policy=ackflow.RetryPolicy(max_deliveries=3, backoff_s=0.01))
+    report = ackflow.run(ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)), spark=spark, **FAST)
     assert report.dead_lettered == 1 and report.given_back_systemic == 0
     # given back twice as a suspect (no delivery spent), then failed as usual
     assert src.settled["m0"] == ["released", "released", "nacked", "nacked", "dead_lettered"]
@@ -296,8 +314,12 @@ def test_a_message_acked_because_it_was_filtered_out_proves_nothing(spark):
 
     rows = [{"kind": "order" if i % 2 else "ping", "n": i} for i in range(12)]
     src = ListSource(bodies(rows), policy=ackflow.RetryPolicy(max_deliveries=1))
-    flow = (ackflow.Flow(src).filter(F.col("kind") == "order")
-            .with_columns(x=F.raise_error(F.lit("lookup service unavailable"))).to(MemorySink()))
+    flow = (
+        ackflow.Flow(src)
+        .filter(F.col("kind") == "order")
+        .with_columns(x=F.raise_error(F.lit("lookup service unavailable")))
+        .to(MemorySink())
+    )
     engine = engine_for(flow, spark, batch_size=12)
     with pytest.raises(SystemicFailure, match="lookup service unavailable"):
         engine.run()
@@ -311,10 +333,14 @@ def test_a_write_failing_for_a_few_messages_gives_them_back_before_it_is_judged(
     """Batches of one: the first two messages a down sink fails are suspects, given back
     (no delivery spent) until the third shows the failure is systemic: none is
     dead-lettered even with max_deliveries=1."""
-    src = ListSource(bodies([{"n": i} for i in range(6)]),
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
-    engine = engine_for(ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)), spark,
-                        batch_size=1, max_inflight=1, max_concurrent_batches=1)
+    src = ListSource(bodies([{"n": i} for i in range(6)]), policy=ackflow.RetryPolicy(max_deliveries=1))
+    engine = engine_for(
+        ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True)),
+        spark,
+        batch_size=1,
+        max_inflight=1,
+        max_concurrent_batches=1,
+    )
     with pytest.raises(SystemicFailure):
         engine.run()
     assert only_released(src), src.settled
@@ -329,8 +355,11 @@ def test_a_not_null_column_the_flow_never_writes_stops_at_start(spark, postgres,
     from ackflow.sinks import Postgres
 
     with psycopg.connect(postgres.dsn, autocommit=True) as c:
-        c.execute(sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n bigint, "
-                          "region text NOT NULL)").format(sql.Identifier(pg_table)))
+        c.execute(
+            sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n bigint, region text NOT NULL)").format(
+                sql.Identifier(pg_table)
+            )
+        )
     src = ListSource(bodies([{"n": i} for i in range(5)]))
     with pytest.raises(FlowError, match=r"NOT NULL column.*region"):
         ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table)), spark=spark, **FAST)

@@ -30,8 +30,14 @@ pytestmark = pytest.mark.spark
 UTC = dt.UTC
 AT = dt.datetime(2024, 1, 2, 3, 4, 5, 678000)
 MESSAGES = [
-    {"id": 1, "ts": "2024-01-02 03:04:05.678", "d": "2024-01-02", "amt": "12.34",
-     "b": base64.b64encode(b"\x00hello\xff").decode(), "arr": [1, 2]},
+    {
+        "id": 1,
+        "ts": "2024-01-02 03:04:05.678",
+        "d": "2024-01-02",
+        "amt": "12.34",
+        "b": base64.b64encode(b"\x00hello\xff").decode(),
+        "arr": [1, 2],
+    },
     {"id": 2, "ts": None, "d": None, "amt": None, "b": None, "arr": None},
 ]
 
@@ -53,10 +59,19 @@ FULL = {
     "by": 1,
     "i32": 1,
 }
-NULLS = {**dict.fromkeys(FULL), "id": 2,
-         "mp": {"k": 2}, "st": {"i": 2, "at": None, "amt": None},
-         "arrst": [{"q": 1, "day": None}], "bo": True, "fl": 1.5, "dbl": 0.25, "sh": 2,
-         "by": 2, "i32": 2}
+NULLS = {
+    **dict.fromkeys(FULL),
+    "id": 2,
+    "mp": {"k": 2},
+    "st": {"i": 2, "at": None, "amt": None},
+    "arrst": [{"q": 1, "day": None}],
+    "bo": True,
+    "fl": 1.5,
+    "dbl": 0.25,
+    "sh": 2,
+    "by": 2,
+    "i32": 2,
+}
 EXPECTED = {1: FULL, 2: NULLS}
 
 
@@ -84,8 +99,7 @@ def columns():
 
 
 def run_flow(spark, sink, *, error_sink=None, messages=MESSAGES):
-    src = ListSource([json.dumps(m).encode() for m in messages],
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource([json.dumps(m).encode() for m in messages], policy=ackflow.RetryPolicy(max_deliveries=1))
     flow = ackflow.Flow(src).with_columns(**columns()).to(sink)
     if error_sink is not None:
         flow = flow.on_error(error_sink)
@@ -131,8 +145,7 @@ def compare(rows, *, nested_json=False, all_json=False, drop=()):
         if all_json:
             want = json_form(want)
         elif nested_json:
-            want = {k: json_form(v) if isinstance(v, dict | list) else v
-                    for k, v in want.items()}
+            want = {k: json_form(v) if isinstance(v, dict | list) else v for k, v in want.items()}
         assert got == want, f"row {i}: {sorted(k for k in want if got.get(k) != want[k])}"
 
 
@@ -222,8 +235,9 @@ def test_a_nan_fails_only_its_message_in_a_json_sink(spark, tmp_path):
     from ackflow.sinks import EmbeddedQueue as EmbeddedSink
 
     db = str(tmp_path / "q.db")
-    src = ListSource([json.dumps({"x": x}).encode() for x in (1.0, 0.0, 2.0)],
-                     policy=ackflow.RetryPolicy(max_deliveries=1))
+    src = ListSource(
+        [json.dumps({"x": x}).encode() for x in (1.0, 0.0, 2.0)], policy=ackflow.RetryPolicy(max_deliveries=1)
+    )
     flow = ackflow.Flow(src).with_columns(r=F.try_divide(F.col("x") - F.col("x"), F.col("x")))
     # try_divide(0, 0) is null in Spark; sqrt(-x) is NaN for the x = 2.0 message
     flow = flow.with_columns(r=F.when(F.col("x") == 2.0, F.sqrt(-F.col("x"))).otherwise(F.col("r")))
@@ -241,10 +255,10 @@ def test_a_nan_fails_only_its_message_in_a_json_sink(spark, tmp_path):
 
 # -- error sinks: a dead letter as each sink keeps it ----------------------------------
 
-POISON = [{"id": 1, "ts": "2024-01-02 03:04:05", "d": "2024-01-02", "amt": "12.34",
-           "b": "aGk=", "arr": [1]},
-          {"id": 2, "ts": "not a time", "d": "2024-01-02", "amt": "12.34", "b": "aGk=",
-           "arr": [1]}]
+POISON = [
+    {"id": 1, "ts": "2024-01-02 03:04:05", "d": "2024-01-02", "amt": "12.34", "b": "aGk=", "arr": [1]},
+    {"id": 2, "ts": "not a time", "d": "2024-01-02", "amt": "12.34", "b": "aGk=", "arr": [1]},
+]
 
 
 def check_dead_letter(row, *, text=False):
@@ -270,8 +284,7 @@ def run_poison(spark, tmp_path, error_sink):
     return report
 
 
-def test_error_sinks_keep_the_dead_letter_in_every_store(spark, tmp_path, postgres, pg_table,
-                                                         rabbitmq):
+def test_error_sinks_keep_the_dead_letter_in_every_store(spark, tmp_path, postgres, pg_table, rabbitmq):
     import psycopg
     import pyarrow.parquet as pq
     from deltalake import DeltaTable
@@ -324,17 +337,23 @@ def test_arrow_types_the_json_form_covers():
     """Unit check of the JSON form for types the flows above do not make."""
     from ackflow.sinks.jsonrows import json_records
 
-    t = pa.table({
-        "dur": pa.array([dt.timedelta(days=1, seconds=3, microseconds=500000)],
-                        pa.duration("us")),
-        "intmap": pa.array([[(1, "a")]], pa.map_(pa.int32(), pa.string())),
-        "inf": pa.array([[1.0, float("inf")]], pa.list_(pa.float64())),
-    })
+    t = pa.table(
+        {
+            "dur": pa.array([dt.timedelta(days=1, seconds=3, microseconds=500000)], pa.duration("us")),
+            "intmap": pa.array([[(1, "a")]], pa.map_(pa.int32(), pa.string())),
+            "inf": pa.array([[1.0, float("inf")]], pa.list_(pa.float64())),
+        }
+    )
     (ok,) = json_records(t.drop_columns(["inf"]))
     assert json.loads(ok) == {"dur": "P1DT3.5S", "intmap": {"1": "a"}}
-    exact = pa.table({"dur": pa.array([dt.timedelta(seconds=11045, microseconds=678901),
-                                       dt.timedelta(seconds=-7)], pa.duration("us"))})
-    assert [json.loads(b)["dur"] for b in json_records(exact)] == ["P0DT11045.678901S",
-                                                                  "-P0DT7S"]
+    exact = pa.table(
+        {
+            "dur": pa.array(
+                [dt.timedelta(seconds=11045, microseconds=678901), dt.timedelta(seconds=-7)],
+                pa.duration("us"),
+            )
+        }
+    )
+    assert [json.loads(b)["dur"] for b in json_records(exact)] == ["P0DT11045.678901S", "-P0DT7S"]
     (bad,) = json_records(t)
     assert isinstance(bad, str) and "'inf[1]'" in bad

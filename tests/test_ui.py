@@ -34,8 +34,7 @@ from ackflow.testing import FailingSink, ListSource
 from helpers import wait_until
 
 CHROMIUM = os.environ.get("ACKFLOW_CHROMIUM", "/usr/bin/chromium")
-HOSTILE = ('<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
-           '<b>bold?</b>')
+HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"><b>bold?</b>'
 SECRET_DSN = "postgresql://app:s3cret@db.internal/shop"
 N = "(id) => Number(document.getElementById(id).textContent.split('/')[0].replace(/[,\\s]/g, ''))"
 
@@ -43,8 +42,10 @@ N = "(id) => Number(document.getElementById(id).textContent.split('/')[0].replac
 @pytest.fixture(scope="module")
 def browser():
     if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
-        pytest.fail(f"no Chromium at {CHROMIUM}: run scripts/install-services.sh (it installs "
-                    "Debian's chromium) or set ACKFLOW_CHROMIUM")
+        pytest.fail(
+            f"no Chromium at {CHROMIUM}: run scripts/install-services.sh (it installs "
+            "Debian's chromium) or set ACKFLOW_CHROMIUM"
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -73,8 +74,9 @@ def count(page, element_id: str) -> int:
     return int(page.evaluate(f"({N})('{element_id}')"))
 
 
-def http(url: str, *, method: str = "GET", headers: dict[str, str] | None = None,
-         body: bytes | None = None) -> tuple[int, bytes]:
+def http(
+    url: str, *, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | None = None
+) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
@@ -115,8 +117,11 @@ class StallingSink(MemorySink):
 
 def publish(db, start: int, n: int) -> None:
     q = EmbeddedQueue(db)
-    q.publish("orders", [json.dumps({"n": i}).encode() for i in range(start, start + n)],
-              msg_ids=[f"order-{i}" for i in range(start, start + n)])
+    q.publish(
+        "orders",
+        [json.dumps({"n": i}).encode() for i in range(start, start + n)],
+        msg_ids=[f"order-{i}" for i in range(start, start + n)],
+    )
     q.close()
 
 
@@ -135,12 +140,19 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
 
     publish(db, 0, 200)
     sink = StallingSink(gate)
-    source = EmbeddedQueueSource(db, "orders",
-                                 policy=RetryPolicy(max_deliveries=2, backoff_s=0.1,
-                                                    max_backoff_s=0.2))
-    engine = Engine(ackflow.Flow(source).map(validate, name="validate").to(sink), spark=spark,
-                    batch_size=50, max_inflight=150, max_concurrent_batches=2,
-                    batch_timeout_s=0.1, ui_port=0, ui_allow_replay=True)
+    source = EmbeddedQueueSource(
+        db, "orders", policy=RetryPolicy(max_deliveries=2, backoff_s=0.1, max_backoff_s=0.2)
+    )
+    engine = Engine(
+        ackflow.Flow(source).map(validate, name="validate").to(sink),
+        spark=spark,
+        batch_size=50,
+        max_inflight=150,
+        max_concurrent_batches=2,
+        batch_timeout_s=0.1,
+        ui_port=0,
+        ui_allow_replay=True,
+    )
     result: dict = {}
     runner = threading.Thread(target=lambda: result.setdefault("report", engine.run()))
     runner.start()
@@ -164,13 +176,16 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         wait_js(page, f"() => ({N})('c-acked') === 400 && ({N})('c-inflight') === 0")
         assert count(page, "c-rows") == 400 and count(page, "c-nacked") == 0
         sink_node = page.locator('#graph g.node[data-role="sink"][data-name="orders"]')
-        wait_js(page, "() => document.querySelector('#graph g.node.sink')"
-                      ".textContent.includes('rows written 400')")
+        wait_js(
+            page,
+            "() => document.querySelector('#graph g.node.sink').textContent.includes('rows written 400')",
+        )
         assert "rows written 400" in sink_node.text_content()
         for step in ("decode", "validate"):  # counted in the Spark tasks (not the sampler's)
             node = f'#graph g.node[data-name="{step}"]'
-            wait_js(page, f"() => document.querySelector('{node}').textContent"
-                          ".includes('rows in 400 · out 400')")
+            wait_js(
+                page, f"() => document.querySelector('{node}').textContent.includes('rows in 400 · out 400')"
+            )
         names = page.eval_on_selector_all("#graph g.node", "ns => ns.map(n => n.dataset.name)")
         assert names == ["embedded:orders", "decode", "validate", "orders", "dead letters"]
 
@@ -182,8 +197,10 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         assert page.text_content("#state") == "throttled"
         assert page.text_content("#c-inflight") == "150 / 150"
         waits = page.text_content("#waits")
-        wait_js(page, "() => /sink commit2 batches, 100 messages/.test("
-                      "document.getElementById('waits').textContent)")
+        wait_js(
+            page,
+            "() => /sink commit2 batches, 100 messages/.test(document.getElementById('waits').textContent)",
+        )
         waits = page.text_content("#waits")
         assert "waiting to be batched50 messages" in waits, waits
         wait_js(page, "() => document.querySelectorAll('#chart-window rect.shade').length > 0")
@@ -196,8 +213,11 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         # -- poison: dead-lettered with its step and reason; bodies shown as text ----------
         q = EmbeddedQueue(db)
         poison_body = json.dumps({"n": -1, "poison": True, "note": HOSTILE})
-        q.publish("orders", [poison_body.encode(), b"<script>window.__pwned = 3</script> not json"],
-                  msg_ids=["poison-1", "broken-1"])
+        q.publish(
+            "orders",
+            [poison_body.encode(), b"<script>window.__pwned = 3</script> not json"],
+            msg_ids=["poison-1", "broken-1"],
+        )
         q.close()
         rows = page.locator("#dead-letters tbody tr")
         wait_js(page, "() => document.querySelectorAll('#dead-letters tbody tr').length === 2")
@@ -211,8 +231,7 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         broken = rows.filter(has_text="broken-1")
         assert broken.locator("td.step").text_content() == "decode"
         assert "could not decode the json payload" in broken.locator("td.error").text_content()
-        assert broken.locator("pre.body").text_content() == (
-            "<script>window.__pwned = 3</script> not json")
+        assert broken.locator("pre.body").text_content() == ("<script>window.__pwned = 3</script> not json")
         assert page.locator("#dead-letters script, #dead-letters img, #dead-letters b").count() == 0
         assert page.evaluate("window.__pwned") is None
         assert count(page, "c-dead") == 2 and count(page, "c-nacked") == 2
@@ -223,8 +242,9 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         wait_js(page, "() => document.querySelectorAll('#dead-letters tbody tr').length === 1")
         assert "broken-1" in rows.first.text_content()
         page.select_option("#dl-step", "validate")
-        wait_js(page, "() => document.querySelector('#dead-letters tbody tr').textContent"
-                      ".includes('poison-1')")
+        wait_js(
+            page, "() => document.querySelector('#dead-letters tbody tr').textContent.includes('poison-1')"
+        )
         assert rows.count() == 1
         shot = os.environ.get("ACKFLOW_UI_SCREENSHOT")  # docs/ui.png is made this way
         page.select_option("#dl-step", "")
@@ -243,22 +263,34 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         # issue 27 #13: every header a page or another local process can send, but not the
         # run's token (a forged request from another user of this host)
         forged = {**own, "X-Ackflow-Replay": "1"}
-        for extra in ({}, {"X-Ackflow-Replay-Token": "guess"},
-                      {"X-Ackflow-Replay-Token": token[:-1]}):
+        for extra in ({}, {"X-Ackflow-Replay-Token": "guess"}, {"X-Ackflow-Replay-Token": token[:-1]}):
             status, answer = http(api, method="POST", body=body, headers={**forged, **extra})
             assert status == 403 and b"replay token is missing or wrong" in answer
         assert token not in http(url + "api/status")[1].decode()
         assert token not in http(url)[1].decode()
         assert page.url == url  # the token left the address bar
-        status, answer = http(api, method="POST", body=body, headers={
-            **own, "X-Ackflow-Replay": "1", "Origin": "http://evil.example"})
+        status, answer = http(
+            api,
+            method="POST",
+            body=body,
+            headers={**own, "X-Ackflow-Replay": "1", "Origin": "http://evil.example"},
+        )
         assert status == 403 and b"cross-site" in answer
-        status, _ = http(api, method="POST", body=body, headers={**own, "X-Ackflow-Replay": "1"}
-                         | {"Origin": "null"})
+        status, _ = http(
+            api, method="POST", body=body, headers={**own, "X-Ackflow-Replay": "1"} | {"Origin": "null"}
+        )
         assert status == 403
-        status, _ = http(api, method="POST", body=body, headers={
-            **own, "X-Ackflow-Replay": "1", "Host": f"evil.example:{port}",
-            "Origin": f"http://evil.example:{port}"})  # DNS rebinding: a foreign Host
+        status, _ = http(
+            api,
+            method="POST",
+            body=body,
+            headers={
+                **own,
+                "X-Ackflow-Replay": "1",
+                "Host": f"evil.example:{port}",
+                "Origin": f"http://evil.example:{port}",
+            },
+        )  # DNS rebinding: a foreign Host
         assert status == 421
         assert http(url + "api/status", headers={"Host": f"evil.example:{port}"})[0] == 421
         assert http(api, headers=own)[0] == 405  # GET is no replay
@@ -266,13 +298,16 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         # which this server never grants, so the request is not sent
         other = browser.new_page()
         other.goto("about:blank")
-        outcome = other.evaluate("""async ([api, body]) => {
+        outcome = other.evaluate(
+            """async ([api, body]) => {
             try {
               const r = await fetch(api, {method: "POST", body,
                 headers: {"Content-Type": "application/json", "X-Ackflow-Replay": "1"}});
               return "sent: " + r.status;
             } catch (e) { return "blocked: " + e.message; }
-        }""", [api, body.decode()])
+        }""",
+            [api, body.decode()],
+        )
         other.close()
         assert outcome.startswith("blocked"), outcome
         check = EmbeddedQueue(db, readonly=True)
@@ -282,8 +317,7 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         reject.unlink()
         poison.locator("input.dl-select").check()
         page.click("#replay")
-        wait_js(page, "() => document.getElementById('replay-status').textContent"
-                      ".startsWith('replayed 1')")
+        wait_js(page, "() => document.getElementById('replay-status').textContent.startsWith('replayed 1')")
         assert wait_until(lambda: any(r["n"] == -1 for r in sink.rows), 60)
         assert [d.msg_id for d in check.dead_letters("orders")] == ["broken-1"]
         check.close()
@@ -291,12 +325,15 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         wait_js(page, "() => document.querySelector('#dead-letters tr.replayed') !== null")
         assert "replayed" in rows.filter(has_text="poison-1").text_content()
         assert rows.filter(has_text="broken-1").locator("input.dl-select").is_enabled()
-        again = page.evaluate("""async (id) => {
+        again = page.evaluate(
+            """async (id) => {
             const r = await fetch("/api/replay", {method: "POST", body: JSON.stringify({ids: [id]}),
               headers: {"Content-Type": "application/json", "X-Ackflow-Replay": "1",
                         "X-Ackflow-Replay-Token": sessionStorage.getItem("ackflow-replay-token")}});
             return [r.status, await r.json()];
-        }""", poison_id)
+        }""",
+            poison_id,
+        )
         assert again == [200, {"replayed": 0, "ids": [], "skipped": [poison_id], "kept": {}}]
         assert page.errors == []
     finally:
@@ -318,8 +355,9 @@ def bodies(n: int) -> list[bytes]:
 
 def rows_by_step(flow: ackflow.Flow, **engine: object) -> dict:
     """Run ``flow`` with the status page on; the rows per step of its last snapshot."""
-    run = Engine(flow, batch_size=25, max_inflight=100, until_idle=0.3, ui_port=0,
-                 handle_signals=False, **engine)
+    run = Engine(
+        flow, batch_size=25, max_inflight=100, until_idle=0.3, ui_port=0, handle_signals=False, **engine
+    )
     run.run()
     assert run.board is not None
     return run.board.current()[1]["rows_by_step"]
@@ -334,10 +372,13 @@ def test_rows_in_out_and_failed_per_step_are_counted_in_the_tasks():
         return row
 
     sink = FailingSink(fail_if=lambda r: r["n"] % 11 == 0, name="out")
-    flow = (ackflow.Flow(ListSource(bodies(100))).map(check, name="check")
-            .filter(lambda r: r["n"] % 2 == 0, name="even")
-            .flat_map(lambda r: [{"n": r["n"], "k": k} for k in range(3)], name="three")
-            .to(sink))
+    flow = (
+        ackflow.Flow(ListSource(bodies(100)))
+        .map(check, name="check")
+        .filter(lambda r: r["n"] % 2 == 0, name="even")
+        .flat_map(lambda r: [{"n": r["n"], "k": k} for k in range(3)], name="three")
+        .to(sink)
+    )
     good = [n for n in range(100) if n % 10 != 9 and n % 7 != 0]
     even = [n for n in good if n % 2 == 0]
     refused = 3 * sum(1 for n in even if n % 11 == 0)
@@ -353,12 +394,15 @@ def test_rows_in_out_and_failed_per_step_are_counted_in_the_tasks():
 
 @pytest.mark.spark
 def test_rows_around_spark_steps_are_read_off_their_neighbours(spark):
-    flow = (ackflow.Flow(ListSource(bodies(60))).map(lambda r: {"n": r["n"], "g": r["n"] % 4},
-                                                      name="tag")
-            .group_by("g").agg("count(*) AS c", name="per_g")
-            .with_columns({"d": "c * 2"}, name="double")
-            .map(lambda r: {**r, "e": 1}, name="after")  # its sampler runs tag again: uncounted
-            .to(MemorySink()))
+    flow = (
+        ackflow.Flow(ListSource(bodies(60)))
+        .map(lambda r: {"n": r["n"], "g": r["n"] % 4}, name="tag")
+        .group_by("g")
+        .agg("count(*) AS c", name="per_g")
+        .with_columns({"d": "c * 2"}, name="double")
+        .map(lambda r: {**r, "e": 1}, name="after")  # its sampler runs tag again: uncounted
+        .to(MemorySink())
+    )
     rows = rows_by_step(flow, spark=spark)
     groups = rows["memory"]["in"]
     assert 4 <= groups <= 4 * 3  # each batch of 25 groups its own rows (at most 4 groups)
@@ -375,9 +419,20 @@ def board_with_a_dead_letter(body: bytes) -> StatusBoard:
     board = StatusBoard(flow, RunReport())
     d = Delivery(1, "m-1", body, delivery_count=3)
     board.failed(d, Failure("parse", f"ValueError: no good ({SECRET_DSN})"), "dead_lettered")
-    board.publish(EngineFacts(state="running", in_flight=0, max_inflight=10, throttled=False,
-                              throttle_episodes=0, batching=0, jobs=(), held=0, connected=True,
-                              source={"url": "amqp://user:hunter2@broker:5672/%2F"}))
+    board.publish(
+        EngineFacts(
+            state="running",
+            in_flight=0,
+            max_inflight=10,
+            throttled=False,
+            throttle_episodes=0,
+            batching=0,
+            jobs=(),
+            held=0,
+            connected=True,
+            source={"url": "amqp://user:hunter2@broker:5672/%2F"},
+        )
+    )
     return board
 
 
@@ -390,19 +445,25 @@ def test_replay_is_off_unless_allowed_and_previews_are_bounded(page):
         url = server.url
         status, raw = http(url + "api/status")
         snap = json.loads(raw)
-        assert status == 200 and snap["replay"] == {"allowed": False, "supported": False,
-                                                    "enabled": False, "replayed": []}
+        assert status == 200 and snap["replay"] == {
+            "allowed": False,
+            "supported": False,
+            "enabled": False,
+            "replayed": [],
+        }
         (dl,) = snap["dead_letters"]
         assert len(dl["body"]) == PREVIEW_BYTES and dl["truncated"] and dl["body_bytes"] == len(body)
         assert "hunter2" not in raw.decode() and "s3cret" not in raw.decode()
         assert snap["source"]["details"]["url"] == "amqp://user:***@broker:5672/%2F"
-        status, answer = http(url + "api/replay", method="POST", body=b'{"ids": [1]}', headers={
-            "Content-Type": "application/json", "X-Ackflow-Replay": "1",
-            "Origin": url.rstrip("/")})
+        status, answer = http(
+            url + "api/replay",
+            method="POST",
+            body=b'{"ids": [1]}',
+            headers={"Content-Type": "application/json", "X-Ackflow-Replay": "1", "Origin": url.rstrip("/")},
+        )
         assert status == 403 and b"replay is off" in answer
         page.goto(url)
-        wait_js(page, "() => document.querySelectorAll('#dead-letters tbody tr').length === 1",
-                timeout_s=20)
+        wait_js(page, "() => document.querySelectorAll('#dead-letters tbody tr').length === 1", timeout_s=20)
         assert page.locator("#replay").is_disabled()
         assert page.locator("input.dl-select").is_disabled()
         assert page.text_content("#replay-note") == "this source cannot replay dead letters"
@@ -454,18 +515,36 @@ def test_ackflow_run_serves_the_page_with_ui_port(tmp_path):
 
     db = str(tmp_path / "q.db")
     publish(db, 0, 300)
-    (tmp_path / "flow.py").write_text(textwrap.dedent(f'''
+    (tmp_path / "flow.py").write_text(
+        textwrap.dedent(f"""
         import ackflow
         from ackflow.sinks import MemorySink
         from ackflow.sources import EmbeddedQueue
 
         flow = ackflow.Flow(EmbeddedQueue({db!r}, "orders")).to(MemorySink())
-    '''))
+    """)
+    )
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ackflow.cli", "run", "flow.py:flow",
-                             "--ui-port", str(port), "--until-idle", "3", "--json",
-                             "--master", "local[2]"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ackflow.cli",
+            "run",
+            "flow.py:flow",
+            "--ui-port",
+            str(port),
+            "--until-idle",
+            "3",
+            "--json",
+            "--master",
+            "local[2]",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen: dict = {}
 
     def finished() -> bool:

@@ -14,16 +14,32 @@ if TYPE_CHECKING:  # imported on first use (ackflow/_lazy.py): Spark's workers s
     from ackflow.engine import RunReport, run
     from ackflow.flow import Flow, branch, merge
 
-__getattr__, __dir__ = lazy(__name__, {
-    "RunReport": "ackflow.engine:RunReport",
-    "run": "ackflow.engine:run",
-    "Flow": "ackflow.flow:Flow",
-    "branch": "ackflow.flow:branch",
-    "merge": "ackflow.flow:merge",
-    # submodules the eager imports used to load as a side effect: ``ackflow.sinks.X``
-    **{m: f"ackflow.{m}" for m in ("core", "embedded", "engine", "faults", "flow",
-                                   "observe", "sinks", "sources", "spark", "testing")},
-})
+__getattr__, __dir__ = lazy(
+    __name__,
+    {
+        "RunReport": "ackflow.engine:RunReport",
+        "run": "ackflow.engine:run",
+        "Flow": "ackflow.flow:Flow",
+        "branch": "ackflow.flow:branch",
+        "merge": "ackflow.flow:merge",
+        # submodules the eager imports used to load as a side effect: ``ackflow.sinks.X``
+        **{
+            m: f"ackflow.{m}"
+            for m in (
+                "core",
+                "embedded",
+                "engine",
+                "faults",
+                "flow",
+                "observe",
+                "sinks",
+                "sources",
+                "spark",
+                "testing",
+            )
+        },
+    },
+)
 
 
 def session(master: str | None = None, conf: dict[str, object] | None = None) -> object:

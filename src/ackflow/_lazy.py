@@ -13,8 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def lazy(package: str, names: dict[str, str]) -> tuple[Callable[[str], Any],
-                                                        Callable[[], list[str]]]:
+def lazy(package: str, names: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for ``package``: ``names`` maps each attribute
     to ``"module:attribute"``, or to ``"module"`` for a submodule."""
 

@@ -6,196 +6,15 @@ import argparse
 import importlib.util
 import json
 import logging
-import math
 import os
 import sys
 from typing import Any
 
+from ackflow.cli_args import parser
 from ackflow.core.errors import AckflowError, ConfigError
 from ackflow.core.secrets import redact
 
 log = logging.getLogger("ackflow")
-
-
-def _number(kind: type, low: float | None, high: float | None, what: str) -> Any:
-    """An argparse type: a finite number of ``kind`` within [low, high], or a clear
-    error (``nan`` and ``inf`` are refused: ``--until-idle nan`` would never end)."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected {what} (a finite number), got {text!r}")
-        if low is not None and high is not None and not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
-        if low is not None and value < low:
-            raise argparse.ArgumentTypeError(
-                f"must be at least {low}, got {value}" if low else
-                f"must not be negative, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _number(int, 1, None, "a whole number")
-_seconds = _number(float, 0, None, "seconds")
-_rate = _number(float, 0, 1, "a number between 0 and 1")
-_port = _number(int, 0, 65535, "a TCP port")
-
-
-def _engine_options(p: argparse.ArgumentParser, batch: int, inflight: int) -> None:
-    p.add_argument("--batch-size", type=_positive_int, default=batch,
-                   help=f"messages per Spark job (default {batch})")
-    p.add_argument("--max-inflight", type=_positive_int, default=inflight,
-                   help=f"unsettled messages at most; pulling stops when full (default {inflight})")
-    p.add_argument("--max-concurrent-batches", type=_positive_int, default=2,
-                   help="Spark jobs in flight at once (default 2)")
-    p.add_argument("--drain-timeout", type=_seconds, default=60.0,
-                   help="on SIGINT/SIGTERM, seconds to let running batches finish (default 60)")
-    p.add_argument("--systemic-stop-after", type=_seconds, default=300.0, metavar="SECONDS",
-                   help="stop the run when every message has failed the same way at one step "
-                        "for this long; they are given back, never dead-lettered (default 300)")
-    p.add_argument("--schema-mode", choices=("evolve", "rescue", "freeze"), default="evolve",
-                   help="rows that bring new fields or wider types: evolve the columns "
-                        "(default), keep what does not fit in a _rescued JSON column, or "
-                        "freeze the columns and fail such messages")
-    p.add_argument("--state-dir", default=None, metavar="DIR",
-                   help="where the flow's columns are kept and versioned (DIR/schemas.db; "
-                        "default: beside a sink's or the source's own state)")
-    p.add_argument("--master", default=None, help="Spark master (default local[*])")
-    p.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on this port (off by default)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address for the metrics port (default 127.0.0.1)")
-    p.add_argument("--ui-port", type=_port, default=None,
-                   metavar="PORT", help="serve the live status page on this port (off by default)")
-    p.add_argument("--ui-host", default="127.0.0.1",
-                   help="address for the status page (default 127.0.0.1)")
-    p.add_argument("--ui-allow-replay", action="store_true",
-                   help="let the status page replay dead letters (embedded queue; off by default)")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.add_argument("-v", "--verbose", action="store_true", help="log every failure")
-
-
-def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(
-        prog="ackflow",
-        description="Acknowledged streaming pipelines on Apache Spark.",
-    )
-    from ackflow import __version__
-
-    top.add_argument("--version", action="version", version=f"ackflow {__version__}")
-    sub = top.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="run the demo pipeline on an embedded queue")
-    demo.add_argument("--messages", type=_positive_int, default=100_000,
-                      help="order events to publish (default 100000)")
-    demo.add_argument("--poison-rate", type=_rate, default=0.01,
-                      help="share of malformed or invalid events (default 0.01)")
-    demo.add_argument("--workdir", default="ackflow-demo",
-                      help="directory for the queue and the output (default ./ackflow-demo)")
-    demo.add_argument("--resume", action="store_true",
-                      help="process what is already queued in --workdir; publish nothing")
-    demo.add_argument("--until-idle", type=_seconds, default=3.0,
-                      help="stop after this many seconds without messages (default 3)")
-    demo.add_argument("--seed", type=int, default=7, help="random seed of the events")
-    demo.add_argument("--sink", choices=("parquet", "delta", "iceberg"), default=None,
-                      help="where the line items go: Parquet (default), a Delta Lake table, or "
-                      "an Iceberg table (SQL catalog on SQLite); --resume keeps the demo's own")
-    demo.add_argument("--source", choices=("embedded", "rabbitmq"), default="embedded",
-                      help="where the orders are queued (default: the embedded queue)")
-    demo.add_argument("--amqp-url", default=None,
-                      help="RabbitMQ URL for --source rabbitmq (amqp://user:pass@host:5672/%%2F)")
-    _engine_options(demo, 5000, 20000)
-
-    run = sub.add_parser("run", help="run a flow defined in a Python file")
-    run.add_argument("target", help="path/to/file.py:name (a Flow, or a function returning one)")
-    run.add_argument("--until-idle", type=_seconds, default=None,
-                     help="stop after this many seconds without messages (default: run until a signal)")
-    _engine_options(run, 2000, 10000)
-
-    queue = sub.add_parser("queue", help="inspect or repair an embedded queue")
-    qsub = queue.add_subparsers(dest="action", required=True)
-    for name, text in (("stats", "counts: ready, leased, delayed, dead-lettered, totals"),
-                       ("peek", "show the first messages"),
-                       ("dead-letters", "show dead letters with their step and error"),
-                       ("replay", "move dead letters back to the queue for another try")):
-        q = qsub.add_parser(name, help=text)
-        q.add_argument("--db", required=True, help="path of the queue file")
-        q.add_argument("--queue", required=True, help="queue name")
-        q.add_argument("--json", action="store_true", help="print JSON")
-        if name in ("peek", "dead-letters"):
-            q.add_argument("--limit", type=_positive_int, default=10)
-        if name == "replay":
-            q.add_argument("--id", type=_number(int, 0, None, "a dead-letter id"), action="append",
-                           dest="ids",
-                           help="replay only this dead letter (repeatable); default all")
-
-    dlq = sub.add_parser(
-        "dlq", help="read or replay a RabbitMQ dead-letter queue",
-        description="Read or replay the dead letters a RabbitMQ source left in a queue "
-                    "(see docs/tools.md). The URL comes from --url or ACKFLOW_AMQP_URL.")
-    dsub = dlq.add_subparsers(dest="action", required=True)
-    peek = dsub.add_parser(
-        "peek", help="show dead letters, leaving the queue as it was",
-        description="Show the first messages of QUEUE: message id, ackflow's failure headers "
-                    "(step, error, deliveries) and a body preview. No delivery is spent and "
-                    "no message is left redelivered: the queue is rotated once (each "
-                    "message copied to its tail with confirms, then the original acked).")
-    rep = dsub.add_parser(
-        "replay", help="send dead letters back for another try",
-        description="Publish each dead letter of QUEUE to --to with ackflow's x-ackflow-* "
-                    "headers and the broker's x-death/x-delivery-count removed and its "
-                    "message_id kept; each dead letter is acked only after the broker "
-                    "confirmed its copy (a crash duplicates at most one message, never "
-                    "loses one).")
-    for d in (peek, rep):
-        d.add_argument("queue", help="the dead-letter queue")
-        d.add_argument("--url", default=os.environ.get("ACKFLOW_AMQP_URL"),
-                       help="amqp://user:pass@host:5672/%%2F (default $ACKFLOW_AMQP_URL)")
-        d.add_argument("--json", action="store_true", help="print JSON")
-    peek.add_argument("--count", type=_positive_int, default=10,
-                      help="messages to show (default 10)")
-    peek.add_argument("--window", type=_positive_int, default=500,
-                      help="copies confirmed at a time (default 500; a crash mid-peek "
-                           "leaves at most this many messages twice)")
-    rep.add_argument("--to", required=True, metavar="TARGET",
-                     help="a queue, or an exchange (write queue:NAME or exchange:NAME if "
-                          "both exist)")
-    rep.add_argument("--routing-key", default=None,
-                     help="for an exchange target (default: the queue the message was "
-                          "dead-lettered from)")
-    rep.add_argument("--count", type=_positive_int, default=None,
-                     help="replay at most this many (default: all the queue holds now)")
-    rep.add_argument("--window", type=_positive_int, default=1,
-                     help="copies confirmed at a time (default 1: a crash duplicates at most "
-                          "one message; larger is faster, and a crash duplicates at most "
-                          "this many)")
-
-    servers = sub.add_parser(
-        "servers", help="start throwaway RabbitMQ and PostgreSQL on loopback",
-        description="Start throwaway servers on 127.0.0.1 (free ports, data in a temporary "
-                    "directory), print their URLs, and stop them on Ctrl-C or SIGTERM. Same "
-                    "as python -m ackflow.servers.")
-    servers.add_argument("which", nargs="*", metavar="rabbitmq|postgres",
-                         help="which servers (default: both)")
-
-    schema = sub.add_parser("schema", help="show a flow's stored columns and their history")
-    ssub = schema.add_subparsers(dest="action", required=True)
-    for name, text in (("show", "the current columns of each step"),
-                       ("history", "every version: its changes, when, and the message that "
-                                   "brought it")):
-        s = ssub.add_parser(name, help=text)
-        s.add_argument("store", help="the schema store: a state directory or its schemas.db")
-        s.add_argument("--step", default=None, help="only this segment (as listed)")
-        s.add_argument("--json", action="store_true", help="print JSON")
-
-    docs = sub.add_parser("docs", help="build the documentation site and serve it on 127.0.0.1 "
-                                       "(needs the dev extras: MkDocs)")
-    docs.add_argument("--port", type=_port, default=8000, help="port to serve on (default 8000)")
-    return top
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -209,8 +28,9 @@ def cmd_schema(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if args.step is not None:
-        versions = [v for v in versions if v["segment"] == args.step or
-                    v["segment"].endswith(f":{args.step}")]
+        versions = [
+            v for v in versions if v["segment"] == args.step or v["segment"].endswith(f":{args.step}")
+        ]
     if args.action == "show":
         latest: dict[str, dict[str, Any]] = {}
         for v in versions:
@@ -232,8 +52,11 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
@@ -243,9 +66,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.ui_port is not None:
         host = "127.0.0.1" if args.ui_host in ("", "0.0.0.0", "::") else args.ui_host
         host = f"[{host}]" if ":" in host else host
-        print(f"status page: http://{host}:{args.ui_port}/"
-              + (" (port 0: the chosen port is logged with -v)" if args.ui_port == 0 else ""),
-              file=sys.stderr)
+        print(
+            f"status page: http://{host}:{args.ui_port}/"
+            + (" (port 0: the chosen port is logged with -v)" if args.ui_port == 0 else ""),
+            file=sys.stderr,
+        )
     return {
         "batch_size": args.batch_size,
         "max_inflight": args.max_inflight,
@@ -287,14 +112,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         if not args.json:
             print(f"publishing {args.messages:,} order events to {paths.db} ...", file=sys.stderr)
-        published = demo.publish(paths, args.messages, args.poison_rate, args.seed,
-                                 rabbit)["messages"]
+        published = demo.publish(paths, args.messages, args.poison_rate, args.seed, rabbit)["messages"]
     with open(paths.manifest) as f:
         total = json.load(f)["messages"]
     spark = session(args.master)
     bar = ProgressBar(total=None if args.resume else total)
-    report = Engine(demo.build_flow(paths, rabbit), spark=spark, progress=bar,
-                    **_engine_kwargs(args)).run()
+    report = Engine(demo.build_flow(paths, rabbit), spark=spark, progress=bar, **_engine_kwargs(args)).run()
     bar.close()
     check = demo.verify(paths, rabbit)
     summary = {
@@ -332,12 +155,13 @@ def _demo_text(s: dict[str, Any], paths: Any) -> str:
         f"  rows written     {s['rows_written']:>10,}   in {s['batches']} batches",
     ]
     if s["recovered"]:
-        lines.append(f"  recovered        {s['recovered']:>10,}   in flight at a crash: "
-                     "processed again (their rows may appear twice)")
+        lines.append(
+            f"  recovered        {s['recovered']:>10,}   in flight at a crash: "
+            "processed again (their rows may appear twice)"
+        )
     lines += [
         "check against what was published:",
-        f"  valid orders in {where:<9} {c['valid_orders_in_parquet']:,} of "
-        f"{c['valid_orders_expected']:,}",
+        f"  valid orders in {where:<9} {c['valid_orders_in_parquet']:,} of {c['valid_orders_expected']:,}",
         f"  line items in {where:<11} {c['line_items_in_parquet']:,} of "
         f"{c['line_items_expected']:,} ({c['duplicate_rows']:,} duplicate rows)",
         f"  poison dead-lettered      {c['poison_dead_lettered']:,} of {c['poison_expected']:,}"
@@ -360,8 +184,7 @@ def check_flow_file(target: str) -> None:
         with open(path, "rb") as f:
             compile(f.read(), path, "exec")
     except SyntaxError as e:
-        raise ConfigError(f"flow file {path!r} has a syntax error at line {e.lineno}: "
-                          f"{e.msg}") from None
+        raise ConfigError(f"flow file {path!r} has a syntax error at line {e.lineno}: {e.msg}") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"flow file {path!r} cannot be read: {e}") from None
 
@@ -381,8 +204,10 @@ def load_flow(target: str) -> Any:
     try:
         spec.loader.exec_module(module)  # (syntax errors: check_flow_file, before Spark)
     except Exception as e:  # noqa: BLE001 - the user's module failed to load: say so, once
-        raise ConfigError(f"flow file {path!r} failed to load: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ConfigError(
+            f"flow file {path!r} failed to load: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     from pyspark import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)  # executors need not import the file
@@ -422,7 +247,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
             f"--db {redact(args.db)!r} is a URL, not a queue file: `ackflow queue` works on "
             "the embedded queue's SQLite file (a path). RabbitMQ keeps dead letters in the "
             "queue its dead-letter exchange routes to: read them with `ackflow dlq peek QUEUE "
-            "--url URL` and replay them with `ackflow dlq replay`")
+            "--url URL` and replay them with `ackflow dlq replay`"
+        )
     if not os.path.exists(args.db):
         raise ConfigError(f"queue file {redact(args.db)!r} does not exist")
     EmbeddedQueue(args.db, readonly=True).close()  # a foreign file is refused, unchanged
@@ -433,34 +259,46 @@ def cmd_queue(args: argparse.Namespace) -> int:
             text = "\n".join(f"{k:16} {v:,}" for k, v in out.items())
         elif args.action == "peek":
             out = q.peek(args.queue, args.limit)
-            text = "\n".join(
-                f"#{m['id']} {m['msg_id'] or ''} deliveries={m['deliveries']}"
-                f"{' leased' if m['leased'] else ''} {m['body'][:120]}"
-                + (f"\n    last error: {m['last_error']}" if m["last_error"] else "")
-                for m in out
-            ) or "(empty)"
+            text = (
+                "\n".join(
+                    f"#{m['id']} {m['msg_id'] or ''} deliveries={m['deliveries']}"
+                    f"{' leased' if m['leased'] else ''} {m['body'][:120]}"
+                    + (f"\n    last error: {m['last_error']}" if m["last_error"] else "")
+                    for m in out
+                )
+                or "(empty)"
+            )
         elif args.action == "dead-letters":
             out = [d.as_json() for d in q.dead_letters(args.queue, args.limit)]
-            text = "\n".join(
-                f"#{d['id']} {d['msg_id'] or ''} after {d['deliveries']} deliveries, "
-                f"step {d['step']!r}: {d['error']}\n    body: {d['body'][:120]}"
-                for d in out
-            ) or "(no dead letters)"
+            text = (
+                "\n".join(
+                    f"#{d['id']} {d['msg_id'] or ''} after {d['deliveries']} deliveries, "
+                    f"step {d['step']!r}: {d['error']}\n    body: {d['body'][:120]}"
+                    for d in out
+                )
+                or "(no dead letters)"
+            )
         else:
             done = q.replay_each(args.queue, args.ids)
-            out = {"replayed": len(done.moved),
-                   "kept": [{"id": i, "reason": why} for i, why in done.kept.items()]}
-            text = "\n".join([f"moved {len(done.moved)} dead letters back to queue "
-                               f"{args.queue!r}"]
-                              + [f"#{i} {why}" for i, why in done.kept.items()])
+            out = {
+                "replayed": len(done.moved),
+                "kept": [{"id": i, "reason": why} for i, why in done.kept.items()],
+            }
+            text = "\n".join(
+                [f"moved {len(done.moved)} dead letters back to queue {args.queue!r}"]
+                + [f"#{i} {why}" for i, why in done.kept.items()]
+            )
     finally:
         q.close()
     print(json.dumps(out) if args.json else text)
     return 0
 
 
-DOCS_PACKAGES = {"mkdocs": "mkdocs", "material": "mkdocs-material",
-                 "mkdocstrings_handlers.python": "mkdocstrings[python]"}
+DOCS_PACKAGES = {
+    "mkdocs": "mkdocs",
+    "material": "mkdocs-material",
+    "mkdocstrings_handlers.python": "mkdocstrings[python]",
+}
 
 
 def _find_spec(name: str) -> Any:
@@ -478,8 +316,10 @@ def docs_config() -> str:
         path = os.path.normpath(os.path.join(folder, "mkdocs.yml"))
         if os.path.isfile(path):
             return path
-    raise ConfigError("no mkdocs.yml here: run 'ackflow docs' in a checkout of ackflow "
-                      "(the documentation is built from its docs/ folder)")
+    raise ConfigError(
+        "no mkdocs.yml here: run 'ackflow docs' in a checkout of ackflow "
+        "(the documentation is built from its docs/ folder)"
+    )
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
@@ -489,18 +329,30 @@ def cmd_docs(args: argparse.Namespace) -> int:
 
     missing = [pkg for mod, pkg in DOCS_PACKAGES.items() if _find_spec(mod) is None]
     if missing:
-        raise ConfigError(f"the docs need {', '.join(missing)}, which are not installed: "
-                          "pip install -e '.[dev]' in the checkout (or pip install "
-                          "mkdocs mkdocs-material 'mkdocstrings[python]')")
+        raise ConfigError(
+            f"the docs need {', '.join(missing)}, which are not installed: "
+            "pip install -e '.[dev]' in the checkout (or pip install "
+            "mkdocs mkdocs-material 'mkdocstrings[python]')"
+        )
     config = docs_config()
     root = os.path.dirname(config)
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(root, "src"),
-                                                    env.get("PYTHONPATH")) if p)
-    print(f"ackflow: serving the docs of {root} on http://127.0.0.1:{args.port}/ (Ctrl-C stops)",
-          file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "mkdocs", "serve", "--config-file", config,
-           "--dev-addr", f"127.0.0.1:{args.port}"]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(root, "src"), env.get("PYTHONPATH")) if p)
+    print(
+        f"ackflow: serving the docs of {root} on http://127.0.0.1:{args.port}/ (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "mkdocs",
+        "serve",
+        "--config-file",
+        config,
+        "--dev-addr",
+        f"127.0.0.1:{args.port}",
+    ]
     try:
         return subprocess.call(cmd, cwd=root, env=env)
     except KeyboardInterrupt:
@@ -511,30 +363,47 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     from ackflow import dlq
 
     if not args.url:
-        raise ConfigError("give the broker's URL: --url amqp://user:pass@host:5672/%2F, or "
-                          "set ACKFLOW_AMQP_URL")
+        raise ConfigError(
+            "give the broker's URL: --url amqp://user:pass@host:5672/%2F, or set ACKFLOW_AMQP_URL"
+        )
     if args.action == "peek":
-        shown = dlq.peek(args.url, args.queue, args.count, window=args.window,
-                         progress=None if args.json else dlq.print_progress("read"))
+        shown = dlq.peek(
+            args.url,
+            args.queue,
+            args.count,
+            window=args.window,
+            progress=None if args.json else dlq.print_progress("read"),
+        )
         if args.json:
             print(json.dumps([d.as_json() for d in shown]))
             return 0
         for d in shown:
-            how = (f"step {d.step!r} after {d.deliveries} deliveries: {d.error}" if d.step
-                   else f"dead-lettered by the broker ({d.reason or 'no reason'})")
+            how = (
+                f"step {d.step!r} after {d.deliveries} deliveries: {d.error}"
+                if d.step
+                else f"dead-lettered by the broker ({d.reason or 'no reason'})"
+            )
             origin = f" from {d.source_queue!r}" if d.source_queue else ""
             print(f"{d.message_id or '(no message_id)'}{origin}: {how}\n    body: {d.preview()}")
         if not shown:
             print(f"(queue {args.queue!r} is empty)")
         return 0
-    done = dlq.replay(args.url, args.queue, args.to, count=args.count,
-                      routing_key=args.routing_key, window=args.window,
-                      progress=None if args.json else dlq.print_progress("replayed"))
+    done = dlq.replay(
+        args.url,
+        args.queue,
+        args.to,
+        count=args.count,
+        routing_key=args.routing_key,
+        window=args.window,
+        progress=None if args.json else dlq.print_progress("replayed"),
+    )
     if args.json:
         print(json.dumps(done.as_json()))
     else:
-        print(f"replayed {done.replayed:,} messages from {args.queue!r} to {done.target}; "
-              f"{done.left:,} left in {args.queue!r}")
+        print(
+            f"replayed {done.replayed:,} messages from {args.queue!r} to {done.target}; "
+            f"{done.left:,} left in {args.queue!r}"
+        )
     return 0
 
 

@@ -43,8 +43,10 @@ class DemoPaths:
     def output(self) -> str:
         """The Parquet folder, the Delta table, or the Iceberg warehouse (with the
         catalog ``catalog.db`` in it)."""
-        return os.path.join(self.workdir, {"parquet": "orders.parquet", "delta": "orders.delta",
-                                           "iceberg": "iceberg"}[self.sink])
+        return os.path.join(
+            self.workdir,
+            {"parquet": "orders.parquet", "delta": "orders.delta", "iceberg": "iceberg"}[self.sink],
+        )
 
     @property
     def catalog(self) -> str:
@@ -122,8 +124,9 @@ def poison_body(i: int, rng: random.Random) -> tuple[bytes, str]:
     return json.dumps(event).encode(), "validate"
 
 
-def publish(paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7,
-            rabbit: RabbitDemo | None = None) -> dict[str, Any]:
+def publish(
+    paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7, rabbit: RabbitDemo | None = None
+) -> dict[str, Any]:
     """Start afresh in ``paths.workdir``: queue ``messages`` orders (in the embedded
     queue, or in RabbitMQ); return the manifest."""
     kept = os.path.join(paths.workdir, "dead_letters.jsonl")  # RabbitMQ's, from a last run
@@ -155,8 +158,7 @@ def publish(paths: DemoPaths, messages: int, poison_rate: float, seed: int = 7,
             q.publish(QUEUE, bodies, msg_ids=ids)  # one transaction: all or nothing
         finally:
             q.close()
-    manifest = {"messages": messages, "poison": poison, "valid_items": valid_items,
-                "sink": paths.sink}
+    manifest = {"messages": messages, "poison": poison, "valid_items": valid_items, "sink": paths.sink}
     with open(paths.manifest + ".tmp", "w") as f:
         json.dump(manifest, f)
     os.replace(paths.manifest + ".tmp", paths.manifest)  # the demo exists once this is here
@@ -203,8 +205,7 @@ def build_flow(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> Flow:
         Flow(source)
         .map(validate, name="validate")
         .flat_map(line_items, name="items")
-        .with_columns(total="CAST(qty * price AS DECIMAL(12, 2))",
-                      day="to_date(ts)", name="totals")
+        .with_columns(total="CAST(qty * price AS DECIMAL(12, 2))", day="to_date(ts)", name="totals")
         .to(paths.make_sink())
     )
 
@@ -229,8 +230,9 @@ def verify(paths: DemoPaths, rabbit: RabbitDemo | None = None) -> dict[str, Any]
     if table is not None:
         rows = table.num_rows
         found_orders = set(table.column("order_id").to_pylist())
-        distinct = len(set(zip(table.column("order_id").to_pylist(),
-                               table.column("line").to_pylist(), strict=True)))
+        distinct = len(
+            set(zip(table.column("order_id").to_pylist(), table.column("line").to_pylist(), strict=True))
+        )
     else:
         distinct = 0
     expected_orders = manifest["messages"] - len(poison)
@@ -280,8 +282,9 @@ class RabbitDemo:
         try:
             conn = pika.BlockingConnection(pika.URLParameters(self.url))
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"cannot connect to RabbitMQ at {redact(self.url)}: "
-                              f"{type(e).__name__}: {redact(str(e))}") from None
+            raise ConfigError(
+                f"cannot connect to RabbitMQ at {redact(self.url)}: {type(e).__name__}: {redact(str(e))}"
+            ) from None
         ch = conn.channel()
         ch.exchange_declare(self.DLX, "fanout", durable=True)
         ch.queue_declare(self.DEAD, durable=True)
@@ -299,8 +302,9 @@ class RabbitDemo:
         ch.queue_purge(self.DEAD)
         conn.close()
         props = [pika.BasicProperties(delivery_mode=2, message_id=m) for m in ids]
-        failed = publish_confirmed(self.url, "", [(self.QUEUE, b, p)
-                                                  for b, p in zip(bodies, props, strict=True)])
+        failed = publish_confirmed(
+            self.url, "", [(self.QUEUE, b, p) for b, p in zip(bodies, props, strict=True)]
+        )
         if failed:
             raise RuntimeError(f"{len(failed)} demo messages were not confirmed by the broker")
 
@@ -318,10 +322,18 @@ class RabbitDemo:
                 if method is None:
                     break
                 h = props.headers or {}
-                f.write(json.dumps({"msg_id": props.message_id, "step": h.get("x-ackflow-step"),
-                                    "error": h.get("x-ackflow-error"),
-                                    "deliveries": h.get("x-ackflow-deliveries"),
-                                    "body": body.decode("utf-8", "replace")}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "msg_id": props.message_id,
+                            "step": h.get("x-ackflow-step"),
+                            "error": h.get("x-ackflow-error"),
+                            "deliveries": h.get("x-ackflow-deliveries"),
+                            "body": body.decode("utf-8", "replace"),
+                        }
+                    )
+                    + "\n"
+                )
                 f.flush()
                 ch.basic_ack(method.delivery_tag)
         left = ch.queue_declare(self.QUEUE, passive=True).method.message_count

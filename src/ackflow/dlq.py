@@ -90,10 +90,16 @@ class DeadLetter:
         return text if len(text) <= limit else text[:limit] + f"... ({len(self.body):,} bytes)"
 
     def as_json(self) -> dict[str, Any]:
-        return {"message_id": self.message_id, "step": self.step, "error": self.error,
-                "deliveries": self.deliveries, "source_queue": self.source_queue,
-                "reason": self.reason, "body": self.preview(10_000),
-                "headers": {k: _plain(v) for k, v in self.headers.items()}}
+        return {
+            "message_id": self.message_id,
+            "step": self.step,
+            "error": self.error,
+            "deliveries": self.deliveries,
+            "source_queue": self.source_queue,
+            "reason": self.reason,
+            "body": self.preview(10_000),
+            "headers": {k: _plain(v) for k, v in self.headers.items()},
+        }
 
 
 @dataclass
@@ -126,9 +132,16 @@ def dead_letter(props: Any, body: bytes) -> DeadLetter:
     if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
         source_queue = source_queue or _text(deaths[0].get("queue"))
         reason = _text(deaths[0].get("reason"))
-    return DeadLetter(message_id=props.message_id, body=body, headers=headers,
-                      step=text.get("x-ackflow-step"), error=text.get("x-ackflow-error"),
-                      deliveries=deliveries, source_queue=source_queue, reason=reason)
+    return DeadLetter(
+        message_id=props.message_id,
+        body=body,
+        headers=headers,
+        step=text.get("x-ackflow-step"),
+        error=text.get("x-ackflow-error"),
+        deliveries=deliveries,
+        source_queue=source_queue,
+        reason=reason,
+    )
 
 
 def stripped(headers: dict[str, Any] | None) -> dict[str, Any]:
@@ -139,9 +152,11 @@ def stripped(headers: dict[str, Any] | None) -> dict[str, Any]:
     ...           "x-delivery-count": 3, "tenant": "a"})
     {'tenant': 'a'}
     """
-    return {k: v for k, v in (headers or {}).items()
-            if not k.startswith(ACKFLOW_PREFIX) and k not in BROKER_HEADERS
-            and not k.startswith(BROKER_PREFIXES)}
+    return {
+        k: v
+        for k, v in (headers or {}).items()
+        if not k.startswith(ACKFLOW_PREFIX) and k not in BROKER_HEADERS and not k.startswith(BROKER_PREFIXES)
+    }
 
 
 #: copies :func:`peek` has in flight at once (a crash mid-peek leaves at most this many
@@ -149,8 +164,9 @@ def stripped(headers: dict[str, Any] | None) -> dict[str, Any]:
 PEEK_WINDOW = 500
 
 
-def peek(url: str, queue: str, count: int = 10, *, window: int = PEEK_WINDOW,
-         progress: Progress | None = None) -> list[DeadLetter]:
+def peek(
+    url: str, queue: str, count: int = 10, *, window: int = PEEK_WINDOW, progress: Progress | None = None
+) -> list[DeadLetter]:
     """The first ``count`` messages of ``queue``, leaving the queue as it was (see the
     module's docstring: the whole queue is rotated once, each copy confirmed before its
     original is acked; up to ``window`` copies are confirmed at a time).
@@ -176,8 +192,9 @@ def peek(url: str, queue: str, count: int = 10, *, window: int = PEEK_WINDOW,
         if total == 0:
             return seen
         mark = uuid.uuid4().hex
-        ch.basic_publish("", queue, b"", pika.BasicProperties(
-            delivery_mode=2, headers={PEEK_END: mark}), mandatory=True)
+        ch.basic_publish(
+            "", queue, b"", pika.BasicProperties(delivery_mode=2, headers={PEEK_END: mark}), mandatory=True
+        )
         n, turned = 0, False
         while not turned:
             batch: list[tuple[int, str, bytes, Any]] = []
@@ -201,10 +218,12 @@ def peek(url: str, queue: str, count: int = 10, *, window: int = PEEK_WINDOW,
                 continue
             failed = _send(url, ch, "", batch)
             if failed:
-                raise ConfigError(f"peek: the broker did not take the copy of message "
-                                  f"{n + min(failed) + 1} of queue {queue!r} "
-                                  f"({next(iter(failed.values()))}); the messages not copied "
-                                  "are given back to the queue (marked redelivered)")
+                raise ConfigError(
+                    f"peek: the broker did not take the copy of message "
+                    f"{n + min(failed) + 1} of queue {queue!r} "
+                    f"({next(iter(failed.values()))}); the messages not copied "
+                    "are given back to the queue (marked redelivered)"
+                )
             faults.point("dlq.peek_copied")
             for tag, *_ in batch:
                 ch.basic_ack(tag)
@@ -216,9 +235,16 @@ def peek(url: str, queue: str, count: int = 10, *, window: int = PEEK_WINDOW,
         _close(conn)
 
 
-def replay(url: str, queue: str, to: str, *, count: int | None = None,
-           routing_key: str | None = None, window: int = 1,
-           progress: Progress | None = None) -> Replayed:
+def replay(
+    url: str,
+    queue: str,
+    to: str,
+    *,
+    count: int | None = None,
+    routing_key: str | None = None,
+    window: int = 1,
+    progress: Progress | None = None,
+) -> Replayed:
     """Move up to ``count`` dead letters (default: all that ``queue`` held at the start)
     to ``to``, each with its past stripped (:func:`stripped`) and its ``message_id``
     kept; each dead letter is acked only after the broker confirmed its copy.
@@ -264,9 +290,9 @@ def replay(url: str, queue: str, to: str, *, count: int | None = None,
                         raise ConfigError(
                             f"replay: message {props.message_id or '(no message_id)'} carries "
                             "no x-ackflow-queue or x-death header to route it by: give "
-                            f"--routing-key ({done.replayed} replayed before it)")
-                batch.append((method.delivery_tag, key, body,
-                              _props(props, stripped(props.headers) or None)))
+                            f"--routing-key ({done.replayed} replayed before it)"
+                        )
+                batch.append((method.delivery_tag, key, body, _props(props, stripped(props.headers) or None)))
                 ids.append(props.message_id)
             if not batch:
                 continue
@@ -284,7 +310,8 @@ def replay(url: str, queue: str, to: str, *, count: int | None = None,
                 raise ConfigError(
                     f"replay: message {ids[i] or '(no message_id)'} was not taken at "
                     f"{done.target} (routing key {batch[i][1]!r}): {failed[i]}; it stays in "
-                    f"{queue!r} ({done.replayed} replayed)")
+                    f"{queue!r} ({done.replayed} replayed)"
+                )
             if progress is not None:
                 progress(done.replayed, todo)
         done.left = _depth(conn, queue)
@@ -293,8 +320,7 @@ def replay(url: str, queue: str, to: str, *, count: int | None = None,
         _close(conn)
 
 
-def _send(url: str, ch: Any, exchange: str,
-          batch: list[tuple[int, str, bytes, Any]]) -> dict[int, str]:
+def _send(url: str, ch: Any, exchange: str, batch: list[tuple[int, str, bytes, Any]]) -> dict[int, str]:
     """Publish ``batch`` ((tag, routing key, body, properties)) with publisher confirms
     and ``mandatory``; index -> why, for each copy the broker did not confirm. One copy
     goes on ``ch`` (a confirming channel), more on a connection of their own with
@@ -312,8 +338,7 @@ def _send(url: str, ch: Any, exchange: str,
         return {}
     from ackflow.sinks.rabbitmq import publish_confirmed
 
-    return publish_confirmed(url, exchange, [(k, b, p) for _, k, b, p in batch],
-                             window=len(batch))
+    return publish_confirmed(url, exchange, [(k, b, p) for _, k, b, p in batch], window=len(batch))
 
 
 def _give_back(ch: Any, batch: list[tuple[int, str, bytes, Any]], tag: int) -> None:
@@ -328,8 +353,7 @@ def _connect(url: str) -> Any:
     try:
         return pika.BlockingConnection(pika.URLParameters(url))
     except Exception as e:  # noqa: BLE001 - one line that says what to fix
-        raise ConfigError(f"cannot connect to {redact(url)}: {type(e).__name__}: "
-                          f"{redact(str(e))}") from None
+        raise ConfigError(f"cannot connect to {redact(url)}: {type(e).__name__}: {redact(str(e))}") from None
 
 
 def _close(conn: Any) -> None:
@@ -378,8 +402,10 @@ def _target(conn: Any, to: str, routing_key: str | None) -> tuple[str, str | Non
     queue = kind in ("", "queue") and _exists(conn, "queue", name)
     exchange = kind in ("", "exchange") and _exists(conn, "exchange", name)
     if queue and exchange:
-        raise ConfigError(f"replay: {name!r} is both a queue and an exchange: write "
-                          f"--to queue:{name} or --to exchange:{name}")
+        raise ConfigError(
+            f"replay: {name!r} is both a queue and an exchange: write "
+            f"--to queue:{name} or --to exchange:{name}"
+        )
     if queue:
         if routing_key is not None:
             raise ConfigError("replay: --routing-key is for an exchange; --to names a queue")
@@ -393,9 +419,21 @@ def _props(props: Any, headers: dict[str, Any] | None) -> Any:
     """A copy of ``props`` with ``headers`` instead of its own."""
     import pika
 
-    keep = ("content_type", "content_encoding", "delivery_mode", "priority",
-            "correlation_id", "reply_to", "expiration", "message_id", "timestamp", "type",
-            "user_id", "app_id", "cluster_id")
+    keep = (
+        "content_type",
+        "content_encoding",
+        "delivery_mode",
+        "priority",
+        "correlation_id",
+        "reply_to",
+        "expiration",
+        "message_id",
+        "timestamp",
+        "type",
+        "user_id",
+        "app_id",
+        "cluster_id",
+    )
     return pika.BasicProperties(headers=headers, **{k: getattr(props, k) for k in keep})
 
 

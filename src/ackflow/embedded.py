@@ -159,8 +159,9 @@ class EmbeddedQueue:
     2
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, synchronous: str = "FULL",
-                 readonly: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, synchronous: str = "FULL", readonly: bool = False
+    ) -> None:
         self.path = os.fspath(path)
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
@@ -186,18 +187,17 @@ class EmbeddedQueue:
                         faults.point("embedded.schema")
                 cols = {r[1] for r in self._db.execute("PRAGMA table_info(published_ids)")}
                 if "at" not in cols:  # a file from before retention existed
-                    self._db.execute(
-                        "ALTER TABLE published_ids ADD COLUMN at REAL NOT NULL DEFAULT 0")
+                    self._db.execute("ALTER TABLE published_ids ADD COLUMN at REAL NOT NULL DEFAULT 0")
         except sqlite3.DatabaseError as e:
-            raise ConfigError(f"embedded queue: {self.path!r} is not a usable queue "
-                              f"database: {e}") from None
+            raise ConfigError(f"embedded queue: {self.path!r} is not a usable queue database: {e}") from None
 
     def _open_readonly(self) -> sqlite3.Connection:
         if not os.path.isfile(self.path):
             raise ConfigError(f"queue file {self.path!r} does not exist")
         try:
-            db = sqlite3.connect(f"file:{os.path.abspath(self.path)}?mode=ro", uri=True,
-                                 timeout=60, isolation_level=None)
+            db = sqlite3.connect(
+                f"file:{os.path.abspath(self.path)}?mode=ro", uri=True, timeout=60, isolation_level=None
+            )
             self._check_queue(db, allow_empty=False)
         except sqlite3.DatabaseError as e:
             raise ConfigError(f"{self.path!r} is not an ackflow queue database ({e})") from None
@@ -214,8 +214,10 @@ class EmbeddedQueue:
             return
         missing = {"messages", "dead_letters", "counters"} - tables
         if missing:
-            raise ConfigError(f"{self.path!r} is not an ackflow queue database (no table "
-                              f"{', '.join(sorted(missing))}); ackflow will not change it")
+            raise ConfigError(
+                f"{self.path!r} is not an ackflow queue database (no table "
+                f"{', '.join(sorted(missing))}); ackflow will not change it"
+            )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -230,9 +232,7 @@ class EmbeddedQueue:
 
     def _bump(self, queue: str, column: str, n: int) -> None:
         self._db.execute("INSERT OR IGNORE INTO counters (queue) VALUES (?)", (queue,))
-        self._db.execute(
-            f"UPDATE counters SET {column} = {column} + ? WHERE queue = ?", (n, queue)
-        )
+        self._db.execute(f"UPDATE counters SET {column} = {column} + ? WHERE queue = ?", (n, queue))
 
     # -- producers -------------------------------------------------------------------------
 
@@ -269,8 +269,10 @@ class EmbeddedQueue:
             if remember:
                 fresh = []
                 for r in rows:
-                    if self._changes("INSERT OR IGNORE INTO published_ids (queue, msg_id, at) "
-                                     "VALUES (?, ?, ?)", [(queue, r[1], now)]):
+                    if self._changes(
+                        "INSERT OR IGNORE INTO published_ids (queue, msg_id, at) VALUES (?, ?, ?)",
+                        [(queue, r[1], now)],
+                    ):
                         fresh.append(r)
                 rows = fresh
             added = self._changes(
@@ -285,8 +287,9 @@ class EmbeddedQueue:
         """Forget remembered ids published more than ``older_than_s`` ago (retention):
         a message with such an id published again is queued again. Returns how many."""
         with self._tx():
-            return self._db.execute("DELETE FROM published_ids WHERE queue = ? AND at < ?",
-                                    (queue, time.time() - older_than_s)).rowcount
+            return self._db.execute(
+                "DELETE FROM published_ids WHERE queue = ? AND at < ?", (queue, time.time() - older_than_s)
+            ).rowcount
 
     # -- the consumer ----------------------------------------------------------------------
 
@@ -315,11 +318,12 @@ class EmbeddedQueue:
 
     def lease(self, queue: str, n: int, *, visibility_timeout: float) -> list[Leased]:
         """Lease up to ``n`` visible messages, oldest first, for ``visibility_timeout`` s."""
-        return [Leased(r[0], r[1], bytes(r[2]), stored_headers(r[3]), r[4], r[5])
-                for r in self.lease_rows(queue, n, visibility_timeout=visibility_timeout)]
+        return [
+            Leased(r[0], r[1], bytes(r[2]), stored_headers(r[3]), r[4], r[5])
+            for r in self.lease_rows(queue, n, visibility_timeout=visibility_timeout)
+        ]
 
-    def lease_rows(self, queue: str, n: int, *,
-                   visibility_timeout: float) -> list[tuple[Any, ...]]:
+    def lease_rows(self, queue: str, n: int, *, visibility_timeout: float) -> list[tuple[Any, ...]]:
         """:meth:`lease`, as the rows ``(row_id, msg_id, body, headers_json, deliveries,
         published_at)``, oldest first: no objects made for the caller to copy again."""
         if n <= 0:
@@ -359,14 +363,16 @@ class EmbeddedQueue:
         with self._tx():
             held: set[tuple[int, int]] = set()
             for k in range(0, len(deliveries), 500):
-                chunk = deliveries[k:k + 500]
+                chunk = deliveries[k : k + 500]
                 marks = ",".join("?" * len(chunk))
-                held.update(self._db.execute(
-                    f"SELECT id, deliveries FROM messages WHERE leased = 1 AND id IN ({marks})",
-                    [rid for rid, _ in chunk]).fetchall())
+                held.update(
+                    self._db.execute(
+                        f"SELECT id, deliveries FROM messages WHERE leased = 1 AND id IN ({marks})",
+                        [rid for rid, _ in chunk],
+                    ).fetchall()
+                )
             mine = [p for p in deliveries if tuple(p) in held]
-            done = self._changes(
-                "DELETE FROM messages WHERE id = ? AND deliveries = ? AND leased = 1", mine)
+            done = self._changes("DELETE FROM messages WHERE id = ? AND deliveries = ? AND leased = 1", mine)
             self._bump(queue, "acked_total", done)
         return [p for p in deliveries if tuple(p) not in held]
 
@@ -400,9 +406,7 @@ class EmbeddedQueue:
                 [(at, rid, n) for rid, n in deliveries],
             )
 
-    def dead_letter(
-        self, queue: str, failures: Sequence[tuple[int, int, str, str]]
-    ) -> int:
+    def dead_letter(self, queue: str, failures: Sequence[tuple[int, int, str, str]]) -> int:
         """Move ``(row_id, deliveries, step, error)`` to the dead-letter table, atomically."""
         return len(self.dead_letter_ids(queue, failures))
 
@@ -441,9 +445,7 @@ class EmbeddedQueue:
             " FROM messages WHERE queue = ?",
             (now, now, now, queue),
         ).fetchone()
-        (dead,) = self._db.execute(
-            "SELECT COUNT(*) FROM dead_letters WHERE queue = ?", (queue,)
-        ).fetchone()
+        (dead,) = self._db.execute("SELECT COUNT(*) FROM dead_letters WHERE queue = ?", (queue,)).fetchone()
         counters = self._db.execute(
             "SELECT published_total, delivered_total, acked_total FROM counters WHERE queue = ?",
             (queue,),
@@ -490,10 +492,7 @@ class EmbeddedQueue:
             " FROM dead_letters WHERE queue = ? ORDER BY id LIMIT ?",
             (queue, -1 if n is None else n),
         ).fetchall()
-        return [
-            DeadLetter(r[0], r[1], bytes(r[2]), stored_headers(r[3]), *r[4:])
-            for r in rows
-        ]
+        return [DeadLetter(r[0], r[1], bytes(r[2]), stored_headers(r[3]), *r[4:]) for r in rows]
 
     def replay(self, queue: str, ids: Sequence[int] | None = None) -> int:
         """Move dead letters (all, or those with the given ids) back to the queue; return
@@ -520,8 +519,7 @@ class EmbeddedQueue:
         kept: dict[int, str] = {}
         with self._tx():
             rows = self._db.execute(
-                f"SELECT id, msg_id, body, headers, published_at FROM dead_letters"
-                f" WHERE {where} ORDER BY id",
+                f"SELECT id, msg_id, body, headers, published_at FROM dead_letters WHERE {where} ORDER BY id",
                 args,
             ).fetchall()
             for dl_id, msg_id, body, headers, published_at in rows:
@@ -530,8 +528,10 @@ class EmbeddedQueue:
                     " visible_at, published_at) VALUES (?, ?, ?, ?, ?, ?)",
                     [(queue, msg_id, body, headers, now, published_at)],
                 ):
-                    kept[dl_id] = (f"kept: a message with msg_id {msg_id!r} is queued; "
-                                   "replay this dead letter after that one settles")
+                    kept[dl_id] = (
+                        f"kept: a message with msg_id {msg_id!r} is queued; "
+                        "replay this dead letter after that one settles"
+                    )
                     continue
                 self._db.execute("DELETE FROM dead_letters WHERE id = ?", (dl_id,))
                 moved.append(dl_id)
@@ -542,4 +542,3 @@ class EmbeddedQueue:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-

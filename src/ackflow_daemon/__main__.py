@@ -14,8 +14,11 @@ for _entry in [e for e in sys.path_importer_cache if e not in sys.path]:
 if os.environ.get("ACKFLOW_DAEMON_PRELOAD", "1") == "1" and threads() == 1:
     preload()
     if threads() != 1:  # forking a threaded process is unsafe: start again without
-        print(f"ackflow_daemon: {threads()} threads after preloading; starting again "
-              "without preloading", file=sys.stderr, flush=True)
+        print(
+            f"ackflow_daemon: {threads()} threads after preloading; starting again without preloading",
+            file=sys.stderr,
+            flush=True,
+        )
         os.environ["ACKFLOW_DAEMON_PRELOAD"] = "0"
         os.execv(sys.executable, [sys.executable, "-m", "ackflow_daemon", *sys.argv[1:]])
 

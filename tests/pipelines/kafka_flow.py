@@ -19,8 +19,17 @@ def check(row):
 
 def flow():
     e = os.environ
-    src = Kafka(e["AF_BOOTSTRAP"], e["AF_TOPIC"], e["AF_GROUP"], attempts_path=e["AF_ATTEMPTS"],
-                policy=RetryPolicy(max_deliveries=2, backoff_s=0.05), revoke_timeout_s=3.0)
-    return (ackflow.Flow(src).map(check, name="check")
-            .to(Postgres(e["AF_DSN"], e["AF_TABLE"], create=True, name="orders"))
-            .on_error(Postgres(e["AF_DSN"], e["AF_DEAD"], create=True, name="dead")))
+    src = Kafka(
+        e["AF_BOOTSTRAP"],
+        e["AF_TOPIC"],
+        e["AF_GROUP"],
+        attempts_path=e["AF_ATTEMPTS"],
+        policy=RetryPolicy(max_deliveries=2, backoff_s=0.05),
+        revoke_timeout_s=3.0,
+    )
+    return (
+        ackflow.Flow(src)
+        .map(check, name="check")
+        .to(Postgres(e["AF_DSN"], e["AF_TABLE"], create=True, name="orders"))
+        .on_error(Postgres(e["AF_DSN"], e["AF_DEAD"], create=True, name="dead"))
+    )

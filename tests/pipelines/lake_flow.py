@@ -28,8 +28,7 @@ def check(order):
 
 def items(order):
     for j in range(order["items"]):
-        yield {"order": order["order"], "line": j, "sku": f"sku-{order['order']}-{j}",
-               "qty": j + 1}
+        yield {"order": order["order"], "line": j, "sku": f"sku-{order['order']}-{j}", "qty": j + 1}
 
 
 def sinks(env=os.environ):
@@ -43,17 +42,23 @@ def sinks(env=os.environ):
 
 
 def flow(queue=None, name="orders"):
-    source = EmbeddedQueue(queue or os.environ["AF_QUEUE"], name,
-                           policy=RetryPolicy(max_deliveries=2, backoff_s=0.05))
-    return ackflow.Flow(source).map(check, name="check").flat_map(items, name="items").to(
-        sinks())
+    source = EmbeddedQueue(
+        queue or os.environ["AF_QUEUE"], name, policy=RetryPolicy(max_deliveries=2, backoff_s=0.05)
+    )
+    return ackflow.Flow(source).map(check, name="check").flat_map(items, name="items").to(sinks())
 
 
 if __name__ == "__main__":
     from ackflow.engine.loop import Engine
 
     queue = sys.argv[1] if len(sys.argv) > 1 else None
-    report = Engine(flow(queue, *sys.argv[2:3]), executor="local", batch_size=60,
-                    max_inflight=180, until_idle=1.0, batch_timeout_s=0.05,
-                    handle_signals=False).run()
+    report = Engine(
+        flow(queue, *sys.argv[2:3]),
+        executor="local",
+        batch_size=60,
+        max_inflight=180,
+        until_idle=1.0,
+        batch_timeout_s=0.05,
+        handle_signals=False,
+    ).run()
     print(report.acked, report.dead_lettered, flush=True)

@@ -26,7 +26,12 @@ def files_flow():
 
 
 def stream_flow():
-    src = RabbitMQStream("127.0.0.1", int(os.environ["AF_STREAM_PORT"]), os.environ["AF_STREAM"],
-                         "pipeline", policy=POLICY)
-    return (ackflow.Flow(src).map(work, name="work", schema="n BIGINT").to(Parquet(os.environ["AF_OUT"]))
-            .on_error(Parquet(os.environ["AF_OUT"] + "-dead", name="dead")))
+    src = RabbitMQStream(
+        "127.0.0.1", int(os.environ["AF_STREAM_PORT"]), os.environ["AF_STREAM"], "pipeline", policy=POLICY
+    )
+    return (
+        ackflow.Flow(src)
+        .map(work, name="work", schema="n BIGINT")
+        .to(Parquet(os.environ["AF_OUT"]))
+        .on_error(Parquet(os.environ["AF_OUT"] + "-dead", name="dead"))
+    )

@@ -37,19 +37,26 @@ def check(order):
 
 def items(order):
     for j in range(order["items"]):
-        yield {"order": order["order"], "line": j, "sku": f"sku-{order['order']}-{j}",
-               "qty": j + 1}
+        yield {"order": order["order"], "line": j, "sku": f"sku-{order['order']}-{j}", "qty": j + 1}
 
 
 def build(queue, dsn, table, parquet, crash_after=0, policy=None):
     sinks = [Postgres(dsn, table, create=True, name="pg"), Parquet(parquet, name="parquet")]
-    source = EmbeddedQueue(queue, "orders",
-                           policy=policy or RetryPolicy(max_deliveries=3, backoff_s=0.05))
-    return ackflow.Flow(source).map(check, name="check").flat_map(items, name="items").to(
-        CrashAfterCommit(*sinks, after=crash_after))
+    source = EmbeddedQueue(queue, "orders", policy=policy or RetryPolicy(max_deliveries=3, backoff_s=0.05))
+    return (
+        ackflow.Flow(source)
+        .map(check, name="check")
+        .flat_map(items, name="items")
+        .to(CrashAfterCommit(*sinks, after=crash_after))
+    )
 
 
 def flow():
     env = os.environ
-    return build(env["AF_QUEUE"], env["AF_DSN"], env["AF_TABLE"], env["AF_PARQUET"],
-                 int(env.get("AF_CRASH_AFTER_COMMIT", "0")))
+    return build(
+        env["AF_QUEUE"],
+        env["AF_DSN"],
+        env["AF_TABLE"],
+        env["AF_PARQUET"],
+        int(env.get("AF_CRASH_AFTER_COMMIT", "0")),
+    )

@@ -17,10 +17,17 @@ def check(row):
 
 
 def build(url, queue, out_exchange, out_queue, dlx):
-    src = RabbitMQ(url, queue, dead_letter_exchange=dlx,
-                   policy=RetryPolicy(max_deliveries=3, backoff_s=0.05, max_backoff_s=0.5))
-    return ackflow.Flow(src).map(check, name="check").to(
-        RabbitMQSink(url, out_exchange, routing_key=out_queue, name="out"))
+    src = RabbitMQ(
+        url,
+        queue,
+        dead_letter_exchange=dlx,
+        policy=RetryPolicy(max_deliveries=3, backoff_s=0.05, max_backoff_s=0.5),
+    )
+    return (
+        ackflow.Flow(src)
+        .map(check, name="check")
+        .to(RabbitMQSink(url, out_exchange, routing_key=out_queue, name="out"))
+    )
 
 
 def flow():

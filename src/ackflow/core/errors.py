@@ -57,8 +57,9 @@ class ColumnsRefused(FlowError):
     value in the table's type, when they come from the data (a first batch's ``1.5``
     must not make every later integer fail)."""
 
-    def __init__(self, step: str, cause: str, columns: dict[str, str],
-                 retype: dict[str, object] | None = None) -> None:
+    def __init__(
+        self, step: str, cause: str, columns: dict[str, str], retype: dict[str, object] | None = None
+    ) -> None:
         super().__init__(step, cause)
         self.columns = columns
         self.retype = retype or {}
@@ -70,10 +71,12 @@ class SystemicFailure(FlowError):
     refuses, a permission, a bug). The messages were given back, none dead-lettered.
     ``detail`` holds the longest error text seen (a traceback where one came back)."""
 
-    def __init__(self, step: str, cause: str, *, messages: int, seconds: float,
-                 detail: str = "") -> None:
-        super().__init__(step, f"every message fails here the same way, for {seconds:.0f} s "
-                         f"({messages} deliveries given back): {cause}")
+    def __init__(self, step: str, cause: str, *, messages: int, seconds: float, detail: str = "") -> None:
+        super().__init__(
+            step,
+            f"every message fails here the same way, for {seconds:.0f} s "
+            f"({messages} deliveries given back): {cause}",
+        )
         self.messages = messages
         self.seconds = seconds
         self.detail = detail

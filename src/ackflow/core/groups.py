@@ -48,8 +48,14 @@ class GroupBuffer:
     def __len__(self) -> int:
         return len(self._groups) + len(self._full)
 
-    def add(self, key: tuple[Hashable, ...], row: dict[str, Any], ids: Sequence[int],
-            now: float, row_key: str = "") -> None:
+    def add(
+        self,
+        key: tuple[Hashable, ...],
+        row: dict[str, Any],
+        ids: Sequence[int],
+        now: float,
+        row_key: str = "",
+    ) -> None:
         g = self._groups.get(key)
         if g is None:
             g = self._groups[key] = Group(key, now)

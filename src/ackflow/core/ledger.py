@@ -41,8 +41,7 @@ def _ranked_errors(receipts: pa.Table, order: Sequence[str] | None) -> pa.Array:
     steps = pc.fill_null(receipts["err_step"], "?")
     n_order = len(order) if order else 0
     if order:
-        rank = pc.fill_null(pc.index_in(steps, value_set=pa.array(list(order), pa.string())),
-                            n_order)
+        rank = pc.fill_null(pc.index_in(steps, value_set=pa.array(list(order), pa.string())), n_order)
     else:
         rank = pa.array([0] * receipts.num_rows, pa.int32())
     rank_text = pc.utf8_lpad(pc.cast(rank, pa.string()), 6, "0")
@@ -85,13 +84,15 @@ class Outcomes:
     over_reported: list[int] = field(default_factory=list)  # ids a sink over-reported (a bug)
 
 
-NO_RECEIPT = Failure("ledger", "no receipt came back for this message (lineage lost); not acked",
-                     whole=True)
+NO_RECEIPT = Failure("ledger", "no receipt came back for this message (lineage lost); not acked", whole=True)
 
 
-def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
-                    required_sinks: Sequence[str] | None = None,
-                    order: Sequence[str] | None = None) -> Outcomes:
+def settle_receipts(
+    expected_ids: Sequence[int],
+    receipts: pa.Table,
+    required_sinks: Sequence[str] | None = None,
+    order: Sequence[str] | None = None,
+) -> Outcomes:
     """Decide ack or failure for every id in ``expected_ids`` from ``receipts``.
 
     Every expected id gets exactly one outcome. Receipts for ids that were not
@@ -125,32 +126,40 @@ def settle_receipts(expected_ids: Sequence[int], receipts: pa.Table,
     over = pc.greater(per_sink_rows["written_sum"], per_sink_rows["emitted_sum"])
     per_sink_rows = per_sink_rows.append_column("short", short).append_column("over", over)
     per_id = per_sink_rows.group_by("id").aggregate(
-        [("error_min", "min"), ("short", "any"), ("over", "any"), ("sink", "min"),
-         ("sink", "count_distinct")]
+        [("error_min", "min"), ("short", "any"), ("over", "any"), ("sink", "min"), ("sink", "count_distinct")]
     )
 
-    ok = pc.and_(pc.and_(pc.is_null(per_id["error_min_min"]), pc.invert(per_id["short_any"])),
-                 pc.invert(per_id["over_any"]))
+    ok = pc.and_(
+        pc.and_(pc.is_null(per_id["error_min_min"]), pc.invert(per_id["short_any"])),
+        pc.invert(per_id["over_any"]),
+    )
     if required_sinks:
         enough = pc.greater_equal(per_id["sink_count_distinct"], len(set(required_sinks)))
         ok = pc.and_(ok, enough)
     outcomes.acked = pc.filter(per_id["id"], ok).to_pylist()
     bad = per_id.filter(pc.invert(ok))
     for mid, err, sink, short, extra in zip(
-        bad["id"].to_pylist(), bad["error_min_min"].to_pylist(), bad["sink_min"].to_pylist(),
-        bad["short_any"].to_pylist(), bad["over_any"].to_pylist(), strict=True,
+        bad["id"].to_pylist(),
+        bad["error_min_min"].to_pylist(),
+        bad["sink_min"].to_pylist(),
+        bad["short_any"].to_pylist(),
+        bad["over_any"].to_pylist(),
+        strict=True,
     ):
         if extra:
             outcomes.over_reported.append(mid)
             outcomes.failed[mid] = Failure(
-                sink or "sink", "the sink reported more rows written than were emitted for "
-                "this message (a bug in the sink or the plan); not acked")
+                sink or "sink",
+                "the sink reported more rows written than were emitted for "
+                "this message (a bug in the sink or the plan); not acked",
+            )
         elif err is not None:
             _, step, text = err.split(_SEP, 2)
             outcomes.failed[mid] = Failure(step, text, whole=text.startswith(WHOLE_WRITE))
         elif not short:
             outcomes.failed[mid] = Failure(
-                "ledger", "a branch returned no receipt for this message (lineage lost)")
+                "ledger", "a branch returned no receipt for this message (lineage lost)"
+            )
         else:
             outcomes.failed[mid] = Failure(
                 sink or "sink", "fewer rows were written than were emitted; not acked"
@@ -177,9 +186,13 @@ def compact_receipts(receipts: pa.Table, order: Sequence[str] | None = None) -> 
         # one row per message already (a map's rows): each group is that row, and the
         # sums and the min are its own values (a fifth of the grouping's cost)
         failed = pc.is_valid(receipts["err"])
-        return receipts.set_column(4, "err_step", pc.if_else(
-            failed, pc.fill_null(receipts["err_step"], "?"), pa.nulls(receipts.num_rows,
-                                                                       pa.string())))
+        return receipts.set_column(
+            4,
+            "err_step",
+            pc.if_else(
+                failed, pc.fill_null(receipts["err_step"], "?"), pa.nulls(receipts.num_rows, pa.string())
+            ),
+        )
     return _compact_grouped(receipts, order)
 
 

@@ -128,8 +128,8 @@ class OffsetTracker:
         if start < end:
             starts, ends = self._gap_starts, self._gap_ends
             # the ranges that overlap or touch [start, end) are merged into one
-            lo = bisect_left(ends, start)       # first range with end >= start
-            hi = bisect_right(starts, end)      # ranges from hi on start past end
+            lo = bisect_left(ends, start)  # first range with end >= start
+            hi = bisect_right(starts, end)  # ranges from hi on start past end
             if lo < hi:
                 start = min(start, starts[lo])
                 end = max(end, ends[hi - 1])

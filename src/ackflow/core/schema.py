@@ -71,8 +71,9 @@ def show(t: pa.DataType) -> str:
     return str(t)
 
 
-def merge_types(old: pa.DataType, new: pa.DataType, path: str,
-                changes: list[str], conflicts: list[str]) -> pa.DataType:
+def merge_types(
+    old: pa.DataType, new: pa.DataType, path: str, changes: list[str], conflicts: list[str]
+) -> pa.DataType:
     """The type that holds values of both ``old`` (the column's) and ``new`` (a row's):
     ``old`` itself, or ``old`` widened along a safe promotion, appending a line to
     ``changes`` for each widening or new struct field. A type that cannot widen appends
@@ -93,14 +94,16 @@ def merge_types(old: pa.DataType, new: pa.DataType, path: str,
             return new
         return old
     numeric = (pa.types.is_signed_integer(old) or pa.types.is_floating(old)) and (
-        pa.types.is_signed_integer(new) or pa.types.is_floating(new))
+        pa.types.is_signed_integer(new) or pa.types.is_floating(new)
+    )
     if numeric:
         if pa.types.is_float64(old):
             return old
         changes.append(f"{path}: {show(old)} -> double")
         return pa.float64()
     if (pa.types.is_string(old) and pa.types.is_large_string(new)) or (
-            pa.types.is_large_string(old) and pa.types.is_string(new)):
+        pa.types.is_large_string(old) and pa.types.is_string(new)
+    ):
         return old
     if pa.types.is_struct(old) and pa.types.is_struct(new):
         fields = [old.field(i) for i in range(old.num_fields)]
@@ -110,8 +113,7 @@ def merge_types(old: pa.DataType, new: pa.DataType, path: str,
             sub = f"{path}.{nf.name}"
             if nf.name in index:
                 i = index[nf.name]
-                fields[i] = fields[i].with_type(
-                    merge_types(fields[i].type, nf.type, sub, changes, conflicts))
+                fields[i] = fields[i].with_type(merge_types(fields[i].type, nf.type, sub, changes, conflicts))
             elif not pa.types.is_null(nf.type):
                 changes.append(f"+{sub}: {show(nf.type)}")
                 index[nf.name] = len(fields)
@@ -120,8 +122,7 @@ def merge_types(old: pa.DataType, new: pa.DataType, path: str,
     if _is_list(old) and _is_list(new):
         value = merge_types(old.value_type, new.value_type, f"{path}[]", changes, conflicts)
         return pa.list_(value) if pa.types.is_list(old) else pa.large_list(value)
-    conflicts.append(f"field {path!r}: a {show(new)} value cannot widen the column's type "
-                     f"{show(old)}")
+    conflicts.append(f"field {path!r}: a {show(new)} value cannot widen the column's type {show(old)}")
     return old
 
 
@@ -135,8 +136,7 @@ def merge_schemas(old: pa.Schema, new: pa.Schema) -> tuple[pa.Schema, list[str],
     for nf in new:
         if nf.name in index:
             i = index[nf.name]
-            fields[i] = fields[i].with_type(
-                merge_types(fields[i].type, nf.type, nf.name, changes, conflicts))
+            fields[i] = fields[i].with_type(merge_types(fields[i].type, nf.type, nf.name, changes, conflicts))
         elif not pa.types.is_null(nf.type):
             changes.append(f"+{nf.name}: {show(nf.type)}")
             index[nf.name] = len(fields)
@@ -209,14 +209,15 @@ def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
     a boolean made a number, a number made a date or a time, a float32 overflow."""
     if empty(value):
         return None
-    if isinstance(value, float | Decimal) and pa.types.is_integer(t) and (
-            value != value.to_integral_value() if isinstance(value, Decimal)
-            else not value.is_integer()):
+    if (
+        isinstance(value, float | Decimal)
+        and pa.types.is_integer(t)
+        and (value != value.to_integral_value() if isinstance(value, Decimal) else not value.is_integer())
+    ):
         return f"a number with a fraction ({value!r}) would be cut by the integer type {t}"
     if isinstance(value, dt.datetime) and pa.types.is_date(t) and value.time() != dt.time():
         return f"a date with a time of day ({value.isoformat()}) would lose it in the type {t}"
-    if isinstance(value, float) and pa.types.is_float32(t) and value != 0.0 and (
-            abs(value) < FLOAT32_TINY):
+    if isinstance(value, float) and pa.types.is_float32(t) and value != 0.0 and (abs(value) < FLOAT32_TINY):
         return f"{value!r} is too small for the type {t} (it would become 0)"
     if pa.types.is_struct(t) and not isinstance(value, dict):
         return f"a {type(value).__name__} value would be read as the struct type {t}"
@@ -224,8 +225,7 @@ def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
         return f"a {type(value).__name__} value would be split into the list type {t}"
     if isinstance(value, bool) and pa.types.is_floating(t):
         return f"a boolean would be made a number by the type {t}"
-    if isinstance(value, int | float) and not isinstance(value, bool) and (
-            pa.types.is_temporal(t)):
+    if isinstance(value, int | float) and not isinstance(value, bool) and (pa.types.is_temporal(t)):
         return f"a number would be read as a date or time by the type {t}"
     if isinstance(value, float) and pa.types.is_float32(t) and abs(value) > FLOAT32_MAX:
         return f"{value!r} is out of the range of the type {t}"
@@ -270,9 +270,15 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | N
 
 def _checked(t: pa.DataType) -> bool:
     """Whether values of type ``t`` need :func:`outside` before Arrow converts them."""
-    return bool(pa.types.is_null(t) or pa.types.is_struct(t) or pa.types.is_integer(t)
-                or pa.types.is_floating(t)
-                or pa.types.is_temporal(t) or _is_list(t) or pa.types.is_map(t))
+    return bool(
+        pa.types.is_null(t)
+        or pa.types.is_struct(t)
+        or pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_temporal(t)
+        or _is_list(t)
+        or pa.types.is_map(t)
+    )
 
 
 def checked_columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
@@ -371,7 +377,7 @@ def miss_error(segment: str, row_schema: pa.Schema) -> str:
 def parse_miss(error: str) -> tuple[str, pa.Schema] | None:
     if not error.startswith(SCHEMA_MISS):
         return None
-    data = json.loads(error[len(SCHEMA_MISS):])
+    data = json.loads(error[len(SCHEMA_MISS) :])
     return str(data["segment"]), from_text(str(data["schema"]))
 
 
@@ -404,6 +410,7 @@ CREATE TABLE IF NOT EXISTS schema_versions (
 )
 """
 
+
 class StoreError(FlowError):
     """The schema store cannot be read or written (a locked or damaged file): the run
     stops with one line naming it; no message is failed for it."""
@@ -427,15 +434,15 @@ class SchemaStore:
         self._lock = threading.Lock()
         try:
             if self.path is None:
-                self._db = sqlite3.connect(":memory:", isolation_level=None,
-                                           check_same_thread=False)
+                self._db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
             else:
                 parent = os.path.dirname(os.path.abspath(self.path))
                 os.makedirs(parent, exist_ok=True)
                 if not os.path.exists(self.path):
                     os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
-                self._db = sqlite3.connect(self.path, isolation_level=None, timeout=60,
-                                           check_same_thread=False)
+                self._db = sqlite3.connect(
+                    self.path, isolation_level=None, timeout=60, check_same_thread=False
+                )
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
             apply_schema(self._db, _TABLES)
@@ -446,9 +453,11 @@ class SchemaStore:
         except (sqlite3.DatabaseError, OSError) as e:
             raise ConfigError(f"schema store {self.path!r} cannot be used: {e}") from None
         except (pa.ArrowException, ValueError) as e:
-            raise ConfigError(f"schema store {self.path!r} holds a version of {segment!r} "
-                              f"that cannot be read ({e}): restore the file, or move it "
-                              "away to infer the columns again") from None
+            raise ConfigError(
+                f"schema store {self.path!r} holds a version of {segment!r} "
+                f"that cannot be read ({e}): restore the file, or move it "
+                "away to infer the columns again"
+            ) from None
 
     @property
     def durable(self) -> bool:
@@ -459,13 +468,14 @@ class SchemaStore:
             with self._lock:
                 row = self._db.execute(
                     "SELECT version, schema FROM schema_versions WHERE segment = ? "
-                    "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
+                    "ORDER BY version DESC LIMIT 1",
+                    (segment,),
+                ).fetchone()
             return None if row is None else (int(row[0]), from_text(row[1]))
         except (sqlite3.Error, pa.ArrowException, ValueError) as e:
             raise StoreError(f"schema store {self.path!r}: {e}") from None
 
-    def record(self, segment: str, schema: pa.Schema, changes: list[str],
-               brought_by: str | None) -> int:
+    def record(self, segment: str, schema: pa.Schema, changes: list[str], brought_by: str | None) -> int:
         """Store ``schema`` as the segment's next version (unless it is the current one
         already); return its version. Another process (or flow) that recorded a version
         in between is merged, never lost: what is stored is the latest version merged
@@ -475,7 +485,9 @@ class SchemaStore:
             with self._lock, WriteTx(self._db):
                 row = self._db.execute(
                     "SELECT version, schema FROM schema_versions WHERE segment = ? "
-                    "ORDER BY version DESC LIMIT 1", (segment,)).fetchone()
+                    "ORDER BY version DESC LIMIT 1",
+                    (segment,),
+                ).fetchone()
                 if row is not None:
                     latest = from_text(row[1])
                     schema = merge_schemas(latest, schema)[0]
@@ -484,8 +496,8 @@ class SchemaStore:
                 version = 1 if row is None else int(row[0]) + 1
                 self._db.execute(
                     "INSERT INTO schema_versions VALUES (?, ?, ?, ?, ?, ?)",
-                    (segment, version, to_text(schema), json.dumps(changes), brought_by,
-                     time.time()))
+                    (segment, version, to_text(schema), json.dumps(changes), brought_by, time.time()),
+                )
                 return version
         except (sqlite3.Error, pa.ArrowException, ValueError) as e:
             raise StoreError(f"schema store {self.path!r}: {e}") from None
@@ -496,10 +508,19 @@ class SchemaStore:
             rows = self._db.execute(
                 "SELECT segment, version, schema, changes, brought_by, at FROM "
                 "schema_versions WHERE ? IS NULL OR segment = ? ORDER BY segment, version",
-                (segment, segment)).fetchall()
-        return [{"segment": s, "version": v, "columns": describe_schema(from_text(t)),
-                 "changes": json.loads(c), "brought_by": b, "at": a}
-                for s, v, t, c, b, a in rows]
+                (segment, segment),
+            ).fetchall()
+        return [
+            {
+                "segment": s,
+                "version": v,
+                "columns": describe_schema(from_text(t)),
+                "changes": json.loads(c),
+                "brought_by": b,
+                "at": a,
+            }
+            for s, v, t, c, b, a in rows
+        ]
 
     def close(self) -> None:
         with self._lock:
@@ -511,8 +532,9 @@ def open_readonly(path: str) -> SchemaStore:
     if os.path.isdir(path):
         path = os.path.join(path, STORE_FILE)
     if not os.path.isfile(path):
-        raise ConfigError(f"no schema store at {path!r} (ackflow keeps one as {STORE_FILE} "
-                          "in the flow's state directory)")
+        raise ConfigError(
+            f"no schema store at {path!r} (ackflow keeps one as {STORE_FILE} in the flow's state directory)"
+        )
     try:
         db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -520,6 +542,5 @@ def open_readonly(path: str) -> SchemaStore:
     except sqlite3.DatabaseError as e:
         raise ConfigError(f"{path!r} is not an ackflow schema store ({e})") from None
     if "schema_versions" not in tables:
-        raise ConfigError(f"{path!r} is not an ackflow schema store (no table "
-                          "schema_versions)")
+        raise ConfigError(f"{path!r} is not an ackflow schema store (no table schema_versions)")
     return SchemaStore(path)

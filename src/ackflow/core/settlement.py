@@ -74,8 +74,7 @@ class Delivery:
             raise ValueError("cannot settle a delivery as pending")
         if self.state is not Settlement.PENDING:
             raise AlreadySettled(
-                f"message {self.key!r} was already {self.state.value}; refusing to mark it "
-                f"{outcome.value}"
+                f"message {self.key!r} was already {self.state.value}; refusing to mark it {outcome.value}"
             )
         self.state = outcome
 
@@ -87,8 +86,7 @@ class Delivery:
         settled state.
         """
         if self.state is Settlement.PENDING or self.revised:
-            raise AlreadySettled(f"message {self.key!r}: cannot revise {self.state.value} "
-                                 f"to {outcome.value}")
+            raise AlreadySettled(f"message {self.key!r}: cannot revise {self.state.value} to {outcome.value}")
         if outcome is Settlement.PENDING:
             raise ValueError("cannot revise a settlement to pending")
         self.revised = True

@@ -78,6 +78,7 @@ def signature(error: str) -> str:
     text = _HEX.sub("<id>", text)
     return _NUM.sub("#", text)
 
+
 #: the step of failures with no better name (a Spark job, the ledger): any acked
 #: message proves it works
 ANY_STEP = "*"
@@ -96,8 +97,13 @@ class Episode:
     detail: str = ""  # the longest error text seen (a traceback, when one came back)
 
     def as_json(self) -> dict[str, object]:
-        return {"step": self.step, "error": self.error, "since": self.started_at,
-                "messages": self.messages, "batches": self.batches}
+        return {
+            "step": self.step,
+            "error": self.error,
+            "since": self.started_at,
+            "messages": self.messages,
+            "batches": self.batches,
+        }
 
 
 @dataclass
@@ -109,13 +115,24 @@ class SystemicDetector:
     """Decides which failures are systemic (see the module docstring). Not thread-safe:
     the engine's thread owns it."""
 
-    def __init__(self, *, sinks: Iterable[str] = (), after: int = 3, stop_after_s: float = 300.0,
-                 backoff_s: float = 1.0, max_backoff_s: float = 30.0, suspect_backs: int = 2,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        sinks: Iterable[str] = (),
+        after: int = 3,
+        stop_after_s: float = 300.0,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        suspect_backs: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not isinstance(after, int) or isinstance(after, bool) or (after < 2 and after != 0):
             raise ConfigError(f"systemic_after must be an integer >= 2 (or 0: off), got {after!r}")
-        for name, value in (("systemic_stop_after_s", stop_after_s),
-                            ("systemic backoff_s", backoff_s), ("max_backoff_s", max_backoff_s)):
+        for name, value in (
+            ("systemic_stop_after_s", stop_after_s),
+            ("systemic backoff_s", backoff_s),
+            ("max_backoff_s", max_backoff_s),
+        ):
             if not (isinstance(value, int | float) and value == value and 0 <= value < float("inf")):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         self.after = after
@@ -134,9 +151,13 @@ class SystemicDetector:
         #: the keys of the last :meth:`judge` to give back as suspects
         self.suspects: set[Hashable] = set()
 
-    def judge(self, failures: Iterable[tuple[Hashable, str, str]], *,
-              working: set[str], detail: Callable[[str, str], str] | None = None
-              ) -> set[Hashable]:
+    def judge(
+        self,
+        failures: Iterable[tuple[Hashable, str, str]],
+        *,
+        working: set[str],
+        detail: Callable[[str, str], str] | None = None,
+    ) -> set[Hashable]:
         """``failures``: (key, step, error) of one batch's failed messages (before any is
         settled); ``working``: the steps the batch proved work (sink names that wrote rows,
         and :data:`ANY_STEP` if any sink wrote rows). Returns the keys judged systemic; the
@@ -217,5 +238,4 @@ class SystemicDetector:
 
     def overdue(self) -> bool:
         """True once the current episode has lasted ``stop_after_s``."""
-        return (self.episode is not None
-                and self._clock() - self.episode.since >= self.stop_after_s)
+        return self.episode is not None and self._clock() - self.episode.since >= self.stop_after_s

@@ -93,8 +93,13 @@ def execute(
             result.released.extend(d.lineage_id for d in ds)
             return None
         if result.jobs - result.evolutions >= max_jobs and not evolving and last_error:
-            fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
-                                 f"after {max_jobs} jobs: {last_error[-1]}"))
+            fail_all(
+                ds,
+                Failure(
+                    "spark",
+                    f"the Spark job failed and bisection gave up after {max_jobs} jobs: {last_error[-1]}",
+                ),
+            )
             return None
         result.jobs += 1
         if count is not None:
@@ -127,21 +132,30 @@ def execute(
             result.collected.extend(sink.take(bid))
         stray = _stray_ids(ids, job.receipts)
         if stray:
-            culprit = next((s.name for s in compiled.flow.steps if isinstance(s, Transform)),
-                           "ledger")
-            log.error("batch %s: receipts for %d ids that are not in the batch; failing it",
-                      batch_id, stray)
-            fail_all(ds, Failure(culprit, f"the job returned receipts for {stray} lineage ids "
-                                 "that no message of this batch has (fabricated ids); not acked"))
+            culprit = next((s.name for s in compiled.flow.steps if isinstance(s, Transform)), "ledger")
+            log.error("batch %s: receipts for %d ids that are not in the batch; failing it", batch_id, stray)
+            fail_all(
+                ds,
+                Failure(
+                    culprit,
+                    f"the job returned receipts for {stray} lineage ids "
+                    "that no message of this batch has (fabricated ids); not acked",
+                ),
+            )
             return None
-        part = settle_receipts(ids, job.receipts, required_sinks=compiled.required_sinks,
-                               order=compiled.step_order)
+        part = settle_receipts(
+            ids, job.receipts, required_sinks=compiled.required_sinks, order=compiled.step_order
+        )
         if part.over_reported:
             over = set(part.over_reported)
             keys = [d.key for d in ds if d.lineage_id in over]
-            log.error("batch %s: a sink reported more rows written than emitted for %d "
-                      "messages (a bug; failing them, never acking): %s", batch_id,
-                      len(keys), keys[:5])
+            log.error(
+                "batch %s: a sink reported more rows written than emitted for %d "
+                "messages (a bug; failing them, never acking): %s",
+                batch_id,
+                len(keys),
+                keys[:5],
+            )
         misses = take_misses(part.failed)
         result.outcomes.acked.extend(part.acked)
         result.outcomes.failed.update(part.failed)
@@ -151,29 +165,31 @@ def execute(
             evolve_then_again([d for d in ds if d.lineage_id in misses], misses, bid)
         return None
 
-    def evolve_then_again(ds: list[Delivery], misses: dict[int, tuple[Failure, str, pa.Schema]],
-                          bid: str) -> None:
+    def evolve_then_again(
+        ds: list[Delivery], misses: dict[int, tuple[Failure, str, pa.Schema]], bid: str
+    ) -> None:
         """Rows of ``ds`` needed columns their segment did not have yet (schema mode
         ``evolve``): record the new version (durable first), then run them again; the
         sinks evolve when the job prepares them. Never a dead letter for shape."""
         result.evolutions += 1
-        refused = compiled.evolve([(misses[d.lineage_id][1], misses[d.lineage_id][2],
-                                    d.identity) for d in ds])
+        refused = compiled.evolve(
+            [(misses[d.lineage_id][1], misses[d.lineage_id][2], d.identity) for d in ds]
+        )
         again = []
         for d in ds:
             failure, segment, _ = misses[d.lineage_id]
             why = refused.get(segment)
             if why is None and result.evolutions > MAX_EVOLUTIONS:
-                why = (f"its columns had to evolve more than {MAX_EVOLUTIONS} times in one "
-                       "batch")
+                why = f"its columns had to evolve more than {MAX_EVOLUTIONS} times in one batch"
             if why is not None:
-                log.error("batch %s: message %s needs new columns that cannot be added: %s",
-                          batch_id, d.key, why)
+                log.error(
+                    "batch %s: message %s needs new columns that cannot be added: %s", batch_id, d.key, why
+                )
                 # fields Spark cannot hold are the message's own (its dead letter says
                 # why); running out of evolutions is not (given back if systemic)
                 result.outcomes.failed[d.lineage_id] = Failure(
-                    failure.step, f"the columns could not evolve: {why}",
-                    whole=segment not in refused)
+                    failure.step, f"the columns could not evolve: {why}", whole=segment not in refused
+                )
             else:
                 again.append(d)
         if again:
@@ -192,8 +208,9 @@ def execute(
         """The failure of a message whose job failed with it alone (``whole``: as the
         whole batch's did, a probe of :func:`probe_each`)."""
         step = _locate(compiled, [d])
-        log.warning("batch %s: message %s fails the Spark job on its own in step %r: %s",
-                    batch_id, d.key, step, error)
+        log.warning(
+            "batch %s: message %s fails the Spark job on its own in step %r: %s", batch_id, d.key, step, error
+        )
         failure = Failure(step, f"the Spark job failed on this message: {error}", whole=whole)
         result.details[(failure.step, failure.error)] = result.full_errors.get(error, "")
         result.outcomes.failed[d.lineage_id] = failure
@@ -202,17 +219,32 @@ def execute(
     def split(ds: list[Delivery], bid: str, error: str, probe: bool) -> None:
         """``ds`` (two or more messages) failed as a whole with ``error``: isolate."""
         if result.jobs - result.evolutions + 2 > max_jobs:
-            log.error("batch %s: job failed and the bisection budget of %d jobs is spent; "
-                      "failing %d messages: %s", batch_id, max_jobs, len(ds), error)
-            fail_all(ds, Failure("spark", "the Spark job failed and bisection gave up "
-                                 f"after {max_jobs} jobs: {error}"))
+            log.error(
+                "batch %s: job failed and the bisection budget of %d jobs is spent; failing %d messages: %s",
+                batch_id,
+                max_jobs,
+                len(ds),
+                error,
+            )
+            fail_all(
+                ds,
+                Failure(
+                    "spark", f"the Spark job failed and bisection gave up after {max_jobs} jobs: {error}"
+                ),
+            )
             return
         half = len(ds) // 2
         result.bisections += 1
         if count is not None:
             count(True)
-        log.warning("batch %s: Spark job over %d messages failed (%s); retrying as %d + %d",
-                    batch_id, len(ds), error, half, len(ds) - half)
+        log.warning(
+            "batch %s: Spark job over %d messages failed (%s); retrying as %d + %d",
+            batch_id,
+            len(ds),
+            error,
+            half,
+            len(ds) - half,
+        )
         halves = [(ds[:half], f"{bid}a"), (ds[half:], f"{bid}b")]
         errors = [run_once(h, b) for h, b in halves]
         if probe and uniform_probes and errors[0] == error and errors[1] == error:
@@ -231,6 +263,7 @@ def execute(
         set (first, middle, last, then the rest in order: poison that a broker keeps at
         the head of its queue must not be all that is probed). A probe that passes but
         wrote no row (filtered out) proves nothing: the next one is tried."""
+
         def resume(rest: list[Delivery]) -> None:
             """Not uniform after all: the untried messages as one job, bisected as usual."""
             e = run_once(rest, f"{bid}r") if rest else None
@@ -240,8 +273,10 @@ def execute(
                 else:
                     split(rest, f"{bid}r", e, probe=False)
 
-        order = sorted(set(range(len(ds))), key=lambda i: (
-            0 if i == 0 else 1 if i == len(ds) // 2 else 2 if i == len(ds) - 1 else 3, i))
+        order = sorted(
+            set(range(len(ds))),
+            key=lambda i: (0 if i == 0 else 1 if i == len(ds) // 2 else 2 if i == len(ds) - 1 else 3, i),
+        )
         failure: Failure | None = None
         tried: set[int] = set()
         alike = 0
@@ -257,8 +292,11 @@ def execute(
                 failure = failure or f
                 alike += 1
                 continue
-            if e is None and sum(result.outcomes.rows_written.values()) == before \
-                    and d.lineage_id not in result.outcomes.failed:
+            if (
+                e is None
+                and sum(result.outcomes.rows_written.values()) == before
+                and d.lineage_id not in result.outcomes.failed
+            ):
                 continue  # passed without writing a row: no proof either way
             if e is not None:  # failed alone, but otherwise: its own failure
                 alone(d, e)
@@ -270,9 +308,14 @@ def execute(
             resume(rest)
             return
         if rest:
-            log.error("batch %s: %d messages alone each failed the Spark job the same way as "
-                      "the whole (%s); the other %d get that failure untested", batch_id,
-                      len(tried), error, len(rest))
+            log.error(
+                "batch %s: %d messages alone each failed the Spark job the same way as "
+                "the whole (%s); the other %d get that failure untested",
+                batch_id,
+                len(tried),
+                error,
+                len(rest),
+            )
             fail_all(rest, failure)
             result.untested.update(d.lineage_id for d in rest)
 
@@ -299,11 +342,17 @@ def take_misses(failed: dict[int, Failure]) -> dict[int, tuple[Failure, str, pa.
     return out
 
 
-def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
-                   batch_id: str, row_keys: list[str],
-                   count: Callable[[bool], None] | None = None,
-                   cancelled: threading.Event | None = None, *,
-                   evolutions: int = 0) -> BatchResult:
+def execute_groups(
+    compiled: Plan,
+    groups: list[Group],
+    keys: tuple[str, ...],
+    batch_id: str,
+    row_keys: list[str],
+    count: Callable[[bool], None] | None = None,
+    cancelled: threading.Event | None = None,
+    *,
+    evolutions: int = 0,
+) -> BatchResult:
     """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
     one row per group (keyed by ``row_keys``). If the job fails as a whole, every member
     of every group fails (no bisection here: the groups' messages are retried by their
@@ -316,18 +365,18 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
 
     members = Counter(m for g in groups for m in g.members)
     expected = sorted(members)
-    result = BatchResult(batch_id, len(expected), member_rows=dict(members),
-                         evolutions=evolutions)
+    result = BatchResult(batch_id, len(expected), member_rows=dict(members), evolutions=evolutions)
     data = pa.Table.from_pylist(
-        [{**dict(zip(keys, g.key, strict=True)), "count": len(g.rows), "rows": g.rows}
-         for g in groups])
+        [{**dict(zip(keys, g.key, strict=True)), "count": len(g.rows), "rows": g.rows} for g in groups]
+    )
     n = data.num_rows
-    table = (data.append_column(IDS, pa.array([sorted(set(g.members)) for g in groups],
-                                              pa.list_(pa.int64())))
-             .append_column(KEY, pa.array(row_keys, pa.string()))
-             .append_column(STATUS, pa.array([0] * n, pa.int32()))
-             .append_column(STEP, pa.nulls(n, pa.string()))
-             .append_column(ERR, pa.nulls(n, pa.string())))
+    table = (
+        data.append_column(IDS, pa.array([sorted(set(g.members)) for g in groups], pa.list_(pa.int64())))
+        .append_column(KEY, pa.array(row_keys, pa.string()))
+        .append_column(STATUS, pa.array([0] * n, pa.int32()))
+        .append_column(STEP, pa.nulls(n, pa.string()))
+        .append_column(ERR, pa.nulls(n, pa.string()))
+    )
     if cancelled is not None and cancelled.is_set():
         result.released = expected
         return result
@@ -339,36 +388,50 @@ def execute_groups(compiled: Plan, groups: list[Group], keys: tuple[str, ...],
     except JobFailed as e:
         abort_all(compiled, batch_id, {})
         if cancelled is not None and cancelled.is_set():
-            log.warning("groups %s: job over %d groups cancelled at shutdown; their %d "
-                        "messages are given back", batch_id, n, len(expected))
+            log.warning(
+                "groups %s: job over %d groups cancelled at shutdown; their %d messages are given back",
+                batch_id,
+                n,
+                len(expected),
+            )
             result.released = expected
             return result
         log.error("groups %s: Spark job over %d groups failed: %s", batch_id, n, e)
-        result.outcomes.failed = {m: Failure("spark", f"the group's Spark job failed: {e}",
-                                             whole=True) for m in expected}
+        result.outcomes.failed = {
+            m: Failure("spark", f"the group's Spark job failed: {e}", whole=True) for m in expected
+        }
         return result
     failed_sink = commit_all(compiled, batch_id, job.tokens)
     if failed_sink is not None:
         result.outcomes.failed = dict.fromkeys(expected, failed_sink)
         return result
-    result.outcomes = settle_receipts(expected, job.receipts,
-                                      required_sinks=compiled.required_sinks,
-                                      order=compiled.step_order)
+    result.outcomes = settle_receipts(
+        expected, job.receipts, required_sinks=compiled.required_sinks, order=compiled.step_order
+    )
     result.outcomes.rows_written = dict(job.rows_written)
     misses = take_misses(result.outcomes.failed)
     if misses:  # groups whose rows needed new columns: evolve, then run those groups again
-        refused = compiled.evolve([(seg, schema, f"group of {lid}")
-                                   for lid, (_, seg, schema) in misses.items()])
+        refused = compiled.evolve(
+            [(seg, schema, f"group of {lid}") for lid, (_, seg, schema) in misses.items()]
+        )
         redo = [i for i, g in enumerate(groups) if set(g.members) & set(misses)]
         if refused or result.evolutions >= MAX_EVOLUTIONS or not redo:
             for lid, (f, seg, _) in misses.items():
                 why = refused.get(seg, f"more than {MAX_EVOLUTIONS} evolutions")
-                result.outcomes.failed[lid] = Failure(f.step, f"the columns could not "
-                                                      f"evolve: {why}", whole=True)
+                result.outcomes.failed[lid] = Failure(
+                    f.step, f"the columns could not evolve: {why}", whole=True
+                )
             return result
-        again = execute_groups(compiled, [groups[i] for i in redo], keys,
-                               f"{batch_id}e", [row_keys[i] for i in redo], count, cancelled,
-                               evolutions=result.evolutions + 1)
+        again = execute_groups(
+            compiled,
+            [groups[i] for i in redo],
+            keys,
+            f"{batch_id}e",
+            [row_keys[i] for i in redo],
+            count,
+            cancelled,
+            evolutions=result.evolutions + 1,
+        )
         redone = {m for i in redo for m in groups[i].members}
         result.outcomes.acked = [m for m in result.outcomes.acked if m not in redone]
         result.outcomes.acked.extend(again.outcomes.acked)
@@ -402,8 +465,7 @@ def _locate(compiled: Plan, ds: list[Delivery]) -> str:
         return "spark"
 
 
-def commit_all(compiled: Plan, batch_id: str,
-               tokens: dict[str, list[bytes]]) -> Failure | None:
+def commit_all(compiled: Plan, batch_id: str, tokens: dict[str, list[bytes]]) -> Failure | None:
     """Commit every sink of the batch; on the first failure abort the rest and return
     the failure (the batch then fails: nothing is acked)."""
     for sink in compiled.sinks:
@@ -429,5 +491,4 @@ def abort_all(compiled: Plan, batch_id: str, tokens: dict[str, list[bytes]]) -> 
 
 def _stray_ids(expected: list[int], receipts: pa.Table) -> int:
     ids = receipts.column("id")
-    return int(pc.sum(pc.invert(pc.is_in(ids, value_set=pa.array(expected, pa.int64())))).as_py()
-               or 0)
+    return int(pc.sum(pc.invert(pc.is_in(ids, value_set=pa.array(expected, pa.int64())))).as_py() or 0)

@@ -57,8 +57,12 @@ Progress = Callable[[RunReport, InflightWindow], None]
 def _check_seconds(name: str, value: Any, zero_ok: bool) -> None:
     """A duration option: a finite number of seconds, >= 0 (or > 0), never nan or inf
     (``until_idle=nan`` would never end, ``drain_timeout_s=nan`` never cancel)."""
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value >= 0 if zero_ok else value > 0))
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if zero_ok else value > 0)
+    )
     if not ok:
         bound = ">= 0" if zero_ok else "> 0"
         raise ConfigError(f"{name} must be {bound} seconds (a finite number), got {value!r}")
@@ -95,9 +99,12 @@ class Engine(Settling):
         schema_mode: str = "evolve",
         state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        for name, value in (("batch_size", batch_size), ("max_inflight", max_inflight),
-                            ("max_concurrent_batches", max_concurrent_batches),
-                            ("max_bisect_jobs", max_bisect_jobs)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_inflight", max_inflight),
+            ("max_concurrent_batches", max_concurrent_batches),
+            ("max_bisect_jobs", max_bisect_jobs),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if batch_size > max_inflight:
@@ -105,11 +112,13 @@ class Engine(Settling):
                 f"batch_size ({batch_size}) cannot exceed max_inflight ({max_inflight}): "
                 "raise max_inflight or lower batch_size"
             )
-        for name, seconds, zero_ok in (("until_idle", until_idle, True),
-                                       ("batch_timeout_s", batch_timeout_s, False),
-                                       ("linger_s", linger_s, True),
-                                       ("drain_timeout_s", drain_timeout_s, True),
-                                       ("keepalive_s", keepalive_s, False)):
+        for name, seconds, zero_ok in (
+            ("until_idle", until_idle, True),
+            ("batch_timeout_s", batch_timeout_s, False),
+            ("linger_s", linger_s, True),
+            ("drain_timeout_s", drain_timeout_s, True),
+            ("keepalive_s", keepalive_s, False),
+        ):
             if seconds is None and name == "until_idle":
                 continue
             _check_seconds(name, seconds, zero_ok)
@@ -131,8 +140,10 @@ class Engine(Settling):
             sinks=[s.name for s in flow.sinks]
             + [b.name for s in flow.sinks for b in getattr(s, "branches", ())],
             after=systemic_after,
-            stop_after_s=systemic_stop_after_s, backoff_s=systemic_backoff_s,
-            max_backoff_s=systemic_max_backoff_s)
+            stop_after_s=systemic_stop_after_s,
+            backoff_s=systemic_backoff_s,
+            max_backoff_s=systemic_max_backoff_s,
+        )
         self._idle_since: float | None = None  # when the closing until_idle wait began
         self._pause_until = 0.0  # no pulling before this (a systemic failure's backoff)
         self._connected_seen = True  # the source_connected gauge as last set
@@ -166,8 +177,7 @@ class Engine(Settling):
         self.ui_port, self.ui_host, self.ui_allow_replay = ui_port, ui_host, ui_allow_replay
         self.board: StatusBoard | None = None
         if ui_port is not None:
-            self.board = StatusBoard(flow, self.report,
-                                     replay_supported=flow.source.replays_dead_letters)
+            self.board = StatusBoard(flow, self.report, replay_supported=flow.source.replays_dead_letters)
         self.ui: Any = None  # the StatusServer, while the run serves the page
         self._plans: list[Any] = []  # the compiled plans (their row counts feed the page)
         self._phases: dict[str, str] = {}  # running batch id -> "job" or "commit"
@@ -196,8 +206,9 @@ class Engine(Settling):
         if self._signals > 1:
             log.error("second signal: exiting now; unsettled messages return to the source")
             os._exit(130)
-        log.warning("signal %d: stopping; draining in-flight batches (up to %.0f s)",
-                    signum, self.drain_timeout_s)
+        log.warning(
+            "signal %d: stopping; draining in-flight batches (up to %.0f s)", signum, self.drain_timeout_s
+        )
         self._stop.set()
 
     def _submit_groups(self, pool: ThreadPoolExecutor) -> None:
@@ -211,9 +222,15 @@ class Engine(Settling):
         # a group's row key: its rows' keys (unique to them: two groups of one message's
         # rows differ) and its values
         row_keys = [group_key(g.row_keys, g.key) for g in groups]
-        self._launch(pool, suffix, "g", None,
-                     lambda bid: execute_groups(suffix, groups, step.keys, bid, row_keys,
-                                                count=self._count_job, cancelled=self._cancel))
+        self._launch(
+            pool,
+            suffix,
+            "g",
+            None,
+            lambda bid: execute_groups(
+                suffix, groups, step.keys, bid, row_keys, count=self._count_job, cancelled=self._cancel
+            ),
+        )
 
     def _publish(self, state: str) -> None:
         """Hand the status page a snapshot (the engine's thread; a few times a second)."""
@@ -221,8 +238,9 @@ class Engine(Settling):
             return
         self._schema_facts()
         w = self.window
-        jobs = tuple((len(batch), self._phases.get(bid, "job"))
-                     for bid, (_, batch) in list(self._running.items()))
+        jobs = tuple(
+            (len(batch), self._phases.get(bid, "job")) for bid, (_, batch) in list(self._running.items())
+        )
         try:
             details = self.flow.source.status()
         except Exception as e:  # noqa: BLE001 - the page must never stop the run
@@ -230,11 +248,21 @@ class Engine(Settling):
         rows: dict[str, tuple[int, int, int]] = {}
         for plan in self._plans:
             rows.update(plan.row_counts())  # each step and sink is in one plan
-        self.board.publish(EngineFacts(
-            state=state, in_flight=w.in_flight, max_inflight=w.max_inflight,
-            throttled=w.throttled, throttle_episodes=w.throttle_episodes,
-            batching=self._pending, jobs=jobs, held=len(self.held),
-            connected=self.flow.source.connected, source=details, rows=rows))
+        self.board.publish(
+            EngineFacts(
+                state=state,
+                in_flight=w.in_flight,
+                max_inflight=w.max_inflight,
+                throttled=w.throttled,
+                throttle_episodes=w.throttle_episodes,
+                batching=self._pending,
+                jobs=jobs,
+                held=len(self.held),
+                connected=self.flow.source.connected,
+                source=details,
+                rows=rows,
+            )
+        )
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -266,8 +294,7 @@ class Engine(Settling):
             step = flow.steps[i]
             assert isinstance(step, GroupedWithin)
             compiled = compile_(Flow(flow.source, flow.steps[:i], CollectSink(step.name)))
-            self.suffix = compile_(Flow(flow.source, flow.steps[i + 1:], flow.sink),
-                                   rows_input=True)
+            self.suffix = compile_(Flow(flow.source, flow.steps[i + 1 :], flow.sink), rows_input=True)
             self.groups = GroupBuffer(step.n, step.timeout_s)
         else:
             compiled = compile_(flow)
@@ -290,26 +317,38 @@ class Engine(Settling):
             if self.board is not None:
                 from ackflow.observe.ui import StatusServer
 
-                ui = StatusServer(self.board, flow.source, port=self.ui_port or 0,
-                                  host=self.ui_host, allow_replay=self.ui_allow_replay)
+                ui = StatusServer(
+                    self.board,
+                    flow.source,
+                    port=self.ui_port or 0,
+                    host=self.ui_host,
+                    allow_replay=self.ui_allow_replay,
+                )
                 ui.start()
                 stack.callback(_quietly, "stop the status page", ui.close)
                 self.ui = ui  # set once it serves
                 log.info("status page at %s", ui.url)
                 if ui.replay_url is not None:  # to the operator only, never to the log
-                    print(f"ackflow: to replay dead letters, open {ui.replay_url} (the link "
-                          "holds this run's replay token: keep it private)", file=sys.stderr,
-                          flush=True)
-            flow.source.configure(max_inflight=self.window.max_inflight,
-                                  error_sink=flow.error_sink is not None,
-                                  keepalive_s=self.keepalive_s)
+                    print(
+                        f"ackflow: to replay dead letters, open {ui.replay_url} (the link "
+                        "holds this run's replay token: keep it private)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            flow.source.configure(
+                max_inflight=self.window.max_inflight,
+                error_sink=flow.error_sink is not None,
+                keepalive_s=self.keepalive_s,
+            )
             stack.callback(_quietly, "close the source", flow.source.close)
             self.report.recovered = flow.source.open()
             self.metrics.recovered.inc(self.report.recovered)
             if self.report.recovered:
-                log.warning("%d messages a previous consumer had in flight were given back and "
-                            "will be processed again (their rows may be written twice)",
-                            self.report.recovered)
+                log.warning(
+                    "%d messages a previous consumer had in flight were given back and "
+                    "will be processed again (their rows may be written twice)",
+                    self.report.recovered,
+                )
             if self.handle_signals and threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
@@ -335,15 +374,15 @@ class Engine(Settling):
             changes += plan.schema_changes
             versions.update(plan.segment_versions())
         self.report.schema_versions = versions
-        self.report.schema_changes = [{**c, "changes": c["changes"][:50]}
-                                      for c in sorted(changes, key=lambda c: c["at"])]
+        self.report.schema_changes = [
+            {**c, "changes": c["changes"][:50]} for c in sorted(changes, key=lambda c: c["at"])
+        ]
 
     def _finish_report(self, started: float) -> None:
         self._schema_facts()
         self.report.elapsed_s = time.monotonic() - started
         idle = self._idle_since
-        self.report.active_s = (max(idle - started, 0.0) if idle is not None
-                                else self.report.elapsed_s)
+        self.report.active_s = max(idle - started, 0.0) if idle is not None else self.report.elapsed_s
         self.report.throttle_episodes = self.window.throttle_episodes
         if self.batch_seconds:
             ordered = sorted(self.batch_seconds)
@@ -354,14 +393,31 @@ class Engine(Settling):
         def phase(bid: str) -> Callable[[str], None]:
             return lambda name: self._phases.__setitem__(bid, name)
 
-        self._launch(pool, compiled, "", batch,
-                     lambda bid: execute(compiled, batch, bid, max_jobs=self.max_bisect_jobs,
-                                         cancelled=self._cancel, phase=phase(bid),
-                                         count=self._count_job,
-                                         uniform_probes=self.systemic.after))
+        self._launch(
+            pool,
+            compiled,
+            "",
+            batch,
+            lambda bid: execute(
+                compiled,
+                batch,
+                bid,
+                max_jobs=self.max_bisect_jobs,
+                cancelled=self._cancel,
+                phase=phase(bid),
+                count=self._count_job,
+                uniform_probes=self.systemic.after,
+            ),
+        )
 
-    def _launch(self, pool: ThreadPoolExecutor, compiled: Any, suffix: str,
-                batch: list[Delivery] | None, run: Callable[[str], BatchResult]) -> None:
+    def _launch(
+        self,
+        pool: ThreadPoolExecutor,
+        compiled: Any,
+        suffix: str,
+        batch: list[Delivery] | None,
+        run: Callable[[str], BatchResult],
+    ) -> None:
         """Run ``run(batch_id)`` on a worker thread under its own Spark job group (so that
         shutdown can cancel it); its result comes back through the inbox with ``batch``
         (None for a grouped_within job)."""
@@ -457,26 +513,39 @@ class Engine(Settling):
             if connected != self._connected_seen:
                 self._connected_seen = connected
                 self.metrics.source_connected.set(1 if connected else 0)
-            if (not connected or self.systemic.episode is not None
-                    or now < self._pause_until or source.retries_waiting):
+            if (
+                not connected
+                or self.systemic.episode is not None
+                or now < self._pause_until
+                or source.retries_waiting
+            ):
                 # reconnecting, a systemic (or suspect) failure gave messages back, or
                 # failed messages wait for their retry at the source: not idle
                 last_message = time.monotonic()
             now = time.monotonic()
-            if pending and len(self._running) < self.max_concurrent and (
-                len(pending) >= self.batch_size
-                or pulled == 0
-                or self.window.credits == 0
-                or now - batch_started >= self.batch_timeout_s
-                or (not self._running and now - batch_started >= self.linger_s)
+            if (
+                pending
+                and len(self._running) < self.max_concurrent
+                and (
+                    len(pending) >= self.batch_size
+                    or pulled == 0
+                    or self.window.credits == 0
+                    or now - batch_started >= self.batch_timeout_s
+                    or (not self._running and now - batch_started >= self.linger_s)
+                )
             ):
                 self._submit(compiled, pool, pending)
                 pending = []
             if self.groups is not None and len(self._running) < self.max_concurrent:
                 self._submit_groups(pool)
-            if (self.until_idle is not None and not pending and not self._running
-                    and not self.held and not (self.groups and len(self.groups))
-                    and now - last_message >= self.until_idle):
+            if (
+                self.until_idle is not None
+                and not pending
+                and not self._running
+                and not self.held
+                and not (self.groups and len(self.groups))
+                and now - last_message >= self.until_idle
+            ):
                 self._idle_since = last_message
                 return
             if self.progress is not None and now - last_progress >= 0.5:
@@ -502,8 +571,10 @@ class Engine(Settling):
                     self._publish("draining")
                 left = deadline - time.monotonic()
                 if left <= 0 and not self._cancel.is_set():
-                    log.warning("drain timeout: cancelling %d running batches; their messages "
-                                "are given back", len(self._running))
+                    log.warning(
+                        "drain timeout: cancelling %d running batches; their messages are given back",
+                        len(self._running),
+                    )
                     self._cancel.set()
                     self._cancel_jobs()
                 try:

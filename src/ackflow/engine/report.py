@@ -61,10 +61,10 @@ class RunReport:
     #: dead letters per (step, reason: the error's first line with its numbers as "N"),
     #: for :meth:`summary` (not in :meth:`as_dict`, whose keys stay as they were)
     dead_letter_reasons: collections.Counter[tuple[str, str]] = field(
-        default_factory=collections.Counter, repr=False)
+        default_factory=collections.Counter, repr=False
+    )
     #: the first error seen of each reason, and whether others of it differed
-    reason_examples: dict[tuple[str, str], tuple[str, bool]] = field(
-        default_factory=dict, repr=False)
+    reason_examples: dict[tuple[str, str], tuple[str, bool]] = field(default_factory=dict, repr=False)
 
     def count_reason(self, step: str, error: str) -> None:
         """Count one dead letter's reason: its error's first line (cut to 100 chars), with
@@ -95,8 +95,7 @@ class RunReport:
         d["elapsed_s"] = round(self.elapsed_s, 3)
         d["active_s"] = round(self.active_s, 3)
         if self.failures_total > len(self.failures):
-            d["failures_cut"] = (f"the first {len(self.failures)} of {self.failures_total} "
-                                 "failures are listed")
+            d["failures_cut"] = f"the first {len(self.failures)} of {self.failures_total} failures are listed"
         return d
 
     def summary(self) -> str:
@@ -115,12 +114,15 @@ class RunReport:
           rows written       orders: 98, dead: 2
         """
         n = f"{self.settled:,}"
-        lines = [f"ackflow run: {n} messages settled in {self.elapsed_s:.1f} s "
-                 f"({self.messages_per_s:,.0f} messages/s)",
-                 f"  acked          {self.acked:>6,}"]
+        lines = [
+            f"ackflow run: {n} messages settled in {self.elapsed_s:.1f} s "
+            f"({self.messages_per_s:,.0f} messages/s)",
+            f"  acked          {self.acked:>6,}",
+        ]
         if self.dead_lettered:
-            steps = ", ".join(f"{k}: {v:,}" for k, v in sorted(
-                self.dead_lettered_by_step.items(), key=lambda kv: -kv[1]))
+            steps = ", ".join(
+                f"{k}: {v:,}" for k, v in sorted(self.dead_lettered_by_step.items(), key=lambda kv: -kv[1])
+            )
             lines.append(f"  dead-lettered  {self.dead_lettered:>6,}   {steps}")
             top = self.dead_letter_reasons.most_common(3)
             for key, c in top:
@@ -133,24 +135,24 @@ class RunReport:
             (self.nacked, "nacked", "failed, given back for a retry"),
             (self.released, "released", "given back unprocessed at shutdown"),
             (self.recovered, "recovered", "in flight at a crash, processed again"),
-            (self.redelivered, "redelivered", "could not be settled: the broker sends them "
-                                              "again"),
+            (self.redelivered, "redelivered", "could not be settled: the broker sends them again"),
             (self.duplicates, "duplicates", "a copy of an identity already in flight"),
-            (self.given_back_systemic, "given back", "every message failed alike "
-                                                     "(a systemic failure)"),
+            (self.given_back_systemic, "given back", "every message failed alike (a systemic failure)"),
         ]
         lines += [f"  {label:<14} {value:>6,}   {why}" for value, label, why in optional if value]
         if self.systemic:
-            lines.append(f"  systemic failure at step {self.systemic.get('step')!r}: "
-                         f"{self.systemic.get('error')}")
+            lines.append(
+                f"  systemic failure at step {self.systemic.get('step')!r}: {self.systemic.get('error')}"
+            )
         if self.rows_written:
             rows = ", ".join(f"{k}: {v:,}" for k, v in self.rows_written.items())
             lines.append(f"  rows written       {rows}")
         for change in self.schema_changes:
             changes = change.get("changes") or []
             more = f" (+{len(changes) - 3} more)" if len(changes) > 3 else ""
-            who = (f", brought by message {change['brought_by']}"
-                   if change.get("brought_by") else "")
-            lines.append(f"  schema: {change.get('segment')} version {change.get('version')}"
-                         f"{who}: {'; '.join(map(str, changes[:3]))}{more}")
+            who = f", brought by message {change['brought_by']}" if change.get("brought_by") else ""
+            lines.append(
+                f"  schema: {change.get('segment')} version {change.get('version')}"
+                f"{who}: {'; '.join(map(str, changes[:3]))}{more}"
+            )
         return "\n".join(lines)

@@ -58,7 +58,9 @@ def open_store(flow: Flow, state_dir: str | None) -> SchemaStore:
         return SchemaStore(os.path.join(state_dir, STORE_FILE))
     location = default_location(flow)
     if location is None:
-        log.warning("the flow's columns are kept in memory only (no sink or source keeps "
-                    "local state): a restart infers them again; give state_dir= "
-                    "(--state-dir) to keep them")
+        log.warning(
+            "the flow's columns are kept in memory only (no sink or source keeps "
+            "local state): a restart infers them again; give state_dir= "
+            "(--state-dir) to keep them"
+        )
     return SchemaStore(location)

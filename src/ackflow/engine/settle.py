@@ -77,27 +77,29 @@ class Settling:
         self.report.acked += len(deliveries) - len(stale)
         self.metrics.acked.inc(len(deliveries) - len(stale))
         if self.board is not None:
-            self.board.acked([d for d in deliveries if id(d) not in stale] if stale
-                             else deliveries)
+            self.board.acked([d for d in deliveries if id(d) not in stale] if stale else deliveries)
 
     def _count_redelivered(self, n: int) -> None:
         if n:
-            log.warning("%d deliveries could not be settled (their channel or lease is gone); "
-                        "the source delivers them again", n)
+            log.warning(
+                "%d deliveries could not be settled (their channel or lease is gone); "
+                "the source delivers them again",
+                n,
+            )
             self.report.redelivered += n
             self.metrics.redelivered.inc(n)
 
     def _drop_lost(self) -> None:
         """Stop tracking deliveries the source lost (it delivers them again)."""
-        lost = [d for d in self.flow.source.take_lost()
-                if not d.settled and d.lineage_id in self.inflight]
+        lost = [d for d in self.flow.source.take_lost() if not d.settled and d.lineage_id in self.inflight]
         for d in lost:
             d.settle(Settlement.RELEASED)
         self._count_redelivered(len(lost))
         self._forget(lost)
         # acks the engine counted that never reached the broker: no acks, they come again
-        unsent = [d for d in self.flow.source.take_unsent_acks()
-                  if d.state is Settlement.ACKED and not d.revised]
+        unsent = [
+            d for d in self.flow.source.take_unsent_acks() if d.state is Settlement.ACKED and not d.revised
+        ]
         for d in unsent:
             d.revise(Settlement.RELEASED)
         if unsent:
@@ -158,12 +160,15 @@ class Settling:
         if not live:
             return
         if first.state in (Settlement.ACKED, Settlement.DEAD_LETTERED):
-            log.info("%d repeated deliveries of %s settled as the first (%s)", len(live),
-                     first.identity, first.state.value)
+            log.info(
+                "%d repeated deliveries of %s settled as the first (%s)",
+                len(live),
+                first.identity,
+                first.state.value,
+            )
             self._ack(live)
         else:
-            self._give_back([(d, Failure("engine", "a repeat of a message in flight"))
-                             for d in live])
+            self._give_back([(d, Failure("engine", "a repeat of a message in flight")) for d in live])
         self._forget(live)
 
     def _settle(self, result: BatchResult, deliveries: list[Delivery]) -> None:
@@ -180,17 +185,23 @@ class Settling:
         outcome_ids = set(result.outcomes.acked) | set(result.outcomes.failed) | set(result.released)
         missing = [d for d in by_id.values() if d.lineage_id not in outcome_ids]
         if missing:  # cannot happen by construction; never ack what has no outcome
-            log.error("batch %s: %d messages got no outcome; failing them", result.batch_id,
-                      len(missing))
+            log.error("batch %s: %d messages got no outcome; failing them", result.batch_id, len(missing))
             lost = Failure("engine", "no outcome for this message; not acked", whole=True)
             self._fail(result.batch_id, [(d, lost) for d in missing])
 
         self._forget(deliveries)
         self.report.batches += 1
         self._account(result)
-        log.debug("batch %s: %d messages, %d acked, %d failed, %d held, %d jobs, %.3f s",
-                  result.batch_id, result.size, len(acked), len(failures), len(held),
-                  result.jobs, result.seconds)
+        log.debug(
+            "batch %s: %d messages, %d acked, %d failed, %d held, %d jobs, %.3f s",
+            result.batch_id,
+            result.size,
+            len(acked),
+            len(failures),
+            len(held),
+            result.jobs,
+            result.seconds,
+        )
 
     def _account(self, result: BatchResult) -> None:  # jobs and bisections: _count_job
         for name, n in result.outcomes.rows_written.items():
@@ -223,12 +234,14 @@ class Settling:
             for row, mid, row_key in zip(rows, ids, keys, strict=True):
                 members = mid if isinstance(mid, list) else [mid]
                 # not a member: failed in this batch, or lost (and forgotten) meanwhile
-                members = [m for m in members if m not in result.outcomes.failed
-                           and m in self.inflight and not self.inflight[m].settled]
+                members = [
+                    m
+                    for m in members
+                    if m not in result.outcomes.failed and m in self.inflight and not self.inflight[m].settled
+                ]
                 if not members:
                     continue
-                self.groups.add(tuple(row.get(k) for k in step.keys), row, members, now,
-                                row_key)
+                self.groups.add(tuple(row.get(k) for k in step.keys), row, members, now, row_key)
                 for m in members:
                     self.held[m] = self.held.get(m, 0) + 1
                     held.add(m)
@@ -237,8 +250,9 @@ class Settling:
     def _settle_groups(self, result: BatchResult) -> None:
         """A group job finished: fail members of failed groups, ack members whose
         every group is now written; a job cancelled at shutdown releases its members."""
-        released = [d for d in (self.inflight.get(m) for m in result.released)
-                    if d is not None and not d.settled]
+        released = [
+            d for d in (self.inflight.get(m) for m in result.released) if d is not None and not d.settled
+        ]
         self._release(released)
         touched: list[Delivery] = released
         failures = []
@@ -262,9 +276,9 @@ class Settling:
         self._forget(touched + done)
         self._account(result)
 
-    def _give_back_systemic(self, result: BatchResult,
-                            failures: list[tuple[Delivery, Failure]], *,
-                            acked: bool) -> list[tuple[Delivery, Failure]]:
+    def _give_back_systemic(
+        self, result: BatchResult, failures: list[tuple[Delivery, Failure]], *, acked: bool
+    ) -> list[tuple[Delivery, Failure]]:
         """Give back (release) failures the detector judges systemic; return the rest,
         to be nacked or dead-lettered as usual. Raises :class:`SystemicFailure` once an
         episode has lasted ``systemic_stop_after_s``."""
@@ -277,29 +291,40 @@ class Settling:
         # it is delivered (its identity), a delivery is given back by its lineage id
         whole = [(d, f) for d, f in failures if f.whole]
         judged = detector.judge(
-            [(d.identity, f.step, f.error) for d, f in whole], working=working,
-            detail=lambda step, error: result.details.get((step, error)) or error)
+            [(d.identity, f.step, f.error) for d, f in whole],
+            working=working,
+            detail=lambda step, error: result.details.get((step, error)) or error,
+        )
         systemic = {d.lineage_id for d, _ in whole if d.identity in judged}
         suspects = {d.lineage_id for d, _ in whole if d.identity in detector.suspects}
         if was is not None and detector.episode is None:
-            log.warning("step %r works again: the systemic failure is over (%d deliveries "
-                        "were given back)", was.step, was.messages)
+            log.warning(
+                "step %r works again: the systemic failure is over (%d deliveries were given back)",
+                was.step,
+                was.messages,
+            )
             self.metrics.systemic.labels(step=was.step).set(0)
-        self.report.systemic = (detector.episode.as_json()
-                                if detector.episode is not None else None)
+        self.report.systemic = detector.episode.as_json() if detector.episode is not None else None
         self.report.systemic_episodes = detector.episodes
         rest = [(d, f) for d, f in failures if d.lineage_id not in systemic]
         untested = [d for d, _ in rest if d.lineage_id in result.untested]
         if untested:  # never dead-letter (nor spend a delivery) on an inferred failure
-            log.warning("batch %s: %d messages whose failure was inferred, not seen alone, "
-                        "are given back", result.batch_id, len(untested))
+            log.warning(
+                "batch %s: %d messages whose failure was inferred, not seen alone, are given back",
+                result.batch_id,
+                len(untested),
+            )
             self._give_back([(d, f) for d, f in rest if d.lineage_id in result.untested])
             rest = [(d, f) for d, f in rest if d.lineage_id not in result.untested]
         if suspects:  # a whole failure not yet shown by enough messages: give back, pause
             back = [d for d, _ in rest if d.lineage_id in suspects]
-            log.warning("batch %s: %d messages failed a write or job as a whole (%s); given "
-                        "back while it is unknown whether every message fails so",
-                        result.batch_id, len(back), redact(whole[0][1].error))
+            log.warning(
+                "batch %s: %d messages failed a write or job as a whole (%s); given "
+                "back while it is unknown whether every message fails so",
+                result.batch_id,
+                len(back),
+                redact(whole[0][1].error),
+            )
             self._give_back([(d, f) for d, f in rest if d.lineage_id in suspects])
             self._pause_until = max(self._pause_until, time.monotonic() + detector.backoff_s(1))
             rest = [(d, f) for d, f in rest if d.lineage_id not in suspects]
@@ -315,15 +340,27 @@ class Settling:
         pause = detector.backoff_s(detector.strikes)
         self._pause_until = time.monotonic() + pause
         left = detector.stop_after_s - (time.monotonic() - episode.since)
-        log.error("batch %s: systemic failure at step %r: %d messages failed the same way "
-                  "(%s); given back, not dead-lettered; pulling paused %.1f s; the run stops "
-                  "in %.0f s if it persists", result.batch_id, episode.step, len(back),
-                  episode.error, pause, max(left, 0))
+        log.error(
+            "batch %s: systemic failure at step %r: %d messages failed the same way "
+            "(%s); given back, not dead-lettered; pulling paused %.1f s; the run stops "
+            "in %.0f s if it persists",
+            result.batch_id,
+            episode.step,
+            len(back),
+            episode.error,
+            pause,
+            max(left, 0),
+        )
         if detector.overdue():
             if episode.detail:
                 log.error("the systemic failure in full:\n%s", episode.detail)
-            raise SystemicFailure(episode.step, episode.error, messages=episode.messages,
-                                  seconds=detector.stop_after_s, detail=episode.detail)
+            raise SystemicFailure(
+                episode.step,
+                episode.error,
+                messages=episode.messages,
+                seconds=detector.stop_after_s,
+                detail=episode.detail,
+            )
         return rest
 
     def _count_job(self, bisection: bool) -> None:
@@ -336,8 +373,9 @@ class Settling:
                 self.report.jobs += 1
                 self.metrics.jobs.inc()
 
-    def _dead_letter_to_sink(self, batch_id: str,
-                             failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
+    def _dead_letter_to_sink(
+        self, batch_id: str, failures: list[tuple[Delivery, Failure]]
+    ) -> list[tuple[Delivery, Failure]]:
         """Write given-up messages to the flow's error sink, then settle them; return the
         failures that are still to be retried by the source."""
         source, sink = self.flow.source, self.flow.error_sink
@@ -351,9 +389,15 @@ class Settling:
         except Exception as e:  # noqa: BLE001 - not written: nack, never drop
             self._dead_letter_failures += len(done)
             self.metrics.dead_letter_write_failures.inc(len(done))
-            log.error("batch %s: error sink %r failed to write %d dead letters (%s); nacking "
-                      "them (%d dead-letter writes failed in this run)", batch_id, sink.name,
-                      len(done), e, self._dead_letter_failures)
+            log.error(
+                "batch %s: error sink %r failed to write %d dead letters (%s); nacking "
+                "them (%d dead-letter writes failed in this run)",
+                batch_id,
+                sink.name,
+                len(done),
+                e,
+                self._dead_letter_failures,
+            )
             for d, _ in done:
                 d.settle(Settlement.NACKED)
             source.nack(done)
@@ -374,24 +418,23 @@ class Settling:
                 self._record_failure(d, f, Settlement.DEAD_LETTERED, kept_by=sink.name)
         return rest
 
-    def _record_failure(self, d: Delivery, f: Failure, state: Settlement, *,
-                        kept_by: str = "source") -> None:
+    def _record_failure(self, d: Delivery, f: Failure, state: Settlement, *, kept_by: str = "source") -> None:
         if state is Settlement.DEAD_LETTERED:
             self.report.dead_lettered += 1
-            self.report.dead_lettered_by_step[f.step] = (
-                self.report.dead_lettered_by_step.get(f.step, 0) + 1
-            )
+            self.report.dead_lettered_by_step[f.step] = self.report.dead_lettered_by_step.get(f.step, 0) + 1
             self.metrics.dead_lettered.labels(step=f.step).inc()
-            log.info("message %s dead-lettered after %d deliveries: %s", d.key,
-                     d.delivery_count, f)
+            log.info("message %s dead-lettered after %d deliveries: %s", d.key, d.delivery_count, f)
             self.report.count_reason(f.step, f.error)
         else:
             self.report.nacked += 1
             self.metrics.nacked.inc()
             log.debug("message %s nacked (delivery %d): %s", d.key, d.delivery_count, f)
         if self.board is not None:
-            ref = (self.flow.source.dead_letter_ref(d)
-                   if kept_by == "source" and state is Settlement.DEAD_LETTERED else None)
+            ref = (
+                self.flow.source.dead_letter_ref(d)
+                if kept_by == "source" and state is Settlement.DEAD_LETTERED
+                else None
+            )
             self.board.failed(d, f, state.value, kept_by=kept_by, ref=ref)
         self.report.failures_total += 1
         if len(self.report.failures) < 20:
@@ -419,12 +462,18 @@ class Settling:
             return
         last = {id(d) for d in self.flow.source.unreleasable(deliveries)}
         if last:  # a give-back would spend their last delivery: the broker drops them
-            log.warning("%d unprocessed messages are at their last delivery (the broker "
-                        "counts a give-back as one and would drop them): dead-lettering "
-                        "them instead (step 'release')", len(last))
-            why = Failure("release", "not processed before the stop, at its last delivery: "
-                          "the broker counts a give-back as a delivery (x-delivery-limit) and "
-                          "would drop it; dead-lettered instead")
+            log.warning(
+                "%d unprocessed messages are at their last delivery (the broker "
+                "counts a give-back as one and would drop them): dead-lettering "
+                "them instead (step 'release')",
+                len(last),
+            )
+            why = Failure(
+                "release",
+                "not processed before the stop, at its last delivery: "
+                "the broker counts a give-back as a delivery (x-delivery-limit) and "
+                "would drop it; dead-lettered instead",
+            )
             self._fail("release", [(d, why) for d in deliveries if id(d) in last])
             deliveries = [d for d in deliveries if id(d) not in last and not d.settled]
             if not deliveries:
@@ -446,9 +495,12 @@ class Settling:
             return
         last = {id(d) for d in self.flow.source.unreleasable([d for d, _ in failures])}
         if last:
-            log.warning("%d messages to give back are at their last delivery (the broker "
-                        "counts a give-back as one and would drop them): dead-lettering them "
-                        "with their failure instead", len(last))
+            log.warning(
+                "%d messages to give back are at their last delivery (the broker "
+                "counts a give-back as one and would drop them): dead-lettering them "
+                "with their failure instead",
+                len(last),
+            )
             self._fail("give-back", [(d, f) for d, f in failures if id(d) in last])
         back = [d for d, _ in failures if id(d) not in last and not d.settled]
         if not back:
@@ -464,8 +516,7 @@ class Settling:
         self.metrics.window(w.in_flight, w.throttled, w.throttle_episodes)
 
 
-def write_dead_letters(sink: Any, batch_id: str,
-                       failures: list[tuple[Delivery, Failure]]) -> None:
+def write_dead_letters(sink: Any, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
     """Write failed messages with their provenance to ``sink`` and commit; raise if any
     row was not written."""
     import json
@@ -474,13 +525,30 @@ def write_dead_letters(sink: Any, batch_id: str,
 
     now = time.time()
     table = pa.Table.from_pylist(
-        [{"message": d.identity, "body": d.body, "headers": json.dumps(d.headers),
-          "step": f.step, "error": f.error, "deliveries": d.delivery_count, "failed_at": now}
-         for d, f in failures],
-        schema=pa.schema([("message", pa.string()), ("body", pa.binary()),
-                          ("headers", pa.string()), ("step", pa.string()),
-                          ("error", pa.string()), ("deliveries", pa.int64()),
-                          ("failed_at", pa.float64())]))
+        [
+            {
+                "message": d.identity,
+                "body": d.body,
+                "headers": json.dumps(d.headers),
+                "step": f.step,
+                "error": f.error,
+                "deliveries": d.delivery_count,
+                "failed_at": now,
+            }
+            for d, f in failures
+        ],
+        schema=pa.schema(
+            [
+                ("message", pa.string()),
+                ("body", pa.binary()),
+                ("headers", pa.string()),
+                ("step", pa.string()),
+                ("error", pa.string()),
+                ("deliveries", pa.int64()),
+                ("failed_at", pa.float64()),
+            ]
+        ),
+    )
     table = sink.dead_letter_rows(table)  # in the types its readers want (PostgreSQL: text)
     sink.prepare(table.schema)  # the error sink is a sink: check or create its table first
     if getattr(sink, "wants_keys", False):  # a dead letter written again is the same row
@@ -488,6 +556,7 @@ def write_dead_letters(sink: Any, batch_id: str,
     result = sink.write_partition(batch_id, 0, table)
     if result.failed:
         sink.abort(batch_id, [result.token] if result.token else [])
-        raise RuntimeError(f"{len(result.failed)} dead letters were refused: "
-                           f"{next(iter(result.failed.values()))}")
+        raise RuntimeError(
+            f"{len(result.failed)} dead letters were refused: {next(iter(result.failed.values()))}"
+        )
     sink.commit(batch_id, [result.token] if result.token else [])

@@ -20,50 +20,68 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.pulled = Counter("ackflow_messages_pulled", "Messages pulled from sources", registry=r)
         self.acked = Counter("ackflow_messages_acked", "Messages acked", registry=r)
-        self.nacked = Counter("ackflow_messages_nacked", "Messages nacked (to be retried)",
-                              registry=r)
-        self.dead_lettered = Counter("ackflow_messages_dead_lettered", "Messages dead-lettered",
-                                     ["step"], registry=r)
-        self.released = Counter("ackflow_messages_released",
-                                "Messages given back unprocessed at shutdown", registry=r)
-        self.recovered = Counter("ackflow_messages_recovered",
-                                 "In-flight messages of a dead consumer delivered again",
-                                 registry=r)
-        self.redelivered = Counter("ackflow_messages_redelivered",
-                                   "Deliveries lost with their broker channel (delivered again)",
-                                   registry=r)
+        self.nacked = Counter("ackflow_messages_nacked", "Messages nacked (to be retried)", registry=r)
+        self.dead_lettered = Counter(
+            "ackflow_messages_dead_lettered", "Messages dead-lettered", ["step"], registry=r
+        )
+        self.released = Counter(
+            "ackflow_messages_released", "Messages given back unprocessed at shutdown", registry=r
+        )
+        self.recovered = Counter(
+            "ackflow_messages_recovered", "In-flight messages of a dead consumer delivered again", registry=r
+        )
+        self.redelivered = Counter(
+            "ackflow_messages_redelivered",
+            "Deliveries lost with their broker channel (delivered again)",
+            registry=r,
+        )
         self.dead_letter_write_failures = Counter(
             "ackflow_dead_letter_write_failures",
             "Given-up messages whose dead-letter write (error sink, or the source's dead-letter "
             "route) failed or was refused (nacked, retried)",
-            registry=r)
+            registry=r,
+        )
         self.rows_written = Counter("ackflow_rows_written", "Rows written", ["sink"], registry=r)
         self.in_flight = Gauge("ackflow_in_flight", "Unsettled messages", registry=r)
         self.max_inflight = Gauge("ackflow_max_inflight", "The in-flight window", registry=r)
-        self.throttled = Gauge("ackflow_throttled", "1 while the window is full and pulling stops",
-                               registry=r)
-        self.throttle_episodes = Counter("ackflow_throttle_episodes",
-                                         "Transitions into the throttled state", registry=r)
+        self.throttled = Gauge(
+            "ackflow_throttled", "1 while the window is full and pulling stops", registry=r
+        )
+        self.throttle_episodes = Counter(
+            "ackflow_throttle_episodes", "Transitions into the throttled state", registry=r
+        )
         self.batch_seconds = Histogram(
-            "ackflow_batch_duration_seconds", "Wall time of a batch (all its Spark jobs)",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+            "ackflow_batch_duration_seconds",
+            "Wall time of a batch (all its Spark jobs)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            registry=r,
+        )
         self.batch_size = Histogram(
-            "ackflow_batch_size_messages", "Messages per batch",
-            buckets=(1, 10, 100, 500, 1000, 2000, 5000, 10000, 50000), registry=r)
-        self.bisections = Counter("ackflow_bisections", "Failed Spark jobs split in halves",
-                                  registry=r)
-        self.systemic = Gauge("ackflow_systemic_failure",
-                              "1 while every message fails the same way at a step (messages "
-                              "are given back, never dead-lettered)", ["step"], registry=r)
+            "ackflow_batch_size_messages",
+            "Messages per batch",
+            buckets=(1, 10, 100, 500, 1000, 2000, 5000, 10000, 50000),
+            registry=r,
+        )
+        self.bisections = Counter("ackflow_bisections", "Failed Spark jobs split in halves", registry=r)
+        self.systemic = Gauge(
+            "ackflow_systemic_failure",
+            "1 while every message fails the same way at a step (messages "
+            "are given back, never dead-lettered)",
+            ["step"],
+            registry=r,
+        )
         self.given_back_systemic = Counter(
             "ackflow_messages_given_back_systemic",
-            "Failed deliveries given back because the failure was systemic", registry=r)
-        self.jobs = Counter("ackflow_spark_jobs", "Spark jobs run (bisection jobs included)",
-                            registry=r)
+            "Failed deliveries given back because the failure was systemic",
+            registry=r,
+        )
+        self.jobs = Counter("ackflow_spark_jobs", "Spark jobs run (bisection jobs included)", registry=r)
         self.source_connected = Gauge(
             "ackflow_source_connected",
             "1 while the source is connected and consuming; 0 while it reconnects (a lost "
-            "connection, a broker restart, a consumer the broker cancelled)", registry=r)
+            "connection, a broker restart, a consumer the broker cancelled)",
+            registry=r,
+        )
         self.source_connected.set(1)
         self.max_inflight.set(max_inflight)
         self._episodes_seen = 0

@@ -17,8 +17,7 @@ class ProgressBar:
     ``every_s`` seconds, so logs of a batch job stay readable.
     """
 
-    def __init__(self, total: int | None = None, stream: TextIO | None = None,
-                 every_s: float = 5.0) -> None:
+    def __init__(self, total: int | None = None, stream: TextIO | None = None, every_s: float = 5.0) -> None:
         self.total = total
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()

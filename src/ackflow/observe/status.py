@@ -54,10 +54,19 @@ class DeadLetterNote:
     ref: object | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.id, "at": self.at, "message": self.message, "step": self.step,
-                "error": self.error, "deliveries": self.deliveries, "body": self.body,
-                "body_bytes": self.body_bytes, "truncated": self.body_bytes > PREVIEW_BYTES,
-                "kept_by": self.kept_by, "replayable": self.ref is not None}
+        return {
+            "id": self.id,
+            "at": self.at,
+            "message": self.message,
+            "step": self.step,
+            "error": self.error,
+            "deliveries": self.deliveries,
+            "body": self.body,
+            "body_bytes": self.body_bytes,
+            "truncated": self.body_bytes > PREVIEW_BYTES,
+            "kept_by": self.kept_by,
+            "replayable": self.ref is not None,
+        }
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,9 @@ def _clean(details: dict[str, object]) -> dict[str, object]:
     return out
 
 
-def rows_by_node(graph: dict[str, Any], counts: dict[str, tuple[int, int, int]]
-                 ) -> dict[str, dict[str, int | None]]:
+def rows_by_node(
+    graph: dict[str, Any], counts: dict[str, tuple[int, int, int]]
+) -> dict[str, dict[str, int | None]]:
     """Rows in / out / failed for each step and sink of the graph.
 
     Python steps, decoding and the sinks are counted by the tasks. A Spark step
@@ -173,8 +183,9 @@ def flow_graph(flow: Flow) -> dict[str, Any]:
 
     def add(role: str, name: str, kind: str, col: int, row: int, after: str | None) -> str:
         node_id = f"{role}:{name}"
-        nodes.append({"id": node_id, "role": role, "name": redact(name), "kind": kind,
-                      "col": col, "row": row})
+        nodes.append(
+            {"id": node_id, "role": role, "name": redact(name), "kind": kind, "col": col, "row": row}
+        )
         if after is not None:
             edges.append([after, node_id])
         return node_id
@@ -208,8 +219,9 @@ def flow_graph(flow: Flow) -> dict[str, Any]:
         add("sink", flow.sink.name, type(flow.sink).__name__, col, 0, prev)
         row = 1
     if flow.error_sink is not None:
-        add("error_sink", flow.error_sink.name, type(flow.error_sink).__name__, 1, max(row, 1),
-            nodes[0]["id"])
+        add(
+            "error_sink", flow.error_sink.name, type(flow.error_sink).__name__, 1, max(row, 1), nodes[0]["id"]
+        )
     else:
         add("error_sink", "dead letters", "kept by the source", 1, max(row, 1), nodes[0]["id"])
     return {"nodes": nodes, "edges": edges}
@@ -224,8 +236,9 @@ class StatusBoard:
     snapshot on.
     """
 
-    def __init__(self, flow: Flow, report: RunReport, *, every_s: float = 0.5,
-                 replay_supported: bool = False) -> None:
+    def __init__(
+        self, flow: Flow, report: RunReport, *, every_s: float = 0.5, replay_supported: bool = False
+    ) -> None:
         self.every_s = every_s
         self.report = report
         self.graph = flow_graph(flow)
@@ -268,8 +281,9 @@ class StatusBoard:
         self._batch_seconds.append(seconds)
         self._batch_since.append(seconds)
 
-    def failed(self, d: Delivery, f: Failure, outcome: str, *, kept_by: str = "source",
-               ref: object | None = None) -> None:
+    def failed(
+        self, d: Delivery, f: Failure, outcome: str, *, kept_by: str = "source", ref: object | None = None
+    ) -> None:
         """A message was nacked or dead-lettered (``outcome``) in step ``f.step``."""
         per = self._failed.setdefault(f.step, {"nacked": 0, "dead_lettered": 0})
         per[outcome] = per.get(outcome, 0) + 1
@@ -277,10 +291,20 @@ class StatusBoard:
             return
         self._dead_seq += 1
         body = d.body[:PREVIEW_BYTES].decode("utf-8", "replace")
-        self._dead.append(DeadLetterNote(
-            id=self._dead_seq, at=time.time(), message=redact(d.key)[:300], step=f.step,
-            error=redact(f.error)[:ERROR_CHARS], deliveries=d.delivery_count,
-            body=redact(body), body_bytes=len(d.body), kept_by=kept_by, ref=ref))
+        self._dead.append(
+            DeadLetterNote(
+                id=self._dead_seq,
+                at=time.time(),
+                message=redact(d.key)[:300],
+                step=f.step,
+                error=redact(f.error)[:ERROR_CHARS],
+                deliveries=d.delivery_count,
+                body=redact(body),
+                body_bytes=len(d.body),
+                kept_by=kept_by,
+                ref=ref,
+            )
+        )
 
     def due(self) -> bool:
         return time.monotonic() - self._published_at >= self.every_s
@@ -305,21 +329,32 @@ class StatusBoard:
             "started_at": self.started_at,
             "elapsed_s": round(now - self._t0, 3),
             "flow": self.graph,
-            "totals": {"pulled": r.pulled, "acked": r.acked, "nacked": r.nacked,
-                       "dead_lettered": r.dead_lettered, "released": r.released,
-                       "recovered": r.recovered, "redelivered": r.redelivered,
-                       "batches": r.batches, "jobs": r.jobs, "bisections": r.bisections,
-                       "given_back_systemic": r.given_back_systemic},
+            "totals": {
+                "pulled": r.pulled,
+                "acked": r.acked,
+                "nacked": r.nacked,
+                "dead_lettered": r.dead_lettered,
+                "released": r.released,
+                "recovered": r.recovered,
+                "redelivered": r.redelivered,
+                "batches": r.batches,
+                "jobs": r.jobs,
+                "bisections": r.bisections,
+                "given_back_systemic": r.given_back_systemic,
+            },
             "systemic": r.systemic,
-            "schema": {"versions": dict(r.schema_versions),
-                       "changes": [{**c, "changes": c["changes"][:10]}
-                                   for c in r.schema_changes[-10:]]},
+            "schema": {
+                "versions": dict(r.schema_versions),
+                "changes": [{**c, "changes": c["changes"][:10]} for c in r.schema_changes[-10:]],
+            },
             "rows_written": {redact(k): v for k, v in r.rows_written.items()},
             "failed_by_step": {k: dict(v) for k, v in self._failed.items()},
             "rows_by_step": rows_by_node(self.graph, facts.rows),
             "window": {
-                "in_flight": facts.in_flight, "max_inflight": facts.max_inflight,
-                "throttled": facts.throttled, "throttle_episodes": facts.throttle_episodes,
+                "in_flight": facts.in_flight,
+                "max_inflight": facts.max_inflight,
+                "throttled": facts.throttled,
+                "throttle_episodes": facts.throttle_episodes,
                 "episodes": [{"start": s, "end": e} for s, e in self._episodes],
             },
             "waiting": {
@@ -335,9 +370,14 @@ class StatusBoard:
                 "ack_p50_s": _round(_percentile(self._ack_latency, 0.5)),
                 "ack_p99_s": _round(_percentile(self._ack_latency, 0.99)),
             },
-            "source": {"name": self.source_name, "connected": facts.connected,
-                       "redelivered": r.redelivered, "recovered": r.recovered,
-                       "details": source, "probed": probed},
+            "source": {
+                "name": self.source_name,
+                "connected": facts.connected,
+                "redelivered": r.redelivered,
+                "recovered": r.recovered,
+                "details": source,
+                "probed": probed,
+            },
             "history": self._history_columns(),
             "dead_letters": [n.as_json() for n in reversed(self._dead_letters)],
             "replay_supported": self.replay_supported,
@@ -384,19 +424,38 @@ class StatusBoard:
             return
         rates = [round((totals[i] - last[i]) / dt, 2) for i in range(1, 5)]
         throttled = self._throttled_since_sample or totals[5] > last[5]
-        self._history.append((
-            round(time.time(), 2), *rates, facts.in_flight, facts.max_inflight,
-            1 if throttled else 0,
-            _round(_percentile(self._batch_since, 0.5)), _round(_percentile(self._batch_since, 0.99)),
-            _round(_percentile(self._lat_since, 0.5)), _round(_percentile(self._lat_since, 0.99)),
-        ))
+        self._history.append(
+            (
+                round(time.time(), 2),
+                *rates,
+                facts.in_flight,
+                facts.max_inflight,
+                1 if throttled else 0,
+                _round(_percentile(self._batch_since, 0.5)),
+                _round(_percentile(self._batch_since, 0.99)),
+                _round(_percentile(self._lat_since, 0.5)),
+                _round(_percentile(self._lat_since, 0.99)),
+            )
+        )
         self._last_sample = totals
         self._throttled_since_sample = facts.throttled
         self._batch_since.clear()
         self._lat_since.clear()
 
-    _COLUMNS = ("t", "pulled", "acked", "nacked", "dead_lettered", "in_flight", "max_inflight",
-                "throttled", "batch_p50_s", "batch_p99_s", "ack_p50_s", "ack_p99_s")
+    _COLUMNS = (
+        "t",
+        "pulled",
+        "acked",
+        "nacked",
+        "dead_lettered",
+        "in_flight",
+        "max_inflight",
+        "throttled",
+        "batch_p50_s",
+        "batch_p99_s",
+        "ack_p50_s",
+        "ack_p99_s",
+    )
 
     def _history_columns(self) -> dict[str, list[Any]]:
         cols: dict[str, list[Any]] = {c: [] for c in self._COLUMNS}

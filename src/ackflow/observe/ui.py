@@ -53,13 +53,18 @@ MAX_EVENT_CLIENTS = 16
 PROBE_EVERY_S = 2.0
 EVENT_POLL_S = 0.2
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
-_STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
-           "/app.js": ("app.js", "text/javascript; charset=utf-8"),
-           "/style.css": ("style.css", "text/css; charset=utf-8")}
+_STATIC = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/style.css": ("style.css", "text/css; charset=utf-8"),
+}
 _SECURITY_HEADERS = [
-    (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; "
-     b"img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; "
-     b"frame-ancestors 'none'"),
+    (
+        b"content-security-policy",
+        b"default-src 'none'; script-src 'self'; style-src 'self'; "
+        b"img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+        b"frame-ancestors 'none'",
+    ),
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
     (b"referrer-policy", b"no-referrer"),
@@ -87,8 +92,15 @@ class StatusServer:
     :class:`ConfigError` there) and returns once the server accepts connections.
     """
 
-    def __init__(self, board: StatusBoard, source: Source, *, port: int = 0,
-                 host: str = "127.0.0.1", allow_replay: bool = False) -> None:
+    def __init__(
+        self,
+        board: StatusBoard,
+        source: Source,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        allow_replay: bool = False,
+    ) -> None:
         self.board = board
         self.source = source
         self.host = host
@@ -109,8 +121,10 @@ class StatusServer:
         self._replayed_version = 0
         self._cache: tuple[tuple[int, int], bytes] = ((-1, -1), b"{}")
         self._cache_lock = threading.Lock()
-        self._static = {path: (resources.files("ackflow.observe").joinpath("static", name)
-                               .read_bytes(), ctype) for path, (name, ctype) in _STATIC.items()}
+        self._static = {
+            path: (resources.files("ackflow.observe").joinpath("static", name).read_bytes(), ctype)
+            for path, (name, ctype) in _STATIC.items()
+        }
         self.app = self._build_app()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -144,20 +158,32 @@ class StatusServer:
 
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(
-                self.host or None, self.requested_port, type=socket.SOCK_STREAM,
-                flags=socket.AI_PASSIVE)[0]
+                self.host or None, self.requested_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
             sock = socket.socket(family, kind, proto)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(addr)
         except OSError as e:
-            raise ConfigError(f"status page: cannot listen on {self.host}:{self.requested_port}: "
-                              f"{e}") from None
+            raise ConfigError(
+                f"status page: cannot listen on {self.host}:{self.requested_port}: {e}"
+            ) from None
         sock.set_inheritable(False)
         self._sock = sock
-        config = uvicorn.Config(self.app, loop="asyncio", http="h11", ws="none", lifespan="off",
-                                log_config=None, log_level="warning", access_log=False,
-                                proxy_headers=False, server_header=False, date_header=False,
-                                timeout_graceful_shutdown=1, limit_concurrency=64)
+        config = uvicorn.Config(
+            self.app,
+            loop="asyncio",
+            http="h11",
+            ws="none",
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
+            timeout_graceful_shutdown=1,
+            limit_concurrency=64,
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="ackflow-ui", daemon=True)
         self._thread.start()
@@ -165,8 +191,9 @@ class StatusServer:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.close()
-                raise ConfigError(f"status page: the server on {self.host}:"
-                                  f"{self.requested_port} did not start")
+                raise ConfigError(
+                    f"status page: the server on {self.host}:{self.requested_port} did not start"
+                )
             time.sleep(0.01)
 
     def _serve(self) -> None:
@@ -205,9 +232,12 @@ class StatusServer:
             if self._cache[0] == key:
                 return self._cache
             data = dict(snapshot)
-            data["replay"] = {"allowed": self.allow_replay, "supported": self.replay_supported,
-                              "enabled": self.allow_replay and self.replay_supported,
-                              "replayed": sorted(self._replayed)}
+            data["replay"] = {
+                "allowed": self.allow_replay,
+                "supported": self.replay_supported,
+                "enabled": self.allow_replay and self.replay_supported,
+                "replayed": sorted(self._replayed),
+            }
             body = json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
             self._cache = (key, body)
             return self._cache
@@ -286,8 +316,9 @@ class StatusServer:
                 finally:
                     self._clients -= 1
 
-            return StreamingResponse(stream(), media_type="text/event-stream",
-                                     headers={"x-accel-buffering": "no"})
+            return StreamingResponse(
+                stream(), media_type="text/event-stream", headers={"x-accel-buffering": "no"}
+            )
 
         async def replay(request: Request) -> Response:
             refused = self._refuse_replay(request)
@@ -296,12 +327,17 @@ class StatusServer:
             try:
                 payload = json.loads(await request.body())
                 ids = payload["ids"]
-                if (not isinstance(ids, list) or not ids or len(ids) > MAX_REPLAY_IDS
-                        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or len(ids) > MAX_REPLAY_IDS
+                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+                ):
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                return JSONResponse({"error": f'expected {{"ids": [1 to {MAX_REPLAY_IDS} dead '
-                                              'letter ids]}'}, status_code=400)
+                return JSONResponse(
+                    {"error": f'expected {{"ids": [1 to {MAX_REPLAY_IDS} dead letter ids]}}'}, status_code=400
+                )
             notes = {n.id: n for n in self.board.dead_letters()}
             wanted = [notes[i] for i in dict.fromkeys(ids) if i in notes]
             todo = [n for n in wanted if n.ref is not None and n.id not in self._replayed]
@@ -310,11 +346,14 @@ class StatusServer:
             if todo:
                 try:
                     replayed, kept_refs = await asyncio.to_thread(
-                        self.source.replay_dead_letters, [n.ref for n in todo])
+                        self.source.replay_dead_letters, [n.ref for n in todo]
+                    )
                 except Exception as e:  # noqa: BLE001 - answered, never raised
                     log.error("status page: replay failed: %s", e)
-                    return JSONResponse({"error": f"replay failed: {type(e).__name__}: "
-                                                  f"{redact(str(e))[:300]}"}, status_code=500)
+                    return JSONResponse(
+                        {"error": f"replay failed: {type(e).__name__}: {redact(str(e))[:300]}"},
+                        status_code=500,
+                    )
                 kept = {n.id: kept_refs[n.ref] for n in todo if n.ref in kept_refs}
                 todo = [n for n in todo if n.id not in kept]
                 now = time.time()
@@ -324,20 +363,26 @@ class StatusServer:
                 for i in [i for i in self._replayed if i not in live]:  # bounded by the ring
                     del self._replayed[i]
                 self._replayed_version += 1
-                log.warning("status page: %d dead letters replayed (ids %s)", replayed,
-                            [n.id for n in todo])
-            return JSONResponse({"replayed": replayed, "ids": [n.id for n in todo],
-                                 "skipped": skipped,
-                                 "kept": {str(i): why for i, why in kept.items()}})
+                log.warning("status page: %d dead letters replayed (ids %s)", replayed, [n.id for n in todo])
+            return JSONResponse(
+                {
+                    "replayed": replayed,
+                    "ids": [n.id for n in todo],
+                    "skipped": skipped,
+                    "kept": {str(i): why for i, why in kept.items()},
+                }
+            )
 
         async def no_icon(request: Request) -> Response:
             return Response(status_code=204)
 
         routes = [Route(path, static, methods=["GET"]) for path in _STATIC]
         routes.append(Route("/favicon.ico", no_icon, methods=["GET"]))
-        routes += [Route("/api/status", status, methods=["GET"]),
-                   Route("/api/events", events, methods=["GET"]),
-                   Route("/api/replay", replay, methods=["POST"])]
+        routes += [
+            Route("/api/status", status, methods=["GET"]),
+            Route("/api/events", events, methods=["GET"]),
+            Route("/api/replay", replay, methods=["POST"]),
+        ]
         return _Guard(Starlette(routes=routes), self._allowed_host)
 
     def _refuse_replay(self, request: Any) -> tuple[int, str] | None:
@@ -356,9 +401,12 @@ class StatusServer:
             return 403, f"refused: a cross-site request (Sec-Fetch-Site: {site[:40]})"
         token = request.headers.get(TOKEN_HEADER, "")
         if self.replay_token is None or not hmac.compare_digest(
-                token.encode("utf-8", "replace"), self.replay_token.encode()):
-            return 403, ("refused: the replay token is missing or wrong (open the page from "
-                         "the link ackflow printed at start)")
+            token.encode("utf-8", "replace"), self.replay_token.encode()
+        ):
+            return 403, (
+                "refused: the replay token is missing or wrong (open the page from "
+                "the link ackflow printed at start)"
+            )
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             return 415, "expected Content-Type: application/json"
         return None
@@ -382,23 +430,20 @@ class _Guard:
 
         async def with_headers(message: Any) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  *_SECURITY_HEADERS]}
+                message = {**message, "headers": [*message.get("headers", []), *_SECURITY_HEADERS]}
             await send(message)
 
         async def answer(status: int, body: bytes, close: bool = False) -> None:
-            headers = [(b"content-type", b"application/json"),
-                       (b"content-length", str(len(body)).encode())]
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             if close:  # the unread rest of the body must not be taken for a request
                 headers.append((b"connection", b"close"))
-            await with_headers({"type": "http.response.start", "status": status,
-                                "headers": headers})
+            await with_headers({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
         if not self.allowed_host(host):
             await answer(421, b'{"error": "unexpected Host header"}')
             return
-        too_big = (b'{"error": "request body too large (at most %d bytes)"}' % MAX_BODY_BYTES)
+        too_big = b'{"error": "request body too large (at most %d bytes)"}' % MAX_BODY_BYTES
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None:
             if not declared.strip().isdigit():
@@ -419,8 +464,7 @@ class _Guard:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        first: list[Any] = [{"type": "http.request", "body": b"".join(chunks),
-                             "more_body": False}]
+        first: list[Any] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay_body() -> Any:
             return first.pop() if first else await receive()

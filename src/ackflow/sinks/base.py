@@ -102,8 +102,7 @@ def require_columns(sink: str, schema: Any, **columns: str | None) -> None:
 
     for option, col in columns.items():
         if col is not None and col not in schema.names:
-            raise FlowError(sink, f"{option} {col!r} is not among the flow's columns "
-                            f"{list(schema.names)}")
+            raise FlowError(sink, f"{option} {col!r} is not among the flow's columns {list(schema.names)}")
 
 
 def null_key_failures(rows: Any, key: Sequence[str] | None) -> dict[int, str]:
@@ -115,8 +114,7 @@ def null_key_failures(rows: Any, key: Sequence[str] | None) -> dict[int, str]:
     for k in key or ():
         for i, null in enumerate(rows.column(k).is_null().to_pylist()):
             if null:
-                failed.setdefault(i, f"key column {k!r} has no value (a null key cannot "
-                                     "be written once)")
+                failed.setdefault(i, f"key column {k!r} has no value (a null key cannot be written once)")
     return failed
 
 

@@ -28,8 +28,9 @@ class Broadcast(Sink):
     branch's commit fails, the whole batch fails (nothing is acked).
     """
 
-    def __init__(self, *branches: Sink, mode: str = "all", fallback: Sequence[Sink] = (),
-                 name: str = "broadcast") -> None:
+    def __init__(
+        self, *branches: Sink, mode: str = "all", fallback: Sequence[Sink] = (), name: str = "broadcast"
+    ) -> None:
         super().__init__(name)
         if mode not in MODES:
             raise ConfigError(f"broadcast: mode must be 'all' or 'primary', got {mode!r}")
@@ -38,8 +39,7 @@ class Broadcast(Sink):
         if mode == "all" and fallback:
             raise ConfigError("broadcast: fallback= needs mode='primary'")
         if mode == "primary" and len(branches) != 1:
-            raise ConfigError("broadcast(mode='primary'): give one primary sink and "
-                              "fallback=[...]")
+            raise ConfigError("broadcast(mode='primary'): give one primary sink and fallback=[...]")
         self.branches: tuple[Sink, ...] = (*branches, *fallback)
         names = [b.name for b in self.branches]
         if len(set(names)) != len(names):

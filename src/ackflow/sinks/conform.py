@@ -19,9 +19,10 @@ def can_take(src: Any, dst: Any) -> bool:
         return True
     if t.is_struct(src) and t.is_struct(dst):
         names = {dst.field(i).name: dst.field(i).type for i in range(dst.num_fields)}
-        return all(src.field(i).name in names
-                   and can_take(src.field(i).type, names[src.field(i).name])
-                   for i in range(src.num_fields))
+        return all(
+            src.field(i).name in names and can_take(src.field(i).type, names[src.field(i).name])
+            for i in range(src.num_fields)
+        )
     lists = (t.is_list, t.is_large_list, t.is_list_view, t.is_large_list_view)
     if any(f(src) for f in lists) and any(f(dst) for f in lists):
         return can_take(src.value_type, dst.value_type)
@@ -34,12 +35,22 @@ def can_take(src: Any, dst: Any) -> bool:
 def _kind(x: Any) -> str | None:
     import pyarrow.types as t
 
-    kinds = [("bool", t.is_boolean), ("int", t.is_integer), ("float", t.is_floating),
-             ("decimal", t.is_decimal), ("timestamp", t.is_timestamp), ("date", t.is_date),
-             ("time", t.is_time),
-             ("string", lambda y: t.is_string(y) or t.is_large_string(y) or t.is_string_view(y)),
-             ("binary", lambda y: t.is_binary(y) or t.is_large_binary(y) or t.is_binary_view(y)
-              or t.is_fixed_size_binary(y))]
+    kinds = [
+        ("bool", t.is_boolean),
+        ("int", t.is_integer),
+        ("float", t.is_floating),
+        ("decimal", t.is_decimal),
+        ("timestamp", t.is_timestamp),
+        ("date", t.is_date),
+        ("time", t.is_time),
+        ("string", lambda y: t.is_string(y) or t.is_large_string(y) or t.is_string_view(y)),
+        (
+            "binary",
+            lambda y: (
+                t.is_binary(y) or t.is_large_binary(y) or t.is_binary_view(y) or t.is_fixed_size_binary(y)
+            ),
+        ),
+    ]
     return next((name for name, check in kinds if check(x)), None)
 
 
@@ -60,12 +71,14 @@ def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
         if pa.types.is_nested(col.type) and not col.type.equals(field.type):
             # a cast to a struct without some field drops its values silently: fail the
             # rows that hold one instead (the rows without lose nothing)
-            for path, rows in outside_fields(col.combine_chunks(), field.type,
-                                             field.name).items():
+            for path, rows in outside_fields(col.combine_chunks(), field.type, field.name).items():
                 for i in rows:
-                    failed.setdefault(i, f"column {field.name!r}: the table has no field "
-                                      f"{path!r} (its type is {field.type}); the row's "
-                                      "value there would be lost")
+                    failed.setdefault(
+                        i,
+                        f"column {field.name!r}: the table has no field "
+                        f"{path!r} (its type is {field.type}); the row's "
+                        "value there would be lost",
+                    )
         try:
             arrays.append(col.cast(field.type, safe=True))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError):
@@ -75,15 +88,15 @@ def conform(data: Any, target: Any) -> tuple[Any, dict[int, str]]:
                 try:
                     values.append(one.cast(field.type, safe=True).combine_chunks())
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError) as e:
-                    failed.setdefault(i, f"column {field.name!r}: cannot store "
-                                      f"{_value(one)} as {field.type}: {e}")
+                    failed.setdefault(
+                        i, f"column {field.name!r}: cannot store {_value(one)} as {field.type}: {e}"
+                    )
                     values.append(pa.nulls(1, field.type))
             arrays.append(pa.concat_arrays(values) if values else pa.nulls(0, field.type))
         if not field.nullable and arrays[-1].null_count:
             for i, v in enumerate(arrays[-1].is_null().to_pylist()):
                 if v:
-                    failed.setdefault(i, f"column {field.name!r} is NOT NULL and the row has "
-                                      "no value")
+                    failed.setdefault(i, f"column {field.name!r} is NOT NULL and the row has no value")
     return pa.table(arrays, schema=target), failed
 
 
@@ -105,8 +118,7 @@ def outside_fields(array: Any, dst: Any, path: str) -> dict[str, list[int]]:
             child = array.field(i)
             j = dst.get_field_index(name)
             if j < 0:
-                held = valid & np.asarray(child.is_valid().to_numpy(zero_copy_only=False),
-                                          dtype=bool)
+                held = valid & np.asarray(child.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
                 if held.any():
                     out[f"{path}.{name}"] = np.flatnonzero(held).tolist()
                 continue

@@ -12,8 +12,10 @@ def hive_escape(value: str | None) -> str:
     ``%XX`` (so no value can leave its folder)."""
     if value is None:
         return "__HIVE_DEFAULT_PARTITION__"
-    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else
-                   "".join(f"%{b:02X}" for b in c.encode()) for c in value)
+    return "".join(
+        c if c.isascii() and (c.isalnum() or c in "._-") else "".join(f"%{b:02X}" for b in c.encode())
+        for c in value
+    )
 
 
 def partition_value(path: str, column: str) -> str | None:
@@ -31,14 +33,18 @@ def split_partitions(data: Any, columns: list[str]) -> list[tuple[dict[str, str 
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    text = [pc.cast(data.column(c), pa.string()).to_pylist() if not pa.types.is_boolean(
-        data.column(c).type) else [None if v is None else str(v).lower()
-                                   for v in data.column(c).to_pylist()] for c in columns]
+    text = [
+        pc.cast(data.column(c), pa.string()).to_pylist()
+        if not pa.types.is_boolean(data.column(c).type)
+        else [None if v is None else str(v).lower() for v in data.column(c).to_pylist()]
+        for c in columns
+    ]
     groups: dict[tuple[str | None, ...], list[int]] = {}
     for i, values in enumerate(zip(*text, strict=True)):
         groups.setdefault(values, []).append(i)
-    return [(dict(zip(columns, values, strict=True)), data.take(pa.array(idx)))
-            for values, idx in groups.items()]
+    return [
+        (dict(zip(columns, values, strict=True)), data.take(pa.array(idx))) for values, idx in groups.items()
+    ]
 
 
 def file_stats(data: Any) -> str:
@@ -56,8 +62,8 @@ def file_stats(data: Any) -> str:
         nulls[name] = col.null_count
         if (t.is_integer(col.type) or t.is_floating(col.type)) and col.null_count < len(col):
             mm = pc.min_max(col).as_py()
-            if all(v is not None and not (isinstance(v, float) and not math.isfinite(v))
-                   for v in mm.values()):
+            if all(
+                v is not None and not (isinstance(v, float) and not math.isfinite(v)) for v in mm.values()
+            ):
                 mins[name], maxs[name] = mm["min"], mm["max"]
-    return json.dumps({"numRecords": data.num_rows, "minValues": mins, "maxValues": maxs,
-                       "nullCount": nulls})
+    return json.dumps({"numRecords": data.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})

@@ -83,18 +83,29 @@ class DeltaSink(TableSink):
     POINTS = ("delta.before_commit", "delta.after_commit", "delta.after_record")
     EVOLVED_POINT = "delta.evolved"
 
-    def __init__(self, path: str | os.PathLike[str], *, key: Sequence[str] | str | None = None,
-                 partition_by: Sequence[str] | str | None = None, create: bool = True,
-                 key_column: str = "ackflow_key", compression: str = "snappy",
-                 keep_versions: int | None = 100, evolve: bool = True,
-                 name: str = "delta") -> None:
-        super().__init__(name, key=key, key_column=key_column, create=create,
-                         compression=compression, evolve=evolve)
-        if keep_versions is not None and (not isinstance(keep_versions, int)
-                                          or isinstance(keep_versions, bool)
-                                          or keep_versions < 2):
-            raise ConfigError(f"sink {name!r}: keep_versions must be an integer of at least 2 "
-                              f"(or None to keep the whole log), got {keep_versions!r}")
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        key: Sequence[str] | str | None = None,
+        partition_by: Sequence[str] | str | None = None,
+        create: bool = True,
+        key_column: str = "ackflow_key",
+        compression: str = "snappy",
+        keep_versions: int | None = 100,
+        evolve: bool = True,
+        name: str = "delta",
+    ) -> None:
+        super().__init__(
+            name, key=key, key_column=key_column, create=create, compression=compression, evolve=evolve
+        )
+        if keep_versions is not None and (
+            not isinstance(keep_versions, int) or isinstance(keep_versions, bool) or keep_versions < 2
+        ):
+            raise ConfigError(
+                f"sink {name!r}: keep_versions must be an integer of at least 2 "
+                f"(or None to keep the whole log), got {keep_versions!r}"
+            )
         self.keep_versions = keep_versions
         self._trimmed = -1  # the table version at this sink's last trim of the log
         self.path = os.path.abspath(os.fspath(path))
@@ -119,15 +130,18 @@ class DeltaSink(TableSink):
 
     def open(self) -> None:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise ConfigError(f"sink {self.name!r}: {self.path!r} is a file, not a Delta table "
-                              "folder")
+            raise ConfigError(f"sink {self.name!r}: {self.path!r} is a file, not a Delta table folder")
         found = self.table_schema()
         if found is None and not self.create:
-            raise ConfigError(f"sink {self.name!r}: no Delta table at {self.path!r}; create "
-                              "it, or pass create=True to create it from the flow's columns")
+            raise ConfigError(
+                f"sink {self.name!r}: no Delta table at {self.path!r}; create "
+                "it, or pass create=True to create it from the flow's columns"
+            )
         if found is not None and self.wanted_partitions and found[1] != self.wanted_partitions:
-            raise ConfigError(f"sink {self.name!r}: the Delta table at {self.path!r} is "
-                              f"partitioned by {found[1]}, not {self.wanted_partitions}")
+            raise ConfigError(
+                f"sink {self.name!r}: the Delta table at {self.path!r} is "
+                f"partitioned by {found[1]}, not {self.wanted_partitions}"
+            )
         super().open()
 
     def _dt(self) -> Any:
@@ -155,13 +169,21 @@ class DeltaSink(TableSink):
 
         missing = [c for c in self.wanted_partitions if c not in schema.names]
         if missing:
-            raise FlowError(self.name, f"partition_by column(s) {', '.join(missing)} are not "
-                            f"among the flow's columns {', '.join(schema.names)}")
-        odd = [f"{c} ({schema.field(c).type})" for c in self.wanted_partitions
-               if not _partition_type(schema.field(c).type)]
+            raise FlowError(
+                self.name,
+                f"partition_by column(s) {', '.join(missing)} are not "
+                f"among the flow's columns {', '.join(schema.names)}",
+            )
+        odd = [
+            f"{c} ({schema.field(c).type})"
+            for c in self.wanted_partitions
+            if not _partition_type(schema.field(c).type)
+        ]
         if odd:
-            raise FlowError(self.name, f"partition_by column(s) {', '.join(odd)} must be "
-                            "strings, integers, dates or booleans")
+            raise FlowError(
+                self.name,
+                f"partition_by column(s) {', '.join(odd)} must be strings, integers, dates or booleans",
+            )
         bad = {}
         for f in schema:
             try:
@@ -169,18 +191,20 @@ class DeltaSink(TableSink):
             except Exception as e:  # noqa: BLE001 - reported as what to fix
                 bad[f.name] = f"{f.type} ({str(e).splitlines()[0][:80]})"
         if bad:
-            raise ColumnsRefused(self.name, f"Delta cannot hold column(s) "
-                                 f"{', '.join(f'{c} ({why})' for c, why in bad.items())}; "
-                                 "cast them in the flow",
-                                 {c: f"Delta cannot hold {why}" for c, why in bad.items()})
+            raise ColumnsRefused(
+                self.name,
+                f"Delta cannot hold column(s) "
+                f"{', '.join(f'{c} ({why})' for c, why in bad.items())}; "
+                "cast them in the flow",
+                {c: f"Delta cannot hold {why}" for c, why in bad.items()},
+            )
         try:
-            DeltaTable.create(self.path, schema, mode="ignore",
-                              partition_by=self.wanted_partitions or None)
+            DeltaTable.create(self.path, schema, mode="ignore", partition_by=self.wanted_partitions or None)
         except Exception as e:  # noqa: BLE001 - a path the library refuses
-            raise FlowError(self.name, f"cannot create a Delta table at {self.path!r}: "
-                            f"{str(e).splitlines()[0]}") from None
-        log.info("sink %r: created the Delta table %s (%s)", self.name, self.path,
-                 ", ".join(schema.names))
+            raise FlowError(
+                self.name, f"cannot create a Delta table at {self.path!r}: {str(e).splitlines()[0]}"
+            ) from None
+        log.info("sink %r: created the Delta table %s (%s)", self.name, self.path, ", ".join(schema.names))
 
     def holds(self, field: Any) -> bool:
         import pyarrow as pa
@@ -209,26 +233,35 @@ class DeltaSink(TableSink):
         for attempt in range(COMMIT_RETRIES + 1):
             dt = DeltaTable(self.path)
             live = pa.schema(dt.schema().to_arrow())
-            grown = [f for f in schema if f.name not in live.names
-                     or not live.field(f.name).type.equals(f.type)]
+            grown = [
+                f for f in schema if f.name not in live.names or not live.field(f.name).type.equals(f.type)
+            ]
             if not grown:  # another writer did it first
                 break
             try:
-                dt.alter.add_columns(DeltaSchema.from_arrow(pa.schema(grown)).fields,
-                                     commit_properties=CommitProperties(
-                                         custom_metadata={"ackflow.evolve": self.name}))
+                dt.alter.add_columns(
+                    DeltaSchema.from_arrow(pa.schema(grown)).fields,
+                    commit_properties=CommitProperties(custom_metadata={"ackflow.evolve": self.name}),
+                )
                 break
             except CommitFailedError as e:  # "Metadata changed since last commit"
                 if attempt == COMMIT_RETRIES:
-                    raise FlowError(self.name, f"evolving the Delta table at {self.path!r} "
-                                    f"lost the race {attempt + 1} times: "
-                                    f"{str(e).splitlines()[0]}") from None
-                time.sleep(min(1.0, 0.02 * 2 ** attempt))
+                    raise FlowError(
+                        self.name,
+                        f"evolving the Delta table at {self.path!r} "
+                        f"lost the race {attempt + 1} times: "
+                        f"{str(e).splitlines()[0]}",
+                    ) from None
+                time.sleep(min(1.0, 0.02 * 2**attempt))
             except OSError:
                 raise
             except Exception as e:  # noqa: BLE001 - the table stays: its columns are refused
-                log.warning("sink %r: cannot evolve the Delta table at %s (%s); it is left "
-                            "as it is", self.name, self.path, str(e).splitlines()[0])
+                log.warning(
+                    "sink %r: cannot evolve the Delta table at %s (%s); it is left as it is",
+                    self.name,
+                    self.path,
+                    str(e).splitlines()[0],
+                )
                 return
         self._sync_log(before, int(DeltaTable(self.path).version()))
 
@@ -242,8 +275,9 @@ class DeltaSink(TableSink):
         return str(dt.metadata().id), None if version is None else int(version)
 
     def other_apps(self, app: str) -> set[str]:
-        return {str(c["ackflow.app"]) for c in self._dt().history()
-                if c.get("ackflow.app") not in (None, app)}
+        return {
+            str(c["ackflow.app"]) for c in self._dt().history() if c.get("ackflow.app") not in (None, app)
+        }
 
     def files_of(self, app: str, seq: int) -> list[str]:
         dt = self._dt()
@@ -252,30 +286,42 @@ class DeltaSink(TableSink):
             history = dt.history(limit)
             for commit in history:
                 if commit.get("ackflow.app") == app and commit.get("ackflow.seq") == str(seq):
-                    return [os.path.join(self.path, p)
-                            for p in commit.get("ackflow.files", [])]
+                    return [os.path.join(self.path, p) for p in commit.get("ackflow.files", [])]
             if len(history) < limit:
-                raise RuntimeError(f"sink {self.name!r}: the Delta log has a transaction "
-                                   f"{app}/{seq} but no commit naming it; cannot record its "
-                                   "keys")
+                raise RuntimeError(
+                    f"sink {self.name!r}: the Delta log has a transaction "
+                    f"{app}/{seq} but no commit naming it; cannot record its "
+                    "keys"
+                )
             limit *= 8
 
-    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int,
-                     batch_id: str) -> int | None:
+    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int, batch_id: str) -> int | None:
         from deltalake.transaction import AddAction, CommitProperties, Transaction
 
         dt = self._dt()
         before = int(dt.version())
         paths = [f["path"] for f in files]  # as on disk: delta-rs does not decode them
-        actions = [AddAction(p, f["size"], f["partition"], f["mtime"], True, f["stats"])
-                   for p, f in zip(paths, files, strict=True)]
+        actions = [
+            AddAction(p, f["size"], f["partition"], f["mtime"], True, f["stats"])
+            for p, f in zip(paths, files, strict=True)
+        ]
         properties = CommitProperties(
-            custom_metadata={"ackflow.app": app, "ackflow.seq": str(seq),
-                             "ackflow.batch": batch_id, "ackflow.files": paths},
-            app_transactions=[Transaction(app, seq)], max_commit_retries=COMMIT_RETRIES)
-        dt.create_write_transaction(actions, "append", dt.schema(),
-                                    partition_by=self.partition_by or None,
-                                    commit_properties=properties)
+            custom_metadata={
+                "ackflow.app": app,
+                "ackflow.seq": str(seq),
+                "ackflow.batch": batch_id,
+                "ackflow.files": paths,
+            },
+            app_transactions=[Transaction(app, seq)],
+            max_commit_retries=COMMIT_RETRIES,
+        )
+        dt.create_write_transaction(
+            actions,
+            "append",
+            dt.schema(),
+            partition_by=self.partition_by or None,
+            commit_properties=properties,
+        )
         dt.update_incremental()
         version = int(dt.version())
         self._sync_log(before, version)
@@ -296,15 +342,22 @@ class DeltaSink(TableSink):
                 self._trim_log(version, keep)
             self._trimmed = version
         except Exception as e:  # noqa: BLE001 - maintenance: tried again after the next batch
-            log.warning("sink %r: could not trim the log of %s: %s", self.name, self.path,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning(
+                "sink %r: could not trim the log of %s: %s",
+                self.name,
+                self.path,
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
 
     def _trim_log(self, version: int, keep: int) -> None:
         """Delete the log entries older than the newest checkpoint at or below
         ``version - keep`` (only entries a reader of any newer version never opens)."""
         log_dir = os.path.join(self.path, "_delta_log")
-        entries = [(int(m.group(2) or m.group(1)), name) for name in os.listdir(log_dir)
-                   if (m := _LOG_NAME.match(name))]
+        entries = [
+            (int(m.group(2) or m.group(1)), name)
+            for name in os.listdir(log_dir)
+            if (m := _LOG_NAME.match(name))
+        ]
         checkpoints = {v for v, name in entries if ".checkpoint." in name}
         if not any(version - keep < v <= version for v in checkpoints):
             self._table.create_checkpoint()  # a table whose checkpoint interval is longer
@@ -328,9 +381,15 @@ class DeltaSink(TableSink):
         if gone:
             fsync_dir(log_dir)
             faults.point("delta.after_trim")
-            log.info("sink %r: deleted %d log entries of %s older than the checkpoint of "
-                     "version %d (the table is at version %d)", self.name, gone, self.path,
-                     floor, version)
+            log.info(
+                "sink %r: deleted %d log entries of %s older than the checkpoint of "
+                "version %d (the table is at version %d)",
+                self.name,
+                gone,
+                self.path,
+                floor,
+                version,
+            )
 
     def _sync_log(self, after: int, upto: int) -> None:
         """fsync the log entries written since version ``after`` and the log folder:
@@ -356,5 +415,11 @@ def _fsync(path: str) -> None:
 def _partition_type(t: Any) -> bool:
     import pyarrow.types as pt
 
-    return bool(pt.is_string(t) or pt.is_large_string(t) or pt.is_string_view(t)
-                or pt.is_integer(t) or pt.is_date32(t) or pt.is_boolean(t))
+    return bool(
+        pt.is_string(t)
+        or pt.is_large_string(t)
+        or pt.is_string_view(t)
+        or pt.is_integer(t)
+        or pt.is_date32(t)
+        or pt.is_boolean(t)
+    )

@@ -26,13 +26,21 @@ class EmbeddedQueueSink(Sink):
 
     wants_keys = True
 
-    def __init__(self, path: str | os.PathLike[str], queue: str, *,
-                 id_column: str | None = None, remember_for_s: float | None = None,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        queue: str,
+        *,
+        id_column: str | None = None,
+        remember_for_s: float | None = None,
+        name: str | None = None,
+    ) -> None:
         super().__init__(name or f"embedded:{queue}")
         if remember_for_s is not None and remember_for_s <= 0:
-            raise ConfigError(f"sink {self.name!r}: remember_for_s must be positive (or None "
-                              f"to remember every id), got {remember_for_s!r}")
+            raise ConfigError(
+                f"sink {self.name!r}: remember_for_s must be positive (or None "
+                f"to remember every id), got {remember_for_s!r}"
+            )
         self.path = os.path.abspath(os.fspath(path))
         self.queue = queue
         self.id_column = id_column

@@ -18,6 +18,7 @@ from typing import Any
 
 Promote = Callable[[Any, Any], bool]
 
+
 def _small_int(t: Any) -> bool:
     import pyarrow.types as pt
 
@@ -28,10 +29,12 @@ def promote_ints(have: Any, want: Any) -> bool:
     """int8/16/32 -> int64 and float32 -> float64 (Iceberg's promotions)."""
     import pyarrow.types as pt
 
-    return bool((_small_int(have) and pt.is_int64(want))
-                or (pt.is_float32(have) and pt.is_float64(want))
-                or (pt.is_int8(have) and (pt.is_int16(want) or pt.is_int32(want)))
-                or (pt.is_int16(have) and pt.is_int32(want)))
+    return bool(
+        (_small_int(have) and pt.is_int64(want))
+        or (pt.is_float32(have) and pt.is_float64(want))
+        or (pt.is_int8(have) and (pt.is_int16(want) or pt.is_int32(want)))
+        or (pt.is_int16(have) and pt.is_int32(want))
+    )
 
 
 def promote_parquet(have: Any, want: Any) -> bool:
@@ -54,8 +57,7 @@ def _lists(t: Any) -> bool:
     return bool(pt.is_list(t) or pt.is_large_list(t))
 
 
-def merge_type(have: Any, want: Any, promote: Promote, path: str,
-               changes: list[str]) -> Any | None:
+def merge_type(have: Any, want: Any, promote: Promote, path: str, changes: list[str]) -> Any | None:
     """The type a column of type ``have`` becomes to take values of type ``want``
     (``have`` itself when nothing changes), appending what changed to ``changes``; None
     when the two do not merge (the table's type is kept and the sink refuses)."""
@@ -98,16 +100,16 @@ def merge_type(have: Any, want: Any, promote: Promote, path: str,
         t = merge_type(have.item_type, want.item_type, promote, f"{path}{{}}", changes)
         if t is None or not can_take(want.key_type, have.key_type):
             return None
-        return pa.map_(have.key_field, have.item_field.with_type(t),
-                       keys_sorted=have.keys_sorted)
+        return pa.map_(have.key_field, have.item_field.with_type(t), keys_sorted=have.keys_sorted)
     if promote(have, want):
         changes.append(f"{path}: {have} -> {want}")
         return want
     return have if can_take(want, have) else None
 
 
-def evolved(table: Any, incoming: Any, promote: Promote,
-            holds: Callable[[Any], bool] | None = None) -> tuple[Any, list[str]]:
+def evolved(
+    table: Any, incoming: Any, promote: Promote, holds: Callable[[Any], bool] | None = None
+) -> tuple[Any, list[str]]:
     """``table``'s schema grown to take ``incoming``'s columns, and what changed (empty:
     nothing to do). Columns that do not merge, and new columns ``holds(field)`` says the
     format cannot hold, are left as they are (the sink then refuses them)."""

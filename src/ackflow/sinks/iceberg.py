@@ -51,10 +51,12 @@ COMMIT_RETRIES = 10
 #: list does not grow by one per batch; merged manifests of 1 MiB (about 4 000 data files)
 #: are left alone, so a merge never rewrites more than that (with the default 8 MiB a
 #: merge at 10 000 batches rewrote every entry: 1.1 s at the 99th percentile).
-RETENTION = {"write.metadata.delete-after-commit.enabled": "true",
-             "write.metadata.previous-versions-max": "10",
-             "commit.manifest-merge.enabled": "true",
-             "commit.manifest.target-size-bytes": str(1 << 20)}
+RETENTION = {
+    "write.metadata.delete-after-commit.enabled": "true",
+    "write.metadata.previous-versions-max": "10",
+    "commit.manifest-merge.enabled": "true",
+    "commit.manifest.target-size-bytes": str(1 << 20),
+}
 
 
 class IcebergSink(TableSink):
@@ -105,21 +107,36 @@ class IcebergSink(TableSink):
     POINTS = ("iceberg.before_commit", "iceberg.after_commit", "iceberg.after_record")
     EVOLVED_POINT = "iceberg.evolved"
     #: inside the commit, between the catalog's commit and ``after_commit``
-    SYNC_POINTS = ("iceberg.committed", "iceberg.synced_data", "iceberg.synced_manifests",
-                   "iceberg.synced_manifest_list")
+    SYNC_POINTS = (
+        "iceberg.committed",
+        "iceberg.synced_data",
+        "iceberg.synced_manifests",
+        "iceberg.synced_manifest_list",
+    )
 
-    def __init__(self, catalog: str | Mapping[str, str], table: str, *,
-                 key: Sequence[str] | str | None = None, create: bool = True,
-                 warehouse: str | None = None, manifest: str | None = None,
-                 key_column: str = "ackflow_key", compression: str = "snappy",
-                 keep_snapshots: int | None = 20, evolve: bool = True,
-                 name: str = "iceberg") -> None:
-        super().__init__(name, key=key, key_column=key_column, create=create,
-                         compression=compression, evolve=evolve)
-        if keep_snapshots is not None and (not isinstance(keep_snapshots, int)
-                                           or keep_snapshots < 1):
-            raise ConfigError(f"sink {name!r}: keep_snapshots must be a positive integer (or "
-                              f"None to keep every snapshot), got {keep_snapshots!r}")
+    def __init__(
+        self,
+        catalog: str | Mapping[str, str],
+        table: str,
+        *,
+        key: Sequence[str] | str | None = None,
+        create: bool = True,
+        warehouse: str | None = None,
+        manifest: str | None = None,
+        key_column: str = "ackflow_key",
+        compression: str = "snappy",
+        keep_snapshots: int | None = 20,
+        evolve: bool = True,
+        name: str = "iceberg",
+    ) -> None:
+        super().__init__(
+            name, key=key, key_column=key_column, create=create, compression=compression, evolve=evolve
+        )
+        if keep_snapshots is not None and (not isinstance(keep_snapshots, int) or keep_snapshots < 1):
+            raise ConfigError(
+                f"sink {name!r}: keep_snapshots must be a positive integer (or "
+                f"None to keep every snapshot), got {keep_snapshots!r}"
+            )
         self.keep_snapshots = keep_snapshots
         self._snapshots = 0  # in the table after this sink's last commit
         if not isinstance(table, str) or "." not in table.strip("."):
@@ -128,8 +145,7 @@ class IcebergSink(TableSink):
         props.setdefault("type", "sql")
         uri = str(props.get("uri", ""))
         if warehouse is None and "warehouse" not in props and uri.startswith("sqlite:///"):
-            warehouse = os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///"):])),
-                                     "warehouse")
+            warehouse = os.path.join(os.path.dirname(os.path.abspath(uri[len("sqlite:///") :])), "warehouse")
         if warehouse is not None:
             if "://" not in warehouse:
                 os.makedirs(warehouse, exist_ok=True)
@@ -169,9 +185,11 @@ class IcebergSink(TableSink):
             try:
                 self._catalog = load_catalog("ackflow", **props)
             except Exception as e:  # noqa: BLE001 - a bad URL or an unreachable server
-                raise ConfigError(f"sink {self.name!r}: cannot open the Iceberg catalog "
-                                  f"{self._hide(str(props.get('uri')))}: "
-                                  f"{self._hide(_first(e))}") from None
+                raise ConfigError(
+                    f"sink {self.name!r}: cannot open the Iceberg catalog "
+                    f"{self._hide(str(props.get('uri')))}: "
+                    f"{self._hide(_first(e))}"
+                ) from None
         return self._catalog
 
     def _load(self) -> Any:
@@ -184,8 +202,9 @@ class IcebergSink(TableSink):
         except (NoSuchTableError, ConfigError):
             raise
         except Exception as e:  # noqa: BLE001 - the catalog's database went away, ...
-            raise ConnectionError(self._hide(f"cannot load Iceberg table {self.table!r}: "
-                                             f"{_first(e)}")) from None
+            raise ConnectionError(
+                self._hide(f"cannot load Iceberg table {self.table!r}: {_first(e)}")
+            ) from None
 
     def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
         """See :meth:`TableSink.commit`; a failure's text never shows the password."""
@@ -213,11 +232,13 @@ class IcebergSink(TableSink):
     def _set_location(self, table: Any) -> None:
         loc = str(table.location())
         if loc.startswith("file://"):
-            loc = loc[len("file://"):]
+            loc = loc[len("file://") :]
         if "://" in loc:
-            raise ConfigError(f"sink {self.name!r}: the table's location {loc!r} is not a "
-                              "local path; ackflow's tasks write data files with the local "
-                              "(or a shared) file system")
+            raise ConfigError(
+                f"sink {self.name!r}: the table's location {loc!r} is not a "
+                "local path; ackflow's tasks write data files with the local "
+                "(or a shared) file system"
+            )
         self.location = loc
 
     def open(self) -> None:
@@ -227,14 +248,17 @@ class IcebergSink(TableSink):
             table = self._load()
         except NoSuchTableError:
             if not self.create:
-                raise ConfigError(f"sink {self.name!r}: Iceberg table {self.table!r} does not "
-                                  "exist; create it, or pass create=True") from None
+                raise ConfigError(
+                    f"sink {self.name!r}: Iceberg table {self.table!r} does not "
+                    "exist; create it, or pass create=True"
+                ) from None
             return  # created at the first batch, from the flow's columns
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"sink {self.name!r}: cannot load Iceberg table {self.table!r}: "
-                              f"{self._hide(_first(e))}") from None
+            raise ConfigError(
+                f"sink {self.name!r}: cannot load Iceberg table {self.table!r}: {self._hide(_first(e))}"
+            ) from None
         self._set_location(table)
         super().open()
 
@@ -248,8 +272,10 @@ class IcebergSink(TableSink):
             return None
         self._set_location(table)
         if table.spec().fields:
-            raise FlowError(self.name, f"{self.describe()} is partitioned; ackflow's Iceberg "
-                            "sink writes unpartitioned tables only")
+            raise FlowError(
+                self.name,
+                f"{self.describe()} is partitioned; ackflow's Iceberg sink writes unpartitioned tables only",
+            )
         return schema_to_pyarrow(table.schema(), include_field_ids=False), []
 
     def promote(self, have: Any, want: Any) -> bool:
@@ -281,15 +307,22 @@ class IcebergSink(TableSink):
                 return
             except CommitFailedException as e:
                 if attempt == COMMIT_RETRIES:
-                    raise FlowError(self.name, self._hide(
-                        f"evolving {self.describe()} lost the race {attempt + 1} times: "
-                        f"{_first(e)}")) from None
-                time.sleep(min(1.0, 0.02 * 2 ** attempt))
+                    raise FlowError(
+                        self.name,
+                        self._hide(
+                            f"evolving {self.describe()} lost the race {attempt + 1} times: {_first(e)}"
+                        ),
+                    ) from None
+                time.sleep(min(1.0, 0.02 * 2**attempt))
             except OSError:
                 raise
             except Exception as e:  # noqa: BLE001 - the table stays: its columns are refused
-                log.warning("sink %r: cannot evolve %s (%s); it is left as it is", self.name,
-                            self.describe(), self._hide(_first(e)))
+                log.warning(
+                    "sink %r: cannot evolve %s (%s); it is left as it is",
+                    self.name,
+                    self.describe(),
+                    self._hide(_first(e)),
+                )
                 return
 
     def create_table(self, schema: Any) -> None:
@@ -306,22 +339,25 @@ class IcebergSink(TableSink):
             except Exception as e:  # noqa: BLE001 - reported as what to fix
                 bad[f.name] = f"{f.type} ({_first(e)[:80]})"
         if bad:
-            raise ColumnsRefused(self.name, f"Iceberg cannot hold column(s) "
-                                 f"{', '.join(f'{c} ({why})' for c, why in bad.items())}; "
-                                 "cast them in the flow",
-                                 {c: f"Iceberg cannot hold {why}" for c, why in bad.items()})
+            raise ColumnsRefused(
+                self.name,
+                f"Iceberg cannot hold column(s) "
+                f"{', '.join(f'{c} ({why})' for c, why in bad.items())}; "
+                "cast them in the flow",
+                {c: f"Iceberg cannot hold {why}" for c, why in bad.items()},
+            )
         try:
             catalog.create_namespace_if_not_exists(namespace)
             table = catalog.create_table_if_not_exists(
-                self.table, schema=schema,
-                properties=RETENTION if self.keep_snapshots is not None else {})
+                self.table, schema=schema, properties=RETENTION if self.keep_snapshots is not None else {}
+            )
         except Exception as e:  # noqa: BLE001
-            raise FlowError(self.name, f"cannot create Iceberg table {self.table!r}: "
-                            f"{self._hide(_first(e))}") from None
+            raise FlowError(
+                self.name, f"cannot create Iceberg table {self.table!r}: {self._hide(_first(e))}"
+            ) from None
         self._set_location(table)
         os.makedirs(os.path.dirname(self.manifest_path), exist_ok=True)
-        log.info("sink %r: created Iceberg table %s (%s)", self.name, self.table,
-                 ", ".join(schema.names))
+        log.info("sink %r: created Iceberg table %s (%s)", self.name, self.table, ", ".join(schema.names))
 
     def _ours(self, table: Any, app: str) -> Iterator[tuple[int, Any]]:
         """This application's snapshots, newest first, on the main branch's lineage."""
@@ -340,8 +376,7 @@ class IcebergSink(TableSink):
             table = self._load()
         except NoSuchTableError:
             return None
-        return str(table.metadata.table_uuid), next((seq for seq, _ in self._ours(table, app)),
-                                                    None)
+        return str(table.metadata.table_uuid), next((seq for seq, _ in self._ours(table, app)), None)
 
     def other_apps(self, app: str) -> set[str]:
         apps = set()
@@ -358,20 +393,27 @@ class IcebergSink(TableSink):
                 return [os.path.join(self.data_dir(), n) for n in names]
             if s < seq:
                 break
-        raise RuntimeError(f"sink {self.name!r}: no snapshot of {app}/{seq} in "
-                           f"{self.table!r}; cannot record its keys")
+        raise RuntimeError(
+            f"sink {self.name!r}: no snapshot of {app}/{seq} in {self.table!r}; cannot record its keys"
+        )
 
-    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int,
-                     batch_id: str) -> int | None:
+    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int, batch_id: str) -> int | None:
         from pyiceberg.exceptions import CommitFailedException
 
         paths = ["file://" + os.path.join(self.data_dir(), f["path"]) for f in files]
-        props = {"ackflow.app": app, "ackflow.seq": str(seq), "ackflow.batch": batch_id,
-                 "ackflow.files": json.dumps([f["path"] for f in files])}
+        props = {
+            "ackflow.app": app,
+            "ackflow.seq": str(seq),
+            "ackflow.batch": batch_id,
+            "ackflow.files": json.dumps([f["path"] for f in files]),
+        }
         for attempt in range(COMMIT_RETRIES + 1):
             table = self._load()
-            missing = ({k: v for k, v in RETENTION.items() if k not in table.properties}
-                       if self.keep_snapshots is not None else {})
+            missing = (
+                {k: v for k, v in RETENTION.items() if k not in table.properties}
+                if self.keep_snapshots is not None
+                else {}
+            )
             try:
                 with table.transaction() as tx:
                     if missing:  # a table made elsewhere: bound its history from now on
@@ -379,9 +421,10 @@ class IcebergSink(TableSink):
                     tx.add_files(paths, snapshot_properties=props, check_duplicate_files=False)
             except CommitFailedException as e:  # another writer won: nothing of ours landed
                 if attempt == COMMIT_RETRIES:
-                    raise RuntimeError(self._hide(f"Iceberg commit lost the race "
-                                                  f"{attempt + 1} times: {_first(e)}")) from None
-                time.sleep(min(1.0, 0.02 * 2 ** attempt))
+                    raise RuntimeError(
+                        self._hide(f"Iceberg commit lost the race {attempt + 1} times: {_first(e)}")
+                    ) from None
+                time.sleep(min(1.0, 0.02 * 2**attempt))
                 continue
             faults.point("iceberg.committed")
             # ``table`` is the transaction's own: its metadata is what this commit wrote
@@ -404,8 +447,12 @@ class IcebergSink(TableSink):
             with self._lock:  # not beside this process's own commits
                 self._expire(keep)
         except Exception as e:  # noqa: BLE001 - maintenance: tried again after the next batch
-            log.warning("sink %r: could not expire old snapshots of %s: %s", self.name,
-                        self.table, self._hide(_first(e)))
+            log.warning(
+                "sink %r: could not expire old snapshots of %s: %s",
+                self.name,
+                self.table,
+                self._hide(_first(e)),
+            )
 
     def _expire(self, keep: int) -> None:
         table = self._load()
@@ -433,8 +480,15 @@ class IcebergSink(TableSink):
                 except FileNotFoundError:
                     pass
         self._snapshots = len(kept)
-        log.info("sink %r: expired %d old snapshots of %s (kept %d), deleted %d metadata "
-                 "files only they referenced", self.name, len(old), self.table, len(kept), gone)
+        log.info(
+            "sink %r: expired %d old snapshots of %s (kept %d), deleted %d metadata "
+            "files only they referenced",
+            self.name,
+            len(old),
+            self.table,
+            len(kept),
+            gone,
+        )
 
     def _snapshot_of(self, table: Any, app: str, seq: int) -> Any:
         """This commit's snapshot in the committed table's metadata."""
@@ -443,8 +497,10 @@ class IcebergSink(TableSink):
                 return snapshot
             if s < seq:
                 break
-        raise RuntimeError(f"sink {self.name!r}: the commit of {app}/{seq} is not in the "
-                           f"metadata it returned ({table.metadata_location})")
+        raise RuntimeError(
+            f"sink {self.name!r}: the commit of {app}/{seq} is not in the "
+            f"metadata it returned ({table.metadata_location})"
+        )
 
 
 def sync_snapshot(io: Any, snapshot: Any, metadata_location: str) -> None:
@@ -456,8 +512,12 @@ def sync_snapshot(io: Any, snapshot: Any, metadata_location: str) -> None:
 
     sid = snapshot.snapshot_id
     written = [m for m in snapshot.manifests(io) if m.added_snapshot_id == sid]
-    data = [e.data_file.file_path for m in written for e in m.fetch_manifest_entry(io)
-            if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == sid]
+    data = [
+        e.data_file.file_path
+        for m in written
+        for e in m.fetch_manifest_entry(io)
+        if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == sid
+    ]
     _sync(data)
     faults.point("iceberg.synced_data")
     _sync([m.manifest_path for m in written])

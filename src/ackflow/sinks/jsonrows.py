@@ -53,8 +53,14 @@ def needs_conversion(t: Any) -> bool:
         return any(needs_conversion(t.field(i).type) for i in range(t.num_fields))
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         return needs_conversion(t.value_type)
-    return not (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
-                or pa.types.is_boolean(t) or pa.types.is_floating(t) or pa.types.is_null(t))
+    return not (
+        pa.types.is_integer(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_null(t)
+    )
 
 
 def _converter(t: Any) -> Callable[[Any], Any]:
@@ -136,6 +142,8 @@ def json_records(table: Any) -> list[bytes | str]:
             out.append(json.dumps(record, allow_nan=False).encode())
         except ValueError:
             path = next((p for n, v in record.items() if (p := _bad_number(v, n))), "?")
-            out.append(f"field {path!r}: a NaN or infinite number cannot be written as JSON "
-                       "(JSON has neither); map it to null or a string first")
+            out.append(
+                f"field {path!r}: a NaN or infinite number cannot be written as JSON "
+                "(JSON has neither); map it to null or a string first"
+            )
     return out

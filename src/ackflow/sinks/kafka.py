@@ -37,16 +37,25 @@ class KafkaSink(Sink):
 
     wants_keys = True
 
-    def __init__(self, bootstrap: str, topic: str, *, key: str | None = None,
-                 config: dict[str, Any] | None = None, timeout_s: float = 60.0,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        key: str | None = None,
+        config: dict[str, Any] | None = None,
+        timeout_s: float = 60.0,
+        name: str | None = None,
+    ) -> None:
         super().__init__(name or f"kafka:{topic}")
         if not bootstrap or not topic:
             raise ConfigError(f"sink {self.name!r}: bootstrap= and topic= must not be empty")
         clash = sorted(set(config or {}) & {*OWNED, "bootstrap.servers"})
         if clash:
-            raise ConfigError(f"sink {self.name!r}: config= may not set {clash}: every row "
-                              "is produced idempotently with acks=all")
+            raise ConfigError(
+                f"sink {self.name!r}: config= may not set {clash}: every row "
+                "is produced idempotently with acks=all"
+            )
         if not timeout_s > 0:
             raise ConfigError(f"sink {self.name!r}: timeout_s must be > 0, got {timeout_s!r}")
         self.bootstrap, self.topic, self.key = bootstrap, topic, key
@@ -57,16 +66,15 @@ class KafkaSink(Sink):
         try:
             from confluent_kafka.admin import AdminClient
         except ImportError:
-            raise ConfigError("the Kafka sink needs confluent-kafka: pip install "
-                              "'ackflow[kafka]'") from None
+            raise ConfigError("the Kafka sink needs confluent-kafka: pip install 'ackflow[kafka]'") from None
         try:
             meta = AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=15)
         except Exception as e:  # noqa: BLE001 - a clear message at start
-            raise ConfigError(f"sink {self.name!r}: cannot reach Kafka at "
-                              f"{redact(self.bootstrap)}: {type(e).__name__}: {e}") from None
+            raise ConfigError(
+                f"sink {self.name!r}: cannot reach Kafka at {redact(self.bootstrap)}: {type(e).__name__}: {e}"
+            ) from None
         if self.topic not in meta.topics:
-            raise ConfigError(f"sink {self.name!r}: topic {self.topic!r} does not exist; "
-                              "create it first")
+            raise ConfigError(f"sink {self.name!r}: topic {self.topic!r} does not exist; create it first")
 
     def prepare(self, schema: Any) -> None:
         if self.key is not None:
@@ -90,6 +98,7 @@ class KafkaSink(Sink):
                     delivered.add(i)
                 else:
                     failed[i] = f"Kafka refused the row: {err.str()}"
+
             return done
 
         producer = Producer(self.config)
@@ -105,16 +114,22 @@ class KafkaSink(Sink):
             stuck_since = None
             while True:
                 try:
-                    producer.produce(self.topic, value=body, key=kb, on_delivery=report(i),
-                                     headers=[("ackflow-row-key", str(row_keys[i]).encode())])
+                    producer.produce(
+                        self.topic,
+                        value=body,
+                        key=kb,
+                        on_delivery=report(i),
+                        headers=[("ackflow-row-key", str(row_keys[i]).encode())],
+                    )
                     break
                 except BufferError:  # the local queue is full: let deliveries drain, for
                     # at most timeout_s without room (the brokers away): then the flush
                     # below fails what was not delivered
                     stuck_since = stuck_since or time.monotonic()
                     if time.monotonic() - stuck_since > self.timeout_s:
-                        failed[i] = WHOLE_WRITE + (f"the producer's queue stayed full for "
-                                                   f"{self.timeout_s:g} s")
+                        failed[i] = WHOLE_WRITE + (
+                            f"the producer's queue stayed full for {self.timeout_s:g} s"
+                        )
                         break
                     producer.poll(0.1)
                 except KafkaException as e:  # this row (its size, say), not the others

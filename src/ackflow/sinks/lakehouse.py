@@ -77,9 +77,9 @@ class KeyManifest:
             "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY) WITHOUT ROWID;"
             "CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY, batch TEXT,"
             " version INTEGER, rows INTEGER NOT NULL, dropped INTEGER NOT NULL,"
-            " recovered INTEGER NOT NULL DEFAULT 0, committed_at REAL NOT NULL);")
-        db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('app', ?)",
-                   (f"ackflow-{uuid.uuid4().hex}",))
+            " recovered INTEGER NOT NULL DEFAULT 0, committed_at REAL NOT NULL);",
+        )
+        db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('app', ?)", (f"ackflow-{uuid.uuid4().hex}",))
         db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('seq', '0')")
         db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('dropped', '0')")
         return db
@@ -95,16 +95,27 @@ class KeyManifest:
         db.execute("CREATE TEMP TABLE IF NOT EXISTS incoming (key TEXT PRIMARY KEY)")
         db.execute("DELETE FROM incoming")
         db.executemany("INSERT OR IGNORE INTO incoming (key) VALUES (?)", ((k,) for k in keys))
-        return {r[0] for r in db.execute(
-            "SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")}
+        return {
+            r[0]
+            for r in db.execute("SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")
+        }
 
     @staticmethod
-    def record(db: sqlite3.Connection, seq: int, batch: str, version: int | None,
-               keys: Sequence[str], dropped: int, recovered: bool = False) -> None:
+    def record(
+        db: sqlite3.Connection,
+        seq: int,
+        batch: str,
+        version: int | None,
+        keys: Sequence[str],
+        dropped: int,
+        recovered: bool = False,
+    ) -> None:
         db.executemany("INSERT OR IGNORE INTO row_keys (key) VALUES (?)", ((k,) for k in keys))
-        db.execute("INSERT OR REPLACE INTO batches (seq, batch, version, rows, dropped, recovered,"
-                   " committed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                   (seq, batch, version, len(keys), dropped, int(recovered), time.time()))
+        db.execute(
+            "INSERT OR REPLACE INTO batches (seq, batch, version, rows, dropped, recovered,"
+            " committed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (seq, batch, version, len(keys), dropped, int(recovered), time.time()),
+        )
         db.execute("UPDATE meta SET v = ? WHERE k = 'seq'", (str(seq),))
 
 
@@ -120,14 +131,23 @@ class TableSink(Sink):
     #: fault point after the table's schema was evolved, before prepare returns
     EVOLVED_POINT = ""
 
-    def __init__(self, name: str, *, key: Sequence[str] | str | None, key_column: str,
-                 create: bool, compression: str, evolve: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        key: Sequence[str] | str | None,
+        key_column: str,
+        create: bool,
+        compression: str,
+        evolve: bool = True,
+    ) -> None:
         super().__init__(name)
         if isinstance(key, str):
             key = [key]
         if key is not None and not key:
-            raise ConfigError(f"sink {name!r}: key= needs at least one column (or None for "
-                              "ackflow's row key)")
+            raise ConfigError(
+                f"sink {name!r}: key= needs at least one column (or None for ackflow's row key)"
+            )
         self.key = list(key) if key is not None else None
         self.key_column = key_column
         self.create = create
@@ -187,8 +207,7 @@ class TableSink(Sink):
         """Local paths of the data files the commit ``seq`` of ``app`` added."""
 
     @abstractmethod
-    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int,
-                     batch_id: str) -> int | None:
+    def commit_files(self, files: list[dict[str, Any]], app: str, seq: int, batch_id: str) -> int | None:
         """Commit ``files`` as one table transaction carrying ``(app, seq)``; returns the
         table version (or snapshot) made, if known."""
 
@@ -214,8 +233,7 @@ class TableSink(Sink):
         try:
             os.makedirs(os.path.dirname(self.manifest_path), exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"sink {self.name!r}: cannot create {self.manifest_path!r}: "
-                              f"{e}") from None
+            raise ConfigError(f"sink {self.name!r}: cannot create {self.manifest_path!r}: {e}") from None
         if self.table_schema() is not None:
             with self._manifest() as db:
                 self._catch_up(db)
@@ -240,9 +258,11 @@ class TableSink(Sink):
         twin = [n for n in schema.names if n != KEY and n.lower() == self.key_column.lower()]
         if self.key is None and twin:  # Delta does not tell column names apart by case
             raise ColumnsRefused(
-                self.name, f"the flow writes a column {self.key_column!r}, the sink's own key "
+                self.name,
+                f"the flow writes a column {self.key_column!r}, the sink's own key "
                 "column: rename the flow's column, or give the sink another key_column=",
-                {n: "the sink's own key column (key_column=) has this name" for n in twin})
+                {n: "the sink's own key column (key_column=) has this name" for n in twin},
+            )
         if self.key is None:
             fields.append(pa.field(self.key_column, pa.string()))
         return pa.schema(fields)
@@ -258,13 +278,19 @@ class TableSink(Sink):
         incoming = self.columns(schema)
         missing_key = [k for k in self.key or [] if k not in incoming.names]
         if missing_key:
-            raise FlowError(self.name, f"the key column(s) {', '.join(missing_key)} are not "
-                            f"among the flow's columns {', '.join(incoming.names)}")
+            raise FlowError(
+                self.name,
+                f"the key column(s) {', '.join(missing_key)} are not "
+                f"among the flow's columns {', '.join(incoming.names)}",
+            )
         found = self.table_schema()
         if found is None:
             if not self.create:
-                raise FlowError(self.name, f"{self.describe()} does not exist; create it, or "
-                                "pass create=True to create it from the flow's columns")
+                raise FlowError(
+                    self.name,
+                    f"{self.describe()} does not exist; create it, or "
+                    "pass create=True to create it from the flow's columns",
+                )
             self.create_table(incoming)
             found = self.table_schema()
             assert found is not None
@@ -281,8 +307,7 @@ class TableSink(Sink):
                     grown, changes = evolved(found[0], incoming, self.promote, self.holds)
                     if changes:
                         self.evolve_table(grown)
-                        log.info("sink %r: evolved %s: %s", self.name, self.describe(),
-                                 "; ".join(changes))
+                        log.info("sink %r: evolved %s: %s", self.name, self.describe(), "; ".join(changes))
                 faults.point(self.EVOLVED_POINT)
                 found = self.table_schema()
                 assert found is not None
@@ -290,22 +315,33 @@ class TableSink(Sink):
         lacking = [f.name for f in incoming if f.name not in table.names]
         if lacking:
             raise ColumnsRefused(
-                self.name, f"{self.describe()} has no column(s) {', '.join(lacking)} (the flow "
+                self.name,
+                f"{self.describe()} has no column(s) {', '.join(lacking)} (the flow "
                 f"writes {', '.join(incoming.names)}); add them to the table, or write to a "
-                "new table", {c: f"{self.describe()} has no such column" for c in lacking})
-        wrong = {f.name: f"{self.fmt_type(f.type)} into {self.fmt_type(table.field(f.name).type)}"
-                 for f in incoming if not can_take(f.type, table.field(f.name).type)}
+                "new table",
+                {c: f"{self.describe()} has no such column" for c in lacking},
+            )
+        wrong = {
+            f.name: f"{self.fmt_type(f.type)} into {self.fmt_type(table.field(f.name).type)}"
+            for f in incoming
+            if not can_take(f.type, table.field(f.name).type)
+        }
         if wrong:
             raise ColumnsRefused(
-                self.name, f"{self.describe()} cannot take column(s) "
+                self.name,
+                f"{self.describe()} cannot take column(s) "
                 f"{', '.join(f'{c} ({t})' for c, t in wrong.items())}; cast them in the flow, "
                 "or write to a new table",
                 {c: f"{self.describe()} cannot take {t}" for c, t in wrong.items()},
-                retype={c: table.field(c).type for c in wrong})
+                retype={c: table.field(c).type for c in wrong},
+            )
         required = [f.name for f in table if not f.nullable and f.name not in incoming.names]
         if required:
-            raise FlowError(self.name, f"{self.describe()} requires column(s) "
-                            f"{', '.join(required)} (NOT NULL) that the flow does not write")
+            raise FlowError(
+                self.name,
+                f"{self.describe()} requires column(s) "
+                f"{', '.join(required)} (NOT NULL) that the flow does not write",
+            )
         self.target = table
         self.partition_by = partitions
         self._prepared.add(signature)
@@ -325,8 +361,9 @@ class TableSink(Sink):
         keys = rows.column(KEY) if KEY in rows.column_names else None
         data = rows.drop_columns([KEY]) if keys is not None else rows
         if self.key is None:
-            data = data.append_column(self.key_column, keys if keys is not None
-                                      else pa.array([None] * rows.num_rows, pa.string()))
+            data = data.append_column(
+                self.key_column, keys if keys is not None else pa.array([None] * rows.num_rows, pa.string())
+            )
         data, failed = conform(data, self.target)
         for i, why in null_key_failures(data, self.key).items():
             failed.setdefault(i, why)  # a null key would make every later null-keyed row "written"
@@ -334,9 +371,12 @@ class TableSink(Sink):
             for c in self.partition_by:
                 for i, v in enumerate(data.column(c).to_pylist()):
                     if v == "":  # the table format would read it back as null: never silently
-                        failed.setdefault(i, f"partition column {c!r} is an empty string, which "
-                                             f"{self.name!r} would store as null; map it to a "
-                                             "value or to null in the flow")
+                        failed.setdefault(
+                            i,
+                            f"partition column {c!r} is an empty string, which "
+                            f"{self.name!r} would store as null; map it to a "
+                            "value or to null in the flow",
+                        )
         if failed:
             kept = pa.array([i not in failed for i in range(rows.num_rows)])
             data = data.filter(kept)
@@ -346,8 +386,9 @@ class TableSink(Sink):
             if self.partition_by:
                 groups = split_partitions(data, self.partition_by)
             for values, part in groups:
-                files.append(self._write_file(part.drop_columns(self.partition_by), values,
-                                              self.row_keys(part)))
+                files.append(
+                    self._write_file(part.drop_columns(self.partition_by), values, self.row_keys(part))
+                )
         return PartitionResult(failed=dict(failed), token=json.dumps({"files": files}).encode())
 
     def row_keys(self, data: Any) -> list[str]:
@@ -357,13 +398,16 @@ class TableSink(Sink):
         cols = [data.column(k).to_pylist() for k in self.key]
         return [json.dumps(v, default=str, separators=(",", ":")) for v in zip(*cols, strict=True)]
 
-    def _write_file(self, data: Any, values: dict[str, str | None],
-                    keys: list[str]) -> dict[str, Any]:
+    def _write_file(self, data: Any, values: dict[str, str | None], keys: list[str]) -> dict[str, Any]:
         """Write one data file (without the partition columns), fsynced with its folder."""
         import pyarrow.parquet as pq
 
-        rel = "/".join([*(f"{c}={hive_escape(values[c])}" for c in self.partition_by),
-                        f"part-ackflow-{uuid.uuid4().hex}.{self.compression}.parquet"])
+        rel = "/".join(
+            [
+                *(f"{c}={hive_escape(values[c])}" for c in self.partition_by),
+                f"part-ackflow-{uuid.uuid4().hex}.{self.compression}.parquet",
+            ]
+        )
         path = os.path.join(self.data_dir(), rel)
         folder = os.path.dirname(path)
         made = not os.path.isdir(folder)
@@ -374,9 +418,15 @@ class TableSink(Sink):
         fsync_dir(folder)
         if made:  # a new folder (a partition value, Iceberg's data/): its entry too
             fsync_dir(os.path.dirname(folder))
-        return {"path": rel, "size": os.path.getsize(path), "rows": data.num_rows,
-                "keys": keys, "partition": values, "stats": file_stats(data),
-                "mtime": int(os.path.getmtime(path) * 1000)}
+        return {
+            "path": rel,
+            "size": os.path.getsize(path),
+            "rows": data.num_rows,
+            "keys": keys,
+            "partition": values,
+            "stats": file_stats(data),
+            "mtime": int(os.path.getmtime(path) * 1000),
+        }
 
     # -- driver side: commit ------------------------------------------------------------
 
@@ -389,11 +439,14 @@ class TableSink(Sink):
             seq = self._catch_up(db) + 1
             files, fresh, dropped = self._drop_written(db, files)
             if dropped:  # rows of messages delivered again, left out (the total, for checks)
-                db.execute("UPDATE meta SET v = CAST(v AS INTEGER) + ? WHERE k = 'dropped'",
-                           (dropped,))
+                db.execute("UPDATE meta SET v = CAST(v AS INTEGER) + ? WHERE k = 'dropped'", (dropped,))
             if not files:  # every row was written before (a redelivered batch): no commit
-                log.info("sink %r: batch %s holds only rows written before (%d); nothing to "
-                         "commit", self.name, batch_id, dropped)
+                log.info(
+                    "sink %r: batch %s holds only rows written before (%d); nothing to commit",
+                    self.name,
+                    batch_id,
+                    dropped,
+                )
                 return
             faults.point(before)
             self._state[batch_id] = "committing"
@@ -421,16 +474,22 @@ class TableSink(Sink):
         if known is None:  # a manifest new to this table: no other manifest's rows in it
             others = sorted(self.other_apps(app))
             if others:
-                raise FlowError(self.name, f"{self.describe()} holds rows committed through "
-                                f"another key manifest (application {others[0]}), but "
-                                f"{self.manifest_path} is new to it: their keys are unknown, "
-                                "so redelivered rows would be written twice. Restore that "
-                                "manifest (or point manifest= at it)")
+                raise FlowError(
+                    self.name,
+                    f"{self.describe()} holds rows committed through "
+                    f"another key manifest (application {others[0]}), but "
+                    f"{self.manifest_path} is new to it: their keys are unknown, "
+                    "so redelivered rows would be written twice. Restore that "
+                    "manifest (or point manifest= at it)",
+                )
             db.execute("INSERT INTO meta (k, v) VALUES ('table', ?)", (table_id,))
         elif known[0] != table_id:  # its keys would leave out rows this table never had
-            raise FlowError(self.name, f"the key manifest {self.manifest_path} belongs to "
-                            f"another table (id {known[0]}, this one is {table_id}; was the "
-                            "table made again?): move it away, or give this table its own")
+            raise FlowError(
+                self.name,
+                f"the key manifest {self.manifest_path} belongs to "
+                f"another table (id {known[0]}, this one is {table_id}; was the "
+                "table made again?): move it away, or give this table its own",
+            )
         if last is None or last <= seq:
             return seq
         for s in range(seq + 1, last + 1):
@@ -438,9 +497,13 @@ class TableSink(Sink):
             for path in self.files_of(app, s):
                 keys.extend(self._keys_in_file(path))
             KeyManifest.record(db, s, "", None, keys, 0, recovered=True)
-            log.warning("sink %r: batch %d was committed to the table before a crash but not "
-                        "recorded; recorded its %d keys now (its rows are not written again)",
-                        self.name, s, len(keys))
+            log.warning(
+                "sink %r: batch %d was committed to the table before a crash but not "
+                "recorded; recorded its %d keys now (its rows are not written again)",
+                self.name,
+                s,
+                len(keys),
+            )
         return last
 
     def _keys_in_file(self, path: str) -> list[str]:
@@ -459,15 +522,17 @@ class TableSink(Sink):
                     column = pa.array([value] * data.num_rows, pa.string())
                     kind = self.target.field(c).type if self.target is not None else None
                     if kind is not None and pa.types.is_boolean(kind):
-                        column = pa.array([None if v is None else v == "true"
-                                           for v in column.to_pylist()], pa.bool_())
+                        column = pa.array(
+                            [None if v is None else v == "true" for v in column.to_pylist()], pa.bool_()
+                        )
                     elif kind is not None:  # typed as at write time, so the keys match
                         column = column.cast(kind)
                     data = data.append_column(c, column)
         return self.row_keys(data)
 
-    def _drop_written(self, db: sqlite3.Connection,
-                      files: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], int]:
+    def _drop_written(
+        self, db: sqlite3.Connection, files: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[str], int]:
         """Leave out rows whose keys are recorded (and repeats within the batch): rewrite
         files that hold some, skip files that hold only those. Returns the files to
         commit, their keys and the number of rows left out."""
@@ -490,8 +555,9 @@ class TableSink(Sink):
                 continue
             if kept:
                 table = pq.ParquetFile(path).read().filter(pa.array(mask))
-                rewritten = self._write_file(table, f["partition"],
-                                             [k for k, m in zip(f["keys"], mask, strict=True) if m])
+                rewritten = self._write_file(
+                    table, f["partition"], [k for k, m in zip(f["keys"], mask, strict=True) if m]
+                )
                 out.append(rewritten)
                 fresh.extend(rewritten["keys"])
             _remove(path)
@@ -499,8 +565,7 @@ class TableSink(Sink):
 
     def _committed(self, batch_id: str) -> bool:
         with self._manifest() as db:
-            return db.execute("SELECT 1 FROM batches WHERE batch = ?",
-                              (batch_id,)).fetchone() is not None
+            return db.execute("SELECT 1 FROM batches WHERE batch = ?", (batch_id,)).fetchone() is not None
 
     def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
         """Remove the files of a batch that certainly did not commit. Files of a batch

@@ -42,14 +42,21 @@ def pg_type(t: Any) -> str:
 
     checks = [
         (pa.types.is_boolean, "boolean"),
-        (pa.types.is_int8, "smallint"), (pa.types.is_int16, "smallint"),
-        (pa.types.is_int32, "integer"), (pa.types.is_int64, "bigint"),
-        (pa.types.is_uint8, "smallint"), (pa.types.is_uint16, "integer"),
-        (pa.types.is_uint32, "bigint"), (pa.types.is_uint64, "numeric(20)"),
-        (pa.types.is_float16, "real"), (pa.types.is_float32, "real"),
+        (pa.types.is_int8, "smallint"),
+        (pa.types.is_int16, "smallint"),
+        (pa.types.is_int32, "integer"),
+        (pa.types.is_int64, "bigint"),
+        (pa.types.is_uint8, "smallint"),
+        (pa.types.is_uint16, "integer"),
+        (pa.types.is_uint32, "bigint"),
+        (pa.types.is_uint64, "numeric(20)"),
+        (pa.types.is_float16, "real"),
+        (pa.types.is_float32, "real"),
         (pa.types.is_float64, "double precision"),
-        (pa.types.is_string, "text"), (pa.types.is_large_string, "text"),
-        (pa.types.is_binary, "bytea"), (pa.types.is_large_binary, "bytea"),
+        (pa.types.is_string, "text"),
+        (pa.types.is_large_string, "text"),
+        (pa.types.is_binary, "bytea"),
+        (pa.types.is_large_binary, "bytea"),
         (pa.types.is_date, "date"),
     ]
     for check, name in checks:
@@ -120,21 +127,30 @@ class PostgresSink(Sink):
 
     wants_keys = True
 
-    def __init__(self, dsn: str, table: str, *, key: Sequence[str] | None = None,
-                 mode: str = "upsert", create: bool = False, key_column: str = "ackflow_key",
-                 connect_timeout: float = 10, evolve: bool = True,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        *,
+        key: Sequence[str] | None = None,
+        mode: str = "upsert",
+        create: bool = False,
+        key_column: str = "ackflow_key",
+        connect_timeout: float = 10,
+        evolve: bool = True,
+        name: str | None = None,
+    ) -> None:
         super().__init__(name or f"postgres:{table}")
         if mode not in MODES:
             raise ConfigError(f"sink {self.name!r}: mode must be one of {MODES}, got {mode!r}")
         if not table or not isinstance(table, str):
-            raise ConfigError(f"sink {self.name!r}: table must be a name like 'orders' or "
-                              "'schema.orders'")
+            raise ConfigError(f"sink {self.name!r}: table must be a name like 'orders' or 'schema.orders'")
         if isinstance(key, str):
             key = [key]
         if key is not None and not key:
-            raise ConfigError(f"sink {self.name!r}: key= needs at least one column (or None "
-                              "for ackflow's row key)")
+            raise ConfigError(
+                f"sink {self.name!r}: key= needs at least one column (or None for ackflow's row key)"
+            )
         self.dsn = dsn
         self.table = table
         self.key = list(key) if key is not None else None
@@ -164,12 +180,13 @@ class PostgresSink(Sink):
         texts = [_utf8_text(b) for b in bodies]
         raw = [b if t is None else None for b, t in zip(bodies, texts, strict=True)]
         at_type = pa.timestamp("us", tz="UTC")
-        at = [None if x is None else dt.datetime.fromtimestamp(x, dt.UTC)
-              for x in table.column("failed_at").to_pylist()]
+        at = [
+            None if x is None else dt.datetime.fromtimestamp(x, dt.UTC)
+            for x in table.column("failed_at").to_pylist()
+        ]
         i = table.schema.get_field_index("body")
         table = table.set_column(i, pa.field("body", pa.string()), pa.array(texts, pa.string()))
-        table = table.add_column(i + 1, pa.field("body_bytes", pa.binary()),
-                                 pa.array(raw, pa.binary()))
+        table = table.add_column(i + 1, pa.field("body_bytes", pa.binary()), pa.array(raw, pa.binary()))
         j = table.schema.get_field_index("failed_at")
         table = table.set_column(j, pa.field("failed_at", at_type), pa.array(at, at_type))
         self._dead_letters = True
@@ -185,10 +202,13 @@ class PostgresSink(Sink):
         from psycopg import sql
 
         def types() -> dict[str, str]:
-            return dict(conn.execute(
-                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
-                "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-                [self._ident().as_string(conn)]).fetchall())
+            return dict(
+                conn.execute(
+                    "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+                    "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+                    [self._ident().as_string(conn)],
+                ).fetchall()
+            )
 
         old = _old_dead_letters(types())
         conn.commit()
@@ -199,13 +219,17 @@ class PostgresSink(Sink):
         if "body" in old:
             steps += [
                 sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS body_bytes bytea").format(t),
-                sql.SQL("UPDATE {} SET body_bytes = body WHERE pg_temp.ackflow_utf8(body) IS "
-                        "NULL").format(t),
-                sql.SQL("ALTER TABLE {} ALTER COLUMN body TYPE text USING "
-                        "pg_temp.ackflow_utf8(body)").format(t)]
+                sql.SQL("UPDATE {} SET body_bytes = body WHERE pg_temp.ackflow_utf8(body) IS NULL").format(t),
+                sql.SQL("ALTER TABLE {} ALTER COLUMN body TYPE text USING pg_temp.ackflow_utf8(body)").format(
+                    t
+                ),
+            ]
         if "failed_at" in old:
-            steps.append(sql.SQL("ALTER TABLE {} ALTER COLUMN failed_at TYPE timestamptz USING "
-                                 "to_timestamp(failed_at)").format(t))
+            steps.append(
+                sql.SQL(
+                    "ALTER TABLE {} ALTER COLUMN failed_at TYPE timestamptz USING to_timestamp(failed_at)"
+                ).format(t)
+            )
         try:
             with conn.transaction():
                 conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(t))
@@ -216,12 +240,20 @@ class PostgresSink(Sink):
             raise
         except psycopg.Error as e:
             script = "BEGIN; " + "; ".join(x.as_string(conn) for x in steps) + "; COMMIT;"
-            raise FlowError(self.name, self._hide(
-                f"the dead-letter table {self.table!r} has an older ackflow's columns (body "
-                f"bytea, failed_at an epoch double) and cannot be upgraded: "
-                f"{_describe_pg(e)}; upgrade it as its owner with: {script}")) from None
-        log.warning("sink %r: upgraded dead-letter table %r: %s", self.name, self.table,
-                    "; ".join(f"{c} was {old[c]}" for c in old))
+            raise FlowError(
+                self.name,
+                self._hide(
+                    f"the dead-letter table {self.table!r} has an older ackflow's columns (body "
+                    f"bytea, failed_at an epoch double) and cannot be upgraded: "
+                    f"{_describe_pg(e)}; upgrade it as its owner with: {script}"
+                ),
+            ) from None
+        log.warning(
+            "sink %r: upgraded dead-letter table %r: %s",
+            self.name,
+            self.table,
+            "; ".join(f"{c} was {old[c]}" for c in old),
+        )
 
     @property
     def conflict_key(self) -> list[str]:
@@ -255,12 +287,13 @@ class PostgresSink(Sink):
         except ConnectionError as e:
             raise ConfigError(f"sink {self.name!r}: {e}") from None
         with conn:
-            exists = conn.execute("SELECT to_regclass(%s)",
-                                  [self._ident().as_string(conn)]).fetchone()
+            exists = conn.execute("SELECT to_regclass(%s)", [self._ident().as_string(conn)]).fetchone()
             if (exists is None or exists[0] is None) and not self.create:
-                raise ConfigError(f"sink {self.name!r}: table {self.table!r} does not exist; "
-                                  "create it, or pass create=True to create it from the "
-                                  "flow's columns")
+                raise ConfigError(
+                    f"sink {self.name!r}: table {self.table!r} does not exist; "
+                    "create it, or pass create=True to create it from the "
+                    "flow's columns"
+                )
 
     def prepare(self, schema: Any) -> None:
         """Create the table (``create=True``) or check that it has the flow's columns."""
@@ -272,19 +305,25 @@ class PostgresSink(Sink):
         long = [n for n in schema.names if len(n.encode()) > PG_NAME_BYTES]
         if long:  # PostgreSQL would cut them, and two could become one
             raise ColumnsRefused(
-                self.name, f"column name(s) {', '.join(map(repr, long))} are longer than "
+                self.name,
+                f"column name(s) {', '.join(map(repr, long))} are longer than "
                 f"PostgreSQL's {PG_NAME_BYTES} bytes; rename them in the flow",
-                {n: f"the name is longer than PostgreSQL's {PG_NAME_BYTES} bytes" for n in long})
+                {n: f"the name is longer than PostgreSQL's {PG_NAME_BYTES} bytes" for n in long},
+            )
         if self.key is None and self.key_column in schema.names:
             raise ColumnsRefused(
-                self.name, f"the flow writes a column {self.key_column!r}, the sink's own key "
+                self.name,
+                f"the flow writes a column {self.key_column!r}, the sink's own key "
                 "column: rename the flow's column, or give the sink another key_column=",
-                {self.key_column: "the sink's own key column (key_column=) has this name"})
+                {self.key_column: "the sink's own key column (key_column=) has this name"},
+            )
         columns = self.columns(schema.names)
         missing_key = [k for k in self.conflict_key if k not in columns]
         if missing_key:
-            raise FlowError(self.name, f"the key column(s) {missing_key} are not among the "
-                            f"flow's columns {list(schema.names)}")
+            raise FlowError(
+                self.name,
+                f"the key column(s) {missing_key} are not among the flow's columns {list(schema.names)}",
+            )
         try:
             conn = self._connect()
         except ConnectionError as e:
@@ -299,45 +338,64 @@ class PostgresSink(Sink):
             if self.create:
                 types = {f.name: pg_type(f.type) for f in schema}
                 types.setdefault(self.key_column, "text")
-                defs = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c]))
-                        for c in columns]
-                defs.append(sql.SQL("PRIMARY KEY ({})").format(
-                    sql.SQL(", ").join(map(sql.Identifier, self.conflict_key))))
-                conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-                    ident, sql.SQL(", ").join(defs)))
+                defs = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in columns]
+                defs.append(
+                    sql.SQL("PRIMARY KEY ({})").format(
+                        sql.SQL(", ").join(map(sql.Identifier, self.conflict_key))
+                    )
+                )
+                conn.execute(
+                    sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(ident, sql.SQL(", ").join(defs))
+                )
             attrs = conn.execute(
                 "SELECT attname, attnotnull AND NOT atthasdef AND attidentity = '' "
                 "AND attgenerated = '' FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-                "AND attnum > 0 AND NOT attisdropped", [ident.as_string(conn)]).fetchall()
+                "AND attnum > 0 AND NOT attisdropped",
+                [ident.as_string(conn)],
+            ).fetchall()
             have = {r[0] for r in attrs}
             if not have:
-                raise FlowError(self.name, f"table {self.table!r} does not exist; create it, "
-                                "or pass create=True")
+                raise FlowError(
+                    self.name, f"table {self.table!r} does not exist; create it, or pass create=True"
+                )
             if self.evolve and self._evolve(conn, schema, columns):
                 faults.point("postgres.evolved")
-                have = {r[0] for r in conn.execute(
-                    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-                    "AND attnum > 0 AND NOT attisdropped", [ident.as_string(conn)])}
+                have = {
+                    r[0]
+                    for r in conn.execute(
+                        "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                        "AND attnum > 0 AND NOT attisdropped",
+                        [ident.as_string(conn)],
+                    )
+                }
             unfilled = sorted(r[0] for r in attrs if r[1] and r[0] not in columns)
             if unfilled:  # every insert would fail: the table's problem, not a row's
-                raise FlowError(self.name, f"table {self.table!r} has NOT NULL column(s) "
-                                f"{', '.join(unfilled)} without a default that the flow does "
-                                "not write: give them a default, or write them")
+                raise FlowError(
+                    self.name,
+                    f"table {self.table!r} has NOT NULL column(s) "
+                    f"{', '.join(unfilled)} without a default that the flow does "
+                    "not write: give them a default, or write them",
+                )
             missing = [c for c in columns if c not in have]
             if missing:
                 raise ColumnsRefused(
-                    self.name, f"table {self.table!r} has no column(s) {', '.join(missing)} "
+                    self.name,
+                    f"table {self.table!r} has no column(s) {', '.join(missing)} "
                     f"(the flow writes {', '.join(columns)}); add them with ALTER TABLE, or "
                     "write to a new table with create=True",
-                    {c: f"table {self.table!r} has no such column" for c in missing})
+                    {c: f"table {self.table!r} has no such column" for c in missing},
+                )
             try:  # checks the key has a unique index, without writing anything
-                conn.execute(sql.SQL("EXPLAIN ") + self._insert_sql(columns, source=ident,
-                                                                     where_false=True))
+                conn.execute(sql.SQL("EXPLAIN ") + self._insert_sql(columns, source=ident, where_false=True))
             except Exception as e:  # noqa: BLE001 - reported as what to fix
-                raise FlowError(self.name, self._hide(
-                    f"cannot write to {self.table!r} keyed on {self.conflict_key}: "
-                    f"{str(e).strip().splitlines()[0]} (the key needs a PRIMARY KEY or a "
-                    "UNIQUE index on exactly those columns)")) from None
+                raise FlowError(
+                    self.name,
+                    self._hide(
+                        f"cannot write to {self.table!r} keyed on {self.conflict_key}: "
+                        f"{str(e).strip().splitlines()[0]} (the key needs a PRIMARY KEY or a "
+                        "UNIQUE index on exactly those columns)"
+                    ),
+                ) from None
         self._prepared.add(signature)
 
     def _alterations(self, conn: Any, schema: Any, columns: list[str]) -> list[Any]:
@@ -345,21 +403,27 @@ class PostgresSink(Sink):
         and widenings along :data:`WIDER` (nothing for a table that takes it already)."""
         from psycopg import sql
 
-        current = dict(conn.execute(
-            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
-            "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-            [self._ident().as_string(conn)]).fetchall())
+        current = dict(
+            conn.execute(
+                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+                "attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+                [self._ident().as_string(conn)],
+            ).fetchall()
+        )
         types = {f.name: pg_type(f.type) for f in schema}
         types.setdefault(self.key_column, "text")
         clauses = []
         for c in columns:
             if c not in current and c not in self.conflict_key:  # a key needs its index
-                clauses.append(sql.SQL("ADD COLUMN IF NOT EXISTS {} {}").format(
-                    sql.Identifier(c), sql.SQL(types[c])))
+                clauses.append(
+                    sql.SQL("ADD COLUMN IF NOT EXISTS {} {}").format(sql.Identifier(c), sql.SQL(types[c]))
+                )
             elif types[c] in WIDER.get(current[c], ()) and not (
-                    c in self.conflict_key and types[c] == "double precision"):
-                clauses.append(sql.SQL("ALTER COLUMN {} TYPE {}").format(
-                    sql.Identifier(c), sql.SQL(types[c])))
+                c in self.conflict_key and types[c] == "double precision"
+            ):
+                clauses.append(
+                    sql.SQL("ALTER COLUMN {} TYPE {}").format(sql.Identifier(c), sql.SQL(types[c]))
+                )
         return clauses
 
     def _evolve(self, conn: Any, schema: Any, columns: list[str]) -> bool:
@@ -375,21 +439,29 @@ class PostgresSink(Sink):
             return False
         try:
             with conn.transaction():
-                conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
-                    self._ident()))
+                conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(self._ident()))
                 clauses = self._alterations(conn, schema, columns)  # under the lock: live
                 if clauses:
-                    conn.execute(sql.SQL("ALTER TABLE {} {}").format(
-                        self._ident(), sql.SQL(", ").join(clauses)))
+                    conn.execute(
+                        sql.SQL("ALTER TABLE {} {}").format(self._ident(), sql.SQL(", ").join(clauses))
+                    )
         except psycopg.OperationalError:
             raise
         except psycopg.Error as e:
-            log.warning("sink %r: cannot evolve table %r (%s); it is left as it is", self.name,
-                        self.table, self._hide(_describe_pg(e)))
+            log.warning(
+                "sink %r: cannot evolve table %r (%s); it is left as it is",
+                self.name,
+                self.table,
+                self._hide(_describe_pg(e)),
+            )
             return False
         if clauses:
-            log.info("sink %r: evolved table %r: %s", self.name, self.table,
-                     "; ".join(c.as_string(conn) for c in clauses))
+            log.info(
+                "sink %r: evolved table %r: %s",
+                self.name,
+                self.table,
+                "; ".join(c.as_string(conn) for c in clauses),
+            )
         return True
 
     def columns(self, data_cols: Sequence[str]) -> list[str]:
@@ -399,27 +471,31 @@ class PostgresSink(Sink):
             cols.append(self.key_column)
         return cols
 
-    def _insert_sql(self, columns: list[str], *, source: Any, where_false: bool = False,
-                    dedupe: bool = False) -> Any:
+    def _insert_sql(
+        self, columns: list[str], *, source: Any, where_false: bool = False, dedupe: bool = False
+    ) -> Any:
         from psycopg import sql
 
         cols = sql.SQL(", ").join(map(sql.Identifier, columns))
         key = sql.SQL(", ").join(map(sql.Identifier, self.conflict_key))
         select = sql.SQL("SELECT {} FROM {}").format(cols, source)
         if dedupe:  # two rows with one key in a piece: the later one wins
-            select = sql.SQL("SELECT DISTINCT ON ({key}) {cols} FROM {src} "
-                             "ORDER BY {key}, af_n DESC").format(key=key, cols=cols, src=source)
+            select = sql.SQL("SELECT DISTINCT ON ({key}) {cols} FROM {src} ORDER BY {key}, af_n DESC").format(
+                key=key, cols=cols, src=source
+            )
         if where_false:
             select = select + sql.SQL(" WHERE false")
         rest = [c for c in columns if c not in self.conflict_key]
         action: sql.Composable
         if self.mode == "upsert" and rest:
-            action = sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
-                sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in rest))
+            action = sql.SQL("DO UPDATE SET {}").format(
+                sql.SQL(", ").join(sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in rest)
+            )
         else:
             action = sql.SQL("DO NOTHING")
         return sql.SQL("INSERT INTO {} ({}) {} ON CONFLICT ({}) {}").format(
-            self._ident(), cols, select, key, action)
+            self._ident(), cols, select, key, action
+        )
 
     # -- task side -----------------------------------------------------------------
 
@@ -443,8 +519,11 @@ class PostgresSink(Sink):
         conn = self._connect()
         try:
             with conn.cursor() as cur:  # the target's columns and types, no constraints
-                cur.execute(sql.SQL("CREATE TEMP TABLE af_stage AS SELECT * FROM {} WITH NO DATA")
-                            .format(self._ident()))
+                cur.execute(
+                    sql.SQL("CREATE TEMP TABLE af_stage AS SELECT * FROM {} WITH NO DATA").format(
+                        self._ident()
+                    )
+                )
                 cur.execute("ALTER TABLE af_stage ADD COLUMN af_n bigint")
             conn.commit()
             self._write(conn, records, todo, columns, failed)
@@ -459,8 +538,14 @@ class PostgresSink(Sink):
             conn.close()
         return PartitionResult(failed=failed)
 
-    def _write(self, conn: Any, records: list[tuple[Any, ...]], idx: list[int],
-               columns: list[str], failed: dict[int, str]) -> None:
+    def _write(
+        self,
+        conn: Any,
+        records: list[tuple[Any, ...]],
+        idx: list[int],
+        columns: list[str],
+        failed: dict[int, str],
+    ) -> None:
         """Write ``records[idx]`` in one transaction; on a data error, bisect."""
         import psycopg
         from psycopg import sql
@@ -472,8 +557,9 @@ class PostgresSink(Sink):
                 with cur.copy(sql.SQL("COPY af_stage ({}) FROM STDIN").format(copy_cols)) as cp:
                     for i in idx:
                         cp.write_row((*records[i], i))
-                cur.execute(self._insert_sql(columns, source=sql.Identifier("af_stage"),
-                                             dedupe=self.key is not None))
+                cur.execute(
+                    self._insert_sql(columns, source=sql.Identifier("af_stage"), dedupe=self.key is not None)
+                )
             faults.point("postgres.before_commit")
             conn.commit()
             faults.point("postgres.after_commit")
@@ -495,13 +581,14 @@ class PostgresSink(Sink):
 
 
 #: the columns every dead-letter table has (``write_dead_letters``)
-DEAD_LETTER_COLUMNS = frozenset({"message", "body", "headers", "step", "error", "deliveries",
-                                 "failed_at"})
+DEAD_LETTER_COLUMNS = frozenset({"message", "body", "headers", "step", "error", "deliveries", "failed_at"})
 #: body text where the bytes are UTF-8 (PostgreSQL's convert_from refuses invalid UTF-8
 #: and NUL), else null; a temporary function, gone with the session
-UTF8_FUNCTION = ("CREATE OR REPLACE FUNCTION pg_temp.ackflow_utf8(b bytea) RETURNS text "
-                 "LANGUAGE plpgsql IMMUTABLE AS $$ BEGIN RETURN convert_from(b, 'UTF8'); "
-                 "EXCEPTION WHEN others THEN RETURN NULL; END $$")
+UTF8_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION pg_temp.ackflow_utf8(b bytea) RETURNS text "
+    "LANGUAGE plpgsql IMMUTABLE AS $$ BEGIN RETURN convert_from(b, 'UTF8'); "
+    "EXCEPTION WHEN others THEN RETURN NULL; END $$"
+)
 
 
 def _utf8_text(body: bytes | None) -> str | None:

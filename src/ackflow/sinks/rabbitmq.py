@@ -36,15 +36,26 @@ class RabbitMQSink(Sink):
 
     wants_keys = True
 
-    def __init__(self, url: str, exchange: str, routing_key: str | None = None, *,
-                 routing_key_column: str | None = None, message_id_column: str | None = None,
-                 headers_column: str | None = None, persistent: bool = True,
-                 mandatory: bool = True, confirm_window: int = 10_000, timeout_s: float = 60.0,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        exchange: str,
+        routing_key: str | None = None,
+        *,
+        routing_key_column: str | None = None,
+        message_id_column: str | None = None,
+        headers_column: str | None = None,
+        persistent: bool = True,
+        mandatory: bool = True,
+        confirm_window: int = 10_000,
+        timeout_s: float = 60.0,
+        name: str | None = None,
+    ) -> None:
         super().__init__(name or f"rabbitmq:{exchange or '(default)'}")
         if (routing_key is None) == (routing_key_column is None):
-            raise ConfigError(f"sink {self.name!r}: give routing_key='...' or "
-                              "routing_key_column='...' (one of them)")
+            raise ConfigError(
+                f"sink {self.name!r}: give routing_key='...' or routing_key_column='...' (one of them)"
+            )
         if confirm_window < 1:
             raise ConfigError(f"sink {self.name!r}: confirm_window must be >= 1")
         self.url = url
@@ -65,23 +76,31 @@ class RabbitMQSink(Sink):
         try:
             conn = pika.BlockingConnection(pika.URLParameters(self.url))
         except Exception as e:  # noqa: BLE001 - a clear message at start
-            raise ConfigError(f"sink {self.name!r}: cannot connect to {redact(self.url)}: "
-                              f"{type(e).__name__}: {redact(str(e))}") from None
+            raise ConfigError(
+                f"sink {self.name!r}: cannot connect to {redact(self.url)}: "
+                f"{type(e).__name__}: {redact(str(e))}"
+            ) from None
         try:
             if self.exchange:
                 try:
                     conn.channel().exchange_declare(self.exchange, passive=True)
                 except ChannelClosedByBroker as e:
-                    raise ConfigError(f"sink {self.name!r}: exchange {self.exchange!r} does "
-                                      f"not exist ({e.reply_text}); declare it first") from None
+                    raise ConfigError(
+                        f"sink {self.name!r}: exchange {self.exchange!r} does "
+                        f"not exist ({e.reply_text}); declare it first"
+                    ) from None
         finally:
             if conn.is_open:
                 conn.close()
 
     def prepare(self, schema: Any) -> None:
-        require_columns(self.name, schema, routing_key_column=self.routing_key_column,
-                        message_id_column=self.message_id_column,
-                        headers_column=self.headers_column)
+        require_columns(
+            self.name,
+            schema,
+            routing_key_column=self.routing_key_column,
+            message_id_column=self.message_id_column,
+            headers_column=self.headers_column,
+        )
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         import pika
@@ -113,8 +132,11 @@ class RabbitMQSink(Sink):
             props = None
             if why is None:
                 props = pika.BasicProperties(
-                    delivery_mode=2 if self.persistent else 1, message_id=str(mid),
-                    content_type="application/json", headers=h or None)
+                    delivery_mode=2 if self.persistent else 1,
+                    message_id=str(mid),
+                    content_type="application/json",
+                    headers=h or None,
+                )
                 try:  # what the checks above missed: the frame pika would build
                     props.encode()
                 except Exception as e:  # noqa: BLE001 - this row cannot be sent; not its neighbours
@@ -124,10 +146,15 @@ class RabbitMQSink(Sink):
                 continue
             messages.append((str(rk), cast(bytes, bodies[i]), props))  # a reason (str) is in empty
             sent.append(i)
-        failed = publish_confirmed(self.url, self.exchange, messages, mandatory=self.mandatory,
-                                   window=self.confirm_window, timeout_s=self.timeout_s)
+        failed = publish_confirmed(
+            self.url,
+            self.exchange,
+            messages,
+            mandatory=self.mandatory,
+            window=self.confirm_window,
+            timeout_s=self.timeout_s,
+        )
         return PartitionResult(failed={**empty, **{sent[j]: e for j, e in failed.items()}})
-
 
     def _unsendable(self, rk: Any, mid: str, headers: Any) -> str | None:
         """Why AMQP cannot carry this row's routing key, message id or headers, or None
@@ -137,13 +164,11 @@ class RabbitMQSink(Sink):
         for field, value in (("routing key", str(rk)), ("message id", mid)):
             size = len(value.encode("utf-8", "surrogatepass"))
             if size > 255:
-                return (f"its {field} is {size} bytes ({value[:40]!r}...); AMQP carries at "
-                        "most 255")
+                return f"its {field} is {size} bytes ({value[:40]!r}...); AMQP carries at most 255"
         if headers is None:
             return None
         if not isinstance(headers, dict):
-            return (f"headers_column {self.headers_column!r} holds a "
-                    f"{type(headers).__name__}, not a map")
+            return f"headers_column {self.headers_column!r} holds a {type(headers).__name__}, not a map"
         for key, value in headers.items():
             why = _header_problem(key, value)
             if why is not None:
@@ -194,9 +219,15 @@ def _header_problem(key: Any, value: Any) -> str | None:
     return None
 
 
-def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, bytes, Any]], *,
-                      mandatory: bool = True, window: int = 10_000,
-                      timeout_s: float = 60.0) -> dict[int, str]:
+def publish_confirmed(
+    url: str,
+    exchange: str,
+    messages: Sequence[tuple[str, bytes, Any]],
+    *,
+    mandatory: bool = True,
+    window: int = 10_000,
+    timeout_s: float = 60.0,
+) -> dict[int, str]:
     """Publish ``(routing_key, body, properties)`` messages with asynchronous publisher
     confirms, at most ``window`` unconfirmed at a time. Returns index -> reason for every
     message that was not confirmed (nacked, returned as unroutable, or lost)."""
@@ -207,8 +238,7 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
     unconfirmed: dict[int, int] = {}  # delivery tag -> index, in publish order
     failed: dict[int, str] = {}
     returned: dict[str, str] = {}
-    state: dict[str, Any] = {"next": 0, "tag": 0, "error": None, "done": False,
-                             "progress": time.monotonic()}
+    state: dict[str, Any] = {"next": 0, "tag": 0, "error": None, "done": False, "progress": time.monotonic()}
 
     def stop(conn: Any, error: str | None) -> None:
         if error is not None and state["error"] is None:
@@ -234,8 +264,7 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
         m = frame.method
         state["progress"] = time.monotonic()
         nack = isinstance(m, Basic.Nack)
-        tags = ([t for t in unconfirmed if t <= m.delivery_tag] if m.multiple
-                else [m.delivery_tag])
+        tags = [t for t in unconfirmed if t <= m.delivery_tag] if m.multiple else [m.delivery_tag]
         for t in tags:
             i = unconfirmed.pop(t, None)
             if i is None:
@@ -248,9 +277,11 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
         publish_more(channel[0])
 
     def on_return(ch: Any, method: Any, props: Any, body: bytes) -> None:
-        returned[props.message_id] = (f"unroutable: {method.reply_code} {method.reply_text} "
-                                      f"(exchange {method.exchange!r}, routing key "
-                                      f"{method.routing_key!r})")
+        returned[props.message_id] = (
+            f"unroutable: {method.reply_code} {method.reply_text} "
+            f"(exchange {method.exchange!r}, routing key "
+            f"{method.routing_key!r})"
+        )
 
     channel: list[Any] = [None]
 
@@ -258,8 +289,10 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
         channel[0] = ch
         ch.add_on_return_callback(on_return)
         ch.add_on_close_callback(
-            lambda c, reason: stop(c.connection, None if state["done"]
-                                   else f"channel closed: {redact(str(reason))}"))
+            lambda c, reason: stop(
+                c.connection, None if state["done"] else f"channel closed: {redact(str(reason))}"
+            )
+        )
         ch.confirm_delivery(on_confirm, callback=lambda _: publish_more(ch))
 
     def on_open(conn: Any) -> None:
@@ -278,9 +311,10 @@ def publish_confirmed(url: str, exchange: str, messages: Sequence[tuple[str, byt
     params = pika.URLParameters(url)
     params.connection_attempts = 1
     params.socket_timeout = 10
-    conn = pika.SelectConnection(params, on_open_callback=on_open,
-                                 on_open_error_callback=on_open_error,
-                                 on_close_callback=on_closed)
+    conn = pika.SelectConnection(
+        params, on_open_callback=on_open, on_open_error_callback=on_open_error, on_close_callback=on_closed
+    )
+
     def watchdog() -> None:
         """A timeout on progress, not one deadline: fail only when no confirm came for
         ``timeout_s`` (a large or throttled partition that keeps moving is not cut)."""

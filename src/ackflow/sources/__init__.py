@@ -19,23 +19,35 @@ if TYPE_CHECKING:
     from ackflow.sources.stream import RabbitMQStreamSource
     from ackflow.sources.stream import RabbitMQStreamSource as RabbitMQStream
 
-__getattr__, __dir__ = lazy(__name__, {
-    "Source": "ackflow.sources.base:Source",
-    "EmbeddedQueue": "ackflow.sources.embedded:EmbeddedQueueSource",
-    "EmbeddedQueueSource": "ackflow.sources.embedded:EmbeddedQueueSource",
-    "Files": "ackflow.sources.files:FilesSource",
-    "FilesSource": "ackflow.sources.files:FilesSource",
-    "Kafka": "ackflow.sources.kafka:KafkaSource",
-    "KafkaSource": "ackflow.sources.kafka:KafkaSource",
-    "MergedSource": "ackflow.sources.merge:MergedSource",
-    "RabbitMQ": "ackflow.sources.rabbitmq:RabbitMQSource",
-    "RabbitMQSource": "ackflow.sources.rabbitmq:RabbitMQSource",
-    "RabbitMQStream": "ackflow.sources.stream:RabbitMQStreamSource",
-    "RabbitMQStreamSource": "ackflow.sources.stream:RabbitMQStreamSource",
-})
+__getattr__, __dir__ = lazy(
+    __name__,
+    {
+        "Source": "ackflow.sources.base:Source",
+        "EmbeddedQueue": "ackflow.sources.embedded:EmbeddedQueueSource",
+        "EmbeddedQueueSource": "ackflow.sources.embedded:EmbeddedQueueSource",
+        "Files": "ackflow.sources.files:FilesSource",
+        "FilesSource": "ackflow.sources.files:FilesSource",
+        "Kafka": "ackflow.sources.kafka:KafkaSource",
+        "KafkaSource": "ackflow.sources.kafka:KafkaSource",
+        "MergedSource": "ackflow.sources.merge:MergedSource",
+        "RabbitMQ": "ackflow.sources.rabbitmq:RabbitMQSource",
+        "RabbitMQSource": "ackflow.sources.rabbitmq:RabbitMQSource",
+        "RabbitMQStream": "ackflow.sources.stream:RabbitMQStreamSource",
+        "RabbitMQStreamSource": "ackflow.sources.stream:RabbitMQStreamSource",
+    },
+)
 
 __all__ = [
-    "EmbeddedQueue", "EmbeddedQueueSource", "Files", "FilesSource", "Kafka", "KafkaSource",
+    "EmbeddedQueue",
+    "EmbeddedQueueSource",
+    "Files",
+    "FilesSource",
+    "Kafka",
+    "KafkaSource",
     "MergedSource",
-    "RabbitMQ", "RabbitMQSource", "RabbitMQStream", "RabbitMQStreamSource", "Source",
+    "RabbitMQ",
+    "RabbitMQSource",
+    "RabbitMQStream",
+    "RabbitMQStreamSource",
+    "Source",
 ]

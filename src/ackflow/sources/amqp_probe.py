@@ -23,11 +23,23 @@ log = logging.getLogger("ackflow.sources.rabbitmq")
 #: Refusals followed before giving up (a queue has a handful of arguments).
 MAX_STEPS = 24
 
-_REFUSAL = re.compile(r"inequivalent arg '(?P<key>[^']+)' for queue .*?: received (?P<got>.*) "
-                      r"but current is (?P<cur>.*)\Z", re.S)
+_REFUSAL = re.compile(
+    r"inequivalent arg '(?P<key>[^']+)' for queue .*?: received (?P<got>.*) "
+    r"but current is (?P<cur>.*)\Z",
+    re.S,
+)
 _TYPED = re.compile(r"the value '(?P<v>.*)' of type '(?P<t>[a-z]+)'\Z", re.S)
-_INTS = {"signedint", "long", "short", "byte", "unsignedbyte", "unsignedshort",
-         "unsignedint", "signedlong", "longlong"}
+_INTS = {
+    "signedint",
+    "long",
+    "short",
+    "byte",
+    "unsignedbyte",
+    "unsignedshort",
+    "unsignedint",
+    "signedlong",
+    "longlong",
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +84,11 @@ def queue_argument(conn: Any, queue: str, key: str, *, numeric: bool = False) ->
 
     args: dict[str, Any] = {}
     durable = True
-    probe: Any = ("ackflow-probe-" + uuid.uuid4().hex if not numeric
-                  else 1_000_000_000 + uuid.uuid4().int % 1_000_000_000)
+    probe: Any = (
+        "ackflow-probe-" + uuid.uuid4().hex
+        if not numeric
+        else 1_000_000_000 + uuid.uuid4().int % 1_000_000_000
+    )
     last = ""
     for _ in range(MAX_STEPS):
         ch = conn.channel()
@@ -135,15 +150,25 @@ def route_refusal(conn: Any, exchange: str, routing_key: str) -> str | None:
                 return f"cannot use exchange {exchange!r}: {e.reply_text}"
         ch.confirm_delivery()
         try:
-            ch.basic_publish(exchange, routing_key, b"", pika.BasicProperties(
-                expiration="0", headers={PROBE_HEADER: "route check at start"}), mandatory=True)
+            ch.basic_publish(
+                exchange,
+                routing_key,
+                b"",
+                pika.BasicProperties(expiration="0", headers={PROBE_HEADER: "route check at start"}),
+                mandatory=True,
+            )
         except UnroutableError:
-            return (f"exchange {exchange!r} routes routing key {routing_key!r} to no queue "
-                    "(bind a queue to it)")
+            return (
+                f"exchange {exchange!r} routes routing key {routing_key!r} to no queue (bind a queue to it)"
+            )
         except NackError:  # routed, to a queue that refuses for now (full): not lost
-            log.warning("dead-letter exchange %r: a queue it routes %r to refuses messages "
-                        "now (basic.nack, e.g. full with x-overflow=reject-publish); dead "
-                        "letters it refuses are retried later", exchange, routing_key)
+            log.warning(
+                "dead-letter exchange %r: a queue it routes %r to refuses messages "
+                "now (basic.nack, e.g. full with x-overflow=reject-publish); dead "
+                "letters it refuses are retried later",
+                exchange,
+                routing_key,
+            )
         except ChannelClosedByBroker as e:
             return f"cannot publish to exchange {exchange!r}: {e.reply_text}"
         return None

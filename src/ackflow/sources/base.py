@@ -54,8 +54,9 @@ class Source(ABC):
         """The ``headers_field`` of each origin."""
         return (self.headers_field,)
 
-    def configure(self, *, max_inflight: int, error_sink: bool,  # noqa: B027
-                  keepalive_s: float = 30.0) -> None:
+    def configure(  # noqa: B027 - a hook with nothing to do by default
+        self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0
+    ) -> None:
         """Called by the engine before :meth:`open`: the in-flight window (a broker's
         prefetch should follow it), whether the flow writes dead letters to its own
         error sink (then the source only acks them), and how often the engine extends
@@ -106,8 +107,9 @@ class Source(ABC):
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         """Redeliver later (after the policy's backoff), whatever the delivery count."""
 
-    def by_policy(self, failures: Sequence[tuple[Delivery, Failure]]) -> tuple[
-            list[Settlement], list[tuple[Delivery, Failure]], list[tuple[Delivery, Failure]]]:
+    def by_policy(
+        self, failures: Sequence[tuple[Delivery, Failure]]
+    ) -> tuple[list[Settlement], list[tuple[Delivery, Failure]], list[tuple[Delivery, Failure]]]:
         """Sort failures by the retry policy: the settlement of each (in order), the
         failures to retry (``NACKED``) and those given up (``DEAD_LETTERED``)."""
         states: list[Settlement] = []

@@ -44,15 +44,15 @@ class EmbeddedQueueSource(Source):
         self._q: EmbeddedQueue | None = None
         self._dead_ids: dict[tuple[int, int], int] = {}
 
-    def configure(self, *, max_inflight: int, error_sink: bool,
-                  keepalive_s: float = 30.0) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         # A lease must outlive two keepalive rounds, or a message still being processed
         # is leased to... this very consumer again and processed twice at once.
         if self.visibility_timeout <= 2 * keepalive_s:
             raise ConfigError(
                 f"source {self.name!r}: visibility_timeout ({self.visibility_timeout:g} s) must "
                 f"be more than twice the lease keepalive ({keepalive_s:g} s): raise "
-                "visibility_timeout or lower keepalive_s")
+                "visibility_timeout or lower keepalive_s"
+            )
 
     @property
     def q(self) -> EmbeddedQueue:
@@ -72,13 +72,15 @@ class EmbeddedQueueSource(Source):
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout
         while True:
-            rows = self.q.lease_rows(self.queue, max_messages,
-                                     visibility_timeout=self.visibility_timeout)
+            rows = self.q.lease_rows(self.queue, max_messages, visibility_timeout=self.visibility_timeout)
             if rows or time.monotonic() >= deadline:
                 # (row_id, msg_id, body, headers_json, deliveries, published_at)
-                return [Delivery(0, message_key(r[0], r[1]), bytes(r[2]),
-                                 stored_headers(r[3]), r[4], (r[0], r[4]))
-                        for r in rows]
+                return [
+                    Delivery(
+                        0, message_key(r[0], r[1]), bytes(r[2]), stored_headers(r[3]), r[4], (r[0], r[4])
+                    )
+                    for r in rows
+                ]
             time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
 
     @staticmethod
@@ -102,14 +104,19 @@ class EmbeddedQueueSource(Source):
         outcomes, retry, dead = self.by_policy(failures)
         self.nack(retry)
         # only the last call's dead-letter ids are kept (bounded), for dead_letter_ref()
-        self._dead_ids = self.q.dead_letter_ids(
-            self.queue, [(*self._lease(d), f.step, f.error) for d, f in dead]
-        ) if dead else {}
+        self._dead_ids = (
+            self.q.dead_letter_ids(self.queue, [(*self._lease(d), f.step, f.error) for d, f in dead])
+            if dead
+            else {}
+        )
         # a lease that expired meanwhile moved nothing: the message is the queue's again
         # (it comes back), so it is no dead letter of this run
-        return [Settlement.RELEASED if state is Settlement.DEAD_LETTERED
-                and self._lease(d) not in self._dead_ids else state
-                for (d, _), state in zip(failures, outcomes, strict=True)]
+        return [
+            Settlement.RELEASED
+            if state is Settlement.DEAD_LETTERED and self._lease(d) not in self._dead_ids
+            else state
+            for (d, _), state in zip(failures, outcomes, strict=True)
+        ]
 
     # -- the status page -------------------------------------------------------------------
 
@@ -125,8 +132,12 @@ class EmbeddedQueueSource(Source):
             s = q.stats(self.queue)
         finally:
             q.close()
-        return {"lag": s["ready"], "retries_waiting": s["delayed"], "leased": s["leased"],
-                "dead_letters_kept": s["dead_lettered"]}
+        return {
+            "lag": s["ready"],
+            "retries_waiting": s["delayed"],
+            "leased": s["leased"],
+            "dead_letters_kept": s["dead_lettered"],
+        }
 
     def dead_letter_ref(self, delivery: Delivery) -> object | None:
         return self._dead_ids.get(self._lease(delivery))
@@ -145,8 +156,9 @@ class EmbeddedQueueSource(Source):
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         if failures:
-            self.q.retry([(*self._lease(d), self.policy.delay_after(d.delivery_count), str(f))
-                          for d, f in failures])
+            self.q.retry(
+                [(*self._lease(d), self.policy.delay_after(d.delivery_count), str(f)) for d, f in failures]
+            )
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         if deliveries:

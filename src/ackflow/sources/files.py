@@ -55,8 +55,7 @@ MAX_OPEN = 256  # files open at once; a pass waits for one to finish beyond that
 
 log = logging.getLogger("ackflow.sources.files")
 
-FORMATS = {"jsonl": "json", "jsonl_nan_as_null": "json_nan_as_null", "csv": "json",
-           "text": "text"}
+FORMATS = {"jsonl": "json", "jsonl_nan_as_null": "json_nan_as_null", "csv": "json", "text": "text"}
 
 
 @dataclass
@@ -93,18 +92,29 @@ class FilesSource(Source):
     (``done/<file>.dead.jsonl``) and the state store counts them.
     """
 
-    def __init__(self, path: str | os.PathLike[str], format: str = "jsonl", *,
-                 policy: RetryPolicy | None = None, done: str = "move",
-                 scan_interval_s: float = 1.0, name: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        format: str = "jsonl",
+        *,
+        policy: RetryPolicy | None = None,
+        done: str = "move",
+        scan_interval_s: float = 1.0,
+        name: str | None = None,
+    ) -> None:
         if format not in FORMATS:
-            raise ConfigError(f"Files source: format must be one of {sorted(FORMATS)}, "
-                              f"got {format!r}")
+            raise ConfigError(f"Files source: format must be one of {sorted(FORMATS)}, got {format!r}")
         if done not in ("move", "record"):
             raise ConfigError(f"Files source: done must be 'move' or 'record', got {done!r}")
-        if not (isinstance(scan_interval_s, (int, float)) and math.isfinite(scan_interval_s)
-                and scan_interval_s >= 0):  # nan would never scan again
-            raise ConfigError("Files source: scan_interval_s must be >= 0 seconds (a finite "
-                              f"number), got {scan_interval_s!r}")
+        if not (
+            isinstance(scan_interval_s, (int, float))
+            and math.isfinite(scan_interval_s)
+            and scan_interval_s >= 0
+        ):  # nan would never scan again
+            raise ConfigError(
+                "Files source: scan_interval_s must be >= 0 seconds (a finite "
+                f"number), got {scan_interval_s!r}"
+            )
         super().__init__(format=FORMATS[format], name=name or f"files:{os.fspath(path)}")
         self.path = os.path.abspath(os.fspath(path))
         self.file_format = format
@@ -144,8 +154,7 @@ class FilesSource(Source):
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def configure(self, *, max_inflight: int, error_sink: bool,
-                  keepalive_s: float = 30.0) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         self._error_sink = error_sink
         self._window = max_inflight
 
@@ -158,15 +167,19 @@ class FilesSource(Source):
         try:
             self._states = FileStates(self.state_path)
         except sqlite3.Error as e:
-            raise ConfigError(f"source {self.name!r}: cannot open {self.state_path}: {e}; "
-                              "fix or remove it (then every file is read again)") from None
+            raise ConfigError(
+                f"source {self.name!r}: cannot open {self.state_path}: {e}; "
+                "fix or remove it (then every file is read again)"
+            ) from None
         old = os.path.join(self.meta, "state.json")
         if os.path.exists(old):  # written by an earlier version: taken over, rows kept
             try:
                 n = self._states.migrate_json(old)
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"source {self.name!r}: cannot read {old}: {e}; "
-                                  "fix or remove it (then every file is read again)") from None
+                raise ConfigError(
+                    f"source {self.name!r}: cannot read {old}: {e}; "
+                    "fix or remove it (then every file is read again)"
+                ) from None
             log.info("source %r: %d file instances taken over from %s", self.name, n, old)
         self._count_unmovable()
         self._scan()
@@ -186,8 +199,9 @@ class FilesSource(Source):
         states = self.states
         if self._listing is None:
             self._last_scan = time.monotonic()
-            self._listing = sorted(n for n in os.listdir(self.path)
-                                   if not n.startswith((".", "_")) and n != "done")
+            self._listing = sorted(
+                n for n in os.listdir(self.path) if not n.startswith((".", "_")) and n != "done"
+            )
             self._pos = 0
         listing = self._listing
         if self._pos < len(listing) and len(self._files) >= MAX_OPEN:
@@ -197,8 +211,11 @@ class FilesSource(Source):
         examined = 0
         with states.tx():
             seen: list[str] = []
-            while (self._pos < len(listing) and examined < SCAN_CHUNK
-                   and len(self._files) + len(to_open) < MAX_OPEN):
+            while (
+                self._pos < len(listing)
+                and examined < SCAN_CHUNK
+                and len(self._files) + len(to_open) < MAX_OPEN
+            ):
                 name = listing[self._pos]
                 self._pos += 1
                 examined += 1
@@ -262,10 +279,16 @@ class FilesSource(Source):
             # tar x (which set the mtime, never the ctime), or its metadata changed (chmod,
             # chown, a hard link). They cannot be told apart: it is read again as a new
             # arrival (at-least-once), never skipped.
-            log.warning("source %r: %s has the inode, size and mtime of instance %s (%s, "
-                        "line %d committed) but another ctime: re-created, or its metadata "
-                        "changed; read again as a new instance (at-least-once)", self.name,
-                        name, match.id, match.status, match.committed)
+            log.warning(
+                "source %r: %s has the inode, size and mtime of instance %s (%s, "
+                "line %d committed) but another ctime: re-created, or its metadata "
+                "changed; read again as a new instance (at-least-once)",
+                self.name,
+                name,
+                match.id,
+                match.status,
+                match.committed,
+            )
             states.delete([match.id])
         fid = new_id()
         states.insert(fid, name, fp, ctime)
@@ -278,9 +301,14 @@ class FilesSource(Source):
         gone = [r for r in states.unseen() if r.id not in self._files]
         for r in gone:
             if r.status == "reading":
-                log.warning("source %r: %s (%s) left the folder before it was finished: its "
-                            "lines after line %d were never read", self.name, r.name, r.id,
-                            r.committed)
+                log.warning(
+                    "source %r: %s (%s) left the folder before it was finished: its "
+                    "lines after line %d were never read",
+                    self.name,
+                    r.name,
+                    r.id,
+                    r.committed,
+                )
         with states.tx():
             states.delete(r.id for r in gone)
             states.end_pass()
@@ -301,14 +329,23 @@ class FilesSource(Source):
             handle.close()  # replaced since the scan: the next pass sees the new one
             return
         committed = row.committed
-        f = _File(row.id, row.name, list(row.fingerprint or ()), OffsetTracker(start=committed),
-                  handle=handle, dead_lettered=row.dead)
+        f = _File(
+            row.id,
+            row.name,
+            list(row.fingerprint or ()),
+            OffsetTracker(start=committed),
+            handle=handle,
+            dead_lettered=row.dead,
+        )
         self._files[row.id] = f
         if self.file_format == "csv":  # line 0 is the header: read it, then skip to
             f.header = _csv_header(handle.readline())
             if f.header is None:
-                log.error("source %r: the CSV header of %s is not valid UTF-8 CSV; every "
-                          "line of it fails", self.name, row.name)
+                log.error(
+                    "source %r: the CSV header of %s is not valid UTF-8 CSV; every line of it fails",
+                    self.name,
+                    row.name,
+                )
             f.next_line = 1
             f.tracker.gap(0, 1)
         while f.next_line < committed:  # resume after the committed line
@@ -332,9 +369,14 @@ class FilesSource(Source):
 
     def _delivery(self, f: _File, line: int, body: bytes, count: int) -> Delivery:
         number = str(line + 1)
-        return Delivery(0, f.key_prefix + number, body,
-                        {"file": f.name, "file_id": f.id, "line": number},
-                        count, handle=(f.id, line))
+        return Delivery(
+            0,
+            f.key_prefix + number,
+            body,
+            {"file": f.name, "file_id": f.id, "line": number},
+            count,
+            handle=(f.id, line),
+        )
 
     def _body(self, f: _File, raw: bytes) -> bytes:
         text = raw.rstrip(b"\r\n")
@@ -391,8 +433,9 @@ class FilesSource(Source):
             if out or now >= deadline:
                 break
             # one bounded scan step at a time, only while there is nothing to return
-            if ((self._listing is not None or now - self._last_scan >= self.scan_interval_s)
-                    and self._scan_step()):
+            if (
+                self._listing is not None or now - self._last_scan >= self.scan_interval_s
+            ) and self._scan_step():
                 continue
             time.sleep(min(0.02, max(0.0, deadline - now)))
         return out
@@ -403,8 +446,12 @@ class FilesSource(Source):
 
     def status(self) -> dict[str, object]:
         files = list(self._files.values())
-        out: dict[str, object] = {"kind": "files", "path": self.path, "files_open": len(files),
-                                  "retries_waiting": len(self._retry)}
+        out: dict[str, object] = {
+            "kind": "files",
+            "path": self.path,
+            "files_open": len(files),
+            "retries_waiting": len(self._retry),
+        }
         for f in files[:5]:  # bounded: the first few instances
             out[f"committed line of {f.name}"] = f.tracker.committed
         count, first = self._unmovable
@@ -446,10 +493,20 @@ class FilesSource(Source):
         per: dict[str, list[str]] = {}
         for d, f in dead:
             fid, line = _position(d)
-            per.setdefault(fid, []).append(json.dumps({
-                "file": d.headers.get("file"), "file_id": fid, "line": line + 1,
-                "step": f.step, "error": f.error, "deliveries": d.delivery_count,
-                "body": d.body.decode("utf-8", "replace"), "dead_at": time.time()}))
+            per.setdefault(fid, []).append(
+                json.dumps(
+                    {
+                        "file": d.headers.get("file"),
+                        "file_id": fid,
+                        "line": line + 1,
+                        "step": f.step,
+                        "error": f.error,
+                        "deliveries": d.delivery_count,
+                        "body": d.body.decode("utf-8", "replace"),
+                        "dead_at": time.time(),
+                    }
+                )
+            )
             if fid in self._files:
                 self._files[fid].dead_lettered += 1
         for fid, lines in per.items():
@@ -467,8 +524,10 @@ class FilesSource(Source):
                 continue
             f.tracker.failed(line)
             self._seq += 1
-            heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count),
-                                         self._seq, fid, line, d.delivery_count + 1))
+            heapq.heappush(
+                self._retry,
+                (now + self.policy.delay_after(d.delivery_count), self._seq, fid, line, d.delivery_count + 1),
+            )
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()
@@ -502,11 +561,12 @@ class FilesSource(Source):
 
     def _count_unmovable(self) -> None:
         rows = self.states.with_status("unmovable", 5)
-        self._unmovable = (self.states.count("unmovable") if rows else 0,
-                           [f"{r.name}: {r.cause}" for r in rows])
+        self._unmovable = (
+            self.states.count("unmovable") if rows else 0,
+            [f"{r.name}: {r.cause}" for r in rows],
+        )
 
-    def _move_done(self, items: Sequence[tuple[str, str, tuple[int, ...] | None, str | None]]
-                   ) -> None:
+    def _move_done(self, items: Sequence[tuple[str, str, tuple[int, ...] | None, str | None]]) -> None:
         """Move finished instances ``(id, name, fingerprint, path)`` (each only if the file
         at ``path`` is still that instance) and their dead letters to ``done/``, never over
         an earlier file; then forget them. A move that fails (EXDEV: ``done/`` on another
@@ -537,9 +597,14 @@ class FilesSource(Source):
                 self.states.set_status(fid, "unmovable", cause)
             self.states.commit_point()
         for fid, name, cause in failed:
-            log.error("source %r: %s (%s) is done but cannot be moved to done/ (%s); it is "
-                      "left in place and not read again; move or delete it by hand",
-                      self.name, name, fid, cause)
+            log.error(
+                "source %r: %s (%s) is done but cannot be moved to done/ (%s); it is "
+                "left in place and not read again; move or delete it by hand",
+                self.name,
+                name,
+                fid,
+                cause,
+            )
         if failed or self._unmovable[0]:
             self._count_unmovable()
 
@@ -548,13 +613,11 @@ class FilesSource(Source):
         """Read to its end with every line settled."""
         return f.eof and f.tracker.committed >= f.next_line and not f.bodies
 
-    def _finish(self, files: Sequence[_File],
-                updates: Sequence[tuple[str, int, int]] = ()) -> None:
+    def _finish(self, files: Sequence[_File], updates: Sequence[tuple[str, int, int]] = ()) -> None:
         """Record ``files`` done (with other instances' progress ``updates``) in one
         transaction, first: a crash before the move is finished at start; then move them."""
         with self.states.tx():
-            self.states.progress([*updates, *((f.id, f.tracker.committed, f.dead_lettered)
-                                              for f in files)])
+            self.states.progress([*updates, *((f.id, f.tracker.committed, f.dead_lettered) for f in files)])
             for f in files:
                 self.states.set_status(f.id, "done")
             self.states.commit_point()
@@ -566,13 +629,19 @@ class FilesSource(Source):
                 f.handle = None
             del self._files[f.id]
             if f.dead_lettered:
-                log.warning("source %r: %s (%s) done with %d dead-lettered lines", self.name,
-                            f.name, f.id, f.dead_lettered)
+                log.warning(
+                    "source %r: %s (%s) done with %d dead-lettered lines",
+                    self.name,
+                    f.name,
+                    f.id,
+                    f.dead_lettered,
+                )
             else:
                 log.info("source %r: %s (%s) done", self.name, f.name, f.id)
         if self.done == "move":
-            self._move_done([(f.id, f.name, tuple(f.fingerprint),
-                              os.path.join(self.path, f.name)) for f in files])
+            self._move_done(
+                [(f.id, f.name, tuple(f.fingerprint), os.path.join(self.path, f.name)) for f in files]
+            )
 
 
 def _position(d: Delivery) -> tuple[str, int]:

@@ -86,22 +86,22 @@ class FileStates:
     # -- reading ---------------------------------------------------------------------------
 
     def by_name(self, name: str) -> list[Row]:
-        return [Row.of(r) for r in self.db.execute(
-            f"SELECT {_COLS} FROM files WHERE name = ?", (name,))]
+        return [Row.of(r) for r in self.db.execute(f"SELECT {_COLS} FROM files WHERE name = ?", (name,))]
 
     def get(self, fid: str) -> Row | None:
         r = self.db.execute(f"SELECT {_COLS} FROM files WHERE id = ?", (fid,)).fetchone()
         return None if r is None else Row.of(r)
 
     def with_status(self, status: str, limit: int = 5) -> list[Row]:
-        return [Row.of(r) for r in self.db.execute(
-            f"SELECT {_COLS} FROM files WHERE status = ? LIMIT ?", (status, limit))]
+        return [
+            Row.of(r)
+            for r in self.db.execute(f"SELECT {_COLS} FROM files WHERE status = ? LIMIT ?", (status, limit))
+        ]
 
     def count(self, status: str | None = None) -> int:
         if status is None:
             return int(self.db.execute("SELECT count(*) FROM files").fetchone()[0])
-        return int(self.db.execute("SELECT count(*) FROM files WHERE status = ?",
-                                   (status,)).fetchone()[0])
+        return int(self.db.execute("SELECT count(*) FROM files WHERE status = ?", (status,)).fetchone()[0])
 
     def rows(self) -> Iterator[Row]:
         for r in self.db.execute(f"SELECT {_COLS} FROM files ORDER BY rowid"):
@@ -110,22 +110,26 @@ class FileStates:
     # -- writing (inside a transaction: ``with states.tx(): ...``) --------------------------
 
     def insert(self, fid: str, name: str, fingerprint: Iterable[int], ctime_ns: int) -> None:
-        self.db.execute("INSERT INTO files (id, name, dev, ino, size, mtime_ns, ctime_ns) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (fid, name, *fingerprint, ctime_ns))
+        self.db.execute(
+            "INSERT INTO files (id, name, dev, ino, size, mtime_ns, ctime_ns) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (fid, name, *fingerprint, ctime_ns),
+        )
 
     def adopt(self, fid: str, fingerprint: Iterable[int], ctime_ns: int) -> None:
         """Give a row written without a fingerprint (or ctime) the file's."""
-        self.db.execute("UPDATE files SET dev = ?, ino = ?, size = ?, mtime_ns = ?, "
-                        "ctime_ns = ? WHERE id = ?", (*fingerprint, ctime_ns, fid))
+        self.db.execute(
+            "UPDATE files SET dev = ?, ino = ?, size = ?, mtime_ns = ?, ctime_ns = ? WHERE id = ?",
+            (*fingerprint, ctime_ns, fid),
+        )
 
     def progress(self, updates: Iterable[tuple[str, int, int]]) -> None:
         """(id, committed line, dead letters) of each instance that settled lines."""
-        self.db.executemany("UPDATE files SET committed = ?, dead = ? WHERE id = ?",
-                            [(c, d, fid) for fid, c, d in updates])
+        self.db.executemany(
+            "UPDATE files SET committed = ?, dead = ? WHERE id = ?", [(c, d, fid) for fid, c, d in updates]
+        )
 
     def set_status(self, fid: str, status: str, cause: str | None = None) -> None:
-        self.db.execute("UPDATE files SET status = ?, cause = ? WHERE id = ?",
-                        (status, cause, fid))
+        self.db.execute("UPDATE files SET status = ?, cause = ? WHERE id = ?", (status, cause, fid))
 
     def delete(self, fids: Iterable[str]) -> None:
         self.db.executemany("DELETE FROM files WHERE id = ?", [(f,) for f in fids])
@@ -141,8 +145,10 @@ class FileStates:
 
     def unseen(self) -> list[Row]:
         """Rows no scan of this pass saw (their file is gone or replaced)."""
-        return [Row.of(r) for r in self.db.execute(
-            f"SELECT {_COLS} FROM files WHERE id NOT IN (SELECT id FROM temp.seen)")]
+        return [
+            Row.of(r)
+            for r in self.db.execute(f"SELECT {_COLS} FROM files WHERE id NOT IN (SELECT id FROM temp.seen)")
+        ]
 
     def end_pass(self) -> None:
         self.db.execute("DELETE FROM temp.seen")
@@ -154,8 +160,7 @@ class FileStates:
         dead-letter counts), then rename it ``state.json.migrated``. Idempotent: a crash
         between the commit and the rename is finished at the next open. Returns the
         number of rows taken over."""
-        migrated = self.db.execute(
-            "SELECT value FROM meta WHERE key = 'migrated_json'").fetchone()
+        migrated = self.db.execute("SELECT value FROM meta WHERE key = 'migrated_json'").fetchone()
         n = 0
         if migrated is None:
             with open(json_path) as f:
@@ -167,8 +172,15 @@ class FileStates:
                     self.db.execute(
                         "INSERT OR REPLACE INTO files (id, name, dev, ino, size, mtime_ns, "
                         "committed, dead, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (fid, str(e["name"]), *[None if v is None else int(v) for v in fp[:4]],
-                         int(e.get("committed", 0)), int(e.get("dead", 0)), status))
+                        (
+                            fid,
+                            str(e["name"]),
+                            *[None if v is None else int(v) for v in fp[:4]],
+                            int(e.get("committed", 0)),
+                            int(e.get("dead", 0)),
+                            status,
+                        ),
+                    )
                     n += 1
                 self.db.execute("INSERT INTO meta VALUES ('migrated_json', ?)", (str(n),))
         os.replace(json_path, json_path + ".migrated")
@@ -197,6 +209,15 @@ def read_state(folder: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
         rows = [Row.of(r) for r in db.execute(f"SELECT {_COLS} FROM files")]
     finally:
         db.close()
-    return {r.id: {"name": r.name, "fingerprint": list(r.fingerprint or ()),
-                   "committed": r.committed, "dead": r.dead, "status": r.status,
-                   "cause": r.cause, "done": r.status != "reading"} for r in rows}
+    return {
+        r.id: {
+            "name": r.name,
+            "fingerprint": list(r.fingerprint or ()),
+            "committed": r.committed,
+            "dead": r.dead,
+            "status": r.status,
+            "cause": r.cause,
+            "done": r.status != "reading",
+        }
+        for r in rows
+    }

@@ -66,7 +66,6 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-
 class _Part:
     """What the source knows of one assigned partition."""
 
@@ -97,26 +96,43 @@ class KafkaSource(Source):
     headers that are UTF-8 text (``headers_field=`` puts them in a column).
     """
 
-    def __init__(self, bootstrap: str, topics: str | Sequence[str], group: str, *,
-                 format: str = "json", policy: RetryPolicy | None = None,
-                 config: dict[str, Any] | None = None, attempts_path: str | None = None,
-                 revoke_timeout_s: float = 5.0, headers_field: str | None = None,
-                 dead_letter_topic: str | None = None, gone_timeout_s: float = 120.0,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: str | Sequence[str],
+        group: str,
+        *,
+        format: str = "json",
+        policy: RetryPolicy | None = None,
+        config: dict[str, Any] | None = None,
+        attempts_path: str | None = None,
+        revoke_timeout_s: float = 5.0,
+        headers_field: str | None = None,
+        dead_letter_topic: str | None = None,
+        gone_timeout_s: float = 120.0,
+        name: str | None = None,
+    ) -> None:
         topic_list = [topics] if isinstance(topics, str) else list(topics)
         super().__init__(format=format, name=name or f"kafka:{','.join(topic_list)}")
         if not bootstrap or not topic_list or not all(topic_list) or not group:
             raise ConfigError("Kafka source: bootstrap=, topics= and group= must not be empty")
         clash = sorted(set(config or {}) & (set(OWNED) | {"group.id", "bootstrap.servers"}))
         if clash:
-            raise ConfigError(f"Kafka source: config= may not set {clash}: ackflow commits "
-                              "offsets itself; give bootstrap= and group= as arguments")
+            raise ConfigError(
+                f"Kafka source: config= may not set {clash}: ackflow commits "
+                "offsets itself; give bootstrap= and group= as arguments"
+            )
         if not revoke_timeout_s > 0:
             raise ConfigError(f"revoke_timeout_s must be > 0, got {revoke_timeout_s!r}")
         self.bootstrap, self.topics, self.group = bootstrap, topic_list, group
         self.policy = policy or RetryPolicy()
-        self.config = {**DEFAULTS, **(config or {}), **OWNED, "group.id": group,
-                       "bootstrap.servers": bootstrap}
+        self.config = {
+            **DEFAULTS,
+            **(config or {}),
+            **OWNED,
+            "group.id": group,
+            "bootstrap.servers": bootstrap,
+        }
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group)
         self.attempts_path = attempts_path or os.path.join(".ackflow", f"kafka-{safe}.db")
         self.revoke_timeout_s = revoke_timeout_s
@@ -151,8 +167,7 @@ class KafkaSource(Source):
     def header_fields(self) -> tuple[str | None, ...]:
         return (self.headers_field,)
 
-    def configure(self, *, max_inflight: int, error_sink: bool,
-                  keepalive_s: float = 30.0) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         self._window = max_inflight
         self._error_sink = error_sink
 
@@ -164,14 +179,17 @@ class KafkaSource(Source):
 
     def open(self) -> int:
         if not self._error_sink and self.dead_letter_topic is None:
-            raise ConfigError(f"source {self.name!r}: a Kafka partition cannot dead-letter one "
-                              "message: give the source dead_letter_topic='...' or the flow "
-                              "an error sink with .on_error(sink)")
+            raise ConfigError(
+                f"source {self.name!r}: a Kafka partition cannot dead-letter one "
+                "message: give the source dead_letter_topic='...' or the flow "
+                "an error sink with .on_error(sink)"
+            )
         try:
             from confluent_kafka import Consumer, Producer
         except ImportError:
-            raise ConfigError("the Kafka source needs confluent-kafka: pip install "
-                              "'ackflow[kafka]'") from None
+            raise ConfigError(
+                "the Kafka source needs confluent-kafka: pip install 'ackflow[kafka]'"
+            ) from None
         self._attempts = Attempts(self.attempts_path)
         try:
             from confluent_kafka import KafkaError
@@ -180,19 +198,24 @@ class KafkaSource(Source):
             self._consumer = Consumer({**self.config, "error_cb": self._on_error}, logger=log)
             meta = self._consumer.list_topics(timeout=15)  # the brokers answer, or a clear error
         except Exception as e:  # noqa: BLE001 - a clear message at start
-            raise ConfigError(f"source {self.name!r}: cannot reach Kafka at "
-                              f"{redact(self.bootstrap)}: {type(e).__name__}: {e}") from None
+            raise ConfigError(
+                f"source {self.name!r}: cannot reach Kafka at "
+                f"{redact(self.bootstrap)}: {type(e).__name__}: {e}"
+            ) from None
         if self.dead_letter_topic is not None:
             if self.dead_letter_topic not in meta.topics:
                 self._consumer.close()
-                raise ConfigError(f"source {self.name!r}: dead_letter_topic "
-                                  f"{self.dead_letter_topic!r} does not exist; create it first")
-            self._producer = Producer({"bootstrap.servers": self.bootstrap,
-                                       "enable.idempotence": True, "acks": "all"})
-        self._consumer.subscribe(self.topics, on_assign=self._on_assign,
-                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
-        self._thread = threading.Thread(target=self._poll_loop, name="ackflow-kafka",
-                                        daemon=True)
+                raise ConfigError(
+                    f"source {self.name!r}: dead_letter_topic "
+                    f"{self.dead_letter_topic!r} does not exist; create it first"
+                )
+            self._producer = Producer(
+                {"bootstrap.servers": self.bootstrap, "enable.idempotence": True, "acks": "all"}
+            )
+        self._consumer.subscribe(
+            self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+        self._thread = threading.Thread(target=self._poll_loop, name="ackflow-kafka", daemon=True)
         self._thread.start()
         return 0
 
@@ -217,8 +240,7 @@ class KafkaSource(Source):
                     self._down("commit", err.str() if err is not None else str(e))
                     time.sleep(0.2)
         except BaseException as e:  # noqa: BLE001 - the engine's thread raises it
-            log.error("source %r: the Kafka consumer thread failed: %s: %s", self.name,
-                      type(e).__name__, e)
+            log.error("source %r: the Kafka consumer thread failed: %s: %s", self.name, type(e).__name__, e)
             self.error = e
             with self._lock:
                 self._lock.notify_all()
@@ -244,9 +266,11 @@ class KafkaSource(Source):
             self._consumer.list_topics(timeout=2)
         except Exception:  # noqa: BLE001 - still away
             if now - self._down_since >= self.gone_timeout_s:
-                raise SourceGone(f"source {self.name!r}: Kafka at {redact(self.bootstrap)} "
-                                 f"has not answered for {now - self._down_since:.0f} s; "
-                                 "stopping (unsettled offsets are read again)") from None
+                raise SourceGone(
+                    f"source {self.name!r}: Kafka at {redact(self.bootstrap)} "
+                    f"has not answered for {now - self._down_since:.0f} s; "
+                    "stopping (unsettled offsets are read again)"
+                ) from None
             return
         self._back()
 
@@ -254,8 +278,12 @@ class KafkaSource(Source):
         if self._up:
             self._up = False
             self._down_since = time.monotonic()
-            log.warning("source %r: Kafka is unreachable (%s: %s); settled offsets are "
-                        "committed when it answers", self.name, what, why)
+            log.warning(
+                "source %r: Kafka is unreachable (%s: %s); settled offsets are committed when it answers",
+                self.name,
+                what,
+                why,
+            )
 
     def _back(self) -> None:
         if not self._up:
@@ -308,14 +336,17 @@ class KafkaSource(Source):
 
         self._skip_unseen()
         with self._lock:
-            due = [(tp, p.tracker.committed) for tp, p in self._parts.items()
-                   if p.tracker is not None and p.tracker.committed > p.committed
-                   and (only is None or tp in only)]
+            due = [
+                (tp, p.tracker.committed)
+                for tp, p in self._parts.items()
+                if p.tracker is not None
+                and p.tracker.committed > p.committed
+                and (only is None or tp in only)
+            ]
         if not due:
             return
         faults.point("kafka.before_commit")
-        self._consumer.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in due],
-                              asynchronous=False)
+        self._consumer.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in due], asynchronous=False)
         self._back()
         faults.point("kafka.after_commit")
         with self._lock:
@@ -332,8 +363,11 @@ class KafkaSource(Source):
         from confluent_kafka import TopicPartition
 
         with self._lock:
-            idle = [tp for tp, p in self._parts.items()
-                    if p.tracker is not None and not p.inbox and not p.revoking]
+            idle = [
+                tp
+                for tp, p in self._parts.items()
+                if p.tracker is not None and not p.inbox and not p.revoking
+            ]
             if not idle:
                 return
             for pos in self._consumer.position([TopicPartition(t, p) for t, p in idle]):
@@ -351,8 +385,9 @@ class KafkaSource(Source):
                     self._assignments += 1
                     self._parts[(tp.topic, tp.partition)] = _Part(self._assignments)
             self.rebalances += 1
-        log.info("source %r: assigned %s", self.name,
-                 ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+        log.info(
+            "source %r: assigned %s", self.name, ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions)
+        )
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         """Stop handing out the revoked partitions, let their messages in flight settle
@@ -370,8 +405,11 @@ class KafkaSource(Source):
                 self._bodies.pop((tp, off), None)
             self._retry = [r for r in self._retry if r[1] not in tps]
             heapq.heapify(self._retry)
-            while (not self._stop.is_set() and any(key[0] in tps for key in self._bodies)
-                   and time.monotonic() < deadline):
+            while (
+                not self._stop.is_set()
+                and any(key[0] in tps for key in self._bodies)
+                and time.monotonic() < deadline
+            ):
                 self._lock.wait(0.05)
         faults.point("kafka.revoke_settled")
         try:
@@ -400,9 +438,14 @@ class KafkaSource(Source):
             self.rebalances += 1
             self._lock.notify_all()
         if left:
-            log.warning("source %r: partitions %s %s with %d messages still in flight; they "
-                        "stay uncommitted and their new owner reads them again", self.name,
-                        tps, why, len(left))
+            log.warning(
+                "source %r: partitions %s %s with %d messages still in flight; they "
+                "stay uncommitted and their new owner reads them again",
+                self.name,
+                tps,
+                why,
+                len(left),
+            )
 
     # -- the engine's thread ---------------------------------------------------------------
 
@@ -420,8 +463,9 @@ class KafkaSource(Source):
         if isinstance(self.error, SourceGone):
             raise self.error
         if self.error is not None:
-            raise ConfigError(f"source {self.name!r}: the Kafka consumer failed: "
-                              f"{type(self.error).__name__}: {self.error}")
+            raise ConfigError(
+                f"source {self.name!r}: the Kafka consumer failed: {type(self.error).__name__}: {self.error}"
+            )
         out: list[Delivery] = []
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -431,11 +475,18 @@ class KafkaSource(Source):
                     _, tp, off, count, gen = heapq.heappop(self._retry)
                     part = self._parts.get(tp)
                     entry = self._bodies.get((tp, off))
-                    if part is not None and part.tracker is not None and part.gen == gen \
-                            and not part.revoking and entry is not None and entry[0] == gen:
+                    if (
+                        part is not None
+                        and part.tracker is not None
+                        and part.gen == gen
+                        and not part.revoking
+                        and entry is not None
+                        and entry[0] == gen
+                    ):
                         part.tracker.pulled(off)
-                        out.append(Delivery(0, _key(tp, off), entry[1], entry[2], count,
-                                            handle=(tp, off, gen)))
+                        out.append(
+                            Delivery(0, _key(tp, off), entry[1], entry[2], count, handle=(tp, off, gen))
+                        )
                 taken = []
                 for tp, part in self._parts.items():
                     while part.inbox and len(out) < max_messages and not part.revoking:
@@ -445,8 +496,7 @@ class KafkaSource(Source):
                             taken.append(d)
                 if taken:  # counted before they are handed out: a message whose
                     # processing kills the process has its delivery counted too
-                    self._store().record_many([(*_handle(d)[:2], d.delivery_count)
-                                               for d in taken])
+                    self._store().record_many([(*_handle(d)[:2], d.delivery_count) for d in taken])
                 if out or self._stop.is_set() or now >= deadline:
                     return out
                 self._lock.wait(min(0.05, deadline - now))
@@ -479,21 +529,36 @@ class KafkaSource(Source):
     def committed(self) -> dict[str, int]:
         """Per assigned partition (``topic[p]``), the first offset not settled."""
         with self._lock:
-            return {f"{t}[{p}]": part.tracker.committed for (t, p), part in self._parts.items()
-                    if part.tracker is not None}
+            return {
+                f"{t}[{p}]": part.tracker.committed
+                for (t, p), part in self._parts.items()
+                if part.tracker is not None
+            }
 
     def status(self) -> dict[str, object]:
         with self._lock:
-            parts = {f"{t}[{p}]": {"committed": part.committed,
-                                   "settled_to": (part.tracker.committed if part.tracker is not None
-                                                  else None),
-                                   "last_fetched": part.last_seen, "waiting": len(part.inbox)}
-                     for (t, p), part in sorted(self._parts.items())}
-        return {"kind": "Kafka", "bootstrap": redact(self.bootstrap), "group": self.group,
-                "topics": self.topics, "partitions": parts, "paused": bool(self._paused),
-                "retries_waiting": len(self._retry), "rebalances": self.rebalances,
-                "connected": self.connected, "reconnects": self.reconnects,
-                "given_up_at_revoke": self.given_up}
+            parts = {
+                f"{t}[{p}]": {
+                    "committed": part.committed,
+                    "settled_to": (part.tracker.committed if part.tracker is not None else None),
+                    "last_fetched": part.last_seen,
+                    "waiting": len(part.inbox),
+                }
+                for (t, p), part in sorted(self._parts.items())
+            }
+        return {
+            "kind": "Kafka",
+            "bootstrap": redact(self.bootstrap),
+            "group": self.group,
+            "topics": self.topics,
+            "partitions": parts,
+            "paused": bool(self._paused),
+            "retries_waiting": len(self._retry),
+            "rebalances": self.rebalances,
+            "connected": self.connected,
+            "reconnects": self.reconnects,
+            "given_up_at_revoke": self.given_up,
+        }
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         with self._lock:
@@ -519,8 +584,10 @@ class KafkaSource(Source):
         states, retry, dead = self.by_policy(failures)
         stuck = self._dead_letter(dead)
         self.nack([*retry, *((d, f) for d, f in dead if d.key in stuck)])
-        return [Settlement.NACKED if d.key in stuck else state
-                for (d, _), state in zip(failures, states, strict=True)]
+        return [
+            Settlement.NACKED if d.key in stuck else state
+            for (d, _), state in zip(failures, states, strict=True)
+        ]
 
     def _dead_letter(self, dead: Sequence[tuple[Delivery, Failure]]) -> set[str]:
         """Produce ``dead`` to the dead-letter topic, then settle those delivered; returns
@@ -531,8 +598,12 @@ class KafkaSource(Source):
         faults.point("kafka.dead_lettered")
         self.ack([d for d, _ in dead if d.key not in stuck])
         if stuck:
-            log.warning("source %r: %d dead letters were not delivered to %r; they are "
-                        "retried", self.name, len(stuck), self.dead_letter_topic)
+            log.warning(
+                "source %r: %d dead letters were not delivered to %r; they are retried",
+                self.name,
+                len(stuck),
+                self.dead_letter_topic,
+            )
         return stuck
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
@@ -543,8 +614,10 @@ class KafkaSource(Source):
                 if not self._mine(tp, off, gen):
                     continue  # its partition was revoked meanwhile
                 self._store().record(tp, off, d.delivery_count)
-                heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count),
-                                             tp, off, d.delivery_count + 1, gen))
+                heapq.heappush(
+                    self._retry,
+                    (now + self.policy.delay_after(d.delivery_count), tp, off, d.delivery_count + 1, gen),
+                )
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()
@@ -564,8 +637,11 @@ class KafkaSource(Source):
                 self._thread = None
         consumer = self._consumer
         if consumer is not None and self._thread is not None:  # still polling: hands off
-            log.warning("source %r: the consumer thread did not stop; closing without a "
-                        "last commit (unsettled offsets are read again)", self.name)
+            log.warning(
+                "source %r: the consumer thread did not stop; closing without a "
+                "last commit (unsettled offsets are read again)",
+                self.name,
+            )
             consumer = None
         if consumer is not None:
             try:

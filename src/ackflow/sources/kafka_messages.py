@@ -20,8 +20,12 @@ def delivery_headers(tp: Partition, off: int, m: Any) -> dict[str, str]:
     """The delivery's headers: its place, timestamp and key, then the message's own
     headers that are UTF-8 text (one named like ackflow's is left out: it never stands
     in for them)."""
-    headers = {"topic": tp[0], "partition": str(tp[1]), "offset": str(off),
-               "timestamp": str(m.timestamp()[1])}
+    headers = {
+        "topic": tp[0],
+        "partition": str(tp[1]),
+        "offset": str(off),
+        "timestamp": str(m.timestamp()[1]),
+    }
     key = m.key()
     if key is not None:
         try:
@@ -37,8 +41,7 @@ def delivery_headers(tp: Partition, off: int, m: Any) -> dict[str, str]:
     return headers
 
 
-def produce_dead_letters(producer: Any, topic: str,
-                         dead: Sequence[tuple[Delivery, Failure]]) -> set[str]:
+def produce_dead_letters(producer: Any, topic: str, dead: Sequence[tuple[Delivery, Failure]]) -> set[str]:
     """Produce each given-up message to ``topic`` (body unchanged, key its identity,
     its provenance in ``ackflow-*`` headers) and wait for the delivery reports; returns
     the keys of those that were not delivered."""
@@ -48,18 +51,27 @@ def produce_dead_letters(producer: Any, topic: str,
     def report(key: str) -> Any:
         def done(err: Any, msg: Any) -> None:
             (failed if err is not None else delivered).add(key)
+
         return done
 
     for d, f in dead:
         tp, off, _ = cast(tuple[Partition, int, int], d.handle)
-        headers = [(k, str(v).encode()) for k, v in (
-            ("ackflow-message", d.key), ("ackflow-topic", tp[0]),
-            ("ackflow-partition", tp[1]), ("ackflow-offset", off),
-            ("ackflow-step", f.step), ("ackflow-error", f.error[:2000]),
-            ("ackflow-deliveries", d.delivery_count))]
+        headers = [
+            (k, str(v).encode())
+            for k, v in (
+                ("ackflow-message", d.key),
+                ("ackflow-topic", tp[0]),
+                ("ackflow-partition", tp[1]),
+                ("ackflow-offset", off),
+                ("ackflow-step", f.step),
+                ("ackflow-error", f.error[:2000]),
+                ("ackflow-deliveries", d.delivery_count),
+            )
+        ]
         try:
-            producer.produce(topic, value=d.body, headers=headers, key=d.key.encode(),
-                             on_delivery=report(d.key))
+            producer.produce(
+                topic, value=d.body, headers=headers, key=d.key.encode(), on_delivery=report(d.key)
+            )
         except Exception:  # noqa: BLE001 - retried, never lost
             failed.add(d.key)
     producer.flush(30)

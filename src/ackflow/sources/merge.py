@@ -23,12 +23,13 @@ class MergedSource(Source):
         if len(sources) < 2 or not all(isinstance(s, Source) for s in sources):
             raise ConfigError("merge: give two or more sources")
         if any(isinstance(s, MergedSource) for s in sources):  # its origins would be lost
-            raise ConfigError("merge: a merged source cannot be merged again; give its "
-                              "sources directly (ackflow.merge flattens flows)")
+            raise ConfigError(
+                "merge: a merged source cannot be merged again; give its "
+                "sources directly (ackflow.merge flattens flows)"
+            )
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
-            raise ConfigError(f"merge: source names must be unique, got {names}; "
-                              "pass name= to the sources")
+            raise ConfigError(f"merge: source names must be unique, got {names}; pass name= to the sources")
         self.sources = sources
         self.format = sources[0].format
         self.name = "merge(" + ", ".join(names) + ")"
@@ -48,13 +49,11 @@ class MergedSource(Source):
             out.setdefault(d.origin, []).append(d)
         return out
 
-    def configure(self, *, max_inflight: int, error_sink: bool,
-                  keepalive_s: float = 30.0) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         """The window is the flow's (law 6): each source gets a share of ``max_inflight``
         (an even split, at least 1 each), so that what all of them may hold unacked at
         their brokers (a prefetch follows its share) never sums past the window."""
-        for s, share in zip(self.sources, window_shares(max_inflight, len(self.sources)),
-                            strict=True):
+        for s, share in zip(self.sources, window_shares(max_inflight, len(self.sources)), strict=True):
             s.configure(max_inflight=share, error_sink=error_sink, keepalive_s=keepalive_s)
 
     def open(self) -> int:
@@ -138,8 +137,7 @@ class MergedSource(Source):
         return out
 
     def unreleasable(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
-        return [d for i, ds in self._split(deliveries).items()
-                for d in self.sources[i].unreleasable(ds)]
+        return [d for i, ds in self._split(deliveries).items() for d in self.sources[i].unreleasable(ds)]
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
         for i, ds in self._split(deliveries).items():
@@ -157,8 +155,10 @@ def window_shares(max_inflight: int, sources: int) -> list[int]:
     ([50, 50], [4, 3, 3])
     """
     if max_inflight < sources:
-        raise ConfigError(f"merge: max_inflight ({max_inflight}) is smaller than the number "
-                          f"of merged sources ({sources}); each needs a share of the window "
-                          f"of at least 1: raise max_inflight to {sources} or more")
+        raise ConfigError(
+            f"merge: max_inflight ({max_inflight}) is smaller than the number "
+            f"of merged sources ({sources}); each needs a share of the window "
+            f"of at least 1: raise max_inflight to {sources} or more"
+        )
     base, extra = divmod(max_inflight, sources)
     return [base + (1 if i < extra else 0) for i in range(sources)]

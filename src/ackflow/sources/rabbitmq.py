@@ -90,14 +90,26 @@ class RabbitMQSource(Source):
       ``meta``: with the sink's ``headers_column="meta"`` they are carried downstream.
     """
 
-    def __init__(self, url: str, queue: str, *, format: str = "json",
-                 policy: RetryPolicy | None = None, prefetch: int | None = None,
-                 declare: bool = False, arguments: dict[str, Any] | None = None,
-                 dead_letter_exchange: str | None = None, dead_letter_routing_key: str | None = None,
-                 reject_to_dlx: bool = False, delivery_limit: int | None = None,
-                 reconnect_max_s: float = 10.0, headers_field: str | None = None,
-                 dlx_by_policy: bool = False, gone_timeout_s: float = 60.0,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        *,
+        format: str = "json",
+        policy: RetryPolicy | None = None,
+        prefetch: int | None = None,
+        declare: bool = False,
+        arguments: dict[str, Any] | None = None,
+        dead_letter_exchange: str | None = None,
+        dead_letter_routing_key: str | None = None,
+        reject_to_dlx: bool = False,
+        delivery_limit: int | None = None,
+        reconnect_max_s: float = 10.0,
+        headers_field: str | None = None,
+        dlx_by_policy: bool = False,
+        gone_timeout_s: float = 60.0,
+        name: str | None = None,
+    ) -> None:
         super().__init__(format=format, name=name or f"rabbitmq:{queue}")
         if not queue:
             raise ConfigError("RabbitMQ source: queue name is empty")
@@ -113,8 +125,7 @@ class RabbitMQSource(Source):
         self.dead_letter_routing_key = dead_letter_routing_key
         self.reject_to_dlx = reject_to_dlx
         self.dlx_by_policy = dlx_by_policy
-        limit = delivery_limit if delivery_limit is not None else self.arguments.get(
-            "x-delivery-limit")
+        limit = delivery_limit if delivery_limit is not None else self.arguments.get("x-delivery-limit")
         self.delivery_limit = int(limit) if limit is not None else None
         self.reconnect_max_s = reconnect_max_s
         self.gone_timeout_s = gone_timeout_s
@@ -161,8 +172,7 @@ class RabbitMQSource(Source):
 
     # -- connection ------------------------------------------------------------------
 
-    def configure(self, *, max_inflight: int, error_sink: bool,
-                  keepalive_s: float = 30.0) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         self._window = max_inflight
         self._error_sink = error_sink
 
@@ -175,15 +185,17 @@ class RabbitMQSource(Source):
             raise ConfigError(
                 f"source {self.name!r}: say where dead letters go: flow.on_error(sink), "
                 "dead_letter_exchange='...', or reject_to_dlx=True (if the queue has an "
-                "x-dead-letter-exchange); ackflow will not drop poison messages")
+                "x-dead-letter-exchange); ackflow will not drop poison messages"
+            )
         self._owner = threading.get_ident()
         try:
             connect(self)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - a clear message at start
-            raise ConfigError(f"source {self.name!r}: cannot connect to {self.where}: "
-                              f"{type(e).__name__}: {redact(str(e))}") from None
+            raise ConfigError(
+                f"source {self.name!r}: cannot connect to {self.where}: {type(e).__name__}: {redact(str(e))}"
+            ) from None
         return 0
 
     @property
@@ -198,8 +210,9 @@ class RabbitMQSource(Source):
         # A quorum queue writes x-delivery-count on each redelivery; a first delivery (and
         # any message of another queue type) carries the producer's header, if any, which
         # must not count (a header of 0 kept a poison message alive forever)
-        before = (header_count(raw.get("x-delivery-count"))
-                  if self.broker_counts and method.redelivered else None)
+        before = (
+            header_count(raw.get("x-delivery-count")) if self.broker_counts and method.redelivered else None
+        )
         seen_key = retry_key(props.message_id, body)
         backs = self._backs.pop(seen_key, 0)  # given back by this process: not spent
         if before is not None:  # quorum queue: deliveries before this one; the broker
@@ -225,16 +238,25 @@ class RabbitMQSource(Source):
 
     def _lose_connection(self, why: BaseException) -> None:
         """The channel is gone: everything on it is the broker's again."""
-        log.warning("source %r: lost the connection to %s (%s: %s); reconnecting",
-                    self.name, self.where, type(why).__name__, redact(str(why)))
+        log.warning(
+            "source %r: lost the connection to %s (%s: %s); reconnecting",
+            self.name,
+            self.where,
+            type(why).__name__,
+            redact(str(why)),
+        )
         if self._held_acks:
             # written and settled, but the broker never heard the ack: it delivers them
             # again, and keyed sinks write their rows in place
-            log.warning("source %r: %d held acks were not sent before the channel died; "
-                        "those messages come again", self.name, len(self._held_acks))
+            log.warning(
+                "source %r: %d held acks were not sent before the channel died; those messages come again",
+                self.name,
+                len(self._held_acks),
+            )
             self.stats["unsent_acks"] += len(self._held_acks)
-            self._unsent.extend(self._outstanding[t] for t in sorted(self._held_acks)
-                                if t in self._outstanding)
+            self._unsent.extend(
+                self._outstanding[t] for t in sorted(self._held_acks) if t in self._outstanding
+            )
             self._held_acks.clear()
         buffered = {id(d) for d in self._buffer}
         handed = [d for d in self._outstanding.values() if id(d) not in buffered]
@@ -264,8 +286,7 @@ class RabbitMQSource(Source):
             return True
         except Exception as e:  # noqa: BLE001 - retried with backoff
             gone_check(self, isinstance(e, QueueMissing), "after a reconnection")
-            log.warning("source %r: cannot reconnect to %s yet: %s", self.name, self.where,
-                        redact(str(e)))
+            log.warning("source %r: cannot reconnect to %s yet: %s", self.name, self.where, redact(str(e)))
             self._next_connect = time.monotonic() + self._backoff
             self._backoff = min(self.reconnect_max_s, self._backoff * 2)
             return False
@@ -324,12 +345,17 @@ class RabbitMQSource(Source):
         return out
 
     def status(self) -> dict[str, object]:
-        return {"kind": "RabbitMQ queue", "url": self.where, "queue": self.queue,
-                "retries_waiting": len(self._delayed), "buffered": len(self._buffer),
-                "unsettled_on_channel": len(self._outstanding),
-                "dead_letters_refused": self.stats["dead_letters_refused"],
-                "connected": self.connected,
-                "cancelled_by_broker": self.stats["cancelled_by_broker"]}
+        return {
+            "kind": "RabbitMQ queue",
+            "url": self.where,
+            "queue": self.queue,
+            "retries_waiting": len(self._delayed),
+            "buffered": len(self._buffer),
+            "unsettled_on_channel": len(self._outstanding),
+            "dead_letters_refused": self.stats["dead_letters_refused"],
+            "connected": self.connected,
+            "cancelled_by_broker": self.stats["cancelled_by_broker"],
+        }
 
     @property
     def connected(self) -> bool:
@@ -359,9 +385,12 @@ class RabbitMQSource(Source):
                 stale.append(d)
         if stale:
             self.stats["stale"] += len(stale)
-            log.warning("source %r: %d settlements for deliveries of a closed channel are "
-                        "dropped; the broker delivers those messages again", self.name,
-                        len(stale))
+            log.warning(
+                "source %r: %d settlements for deliveries of a closed channel are "
+                "dropped; the broker delivers those messages again",
+                self.name,
+                len(stale),
+            )
         return tags, stale
 
     def _settle_tags(self, tags: list[int], how: str) -> set[int]:
@@ -453,8 +482,7 @@ class RabbitMQSource(Source):
             if len(done) < len(tags):
                 # the connection died mid-way: what was not acked comes back from the broker
                 live = {id(d) for d in stale}
-                stale += [d for d in deliveries if id(d) not in live
-                          and handle_of(d)[1] not in done]
+                stale += [d for d in deliveries if id(d) not in live and handle_of(d)[1] not in done]
         return stale
 
     def exhausted(self, delivery: Delivery) -> bool:
@@ -527,8 +555,13 @@ class RabbitMQSource(Source):
             if handle_of(d)[1] not in done:
                 lost.add(id(d))
                 continue
-            log.warning("source %r: message %s rejected to the queue's dead-letter exchange "
-                        "after %d deliveries: %s", self.name, d.key, d.delivery_count, f)
+            log.warning(
+                "source %r: message %s rejected to the queue's dead-letter exchange after %d deliveries: %s",
+                self.name,
+                d.key,
+                d.delivery_count,
+                f,
+            )
         return set(), lost
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
@@ -575,8 +608,11 @@ class RabbitMQSource(Source):
         would make the broker drop them (or dead-letter them without provenance)."""
         if not self.broker_counts or self.delivery_limit is None:
             return []
-        return [d for d in deliveries if self._live(d) and self.exhausted(d)
-                and d.delivery_count > self.delivery_limit]
+        return [
+            d
+            for d in deliveries
+            if self._live(d) and self.exhausted(d) and d.delivery_count > self.delivery_limit
+        ]
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
         if self._ch is not None:

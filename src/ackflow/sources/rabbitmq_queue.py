@@ -46,11 +46,14 @@ def connect(src: RabbitMQSource) -> None:
                 ch.queue_declare(src.queue, passive=True)
         except ChannelClosedByBroker as e:
             if e.reply_code == 404:
-                raise QueueMissing(f"source {src.name!r}: queue {src.queue!r} does not "
-                                   f"exist on {src.where}; create it or pass "
-                                   "declare=True") from None
-            raise ConfigError(f"source {src.name!r}: cannot use queue {src.queue!r}: "
-                              f"{e.reply_text}") from None
+                raise QueueMissing(
+                    f"source {src.name!r}: queue {src.queue!r} does not "
+                    f"exist on {src.where}; create it or pass "
+                    "declare=True"
+                ) from None
+            raise ConfigError(
+                f"source {src.name!r}: cannot use queue {src.queue!r}: {e.reply_text}"
+            ) from None
         if src._gen == 0:
             learn_queue_type(src, conn)
         if src._gen == 0 and not src._error_sink:
@@ -58,8 +61,9 @@ def connect(src: RabbitMQSource) -> None:
         if src.dead_letter_exchange:
             ch.confirm_delivery()
         # never past the window (or this source's share of a merged flow's): law 6
-        consumers, prefetch = ((1, min(src.prefetch, src._window)) if src.prefetch
-                               else consumer_prefetch(src._window))
+        consumers, prefetch = (
+            (1, min(src.prefetch, src._window)) if src.prefetch else consumer_prefetch(src._window)
+        )
         ch.basic_qos(prefetch_count=prefetch)  # per consumer (AMQP's global=False)
         ch.add_on_cancel_callback(lambda frame: on_cancelled(src, frame))
         tags = []
@@ -95,9 +99,14 @@ def learn_queue_type(src: RabbitMQSource, conn: Any) -> None:
         return
     learned = queue_argument(conn, src.queue, "x-queue-type")
     if not learned.known:
-        log.warning("source %r: could not learn the type of queue %r (%s); delivery "
-                    "counts are ackflow's own (a producer's x-delivery-count header is "
-                    "never read)", src.name, src.queue, redact(learned.why)[:200])
+        log.warning(
+            "source %r: could not learn the type of queue %r (%s); delivery "
+            "counts are ackflow's own (a producer's x-delivery-count header is "
+            "never read)",
+            src.name,
+            src.queue,
+            redact(learned.why)[:200],
+        )
         src.queue_type = "unknown"
         return
     src.queue_type = str(learned.value) if learned.value is not None else "classic"
@@ -114,7 +123,11 @@ def learn_queue_type(src: RabbitMQSource, conn: Any) -> None:
                 "(a nack, a lost connection, a crash), and drops a message given back "
                 "past the limit. ackflow dead-letters what it holds at its last delivery "
                 "on a stop, but cannot after a crash: give the queue a dead-letter "
-                "exchange", src.name, src.queue, src.delivery_limit)
+                "exchange",
+                src.name,
+                src.queue,
+                src.delivery_limit,
+            )
 
 
 def check_dead_letter_route(src: RabbitMQSource, conn: Any) -> None:
@@ -136,14 +149,16 @@ def check_dead_letter_route(src: RabbitMQSource, conn: Any) -> None:
                 f"source {src.name!r}: reject_to_dlx=True but the dead-letter exchange of "
                 f"queue {src.queue!r} could not be verified ({redact(learned.why)[:200]}); "
                 "use dead_letter_exchange='...' or flow.on_error(sink), or, if a policy "
-                "sets it, dlx_by_policy=True")
+                "sets it, dlx_by_policy=True"
+            )
         if learned.value is None:
             raise ConfigError(
                 f"source {src.name!r}: reject_to_dlx=True but queue {src.queue!r} has no "
                 "x-dead-letter-exchange argument: rejected poison messages would be "
                 "dropped. Give the queue one, use dead_letter_exchange='...' or "
                 "flow.on_error(sink), or, if a policy sets it (invisible to AMQP), pass "
-                "dlx_by_policy=True")
+                "dlx_by_policy=True"
+            )
         exchange = str(learned.value)
         rk = queue_argument(conn, src.queue, "x-dead-letter-routing-key")
         key = str(rk.value) if rk.known and rk.value is not None else src.queue
@@ -152,8 +167,7 @@ def check_dead_letter_route(src: RabbitMQSource, conn: Any) -> None:
         return
     why = route_refusal(conn, exchange, key)
     if why is not None:
-        raise ConfigError(f"source {src.name!r}: dead letters would be lost: {what} "
-                          f"{exchange!r}: {why}")
+        raise ConfigError(f"source {src.name!r}: dead letters would be lost: {what} {exchange!r}: {why}")
 
 
 def gone_check(src: RabbitMQSource, missing: bool, when: str) -> None:
@@ -165,9 +179,11 @@ def gone_check(src: RabbitMQSource, missing: bool, when: str) -> None:
     now = time.monotonic()
     src._missing_since = src._missing_since or now
     if now - src._missing_since >= src.gone_timeout_s:
-        raise SourceGone(f"source {src.name!r}: queue {src.queue!r} does not exist on "
-                         f"{src.where} any more ({when}; deleted?), for "
-                         f"{now - src._missing_since:.0f} s; stopping")
+        raise SourceGone(
+            f"source {src.name!r}: queue {src.queue!r} does not exist on "
+            f"{src.where} any more ({when}; deleted?), for "
+            f"{now - src._missing_since:.0f} s; stopping"
+        )
 
 
 def on_cancelled(src: RabbitMQSource, frame: Any) -> None:
@@ -183,10 +199,15 @@ def on_cancelled(src: RabbitMQSource, frame: Any) -> None:
         src._cancelled_since = time.monotonic()
         src._next_consume = 0.0
         src.stats["cancelled_by_broker"] += 1
-        log.warning("source %r: the broker cancelled the consumer of queue %r on %s "
-                    "(basic.cancel: the queue was deleted, or its consumer cancelled); "
-                    "consuming again when the queue is there (waiting up to %.0f s)",
-                    src.name, src.queue, src.where, src.gone_timeout_s)
+        log.warning(
+            "source %r: the broker cancelled the consumer of queue %r on %s "
+            "(basic.cancel: the queue was deleted, or its consumer cancelled); "
+            "consuming again when the queue is there (waiting up to %.0f s)",
+            src.name,
+            src.queue,
+            src.where,
+            src.gone_timeout_s,
+        )
 
 
 def reconsume(src: RabbitMQSource) -> None:
@@ -212,8 +233,7 @@ def reconsume(src: RabbitMQSource) -> None:
     except ChannelClosedByBroker as e:
         missing = e.reply_code == 404
         if not missing:
-            log.warning("source %r: cannot check queue %r: %s", src.name, src.queue,
-                        redact(str(e)))
+            log.warning("source %r: cannot check queue %r: %s", src.name, src.queue, redact(str(e)))
     except Exception as e:  # noqa: BLE001 - the connection itself: handled as a loss
         src._lose_connection(e)
         return
@@ -227,16 +247,14 @@ def reconsume(src: RabbitMQSource) -> None:
         src._cancelled_since = src._missing_since = None
         src.stats["reconsumed"] += 1
         src._gone_backoff = 0.5
-        log.warning("source %r: consuming queue %r again after %.1f s", src.name,
-                    src.queue, waited)
+        log.warning("source %r: consuming queue %r again after %.1f s", src.name, src.queue, waited)
         return
     src._next_consume = time.monotonic() + src._gone_backoff
     src._gone_backoff = min(src.reconnect_max_s, src._gone_backoff * 2)
     gone_check(src, True, "the broker cancelled its consumer")
 
 
-def publish_dead_letters(src: RabbitMQSource, dead: list[tuple[Delivery, Failure]]
-                         ) -> tuple[set[int], bool]:
+def publish_dead_letters(src: RabbitMQSource, dead: list[tuple[Delivery, Failure]]) -> tuple[set[int], bool]:
     """Publish a copy of each dead delivery, with ackflow's provenance headers, to the
     source's ``dead_letter_exchange`` (confirmed, mandatory). Returns the ids of the
     deliveries the broker refused (unroutable, or ``basic.nack``: they are nacked and
@@ -246,10 +264,14 @@ def publish_dead_letters(src: RabbitMQSource, dead: list[tuple[Delivery, Failure
 
     refused: set[int] = set()
     for d, f in dead:
-        headers = {**d.headers, "x-ackflow-step": f.step, "x-ackflow-error": f.error[:1000],
-                   "x-ackflow-deliveries": d.delivery_count, "x-ackflow-queue": src.queue}
-        props = pika.BasicProperties(delivery_mode=2, headers=headers,
-                                     message_id=producer_id(d.key))
+        headers = {
+            **d.headers,
+            "x-ackflow-step": f.step,
+            "x-ackflow-error": f.error[:1000],
+            "x-ackflow-deliveries": d.delivery_count,
+            "x-ackflow-queue": src.queue,
+        }
+        props = pika.BasicProperties(delivery_mode=2, headers=headers, message_id=producer_id(d.key))
         rk = src.dead_letter_routing_key or src.queue
         try:
             if src._ch is None:
@@ -257,17 +279,25 @@ def publish_dead_letters(src: RabbitMQSource, dead: list[tuple[Delivery, Failure
             faults.point("rabbitmq.dead_letter")
             src._ch.basic_publish(src.dead_letter_exchange, rk, d.body, props, mandatory=True)
         except pika.exceptions.UnroutableError:
-            log.error("source %r: dead letter of %s is unroutable on exchange %r; "
-                      "nacking it instead", src.name, d.key, src.dead_letter_exchange)
+            log.error(
+                "source %r: dead letter of %s is unroutable on exchange %r; nacking it instead",
+                src.name,
+                d.key,
+                src.dead_letter_exchange,
+            )
             refused.add(id(d))
             src.stats["dead_letters_refused"] += 1
         except pika.exceptions.NackError:
             # the broker refused this one message (a full dead-letter queue with
             # x-overflow=reject-publish): its failure, not the connection's
-            log.error("source %r: the broker refused the dead letter of %s on exchange "
-                      "%r (basic.nack: a full dead-letter queue?); nacking it, it is "
-                      "retried after the backoff", src.name, d.key,
-                      src.dead_letter_exchange)
+            log.error(
+                "source %r: the broker refused the dead letter of %s on exchange "
+                "%r (basic.nack: a full dead-letter queue?); nacking it, it is "
+                "retried after the backoff",
+                src.name,
+                d.key,
+                src.dead_letter_exchange,
+            )
             refused.add(id(d))
             src.stats["dead_letters_refused"] += 1
         except (pika.exceptions.AMQPError, OSError, faults.InjectedFault) as e:

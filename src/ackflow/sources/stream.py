@@ -60,19 +60,34 @@ class RabbitMQStreamSource(Source):
     run with :class:`~ackflow.core.errors.SourceGone`.
     """
 
-    def __init__(self, host: str, port: int, stream: str, consumer: str, *,
-                 username: str = "guest", password: str = "guest", vhost: str = "/",
-                 offset: str | int | datetime = "first", format: str = "json",
-                 policy: RetryPolicy | None = None, reconnect_max_s: float = 10.0,
-                 gone_timeout_s: float = 60.0, heartbeat_s: int = 20,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        stream: str,
+        consumer: str,
+        *,
+        username: str = "guest",
+        password: str = "guest",
+        vhost: str = "/",
+        offset: str | int | datetime = "first",
+        format: str = "json",
+        policy: RetryPolicy | None = None,
+        reconnect_max_s: float = 10.0,
+        gone_timeout_s: float = 60.0,
+        heartbeat_s: int = 20,
+        name: str | None = None,
+    ) -> None:
         super().__init__(format=format, name=name or f"stream:{stream}")
         if not consumer:
-            raise ConfigError("RabbitMQ stream source: consumer= names the consumer whose "
-                              "offset is stored; it must not be empty")
+            raise ConfigError(
+                "RabbitMQ stream source: consumer= names the consumer whose "
+                "offset is stored; it must not be empty"
+            )
         if isinstance(offset, str) and offset not in ("first", "last", "next"):
-            raise ConfigError(f"offset must be 'first', 'last', 'next', a number or a datetime, "
-                              f"got {offset!r}")
+            raise ConfigError(
+                f"offset must be 'first', 'last', 'next', a number or a datetime, got {offset!r}"
+            )
         self.host, self.port, self.stream, self.consumer = host, port, stream, consumer
         self.username, self.password, self.vhost = username, password, vhost
         self.offset = offset
@@ -102,8 +117,7 @@ class RabbitMQStreamSource(Source):
         self._lost_gen = -1
         self._pending: concurrent.futures.Future[tuple[int, int]] | None = None
 
-    def configure(self, *, max_inflight: int, error_sink: bool,
-                  keepalive_s: float = 30.0) -> None:
+    def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         self._window = max_inflight
         self._error_sink = error_sink
 
@@ -115,11 +129,12 @@ class RabbitMQStreamSource(Source):
 
     def open(self) -> int:
         if not self._error_sink:
-            raise ConfigError(f"source {self.name!r}: a stream cannot dead-letter one message: "
-                              "give the flow an error sink with .on_error(sink)")
+            raise ConfigError(
+                f"source {self.name!r}: a stream cannot dead-letter one message: "
+                "give the flow an error sink with .on_error(sink)"
+            )
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ackflow-stream",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ackflow-stream", daemon=True)
         self._thread.start()
         try:
             start_at, self._stored = self._run(self._subscribe(None))
@@ -128,15 +143,18 @@ class RabbitMQStreamSource(Source):
             raise
         except Exception as e:  # noqa: BLE001 - a clear message at start
             self.close()
-            raise ConfigError(f"source {self.name!r}: cannot consume stream {self.stream!r} on "
-                              f"{self.host}:{self.port}: {type(e).__name__}: {e}") from None
+            raise ConfigError(
+                f"source {self.name!r}: cannot consume stream {self.stream!r} on "
+                f"{self.host}:{self.port}: {type(e).__name__}: {e}"
+            ) from None
         self._connected = True
         if start_at >= 0:
             self._tracker = OffsetTracker(start=start_at)
             self._last_seen = start_at - 1
             if self._stored >= 0:
-                log.info("source %r: resuming %s after stored offset %d", self.name,
-                         self.stream, self._stored)
+                log.info(
+                    "source %r: resuming %s after stored offset %d", self.name, self.stream, self._stored
+                )
         return 0
 
     async def _subscribe(self, committed: int | None) -> tuple[int, int]:
@@ -157,13 +175,18 @@ class RabbitMQStreamSource(Source):
             if gen == self._gen:
                 self._on_closed(getattr(info, "reason", info), gen)
 
-        self._consumer = StreamConsumer(self.host, self.port, username=self.username,
-                                        password=self.password, vhost=self.vhost,
-                                        heartbeat=self.heartbeat_s, on_close_handler=closed)
+        self._consumer = StreamConsumer(
+            self.host,
+            self.port,
+            username=self.username,
+            password=self.password,
+            vhost=self.vhost,
+            heartbeat=self.heartbeat_s,
+            on_close_handler=closed,
+        )
         await self._consumer.start()
         if not await self._consumer.stream_exists(self.stream):
-            raise StreamMissing(f"stream {self.stream!r} does not exist on "
-                                f"{self.host}:{self.port}")
+            raise StreamMissing(f"stream {self.stream!r} does not exist on {self.host}:{self.port}")
         try:
             stored = await self._consumer.query_offset(self.stream, self.consumer)
         except OffsetNotFound:
@@ -177,18 +200,22 @@ class RabbitMQStreamSource(Source):
         else:
             start_at = -1
             if isinstance(self.offset, datetime):
-                spec = ConsumerOffsetSpecification(OffsetType.TIMESTAMP,
-                                                   int(self.offset.timestamp() * 1000))
+                spec = ConsumerOffsetSpecification(OffsetType.TIMESTAMP, int(self.offset.timestamp() * 1000))
             elif isinstance(self.offset, int):
                 spec = ConsumerOffsetSpecification(OffsetType.OFFSET, self.offset)
                 start_at = self.offset
             else:
-                kind = {"first": OffsetType.FIRST, "last": OffsetType.LAST,
-                        "next": OffsetType.NEXT}[self.offset]
+                kind = {"first": OffsetType.FIRST, "last": OffsetType.LAST, "next": OffsetType.NEXT}[
+                    self.offset
+                ]
                 spec = ConsumerOffsetSpecification(kind, None)
-        await self._consumer.subscribe(self.stream, self._on_message,
-                                       offset_specification=spec,
-                                       subscriber_name=self.consumer, initial_credit=4)
+        await self._consumer.subscribe(
+            self.stream,
+            self._on_message,
+            offset_specification=spec,
+            subscriber_name=self.consumer,
+            initial_credit=4,
+        )
         return start_at, stored
 
     async def _resubscribe(self, committed: int | None) -> tuple[int, int]:
@@ -236,16 +263,21 @@ class RabbitMQStreamSource(Source):
         now = time.monotonic()
         if self._down_since is None:
             self._down_since = now
-            log.warning("source %r: lost the stream connection to %s:%d (%s); reconnecting "
-                        "from committed offset %d", self.name, self.host, self.port,
-                        self._lost_why, self.committed)
+            log.warning(
+                "source %r: lost the stream connection to %s:%d (%s); reconnecting from committed offset %d",
+                self.name,
+                self.host,
+                self.port,
+                self._lost_why,
+                self.committed,
+            )
         fut = self._pending
         if fut is None:
             if now >= self._next_connect:
                 assert self._loop is not None
                 self._pending = asyncio.run_coroutine_threadsafe(
-                    self._resubscribe(self.committed if self._tracker is not None else None),
-                    self._loop)
+                    self._resubscribe(self.committed if self._tracker is not None else None), self._loop
+                )
             return
         if not fut.done():
             return
@@ -264,11 +296,18 @@ class RabbitMQStreamSource(Source):
                     raise SourceGone(
                         f"source {self.name!r}: {e} any more (deleted?), for "
                         f"{now - self._missing_since:.0f} s; stopping. Offsets up to "
-                        f"{self.committed - 1} were committed") from None
+                        f"{self.committed - 1} were committed"
+                    ) from None
             else:
                 self._missing_since = None
-            log.warning("source %r: cannot reconnect to %s:%d yet: %s: %s", self.name,
-                        self.host, self.port, type(e).__name__, e)
+            log.warning(
+                "source %r: cannot reconnect to %s:%d yet: %s: %s",
+                self.name,
+                self.host,
+                self.port,
+                type(e).__name__,
+                e,
+            )
             return
         if self._tracker is None and start_at >= 0:
             self._tracker = OffsetTracker(start=start_at)
@@ -276,9 +315,15 @@ class RabbitMQStreamSource(Source):
         self._stored = stored
         self._connected = True
         self.reconnects += 1
-        log.warning("source %r: reconnected to %s:%d after %.1f s; reading %s from offset %d",
-                    self.name, self.host, self.port, time.monotonic() - self._down_since,
-                    self.stream, self.committed)
+        log.warning(
+            "source %r: reconnected to %s:%d after %.1f s; reading %s from offset %d",
+            self.name,
+            self.host,
+            self.port,
+            time.monotonic() - self._down_since,
+            self.stream,
+            self.committed,
+        )
         self._down_since = self._missing_since = None
         self._backoff = 0.5
         self._store(force=True)
@@ -291,8 +336,9 @@ class RabbitMQStreamSource(Source):
         beat = getattr(client, "_heartbeat", 0)
         last = getattr(client, "_last_heartbeat", 0.0)
         if beat and last and time.monotonic() - last > 3 * beat:
-            self._on_closed(f"no frame from the broker for {time.monotonic() - last:.0f} s "
-                            f"(heartbeat {beat} s)")
+            self._on_closed(
+                f"no frame from the broker for {time.monotonic() - last:.0f} s (heartbeat {beat} s)"
+            )
 
     async def _on_message(self, body: Any, ctx: Any) -> None:
         while self._inbox.qsize() >= self._window:  # backpressure: stop taking credits
@@ -324,8 +370,9 @@ class RabbitMQStreamSource(Source):
         while len(out) < max_messages and len(self._bodies) < self._window:
             try:
                 left = deadline - time.monotonic()
-                off, body = (self._inbox.get(timeout=left) if left > 0 and not out
-                             else self._inbox.get_nowait())
+                off, body = (
+                    self._inbox.get(timeout=left) if left > 0 and not out else self._inbox.get_nowait()
+                )
             except queue_mod.Empty:
                 break
             if off <= self._last_seen:
@@ -342,8 +389,7 @@ class RabbitMQStreamSource(Source):
         return out
 
     def _delivery(self, offset: int, body: bytes, count: int) -> Delivery:
-        return Delivery(0, f"{self.stream}@{offset}", body, {"offset": str(offset)}, count,
-                        handle=offset)
+        return Delivery(0, f"{self.stream}@{offset}", body, {"offset": str(offset)}, count, handle=offset)
 
     # -- settling --------------------------------------------------------------------------
 
@@ -356,12 +402,18 @@ class RabbitMQStreamSource(Source):
         """The committed offset, the last offset received, and ``lag``: offsets received
         but not committed yet (the stream's own end is not asked for)."""
         committed = self.committed
-        return {"kind": "RabbitMQ stream", "server": f"{self.host}:{self.port}",
-                "stream": self.stream, "consumer": self.consumer,
-                "committed_offset": committed, "last_offset_received": self._last_seen,
-                "lag": max(0, self._last_seen + 1 - committed) + self._inbox.qsize(),
-                "retries_waiting": len(self._retry), "connected": self._connected,
-                "reconnects": self.reconnects}
+        return {
+            "kind": "RabbitMQ stream",
+            "server": f"{self.host}:{self.port}",
+            "stream": self.stream,
+            "consumer": self.consumer,
+            "committed_offset": committed,
+            "last_offset_received": self._last_seen,
+            "lag": max(0, self._last_seen + 1 - committed) + self._inbox.qsize(),
+            "retries_waiting": len(self._retry),
+            "connected": self._connected,
+            "reconnects": self.reconnects,
+        }
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         assert self._tracker is not None or not deliveries
@@ -377,12 +429,10 @@ class RabbitMQStreamSource(Source):
         stored already, the broker's copy may be older). A store that fails is a lost
         connection; the offset stays committed in memory."""
         last = self.committed - 1
-        if (last > self._stored or (force and last >= 0)) and self._connected \
-                and self._consumer is not None:
+        if (last > self._stored or (force and last >= 0)) and self._connected and self._consumer is not None:
             try:
                 faults.point("stream.store_offset")
-                self._run(self._consumer.store_offset(self.stream, self.consumer, last),
-                          timeout=10)
+                self._run(self._consumer.store_offset(self.stream, self.consumer, last), timeout=10)
             except Exception as e:  # noqa: BLE001 - stored again after the reconnection
                 self._on_closed(f"storing offset {last}: {type(e).__name__}: {e}")
                 return
@@ -396,8 +446,9 @@ class RabbitMQStreamSource(Source):
         now = time.monotonic()
         for d, _ in failures:
             off = int(d.handle)  # type: ignore[call-overload]
-            heapq.heappush(self._retry, (now + self.policy.delay_after(d.delivery_count), off,
-                                         d.delivery_count + 1))
+            heapq.heappush(
+                self._retry, (now + self.policy.delay_after(d.delivery_count), off, d.delivery_count + 1)
+            )
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()

@@ -11,11 +11,14 @@ if TYPE_CHECKING:
     from ackflow.spark.compile import CompiledFlow
     from ackflow.spark.job import JobFailed, JobResult, run_job
 
-__getattr__, __dir__ = lazy(__name__, {
-    "CompiledFlow": "ackflow.spark.compile:CompiledFlow",
-    "JobFailed": "ackflow.spark.job:JobFailed",
-    "JobResult": "ackflow.spark.job:JobResult",
-    "run_job": "ackflow.spark.job:run_job",
-})
+__getattr__, __dir__ = lazy(
+    __name__,
+    {
+        "CompiledFlow": "ackflow.spark.compile:CompiledFlow",
+        "JobFailed": "ackflow.spark.job:JobFailed",
+        "JobResult": "ackflow.spark.job:JobResult",
+        "run_job": "ackflow.spark.job:run_job",
+    },
+)
 
 __all__ = ["CompiledFlow", "JobFailed", "JobResult", "run_job", "session"]

@@ -54,15 +54,23 @@ def build(path: str, timeout: float = 300) -> str:
     tmp = f"{path}.{os.getpid()}.tmp"
     # a child of its own: not attached to a JVM this process may run (PYSPARK_GATEWAY_*),
     # and not started from another archive
-    env = {k: v for k, v in os.environ.items()
-           if k != ARCHIVE_ENV and not k.startswith("PYSPARK_GATEWAY_")}
-    opts = " ".join(o for o in shlex.split(env.get("SPARK_SUBMIT_OPTS", ""))
-                    if "SharedArchiveFile" not in o and not o.startswith("-Xlog:cds"))
-    env["SPARK_SUBMIT_OPTS"] = (f"{shlex.join(shlex.split(opts))} "
-                                f"-XX:ArchiveClassesAtExit={shlex.quote(tmp)} {_QUIET}")
+    env = {k: v for k, v in os.environ.items() if k != ARCHIVE_ENV and not k.startswith("PYSPARK_GATEWAY_")}
+    opts = " ".join(
+        o
+        for o in shlex.split(env.get("SPARK_SUBMIT_OPTS", ""))
+        if "SharedArchiveFile" not in o and not o.startswith("-Xlog:cds")
+    )
+    env["SPARK_SUBMIT_OPTS"] = (
+        f"{shlex.join(shlex.split(opts))} -XX:ArchiveClassesAtExit={shlex.quote(tmp)} {_QUIET}"
+    )
     try:
-        done = subprocess.run([sys.executable, "-m", "ackflow.spark.classes", "--workload"],
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-m", "ackflow.spark.classes", "--workload"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode != 0 or not os.path.isfile(tmp) or os.path.getsize(tmp) == 0:
             tail = (done.stderr or "").strip().splitlines()[-1:] or ["no archive written"]
             raise RuntimeError(f"building the class archive failed: {tail[0]}")

@@ -32,8 +32,15 @@ def local_partition() -> int:
 def internal_schema(lineage: str = ID) -> pa.Schema:
     """The internal columns: lineage (one id, or a list after grouping), key and status."""
     id_type = pa.int64() if lineage == ID else pa.list_(pa.int64())
-    return pa.schema([(lineage, id_type), (KEY, pa.string()), (STATUS, pa.int32()),
-                      (STEP, pa.string()), (ERR, pa.string())])
+    return pa.schema(
+        [
+            (lineage, id_type),
+            (KEY, pa.string()),
+            (STATUS, pa.int32()),
+            (STEP, pa.string()),
+            (ERR, pa.string()),
+        ]
+    )
 
 
 def row_key(identity: str) -> str:

@@ -68,10 +68,10 @@ class CompiledFlow(Plan):
     (:meth:`Plan.evolve`, by the segment's schema mode).
     """
 
-    def __init__(self, flow: Flow, spark: SparkSession, *, rows_input: bool = False,
-                 count_rows: bool = False) -> None:
-        super().__init__(flow, parallelism=spark.sparkContext.defaultParallelism,
-                         rows_input=rows_input)
+    def __init__(
+        self, flow: Flow, spark: SparkSession, *, rows_input: bool = False, count_rows: bool = False
+    ) -> None:
+        super().__init__(flow, parallelism=spark.sparkContext.defaultParallelism, rows_input=rows_input)
         self.spark = spark
         self.timezone = spark.conf.get("spark.sql.session.timeZone") or "UTC"
         if count_rows:
@@ -82,8 +82,7 @@ class CompiledFlow(Plan):
         check_executors_can_load(spark, self.shipped)
 
     def bind_thread(self, batch_id: str) -> None:
-        self.spark.sparkContext.setJobGroup(batch_id, f"ackflow {batch_id}",
-                                            interruptOnCancel=True)
+        self.spark.sparkContext.setJobGroup(batch_id, f"ackflow {batch_id}", interruptOnCancel=True)
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -100,8 +99,9 @@ class CompiledFlow(Plan):
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
         df, data_cols, lineage = self._start(inputs)
-        df, data_cols, lineage, alive = self._chain(self.segments, (), df, data_cols, lineage,
-                                                    decode=not self.rows_input)
+        df, data_cols, lineage, alive = self._chain(
+            self.segments, (), df, data_cols, lineage, decode=not self.rows_input
+        )
         if not self.branches:
             return self._write(self.sink, df, data_cols, lineage, batch_id)
         # Sub-flows: the shared part is cached for the batch, each branch continues from
@@ -111,8 +111,9 @@ class CompiledFlow(Plan):
             self._persisted[batch_id] = shared
         outs = []
         for b, (segs, sink) in enumerate(self.branches):
-            bdf, bcols, blin, _ = self._chain(segs if alive else [], (b,), shared, data_cols,
-                                              lineage, decode=False)
+            bdf, bcols, blin, _ = self._chain(
+                segs if alive else [], (b,), shared, data_cols, lineage, decode=False
+            )
             outs.append(self._write(sink, bdf, bcols, blin, batch_id))
         return functools.reduce(DataFrame.unionByName, outs)
 
@@ -130,8 +131,9 @@ class CompiledFlow(Plan):
         df, data_cols, lineage = self._start(inputs)
         for k, seg in enumerate(self.segments, start=1):
             try:
-                out, _, _, alive = self._chain(self.segments[:k], (), df, data_cols, lineage,
-                                               decode=not self.rows_input)
+                out, _, _, alive = self._chain(
+                    self.segments[:k], (), df, data_cols, lineage, decode=not self.rows_input
+                )
                 with self.uncounted():
                     out.toArrow()  # every column evaluated
             except FlowError:
@@ -145,8 +147,7 @@ class CompiledFlow(Plan):
     def _sample(self, df: DataFrame, sampler: Any) -> list[tuple[str, int]]:
         with self.uncounted():  # the steps before it run again here
             out = df.mapInArrow(sampler, "schema string, rows bigint").toArrow()
-        return list(zip(out.column("schema").to_pylist(), out.column("rows").to_pylist(),
-                        strict=True))
+        return list(zip(out.column("schema").to_pylist(), out.column("rows").to_pylist(), strict=True))
 
     def release(self, batch_id: str) -> None:
         with self._lock:
@@ -154,9 +155,15 @@ class CompiledFlow(Plan):
         if shared is not None:
             shared.unpersist()
 
-    def _chain(self, segs: list[Segment], key: tuple[int, ...], df: DataFrame,
-               data_cols: list[str], lineage: str,
-               decode: bool) -> tuple[DataFrame, list[str], str, bool]:
+    def _chain(
+        self,
+        segs: list[Segment],
+        key: tuple[int, ...],
+        df: DataFrame,
+        data_cols: list[str],
+        lineage: str,
+        decode: bool,
+    ) -> tuple[DataFrame, list[str], str, bool]:
         """Apply segments; returns the DataFrame, its data columns, its lineage column,
         and False if a segment let no live row through (later steps were skipped)."""
         for index, seg in enumerate(segs):
@@ -172,10 +179,17 @@ class CompiledFlow(Plan):
                 if schema is None:
                     schema = pa.schema([])
                 out_schema = pa.schema([*schema, *internal_schema(lineage)])
-                fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
-                                  out_schema, lineage, self.tally,
-                                  mode=self._inferred.get((*key, index)),
-                                  segment=self.segment_name((*key, index), seg))
+                fn = make_segment(
+                    seg.steps,
+                    self.flow.source.formats,
+                    data_in,
+                    schema,
+                    out_schema,
+                    lineage,
+                    self.tally,
+                    mode=self._inferred.get((*key, index)),
+                    segment=self.segment_name((*key, index), seg),
+                )
                 df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:
@@ -188,23 +202,25 @@ class CompiledFlow(Plan):
                 raise FlowError(step.name, _first_line(e)) from e
         return df, data_cols, lineage, True
 
-    def _write(self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str,
-               batch_id: str) -> DataFrame:
+    def _write(
+        self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str, batch_id: str
+    ) -> DataFrame:
         df = df.select(*[quoted(c) for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
         if type(sink).prepare is not Sink.prepare:  # resolving the schema costs a JVM call
             fields = {f.name: f for f in df.schema.fields}
-            schema = to_arrow_schema(StructType([fields[c] for c in data_cols]),
-                                     timezone=self.timezone)
+            schema = to_arrow_schema(StructType([fields[c] for c in data_cols]), timezone=self.timezone)
             held = held_columns(schema, data_cols, getattr(sink, "key", None) or [])
             refused = self.prepare_sink(sink, pa.schema([schema.field(c) for c in held]))
         else:
             refused = {}
-        return df.mapInArrow(make_writer(sink, batch_id, data_cols, lineage, self.step_order,
-                                         self.tally, refused),
-                             from_arrow_schema(TASK_RECEIPTS))
+        return df.mapInArrow(
+            make_writer(sink, batch_id, data_cols, lineage, self.step_order, self.tally, refused),
+            from_arrow_schema(TASK_RECEIPTS),
+        )
 
-    def _apply(self, step: Step, df: DataFrame, data_cols: list[str],
-               lineage: str) -> tuple[DataFrame, list[str], str]:
+    def _apply(
+        self, step: Step, df: DataFrame, data_cols: list[str], lineage: str
+    ) -> tuple[DataFrame, list[str], str]:
         """Apply one Spark step; rows that are not live pass through untouched."""
         live = F.col(STATUS) == LIVE
         if isinstance(step, ColumnFilter):
@@ -228,21 +244,28 @@ class CompiledFlow(Plan):
             return self._transform(step, df, lineage)
         raise FlowError(step.name, f"unknown step kind {step.kind}")
 
-    def _group(self, step: GroupBy, df: DataFrame,
-               lineage: str) -> tuple[DataFrame, list[str], str]:
+    def _group(self, step: GroupBy, df: DataFrame, lineage: str) -> tuple[DataFrame, list[str], str]:
         # Live rows group by the keys. A row that is not live forms a group of its own
         # (keyed by its lineage), so its status and error reach the receipts unchanged.
         live = F.col(STATUS) == LIVE
         keys = [F.when(live, F.col(k)).alias(k) for k in step.keys]
         solo = F.when(~live, F.col(lineage)).alias("__af_solo")
-        members = (F.collect_list(F.col(ID)) if lineage == ID
-                   else F.flatten(F.collect_list(F.col(IDS))))
+        members = F.collect_list(F.col(ID)) if lineage == ID else F.flatten(F.collect_list(F.col(IDS)))
         failure = F.first(F.when(F.col(ERR).isNotNull(), F.struct(STEP, ERR)), ignorenulls=True)
         aggs = [_column(a) for a in step.aggs]
         # a group's key: the keys of its member rows and its group-by values
-        key = F.concat(F.lit("g:"), F.sha2(F.to_json(F.struct(
-            F.array_sort(F.collect_list(F.col(KEY))).alias("m"),
-            *[F.first(F.col(k)).alias(k) for k in step.keys])), 256))
+        key = F.concat(
+            F.lit("g:"),
+            F.sha2(
+                F.to_json(
+                    F.struct(
+                        F.array_sort(F.collect_list(F.col(KEY))).alias("m"),
+                        *[F.first(F.col(k)).alias(k) for k in step.keys],
+                    )
+                ),
+                256,
+            ),
+        )
         out = df.groupBy(*keys, solo).agg(
             *aggs,
             members.alias(IDS),
@@ -250,14 +273,17 @@ class CompiledFlow(Plan):
             F.max(STATUS).alias(STATUS),
             failure.alias("__af_failure"),
         )
-        out = (out.withColumn(STEP, F.col("__af_failure." + STEP))
-               .withColumn(ERR, F.col("__af_failure." + ERR))
-               .drop("__af_failure", "__af_solo"))
+        out = (
+            out.withColumn(STEP, F.col("__af_failure." + STEP))
+            .withColumn(ERR, F.col("__af_failure." + ERR))
+            .drop("__af_failure", "__af_solo")
+        )
         data_cols = [c for c in out.columns if not c.startswith("__af_")]
         return out, data_cols, IDS
 
-    def _join(self, step: Join, df: DataFrame, data_cols: list[str],
-              lineage: str) -> tuple[DataFrame, list[str], str]:
+    def _join(
+        self, step: Join, df: DataFrame, data_cols: list[str], lineage: str
+    ) -> tuple[DataFrame, list[str], str]:
         live = F.col(STATUS) == LIVE
         other = step.other
         missing = [c for c in step.on if c not in other.columns]
@@ -272,8 +298,9 @@ class CompiledFlow(Plan):
         clash = [c for c in data_cols if fold(c) in taken and c not in step.on]
         if any(c not in self._data_columns for c in clash):
             raise FlowError(step.name, f"column(s) {clash} exist on both sides; rename them")
-        df, data_cols = self._refuse(df, data_cols, clash, step.name,
-                                     "the join's static side has a column of this name")
+        df, data_cols = self._refuse(
+            df, data_cols, clash, step.name, "the join's static side has a column of this name"
+        )
         # a join column the data never had (in the batch the columns came from) is null:
         # its rows match nothing, as a row without the field would
         types = {f.name: f.dataType for f in other.schema.fields}
@@ -289,9 +316,11 @@ class CompiledFlow(Plan):
             # writer, a repeat a later step failed, or whose flat_map failed into one
             # row, renumbered the rest on a retry: a row went under another's key).
             order = Window.partitionBy(*[quoted(c) for c in step.on]).orderBy(
-                F.to_json(F.struct(*[quoted(c) for c in other.columns])))
-            right = (other.withColumn("__af_match", F.lit(True))
-                     .withColumn("__af_rep", F.row_number().over(order) - 1))
+                F.to_json(F.struct(*[quoted(c) for c in other.columns]))
+            )
+            right = other.withColumn("__af_match", F.lit(True)).withColumn(
+                "__af_rep", F.row_number().over(order) - 1
+            )
         else:  # semi/anti: only whether a match exists
             right = other.select(*step.on).dropDuplicates().withColumn("__af_match", F.lit(True))
             extra = []
@@ -301,15 +330,19 @@ class CompiledFlow(Plan):
         matched = F.col("__af_match").isNotNull()
         drop = {"inner": ~matched, "left_semi": ~matched, "left_anti": matched}.get(step.how)
         if drop is not None:
-            out = out.withColumn(STATUS, F.when(live & drop, F.lit(FILTERED))
-                                 .otherwise(F.col(STATUS)))
+            out = out.withColumn(STATUS, F.when(live & drop, F.lit(FILTERED)).otherwise(F.col(STATUS)))
         if "__af_rep" in out.columns:
-            out = out.withColumn(KEY, F.when(F.col("__af_rep") > 0, F.concat(
-                F.col(KEY), F.lit("~"), F.col("__af_rep").cast("string"))).otherwise(F.col(KEY)))
+            out = out.withColumn(
+                KEY,
+                F.when(
+                    F.col("__af_rep") > 0, F.concat(F.col(KEY), F.lit("~"), F.col("__af_rep").cast("string"))
+                ).otherwise(F.col(KEY)),
+            )
         return out.drop("__af_match", "__af_rep"), data_cols + extra, lineage
 
-    def _refuse(self, df: DataFrame, data_cols: list[str], cols: list[str], step: str,
-                why: str) -> tuple[DataFrame, list[str]]:
+    def _refuse(
+        self, df: DataFrame, data_cols: list[str], cols: list[str], step: str, why: str
+    ) -> tuple[DataFrame, list[str]]:
         """Columns from the data that a step cannot take: each live row with a value in
         one of them fails (naming the field), and the columns are dropped."""
         if not cols:
@@ -317,16 +350,18 @@ class CompiledFlow(Plan):
         live = F.col(STATUS) == LIVE
         for c in cols:
             hit = live & quoted(c).isNotNull()
-            df = df.withColumns({STATUS: F.when(hit, F.lit(FAILED)).otherwise(F.col(STATUS)),
-                                 STEP: F.when(hit, F.lit(step)).otherwise(F.col(STEP)),
-                                 ERR: F.when(hit, F.lit(f"field {c!r}: {why}"))
-                                 .otherwise(F.col(ERR))})
+            df = df.withColumns(
+                {
+                    STATUS: F.when(hit, F.lit(FAILED)).otherwise(F.col(STATUS)),
+                    STEP: F.when(hit, F.lit(step)).otherwise(F.col(STEP)),
+                    ERR: F.when(hit, F.lit(f"field {c!r}: {why}")).otherwise(F.col(ERR)),
+                }
+            )
         keep = [c for c in data_cols if c not in cols]
         internal = [c for c in df.columns if c.startswith("__af_")]
         return df.select(*[quoted(c) for c in keep], *internal), keep
 
-    def _transform(self, step: Transform, df: DataFrame,
-                   lineage: str) -> tuple[DataFrame, list[str], str]:
+    def _transform(self, step: Transform, df: DataFrame, lineage: str) -> tuple[DataFrame, list[str], str]:
         try:
             out = step.fn(df)
         except AnalysisException:
@@ -334,12 +369,14 @@ class CompiledFlow(Plan):
         except Exception as e:
             raise FlowError(step.name, f"transform function raised {type(e).__name__}: {e}") from e
         if not isinstance(out, DataFrame):
-            raise FlowError(step.name, f"transform must return a DataFrame, got "
-                            f"{type(out).__name__}")
+            raise FlowError(step.name, f"transform must return a DataFrame, got {type(out).__name__}")
         lost = [c for c in (lineage, KEY, STATUS, STEP, ERR) if c not in out.columns]
         if lost:
-            raise FlowError(step.name, f"the DataFrame returned lost ackflow's column(s) {lost}; "
-                            "keep them (select them along, or use withColumn)")
+            raise FlowError(
+                step.name,
+                f"the DataFrame returned lost ackflow's column(s) {lost}; "
+                "keep them (select them along, or use withColumn)",
+            )
         expected = internal_schema(lineage)
         types = {f.name: f.dataType for f in out.schema.fields}
         want = from_arrow_schema(expected)[lineage].dataType
@@ -349,8 +386,7 @@ class CompiledFlow(Plan):
         check_names(step.name, cols, "the returned DataFrame's")
         return self._number_repeats(step, out, cols, lineage), cols, lineage
 
-    def _number_repeats(self, step: Transform, df: DataFrame, cols: list[str],
-                        lineage: str) -> DataFrame:
+    def _number_repeats(self, step: Transform, df: DataFrame, cols: list[str], lineage: str) -> DataFrame:
         """Rows a transform repeated (a union with itself, an explode) share their key:
         number them across the whole batch, not within a writer's partition (a copy in
         another partition kept its original's key, and a keyed sink kept one of the
@@ -361,11 +397,16 @@ class CompiledFlow(Plan):
         tag = f"~0~{self.step_order.index(step.name)}~"
         content = F.to_json(F.struct(*[quoted(c) for c in cols], F.col(lineage)))
         rep = F.row_number().over(Window.partitionBy(KEY).orderBy(content)) - 1
-        return (df.withColumn("__af_rep", rep)
-                .withColumn(KEY, F.when(F.col("__af_rep") > 0, F.concat(
-                    F.col(KEY), F.lit(tag), F.col("__af_rep").cast("string")))
-                    .otherwise(F.col(KEY)))
-                .drop("__af_rep"))
+        return (
+            df.withColumn("__af_rep", rep)
+            .withColumn(
+                KEY,
+                F.when(
+                    F.col("__af_rep") > 0, F.concat(F.col(KEY), F.lit(tag), F.col("__af_rep").cast("string"))
+                ).otherwise(F.col(KEY)),
+            )
+            .drop("__af_rep")
+        )
 
 
 def quoted(name: str) -> Column:
@@ -390,13 +431,19 @@ def check_executors_can_load(spark: SparkSession, shipped: dict[str, bytes]) -> 
     results = spark.sparkContext.parallelize(items, 1).map(load).collect()
     for name, error in results:
         if error is not None and "No module named 'ackflow'" in error:
-            raise FlowError(name, "the executors' Python has no ackflow installed: install it "
-                            "there, or point PYSPARK_PYTHON at the interpreter that has it")
+            raise FlowError(
+                name,
+                "the executors' Python has no ackflow installed: install it "
+                "there, or point PYSPARK_PYTHON at the interpreter that has it",
+            )
         if error is not None:
-            raise FlowError(name, f"the executors cannot load it ({error}). Make its module "
-                            "importable there: run the flow with `ackflow run file.py:flow` "
-                            "(the file is shipped by value), or add the module with "
-                            "SparkContext.addPyFile / spark.submit.pyFiles")
+            raise FlowError(
+                name,
+                f"the executors cannot load it ({error}). Make its module "
+                "importable there: run the flow with `ackflow run file.py:flow` "
+                "(the file is shipped by value), or add the module with "
+                "SparkContext.addPyFile / spark.submit.pyFiles",
+            )
 
 
 def _column(expr: Any) -> Any:

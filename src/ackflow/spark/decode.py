@@ -29,8 +29,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(obj) != len(pairs):
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"the key {dup!r} appears twice in one object (no value is dropped "
-                         "silently)")
+        raise ValueError(f"the key {dup!r} appears twice in one object (no value is dropped silently)")
     return obj
 
 
@@ -38,13 +37,15 @@ def _null_constants(name: str) -> None:
     return None  # NaN, Infinity, -Infinity: what pandas' and Python's json.dumps write
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constants, parse_float=_finite,
-                            object_pairs_hook=_no_duplicates)
+_DECODER = json.JSONDecoder(
+    parse_constant=_no_constants, parse_float=_finite, object_pairs_hook=_no_duplicates
+)
 #: ``format="json_nan_as_null"``: NaN, Infinity and -Infinity (anywhere) read as null; a
 #: number too large for a double (1e999) still fails its message: it is a number, and
 #: null would drop its size silently
-_NAN_NULL_DECODER = json.JSONDecoder(parse_constant=_null_constants, parse_float=_finite,
-                                     object_pairs_hook=_no_duplicates)
+_NAN_NULL_DECODER = json.JSONDecoder(
+    parse_constant=_null_constants, parse_float=_finite, object_pairs_hook=_no_duplicates
+)
 _DECODERS = {"json": _DECODER, "json_nan_as_null": _NAN_NULL_DECODER}
 
 
@@ -67,8 +68,7 @@ def decode(body: bytes, fmt: str) -> dict[str, Any]:
         # call, which was a quarter of decoding's cost (4.6 against 8.6 us a message).
         # Bytes are read as json.loads reads them (UTF-8, or UTF-16/32 by its detection);
         # a body opening with "{" and no NUL after it is UTF-8 without asking.
-        enc = ("utf-8" if body[:1] == b"{" and body[1:2] != b"\x00"
-               else json.detect_encoding(body))
+        enc = "utf-8" if body[:1] == b"{" and body[1:2] != b"\x00" else json.detect_encoding(body)
         obj = decoder.decode(body.decode(enc, "surrogatepass"))
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got a JSON {type(obj).__name__}")

@@ -47,8 +47,9 @@ def held_columns(schema: pa.Schema, cols: Sequence[str], keys: Sequence[str]) ->
     a sink would have to guess their type, and a table column made as text could never
     take the numbers that come later. A row holds null there, so leaving the column out
     loses nothing; the sink's key columns are always kept (a null key fails its row)."""
-    return [c for c in cols if c in keys or c not in schema.names
-            or not pa.types.is_null(schema.field(c).type)]
+    return [
+        c for c in cols if c in keys or c not in schema.names or not pa.types.is_null(schema.field(c).type)
+    ]
 
 
 def _hollow(value: Any) -> Any:
@@ -75,8 +76,7 @@ def _majority_type(values: list[Any]) -> pa.DataType | None:
     for v in values:
         if v is None:
             continue
-        kind = "number" if isinstance(v, int | float) and not isinstance(v, bool) else \
-            type(v).__name__
+        kind = "number" if isinstance(v, int | float) and not isinstance(v, bool) else type(v).__name__
         groups.setdefault(kind, []).append(v)
     for _, group in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         try:

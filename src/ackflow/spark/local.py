@@ -71,8 +71,9 @@ class LocalFlow(Plan):
 
     spark = None
 
-    def __init__(self, flow: Flow, *, rows_input: bool = False, parallelism: int = 2,
-                 count_rows: bool = False) -> None:
+    def __init__(
+        self, flow: Flow, *, rows_input: bool = False, parallelism: int = 2, count_rows: bool = False
+    ) -> None:
         super().__init__(flow, parallelism=parallelism, rows_input=rows_input)
         if count_rows:
             self.tally = LocalTally()
@@ -82,8 +83,11 @@ class LocalFlow(Plan):
             steps += b.steps
         for step in steps:
             if not isinstance(step, PYTHON_STEPS):
-                raise FlowError(step.name, f"the local executor runs Python steps only "
-                                f"(map, filter, flat_map), not {step.kind}; run on Spark")
+                raise FlowError(
+                    step.name,
+                    f"the local executor runs Python steps only "
+                    f"(map, filter, flat_map), not {step.kind}; run on Spark",
+                )
 
     # -- tasks --------------------------------------------------------------------------
 
@@ -102,27 +106,34 @@ class LocalFlow(Plan):
                 raise TaskFailed(f"task {index} failed: {type(e).__name__}: {e}") from e
             finally:
                 LOCAL_TASK.partition = 0
-            out.append(pa.Table.from_batches(batches, schema=schema) if schema is not None
-                       else pa.Table.from_batches(batches))
+            out.append(
+                pa.Table.from_batches(batches, schema=schema)
+                if schema is not None
+                else pa.Table.from_batches(batches)
+            )
         return out
 
     def _sample(self, parts: Partitions, sampler: TaskFn) -> list[tuple[str, int]]:
         # the steps before it do not run again here (the partitions are their output)
-        return [(t.column("schema")[0].as_py(), t.column("rows")[0].as_py())
-                for t in self._tasks(sampler, parts, None)]
+        return [
+            (t.column("schema")[0].as_py(), t.column("rows")[0].as_py())
+            for t in self._tasks(sampler, parts, None)
+        ]
 
     # -- the job ------------------------------------------------------------------------
 
     def job(self, inputs: pa.Table, batch_id: str) -> _Done:
         parts, schema, lineage = self._start(inputs)
-        parts, schema, alive = self._chain(self.segments, (), parts, schema, lineage,
-                                           decode=not self.rows_input)
+        parts, schema, alive = self._chain(
+            self.segments, (), parts, schema, lineage, decode=not self.rows_input
+        )
         if not self.branches:
             return _Done(self._write(self.sink, parts, schema, lineage, batch_id))
         outs = []
         for b, (segs, sink) in enumerate(self.branches):
-            bparts, bschema, _ = self._chain(segs if alive else [], (b,), parts, schema,
-                                             lineage, decode=False)
+            bparts, bschema, _ = self._chain(
+                segs if alive else [], (b,), parts, schema, lineage, decode=False
+            )
             outs.append(self._write(sink, bparts, bschema, lineage, batch_id))
         return _Done(pa.concat_tables(outs))
 
@@ -135,9 +146,15 @@ class LocalFlow(Plan):
 
         return parts, pa.schema([]), ID
 
-    def _chain(self, segs: list[Segment], key: tuple[int, ...], parts: Partitions,
-               schema: pa.Schema, lineage: str,
-               decode: bool) -> tuple[Partitions, pa.Schema, bool]:
+    def _chain(
+        self,
+        segs: list[Segment],
+        key: tuple[int, ...],
+        parts: Partitions,
+        schema: pa.Schema,
+        lineage: str,
+        decode: bool,
+    ) -> tuple[Partitions, pa.Schema, bool]:
         for index, seg in enumerate(segs):
             data_in = None if decode and index == 0 else list(schema.names)
             sample = functools.partial(self._sample, parts)
@@ -148,17 +165,25 @@ class LocalFlow(Plan):
             dead_end = out is None
             schema = out if out is not None else pa.schema([])
             out_schema = pa.schema([*schema, *internal_schema(lineage)])
-            fn = make_segment(seg.steps, self.flow.source.formats, data_in, schema,
-                              out_schema, lineage, self.tally,
-                              mode=self._inferred.get((*key, index)),
-                              segment=self.segment_name((*key, index), seg))
+            fn = make_segment(
+                seg.steps,
+                self.flow.source.formats,
+                data_in,
+                schema,
+                out_schema,
+                lineage,
+                self.tally,
+                mode=self._inferred.get((*key, index)),
+                segment=self.segment_name((*key, index), seg),
+            )
             parts = self._tasks(fn, parts, out_schema)
             if dead_end:
                 return parts, schema, False
         return parts, schema, True
 
-    def _write(self, sink: Sink, parts: Partitions, schema: pa.Schema, lineage: str,
-               batch_id: str) -> pa.Table:
+    def _write(
+        self, sink: Sink, parts: Partitions, schema: pa.Schema, lineage: str, batch_id: str
+    ) -> pa.Table:
         cols = list(schema.names)
         refused = {}
         if type(sink).prepare is not Sink.prepare:
@@ -174,8 +199,9 @@ class LocalFlow(Plan):
         for k, seg in enumerate(self.segments, start=1):
             try:
                 with self.uncounted():
-                    _, _, alive = self._chain(self.segments[:k], (), parts, schema, lineage,
-                                              decode=not self.rows_input)
+                    _, _, alive = self._chain(
+                        self.segments[:k], (), parts, schema, lineage, decode=not self.rows_input
+                    )
             except TaskFailed:
                 return "+".join(s.name for s in seg.steps) or "decode"
             if not alive:

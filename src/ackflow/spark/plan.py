@@ -65,8 +65,9 @@ log = logging.getLogger("ackflow.engine")
 PROBE_STRIDE = 20
 #: probes that find nothing new before the probing stops
 PROBE_QUIET = 3
-INPUT_SCHEMA = pa.schema([(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()),
-                          (SRC, pa.int32()), (HDR, pa.string())])
+INPUT_SCHEMA = pa.schema(
+    [(ID, pa.int64()), (KEY, pa.string()), (BODY, pa.binary()), (SRC, pa.int32()), (HDR, pa.string())]
+)
 
 
 class Receipts(Protocol):
@@ -140,8 +141,7 @@ class Plan:
         self._data_columns: set[str] = set()  # every column name inferred from data
         #: (sink, schema signature) -> columns its table refused (name -> why), and
         #: columns it takes value by value in its own type (name -> type)
-        self._refusals: dict[tuple[str, tuple[str, ...]],
-                             tuple[dict[str, str], dict[str, Any]]] = {}
+        self._refusals: dict[tuple[str, tuple[str, ...]], tuple[dict[str, str], dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.parallelism = max(1, parallelism)
@@ -203,25 +203,35 @@ class Plan:
         with self._prepare_lock:
             refused, retyped = self._refusals.get(signature, ({}, {}))
             while True:  # each round settles at least one more column: it ends
-                use = pa.schema([f.with_type(retyped[f.name]) if f.name in retyped else f
-                                 for f in schema if f.name not in refused])
+                use = pa.schema(
+                    [
+                        f.with_type(retyped[f.name]) if f.name in retyped else f
+                        for f in schema
+                        if f.name not in refused
+                    ]
+                )
                 try:
                     sink.prepare(use)
                     break
                 except ColumnsRefused as e:
                     names = set(e.columns) | set(e.retype)
-                    if not names or names & {*refused, *retyped} or any(
-                            c not in self._data_columns for c in names):
+                    if (
+                        not names
+                        or names & {*refused, *retyped}
+                        or any(c not in self._data_columns for c in names)
+                    ):
                         raise  # a column the flow itself makes: configuration, stop
                     retyped = {**retyped, **e.retype}
-                    refused = {**refused, **{c: why for c, why in e.columns.items()
-                                             if c not in e.retype}}
+                    refused = {**refused, **{c: why for c, why in e.columns.items() if c not in e.retype}}
             if signature not in self._refusals and (refused or retyped):
-                log.warning("sink %r: column(s) %s come from the data; its table cannot take "
-                            "them, and rows with a value there fail alone. Column(s) %s are "
-                            "written value by value in the table's type", sink.name,
-                            ", ".join(map(repr, refused)) or "-",
-                            ", ".join(map(repr, retyped)) or "-")
+                log.warning(
+                    "sink %r: column(s) %s come from the data; its table cannot take "
+                    "them, and rows with a value there fail alone. Column(s) %s are "
+                    "written value by value in the table's type",
+                    sink.name,
+                    ", ".join(map(repr, refused)) or "-",
+                    ", ".join(map(repr, retyped)) or "-",
+                )
             self._refusals[signature] = (refused, retyped)
             return refused
 
@@ -260,9 +270,14 @@ class Plan:
         mode = getattr(shaping[-1], "schema_mode", None) if shaping else None
         return mode or self.schema_mode
 
-    def _schema(self, index: tuple[int, ...], seg: Segment,
-                sample: Callable[[Any], list[tuple[str, int]]], data_in: list[str] | None,
-                lineage: str) -> pa.Schema | None:
+    def _schema(
+        self,
+        index: tuple[int, ...],
+        seg: Segment,
+        sample: Callable[[Any], list[tuple[str, int]]],
+        data_in: list[str] | None,
+        lineage: str,
+    ) -> pa.Schema | None:
         """The segment's output columns: given (``schema=``), stored (a restart reuses
         them), or inferred from every good row of this batch by a sampler job that runs
         the steps where tasks run (``sample(fn)`` returns each partition's columns and
@@ -276,8 +291,7 @@ class Plan:
                 try:
                     schema = self.spark_types(schema)
                 except Exception as e:
-                    raise FlowError(seg.name, f"the rows' columns cannot be Spark columns: "
-                                    f"{e}") from e
+                    raise FlowError(seg.name, f"the rows' columns cannot be Spark columns: {e}") from e
             else:
                 name = self.segment_name(index, seg)
                 mode = self._mode(seg)
@@ -290,8 +304,7 @@ class Plan:
                 else:
                     # Run the steps where tasks run (never on the driver: a user function
                     # may crash its process or have side effects); every good row counts.
-                    sampler = make_sampler(seg.steps, self.flow.source.formats, data_in,
-                                           lineage)
+                    sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage)
                     found = [(from_text(t), n) for t, n in sample(sampler)]
                     if not sum(n for _, n in found):
                         return None  # no row of this batch gets past this segment
@@ -300,8 +313,9 @@ class Plan:
                     for part, _ in found:
                         schema = merge_schemas(schema, part)[0]
                         nulls.update((f.name, f) for f in part if pa.types.is_null(f.type))
-                    schema = pa.schema([*schema, *(f for name, f in nulls.items()
-                                                   if name not in schema.names)])
+                    schema = pa.schema(
+                        [*schema, *(f for name, f in nulls.items() if name not in schema.names)]
+                    )
                     schema = self._headers_as_maps(schema)
                     schema = _spark_safe(schema)
                     if mode == RESCUE:  # ackflow's column; a data field of that name is
@@ -310,10 +324,10 @@ class Plan:
                     try:
                         schema = self.spark_types(schema)
                     except Exception as e:
-                        raise FlowError(seg.name, f"the rows' columns cannot be Spark "
-                                        f"columns: {e}") from e
+                        raise FlowError(seg.name, f"the rows' columns cannot be Spark columns: {e}") from e
                     version = self.schema_store.record(
-                        name, schema, [f"+{c}" for c in describe_schema(schema)], None)
+                        name, schema, [f"+{c}" for c in describe_schema(schema)], None
+                    )
                     faults.point("schema.recorded")
                     self._note(name, version, describe_schema(schema), None)
                     if index == (0,):  # the next batches may bring fields this one had not
@@ -329,11 +343,14 @@ class Plan:
         recorded as a new version if it lacked it."""
         if RESCUED in schema.names:
             if not pa.types.is_string(schema.field(RESCUED).type):
-                raise FlowError(seg.name, f"schema mode rescue writes a JSON string column "
-                                f"{RESCUED!r}, but the stored columns of {name!r} hold one of "
-                                f"type {schema.field(RESCUED).type} (from the data of a run in "
-                                "another mode): rename that field in a map step, or keep "
-                                "the other mode")
+                raise FlowError(
+                    seg.name,
+                    f"schema mode rescue writes a JSON string column "
+                    f"{RESCUED!r}, but the stored columns of {name!r} hold one of "
+                    f"type {schema.field(RESCUED).type} (from the data of a run in "
+                    "another mode): rename that field in a map step, or keep "
+                    "the other mode",
+                )
             return schema
         schema = self.spark_types(schema.append(pa.field(RESCUED, pa.string())))
         version = self.schema_store.record(name, schema, [f"+{RESCUED}: string"], None)
@@ -341,8 +358,7 @@ class Plan:
         self._note(name, version, [f"+{RESCUED}: string"], None)
         return schema
 
-    def _headers_as_maps(self, schema: pa.Schema,
-                         current: pa.Schema | None = None) -> pa.Schema:
+    def _headers_as_maps(self, schema: pa.Schema, current: pa.Schema | None = None) -> pa.Schema:
         """A source's headers field (``headers_field=``) whose values are all strings is a
         map of strings, not a struct: its keys are whatever producers send, and must not
         become struct fields one by one (nor names Spark cannot hold)."""
@@ -353,11 +369,13 @@ class Plan:
         out = []
         for f in schema:
             t = f.type
-            known = current.field(f.name).type if current is not None and \
-                f.name in current.names else None
-            if f.name in names and pa.types.is_struct(t) and all(
-                    pa.types.is_string(t.field(i).type) for i in range(t.num_fields)) and (
-                    known is None or known.equals(as_map)):
+            known = current.field(f.name).type if current is not None and f.name in current.names else None
+            if (
+                f.name in names
+                and pa.types.is_struct(t)
+                and all(pa.types.is_string(t.field(i).type) for i in range(t.num_fields))
+                and (known is None or known.equals(as_map))
+            ):
                 f = f.with_type(as_map)
             out.append(f)
         return pa.schema(out)
@@ -367,15 +385,24 @@ class Plan:
         Spark expects."""
         return to_arrow_schema(from_arrow_schema(schema), timezone=self.timezone)
 
-    def _note(self, segment: str, version: int, changes: list[str],
-              brought_by: str | None) -> None:
+    def _note(self, segment: str, version: int, changes: list[str], brought_by: str | None) -> None:
         self._versions = {**self._versions, segment: version}
-        self.schema_changes.append({"segment": segment, "version": version,
-                                    "changes": changes, "brought_by": brought_by,
-                                    "at": time.time()})
-        log.info("columns of %s: version %d%s: %s", segment, version,
-                 f" ({brought(brought_by)})" if brought_by else "",
-                 "; ".join(changes[:20]) + (" ..." if len(changes) > 20 else ""))
+        self.schema_changes.append(
+            {
+                "segment": segment,
+                "version": version,
+                "changes": changes,
+                "brought_by": brought_by,
+                "at": time.time(),
+            }
+        )
+        log.info(
+            "columns of %s: version %d%s: %s",
+            segment,
+            version,
+            f" ({brought(brought_by)})" if brought_by else "",
+            "; ".join(changes[:20]) + (" ..." if len(changes) > 20 else ""),
+        )
 
     def evolve(self, misses: Sequence[tuple[str, pa.Schema, str]]) -> dict[str, str]:
         """Merge the columns that rows needed (segment, the row's columns, its message's
@@ -414,8 +441,7 @@ class Plan:
                     continue
                 twice = duplicate_names(merged)
                 if twice is not None:  # names Spark made one (or that were one already)
-                    refused[segment] = (f"the new fields would give {twice!r} two fields of "
-                                        "one name")
+                    refused[segment] = f"the new fields would give {twice!r} two fields of one name"
                     continue
                 version = self.schema_store.record(segment, merged, changes, brought)
                 faults.point("schema.recorded")
@@ -426,9 +452,14 @@ class Plan:
                     self._probing[index] = PROBE_QUIET
         return refused
 
-    def probe(self, index: tuple[int, ...], seg: Segment,
-              sample: Callable[[Any], list[tuple[str, int]]], data_in: list[str] | None,
-              lineage: str) -> None:
+    def probe(
+        self,
+        index: tuple[int, ...],
+        seg: Segment,
+        sample: Callable[[Any], list[tuple[str, int]]],
+        data_in: list[str] | None,
+        lineage: str,
+    ) -> None:
         """After the first segment's columns were first inferred, and while they keep
         changing (a producer rolling out new fields), each batch first runs its steps
         over every ``PROBE_STRIDE``-th message and evolves the columns with what they
@@ -438,8 +469,7 @@ class Plan:
         an optimisation: misses stay correct."""
         if index not in self._probing:
             return
-        sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage,
-                               stride=PROBE_STRIDE)
+        sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage, stride=PROBE_STRIDE)
         found = pa.schema([])
         for text, _ in sample(sampler):
             found = merge_schemas(found, from_text(text))[0]
@@ -466,14 +496,18 @@ class Plan:
         ends like a key suffix (:func:`~ackflow.spark.rows.row_key`)."""
         fields = self.flow.source.header_fields
         n = len(deliveries)
-        table = pa.table({
-            ID: pa.array([d.lineage_id for d in deliveries], pa.int64()),
-            KEY: pa.array([row_key(d.identity) for d in deliveries], pa.string()),
-            BODY: pa.array([d.body for d in deliveries], pa.binary()),
-            SRC: pa.array([d.origin for d in deliveries], pa.int32()),
-            HDR: pa.nulls(n, pa.string()) if all(f is None for f in fields) else
-            pa.array([_headers(fields[d.origin], d.headers) for d in deliveries], pa.string())},
-            schema=INPUT_SCHEMA)
+        table = pa.table(
+            {
+                ID: pa.array([d.lineage_id for d in deliveries], pa.int64()),
+                KEY: pa.array([row_key(d.identity) for d in deliveries], pa.string()),
+                BODY: pa.array([d.body for d in deliveries], pa.binary()),
+                SRC: pa.array([d.origin for d in deliveries], pa.int32()),
+                HDR: pa.nulls(n, pa.string())
+                if all(f is None for f in fields)
+                else pa.array([_headers(fields[d.origin], d.headers) for d in deliveries], pa.string()),
+            },
+            schema=INPUT_SCHEMA,
+        )
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
 
@@ -495,8 +529,11 @@ def check_names(step: str, names: Sequence[str], what: str) -> None:
         if why is not None:
             raise FlowError(step, f"{what} column {n!r}: {why}")
         if fold(n) in seen and seen[fold(n)] != n:
-            raise FlowError(step, f"{what} columns {seen[fold(n)]!r} and {n!r} differ only "
-                            "in case, and Spark does not tell column names apart by case")
+            raise FlowError(
+                step,
+                f"{what} columns {seen[fold(n)]!r} and {n!r} differ only "
+                "in case, and Spark does not tell column names apart by case",
+            )
         seen[fold(n)] = n
 
 
@@ -505,8 +542,14 @@ def _new_fields_safe(current: pa.Schema, wanted: pa.Schema) -> pa.Schema:
     ``current`` (a name Spark cannot address, reserved, or a case twin of a column): the
     tasks fail rows holding them, this is the driver's guard."""
     have = {fold(n): n for n in current.names}
-    return pa.schema([f for f in wanted if f.name in current.names or (
-        fold(f.name) not in have and unaddressable(f.name) is None and not reserved(f.name))])
+    return pa.schema(
+        [
+            f
+            for f in wanted
+            if f.name in current.names
+            or (fold(f.name) not in have and unaddressable(f.name) is None and not reserved(f.name))
+        ]
+    )
 
 
 def _spark_safe(schema: pa.Schema) -> pa.Schema:
@@ -546,9 +589,12 @@ def _pickle_parts(flow: Flow) -> dict[str, bytes]:
         try:
             out[name] = cloudpickle.dumps(part)
         except Exception as e:
-            raise FlowError(name, f"cannot be sent to the executors (not picklable): "
-                            f"{type(e).__name__}: {e}. Open connections and files inside the "
-                            "function or in write_partition, not when building the flow") from e
+            raise FlowError(
+                name,
+                f"cannot be sent to the executors (not picklable): "
+                f"{type(e).__name__}: {e}. Open connections and files inside the "
+                "function or in write_partition, not when building the flow",
+            ) from e
     return out
 
 

@@ -148,11 +148,13 @@ class LocalTally:
     def __reduce__(self) -> tuple[Any, tuple[int]]:
         return _local_tally, (self._token,)
 
+
 Out = tuple[int, "dict[str, Any] | None", "str | None", "str | None", str]
 
 
-def run_steps(row: dict[str, Any], steps: Sequence[Step], key: str = "",
-              tally: dict[str, list[int]] | None = None) -> list[Out]:
+def run_steps(
+    row: dict[str, Any], steps: Sequence[Step], key: str = "", tally: dict[str, list[int]] | None = None
+) -> list[Out]:
     """Run ``row`` through the Python steps; return the rows out and the failures.
 
     Each row out carries its key: ``key`` itself through map and filter, and
@@ -182,9 +184,7 @@ def run_steps(row: dict[str, Any], steps: Sequence[Step], key: str = "",
                     children = []
                     for j, child in enumerate(step.fn(r)):
                         if not isinstance(child, dict):
-                            raise TypeError(
-                                f"flat_map must yield dicts, got {type(child).__name__}"
-                            )
+                            raise TypeError(f"flat_map must yield dicts, got {type(child).__name__}")
                         children.append((child, child_key(k, j)))
                     nxt.extend(children)
             except Exception as e:  # noqa: BLE001 - any user error fails only this row
@@ -234,9 +234,14 @@ def segment_rows(
 
 
 def conform(
-    rows: list[dict[str, Any]], data_schema: pa.Schema, status: list[int],
-    step: list[str | None], err: list[str | None], step_name: str,
-    mode: str | None = None, segment: str = "",
+    rows: list[dict[str, Any]],
+    data_schema: pa.Schema,
+    status: list[int],
+    step: list[str | None],
+    err: list[str | None],
+    step_name: str,
+    mode: str | None = None,
+    segment: str = "",
 ) -> pa.Table:
     """Rows → Arrow with ``data_schema``; a row that does not fit fails on its own, and so
     does a row with a field named like ackflow's own columns (``__af_...``).
@@ -266,19 +271,32 @@ def conform(
         extra = [] if names.issuperset(r) else [k for k in r if k not in names]
         shady = next((str(k) for k in extra if reserved(str(k))), None)
         if shady is not None:
-            _fail(rows, status, step, err, i, step_name, f"field {shady!r}: names starting "
-                  f"with {RESERVED} (in any case) are reserved for ackflow")
+            _fail(
+                rows,
+                status,
+                step,
+                err,
+                i,
+                step_name,
+                f"field {shady!r}: names starting with {RESERVED} (in any case) are reserved for ackflow",
+            )
             continue
         # an empty value outside the columns has nothing to lose and no column to make yet
         bad = None if mode is None else next((str(k) for k in extra if not empty(r[k])), None)
         if mode == RESCUE and bad is None and not empty(r.get(RESCUED)):
             bad = RESCUED  # a data field of that name is kept inside ackflow's column
         if bad is not None:  # a name Spark cannot hold fails the row, never makes a column
-            odd = next((str(k) for k in extra if not empty(r[k]) and cannot_be_column(str(k))),
-                       None)
+            odd = next((str(k) for k in extra if not empty(r[k]) and cannot_be_column(str(k))), None)
             if odd is not None:
-                _fail(rows, status, step, err, i, step_name,
-                      f"field {odd!r}: {_outside(odd, data_schema.names)}")
+                _fail(
+                    rows,
+                    status,
+                    step,
+                    err,
+                    i,
+                    step_name,
+                    f"field {odd!r}: {_outside(odd, data_schema.names)}",
+                )
                 continue
         why = None  # bad is a new field; else why its value does not fit
         if bad is None:
@@ -295,8 +313,7 @@ def conform(
         if mode == EVOLVE:
             pending.append(i)
             continue
-        _misfit(rows, status, step, err, i, step_name, mode or FREEZE, segment, data_schema,
-                bad)
+        _misfit(rows, status, step, err, i, step_name, mode or FREEZE, segment, data_schema, bad)
     _evolve_rows(pending, rows, status, step, err, step_name, segment, data_schema)
     try:
         return pa.Table.from_pylist(rows, schema=data_schema)
@@ -316,15 +333,13 @@ def conform(
                     pa.Table.from_pylist([blank], schema=data_schema)
                     rows[i] = blank
                     continue
-                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError,
-                        OverflowError):
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
                     pass
             if mode == EVOLVE:
                 pending.append(i)
                 continue
             if mode == RESCUE:
-                _misfit(rows, status, step, err, i, step_name, mode, segment, data_schema,
-                        None, e)
+                _misfit(rows, status, step, err, i, step_name, mode, segment, data_schema, None, e)
                 continue
             rows[i] = {}
             status[i], step[i] = FAILED, step_name
@@ -336,9 +351,16 @@ def conform(
     return pa.Table.from_pylist(rows, schema=data_schema)
 
 
-def _evolve_rows(pending: list[int], rows: list[dict[str, Any]], status: list[int],
-                 step: list[str | None], err: list[str | None], step_name: str, segment: str,
-                 data_schema: pa.Schema) -> None:
+def _evolve_rows(
+    pending: list[int],
+    rows: list[dict[str, Any]],
+    status: list[int],
+    step: list[str | None],
+    err: list[str | None],
+    step_name: str,
+    segment: str,
+    data_schema: pa.Schema,
+) -> None:
     """Rows that need more columns (mode ``evolve``): typed together, they become schema
     misses that share one error text naming only what must change (new fields, wider
     types), so a batch where a new field arrives costs one inference, not one per row.
@@ -351,8 +373,13 @@ def _evolve_rows(pending: list[int], rows: list[dict[str, Any]], status: list[in
     except Exception:  # noqa: BLE001 - outside data: judged row by row below
         changes, conflicts = [], ["untyped"]
     if changes and not conflicts:
-        delta = pa.schema([f for f in merged if f.name not in data_schema.names
-                           or not f.type.equals(data_schema.field(f.name).type)])
+        delta = pa.schema(
+            [
+                f
+                for f in merged
+                if f.name not in data_schema.names or not f.type.equals(data_schema.field(f.name).type)
+            ]
+        )
         text = miss_error(segment, delta)
         for i in pending:
             _fail(rows, status, step, err, i, step_name, text)
@@ -361,32 +388,61 @@ def _evolve_rows(pending: list[int], rows: list[dict[str, Any]], status: list[in
         _misfit(rows, status, step, err, i, step_name, EVOLVE, segment, data_schema, None)
 
 
-
-def _fail(rows: list[dict[str, Any]], status: list[int], step: list[str | None],
-          err: list[str | None], i: int, step_name: str, why: str) -> None:
+def _fail(
+    rows: list[dict[str, Any]],
+    status: list[int],
+    step: list[str | None],
+    err: list[str | None],
+    i: int,
+    step_name: str,
+    why: str,
+) -> None:
     rows[i] = {}
     status[i], step[i], err[i] = FAILED, step_name, why
 
 
-def _misfit(rows: list[dict[str, Any]], status: list[int], step: list[str | None],
-            err: list[str | None], i: int, step_name: str, mode: str, segment: str,
-            data_schema: pa.Schema, bad: str | None, error: Exception | None = None) -> None:
+def _misfit(
+    rows: list[dict[str, Any]],
+    status: list[int],
+    step: list[str | None],
+    err: list[str | None],
+    i: int,
+    step_name: str,
+    mode: str,
+    segment: str,
+    data_schema: pa.Schema,
+    bad: str | None,
+    error: Exception | None = None,
+) -> None:
     """Row ``i`` does not fit the columns (``bad``: the first field outside them, at any
     depth; ``error``: Arrow refused a value): handle it by the segment's mode."""
     r = rows[i]
     names = data_schema.names
     if mode == FREEZE:
-        _fail(rows, status, step, err, i, step_name,
-              f"field {bad!r}: not among the columns {_shown(names)} of the stored schema, "
-              "and the step's schema mode is 'freeze' (new fields are refused)")
+        _fail(
+            rows,
+            status,
+            step,
+            err,
+            i,
+            step_name,
+            f"field {bad!r}: not among the columns {_shown(names)} of the stored schema, "
+            "and the step's schema mode is 'freeze' (new fields are refused)",
+        )
         return
     if mode == RESCUE:
         try:
             rows[i] = _rescue(r, data_schema)
         except (TypeError, ValueError) as e:
-            _fail(rows, status, step, err, i, step_name,
-                  f"field {RESCUED!r}: the fields that do not fit cannot be kept as JSON: "
-                  f"{describe(e)}")
+            _fail(
+                rows,
+                status,
+                step,
+                err,
+                i,
+                step_name,
+                f"field {RESCUED!r}: the fields that do not fit cannot be kept as JSON: {describe(e)}",
+            )
         return
     try:
         row_schema = infer_schema([r], step_name)
@@ -399,10 +455,18 @@ def _misfit(rows: list[dict[str, Any]], status: list[int], step: list[str | None
     elif changes:
         _fail(rows, status, step, err, i, step_name, miss_error(segment, row_schema))
     else:
-        why = _unfit(r, data_schema) or (describe(error) if error is not None else
-                                        f"field {bad!r} does not fit")
-        _fail(rows, status, step, err, i, step_name,
-              f"row does not fit the columns {_shown(names)} of the step: {why}")
+        why = _unfit(r, data_schema) or (
+            describe(error) if error is not None else f"field {bad!r} does not fit"
+        )
+        _fail(
+            rows,
+            status,
+            step,
+            err,
+            i,
+            step_name,
+            f"row does not fit the columns {_shown(names)} of the step: {why}",
+        )
 
 
 def _unfit(row: dict[str, Any], data_schema: pa.Schema) -> str | None:
@@ -412,8 +476,7 @@ def _unfit(row: dict[str, Any], data_schema: pa.Schema) -> str | None:
         i = data_schema.get_field_index(k) if isinstance(k, str) else -1
         try:
             pa.array([v], data_schema.field(i).type) if i >= 0 else pa.array([v])
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError,
-                OverflowError) as e:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
             return f"field {k!r}: {describe(e)}"
     return None
 
@@ -431,8 +494,7 @@ def _rescue(row: dict[str, Any], data_schema: pa.Schema) -> dict[str, Any]:
     rest = dict(rest or {})
     if not empty(row.get(RESCUED)):
         rest[RESCUED] = row[RESCUED]
-    kept[RESCUED] = json.dumps(rest, default=_json_default, allow_nan=False,
-                               sort_keys=True) if rest else None
+    kept[RESCUED] = json.dumps(rest, default=_json_default, allow_nan=False, sort_keys=True) if rest else None
     return kept
 
 
@@ -459,16 +521,27 @@ def _outside(name: str, columns: list[str]) -> str:
         return f"{why}; rename the field in a map step"
     same = [c for c in columns if fold(c) == fold(name)]
     if same:
-        return (f"differs from the column {same[0]!r} only in case, and Spark does not tell "
-                "column names apart by case")
-    return (f"not among the columns {_shown(columns)} of the step; give the step "
-            "schema= to choose its columns (fields outside a given schema are left out)")
+        return (
+            f"differs from the column {same[0]!r} only in case, and Spark does not tell "
+            "column names apart by case"
+        )
+    return (
+        f"not among the columns {_shown(columns)} of the step; give the step "
+        "schema= to choose its columns (fields outside a given schema are left out)"
+    )
 
 
 def make_segment(
-    steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None, data_schema: pa.Schema,
-    out_schema: pa.Schema, lineage: str = ID, tally: Tally | None = None, *,
-    mode: str | None = None, segment: str = "",
+    steps: Sequence[Step],
+    formats: Sequence[str],
+    data_in: list[str] | None,
+    data_schema: pa.Schema,
+    out_schema: pa.Schema,
+    lineage: str = ID,
+    tally: Tally | None = None,
+    *,
+    mode: str | None = None,
+    segment: str = "",
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None);
     with a ``tally``, it adds each step's rows in, out and failed once per batch.
@@ -497,8 +570,9 @@ def make_segment(
                 if data_in is None:
                     bad = status.count(FAILED)
                     counts["decode"] = [n, n - bad, bad]
-            o_id, o_key, o_st, o_step, o_err, o_rows = segment_rows(ids, keys, status, sname,
-                                                                    errs, rows, steps, counts)
+            o_id, o_key, o_st, o_step, o_err, o_rows = segment_rows(
+                ids, keys, status, sname, errs, rows, steps, counts
+            )
             if counts is not None and last in counts:
                 before = o_st.count(FAILED)
                 data = conform(o_rows, data_schema, o_st, o_step, o_err, last, mode, segment)
@@ -525,8 +599,11 @@ def make_segment(
 
 
 def make_sampler(
-    steps: Sequence[Step], formats: Sequence[str], data_in: list[str] | None,
-    lineage: str = ID, stride: int = 1,
+    steps: Sequence[Step],
+    formats: Sequence[str],
+    data_in: list[str] | None,
+    lineage: str = ID,
+    stride: int = 1,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function returning, per partition, the columns inferred from
     every good output row of the steps (a schema as text, see
@@ -547,15 +624,16 @@ def make_sampler(
                 status = b.column(STATUS).to_pylist()
                 rows = b.select(data_in).to_pylist() if data_in else [{} for _ in ids]
             n = len(ids)
-            _, _, o_st, _, _, o_rows = segment_rows(ids, [""] * n, status, [None] * n,
-                                                    [None] * n, rows, steps)
+            _, _, o_st, _, _, o_rows = segment_rows(
+                ids, [""] * n, status, [None] * n, [None] * n, rows, steps
+            )
             good.extend(r for st, r in zip(o_st, o_rows, strict=True) if st == LIVE)
         schema = infer_schema(good, name)
-        yield pa.RecordBatch.from_pylist([{"schema": to_text(schema), "rows": len(good)}],
-                                         schema=SAMPLE_SCHEMA)
+        yield pa.RecordBatch.from_pylist(
+            [{"schema": to_text(schema), "rows": len(good)}], schema=SAMPLE_SCHEMA
+        )
 
     return sample
 
 
 SAMPLE_SCHEMA = pa.schema([("schema", pa.string()), ("rows", pa.int64())])
-

@@ -26,8 +26,7 @@ def _daemon(master: str, python: str) -> dict[str, str]:
     in a directory on that path (not inside a zip or pex); elsewhere Spark's own daemon."""
     import importlib.util
 
-    if not master.startswith("local") or (
-            os.path.realpath(python) != os.path.realpath(sys.executable)):
+    if not master.startswith("local") or (os.path.realpath(python) != os.path.realpath(sys.executable)):
         return {}
     spec = importlib.util.find_spec("ackflow_daemon")
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
@@ -35,8 +34,9 @@ def _daemon(master: str, python: str) -> dict[str, str]:
     return {"spark.python.daemon.module": "ackflow_daemon"}
 
 
-def session(master: str | None = None, conf: dict[str, Any] | None = None,
-            log_level: str = "FATAL") -> SparkSession:
+def session(
+    master: str | None = None, conf: dict[str, Any] | None = None, log_level: str = "FATAL"
+) -> SparkSession:
     """Get or create the SparkSession ackflow runs on.
 
     Defaults: ``local[*]``, loopback only, no UI, few shuffle partitions (batches are
@@ -70,8 +70,11 @@ def session(master: str | None = None, conf: dict[str, Any] | None = None,
     }
     defaults.update(conf or {})
     if "spark.python.daemon.module" not in defaults:  # decided on the merged conf
-        defaults.update(_daemon(str(defaults.get("spark.master", master or "local[*]")),
-                                str(defaults["spark.pyspark.python"])))
+        defaults.update(
+            _daemon(
+                str(defaults.get("spark.master", master or "local[*]")), str(defaults["spark.pyspark.python"])
+            )
+        )
     for k, v in defaults.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
@@ -96,8 +99,7 @@ def ship_ackflow(spark: SparkSession) -> str:
     package_dir = os.path.dirname(os.path.abspath(ackflow.__file__))
     folder = tempfile.mkdtemp(prefix="ackflow-ship-")
     base = os.path.join(folder, "ackflow")
-    archive = shutil.make_archive(base, "zip", root_dir=os.path.dirname(package_dir),
-                                  base_dir="ackflow")
+    archive = shutil.make_archive(base, "zip", root_dir=os.path.dirname(package_dir), base_dir="ackflow")
     spark.sparkContext.addPyFile(archive)
     return archive
 

@@ -31,8 +31,12 @@ from ackflow.spark.rows import Tally, counting
 
 
 def make_writer(
-    sink: Sink, batch_id: str, data_cols: list[str], lineage: str = ID,
-    order: Sequence[str] | None = None, tally: Tally | None = None,
+    sink: Sink,
+    batch_id: str,
+    data_cols: list[str],
+    lineage: str = ID,
+    order: Sequence[str] | None = None,
+    tally: Tally | None = None,
     refused: dict[str, str] | None = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function that writes a partition's live rows and returns receipts.
@@ -120,7 +124,8 @@ def make_writer(
         if lineage != ID:  # one line per member of each grouped row
             members = table.column(lineage).combine_chunks()
             per_row = per_row.take(pc.list_parent_indices(members)).set_column(
-                0, "id", pc.list_flatten(members))
+                0, "id", pc.list_flatten(members)
+            )
         if tally is not None and (len(live_idx) or misfit) and counting():
             done = int(written[live_idx].sum())
             came = len(live_idx) + len(misfit or ())
@@ -133,11 +138,29 @@ def make_writer(
         if counts is None:
             counts = {sink.name: int(written[live_idx].sum()) if len(live_idx) else 0}
         lines: list[dict[str, Any]] = [
-            {"id": None, "sink": name, "emitted": 0, "written": n, "err_step": None,
-             "err": None, "token": None} for name, n in counts.items()]
+            {
+                "id": None,
+                "sink": name,
+                "emitted": 0,
+                "written": n,
+                "err_step": None,
+                "err": None,
+                "token": None,
+            }
+            for name, n in counts.items()
+        ]
         if token is not None:
-            lines.append({"id": None, "sink": sink.name, "emitted": -1, "written": 0,
-                          "err_step": None, "err": None, "token": token})
+            lines.append(
+                {
+                    "id": None,
+                    "sink": sink.name,
+                    "emitted": -1,
+                    "written": 0,
+                    "err_step": None,
+                    "err": None,
+                    "token": token,
+                }
+            )
         if lines:
             yield pa.RecordBatch.from_pylist(lines, schema=TASK_RECEIPTS)
 
