@@ -98,8 +98,9 @@ def stream_publish(server, stream, bodies):
 
 
 def connections_to(port):
-    """How many TCP sockets this process holds open to 127.0.0.1:``port`` (read from
-    /proc, so threads and files other tests left around do not count)."""
+    """The TCP sockets this process holds open to 127.0.0.1:``port`` (their inodes, read
+    from /proc): compare two of them to see which connections a piece of code left
+    open, whatever other threads of the process open or close meanwhile."""
     import os
 
     inodes = set()
@@ -110,15 +111,16 @@ def connections_to(port):
             continue  # closed between listdir and readlink
         if link.startswith("socket:["):
             inodes.add(link[8:-1])
-    n = 0
+    found = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
-            lines = open(table).read().splitlines()[1:]
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
             cols = line.split()
-            state, inode = cols[3], cols[9]
-            if int(cols[2].rsplit(":", 1)[1], 16) == port and inode in inodes and state != "06":
-                n += 1  # 06 = TIME_WAIT (no socket left in this process)
-    return n
+            remote_port, state, inode = int(cols[2].rsplit(":", 1)[1], 16), cols[3], cols[9]
+            if remote_port == port and inode in inodes and state != "06":  # 06: TIME_WAIT
+                found.add(inode)
+    return found

@@ -490,7 +490,7 @@ def test_rabbitmq_sink_many_partitions_bad_rows_and_a_restart(rabbitmq):
     assert set(ids) == {f"m{i}#0" for i in range(MESSAGES) if i % 97}
     assert len(ids) == expected
     assert all(body["n"] == int(mid[1:-2]) for mid, body, _ in got)
-    assert connections_to(rabbitmq.port) == before  # every connection closed
+    assert connections_to(rabbitmq.port) - before == set()  # every connection it made closed
 
 
 def test_delta_log_is_bounded_when_the_table_writes_no_checkpoints_of_its_own(tmp_path):

@@ -412,3 +412,30 @@ def test_an_exchange_gone_after_the_start_is_systemic_not_poison(spark, rabbitmq
         engine.run()
     assert e.value.step == "out" and engine.report.dead_lettered == 0
     assert not src.dead_letters and set(src.final().values()) == {"released"}
+
+
+def test_each_publish_closes_its_connection_without_waiting_for_a_collection(rabbitmq):
+    """A confirmed publish (the sink's, one per partition) closes its socket before it
+    returns. It once stopped its loop while the close was under way, and the socket
+    stayed open until Python's cycle collector ran: with collections off, three publishes
+    left three connections open."""
+    import gc
+
+    import pika
+
+    from ackflow.sinks.rabbitmq import publish_confirmed
+    from amqp import connections_to
+
+    q = names("closes")
+    setup(rabbitmq.url, queue=q)
+    gc.disable()
+    try:
+        before = connections_to(rabbitmq.port)
+        for i in range(3):
+            props = pika.BasicProperties(message_id=f"m{i}")
+            assert publish_confirmed(rabbitmq.url, "", [(q, b"{}", props)]) == {}
+        left = connections_to(rabbitmq.port) - before
+    finally:
+        gc.enable()
+    assert left == set()
+    assert count(rabbitmq.url, q) == 3

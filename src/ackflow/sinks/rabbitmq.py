@@ -219,6 +219,10 @@ def _header_problem(key: Any, value: Any) -> str | None:
     return None
 
 
+#: how long a publisher's connection waits for the broker to confirm its close
+CLOSE_WAIT_S = 10.0
+
+
 def publish_confirmed(
     url: str,
     exchange: str,
@@ -244,9 +248,12 @@ def publish_confirmed(
         if error is not None and state["error"] is None:
             state["error"] = error
         if conn.is_open:
-            conn.close()
-        else:
+            conn.close()  # on_closed stops the loop once the broker closed it
+            conn.ioloop.call_later(CLOSE_WAIT_S, conn.ioloop.stop)  # one that never answers
+        elif conn.is_closed:
             conn.ioloop.stop()
+        # closing (a channel's close callback during conn.close()): on_closed stops the
+        # loop; stopping it here left the socket open until a garbage collection
 
     def publish_more(ch: Any) -> None:
         while state["next"] < n and len(unconfirmed) < window:
@@ -323,6 +330,8 @@ def publish_confirmed(
         idle = time.monotonic() - state["progress"]
         if idle >= timeout_s:
             stop(conn, f"no confirm for {timeout_s:g} s")
+            if not (conn.is_open or conn.is_closed):  # stuck closing: give up waiting
+                conn.ioloop.stop()
         else:
             conn.ioloop.call_later(timeout_s - idle, watchdog)
 
