@@ -667,3 +667,25 @@ def test_a_partition_paused_before_an_incremental_assign_is_resumed(kafka, tmp_p
         logger.removeHandler(handler)
         b.close()
         a.close()
+
+
+def test_attempt_counts_keep_one_row_per_partition_for_first_deliveries(tmp_path):
+    """First deliveries cost the partition's high mark only; counts of later deliveries
+    are rows; the mark never goes down; a commit forgets the rows below it, not the
+    mark; all of it survives reopening the file."""
+    from ackflow.sources.kafka_attempts import Attempts
+
+    path = str(tmp_path / "a.db")
+    a = Attempts(path)
+    tp = ("t", 0)
+    assert a.handed_high(tp) == -1
+    a.record_pull([], {tp: 99})
+    assert a.db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 0
+    a.record_pull([(tp, 5, 3), (tp, 20, 2)], {tp: 50, ("t", 1): 7})
+    assert (a.handed_high(tp), a.handed_high(("t", 1))) == (99, 7)
+    assert (a.get(tp, 5), a.get(tp, 20), a.get(tp, 6)) == (3, 2, 0)
+    a.forget(tp, 10)
+    a.close()
+    b = Attempts(path)
+    assert (b.get(tp, 5), b.get(tp, 20), b.handed_high(tp)) == (0, 2, 99)
+    b.close()

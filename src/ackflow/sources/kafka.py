@@ -76,6 +76,9 @@ class _Part:
         self.inbox: deque[Any] = deque()  # fetched, not handed out yet
         self.committed = -1  # the offset last committed by this source
         self.revoking = False
+        # the highest offset handed out before this assignment read the partition (by
+        # an earlier run, or another process on this machine): a redelivery up to it
+        self.handed_before = -1
 
 
 class KafkaSource(Source):
@@ -225,8 +228,7 @@ class KafkaSource(Source):
         try:
             while not self._stop.is_set():
                 self._backpressure()
-                for m in self._consumer.consume(500, 0.1):
-                    self._fetched(m)
+                self._fetched(self._consumer.consume(500, 0.1))
                 if not self._up:
                     self._probe()
                 try:
@@ -313,20 +315,26 @@ class KafkaSource(Source):
         else:
             self._paused.clear()
 
-    def _fetched(self, m: Any) -> None:
-        err = m.error()
-        if err is not None:
-            if err.fatal():
+    def _fetched(self, messages: list[Any]) -> None:
+        """Put what one ``consume`` returned into its partitions' inboxes (one lock for
+        the lot: the engine's thread takes it per pull)."""
+        good = []
+        for m in messages:
+            err = m.error()
+            if err is None:
+                good.append(m)
+            elif err.fatal():
                 raise RuntimeError(f"Kafka: {err.str()}")
-            log.debug("source %r: %s", self.name, err.str())
+            else:
+                log.debug("source %r: %s", self.name, err.str())
+        if not good:
             return
         self._back()
-        tp = (m.topic(), m.partition())
         with self._lock:
-            part = self._parts.get(tp)
-            if part is None or part.revoking:
-                return  # not ours (any more): its new owner reads it
-            part.inbox.append(m)
+            for m in good:
+                part = self._parts.get((m.topic(), m.partition()))
+                if part is not None and not part.revoking:  # else not ours (any more)
+                    part.inbox.append(m)
             self._lock.notify_all()
 
     def _commit(self, only: Sequence[Partition] | None = None) -> None:
@@ -487,16 +495,17 @@ class KafkaSource(Source):
                         out.append(
                             Delivery(0, _key(tp, off), entry[1], entry[2], count, handle=(tp, off, gen))
                         )
-                taken = []
+                highs: dict[Partition, int] = {}
                 for tp, part in self._parts.items():
                     while part.inbox and len(out) < max_messages and not part.revoking:
                         d = self._take(tp, part, part.inbox.popleft())
                         if d is not None:
                             out.append(d)
-                            taken.append(d)
-                if taken:  # counted before they are handed out: a message whose
+                            highs[tp] = part.last_seen
+                if out:  # counted before they are handed out: a message whose
                     # processing kills the process has its delivery counted too
-                    self._store().record_many([(*_handle(d)[:2], d.delivery_count) for d in taken])
+                    again = [(*_handle(d)[:2], d.delivery_count) for d in out if d.delivery_count > 1]
+                    self._store().record_pull(again, highs)
                 if out or self._stop.is_set() or now >= deadline:
                     return out
                 self._lock.wait(min(0.05, deadline - now))
@@ -508,6 +517,7 @@ class KafkaSource(Source):
         if part.tracker is None:  # the partition's reading starts at its committed offset
             part.tracker = OffsetTracker(start=off)
             part.committed = off
+            part.handed_before = self._store().handed_high(tp)
         elif off > part.last_seen + 1:
             part.tracker.gap(part.last_seen + 1, off)  # never delivered: a gap
         part.last_seen = off
@@ -516,7 +526,8 @@ class KafkaSource(Source):
         body = m.value() or b""
         headers = delivery_headers(tp, off, m)
         self._bodies[(tp, off)] = (part.gen, body, headers)
-        count = self._store().get(tp, off) + 1
+        # handed out before this assignment: its recorded count, else that one delivery
+        count = max(self._store().get(tp, off), 1) + 1 if off <= part.handed_before else 1
         return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, part.gen))
 
     def _mine(self, tp: Partition, off: int, gen: int) -> bool:

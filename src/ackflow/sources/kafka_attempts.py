@@ -1,5 +1,11 @@
 """The Kafka source's delivery counts that survive a restart: one small SQLite file
-(fsynced) per consumer group and machine, keyed by topic, partition and offset."""
+(fsynced) per consumer group and machine.
+
+Two tables: per partition, the highest offset ever handed out (``handed``: every
+offset above the committed one and at most this one was delivered at least once), and
+per message delivered more than once, its count (``attempts``). A first delivery costs
+no row of its own, only the partition's high mark (one upsert per pull and partition,
+in the pull's one transaction), so counting stays off the per-message path."""
 
 from __future__ import annotations
 
@@ -26,6 +32,16 @@ class Attempts:
             "CREATE TABLE IF NOT EXISTS attempts (topic TEXT, part INTEGER, "
             "off INTEGER, n INTEGER, PRIMARY KEY (topic, part, off))"
         )
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS handed (topic TEXT, part INTEGER, high INTEGER, "
+            "PRIMARY KEY (topic, part))"
+        )
+
+    def handed_high(self, tp: Partition) -> int:
+        """The highest offset of ``tp`` handed out so far, by any run using this file
+        (-1: none)."""
+        row = self.db.execute("SELECT high FROM handed WHERE topic=? AND part=?", tp).fetchone()
+        return int(row[0]) if row else -1
 
     def get(self, tp: Partition, offset: int) -> int:
         """Deliveries of the message so far, as recorded (0: none recorded)."""
@@ -38,14 +54,20 @@ class Attempts:
         self.db.execute("INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?)", (tp[0], tp[1], offset, n))
         faults.point("kafka.attempt_recorded")
 
-    def record_many(self, counts: list[tuple[Partition, int, int]]) -> None:
-        """Record (partition, offset, deliveries so far) in one transaction (one fsync):
-        the deliveries a pull hands out, before they are handed out."""
+    def record_pull(self, counts: list[tuple[Partition, int, int]], highs: dict[Partition, int]) -> None:
+        """Before a pull's deliveries are handed out, in one transaction (one fsync): the
+        count of each one that is not a first delivery (partition, offset, deliveries so
+        far) and each partition's highest offset handed out."""
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany(
                 "INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?)",
                 [(tp[0], tp[1], off, n) for tp, off, n in counts],
+            )
+            self.db.executemany(
+                "INSERT INTO handed VALUES (?, ?, ?) ON CONFLICT (topic, part) "
+                "DO UPDATE SET high = max(high, excluded.high)",
+                [(tp[0], tp[1], high) for tp, high in highs.items()],
             )
         faults.point("kafka.attempt_recorded")
 
