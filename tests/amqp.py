@@ -97,20 +97,24 @@ def stream_publish(server, stream, bodies):
     asyncio.run(go())
 
 
+def fds():
+    """This process's open file descriptors and what each one is (from /proc)."""
+    import os
+
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed between listdir and readlink
+    return out
+
+
 def connections_to(port):
     """The TCP sockets this process holds open to 127.0.0.1:``port`` (their inodes, read
     from /proc): compare two of them to see which connections a piece of code left
     open, whatever other threads of the process open or close meanwhile."""
-    import os
-
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed between listdir and readlink
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
+    inodes = {link[8:-1] for link in fds().values() if link.startswith("socket:[")}
     found = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:

@@ -670,22 +670,39 @@ def test_a_partition_paused_before_an_incremental_assign_is_resumed(kafka, tmp_p
 
 
 def test_attempt_counts_keep_one_row_per_partition_for_first_deliveries(tmp_path):
-    """First deliveries cost the partition's high mark only; counts of later deliveries
-    are rows; the mark never goes down; a commit forgets the rows below it, not the
-    mark; all of it survives reopening the file."""
+    """First deliveries cost the partition's marks only; counts of later deliveries are
+    rows; the high mark never goes down; a commit forgets the rows below it and moves
+    the committed mark (an offset below it that comes again is a replay); all of it
+    survives reopening the file, and a file that kept a row per delivery gets its marks
+    from those rows."""
+    import sqlite3
+
     from ackflow.sources.kafka_attempts import Attempts
 
     path = str(tmp_path / "a.db")
     a = Attempts(path)
     tp = ("t", 0)
-    assert a.handed_high(tp) == -1
+    assert a.handed(tp) == (0, -1)
     a.record_pull([], {tp: 99})
     assert a.db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 0
     a.record_pull([(tp, 5, 3), (tp, 20, 2)], {tp: 50, ("t", 1): 7})
-    assert (a.handed_high(tp), a.handed_high(("t", 1))) == (99, 7)
+    assert (a.handed(tp), a.handed(("t", 1))) == ((0, 99), (0, 7))
     assert (a.get(tp, 5), a.get(tp, 20), a.get(tp, 6)) == (3, 2, 0)
     a.forget(tp, 10)
+    a.forget(tp, 8)  # never backwards
+    a.forget(("t", 2), 4)  # committed before anything was handed out here
     a.close()
     b = Attempts(path)
-    assert (b.get(tp, 5), b.get(tp, 20), b.handed_high(tp)) == (0, 2, 99)
+    assert (b.get(tp, 5), b.get(tp, 20), b.handed(tp), b.handed(("t", 2))) == (0, 2, (10, 99), (4, -1))
     b.close()
+
+    old = str(tmp_path / "old.db")
+    with sqlite3.connect(old) as db:
+        db.execute(
+            "CREATE TABLE attempts (topic TEXT, part INTEGER, off INTEGER, n INTEGER, "
+            "PRIMARY KEY (topic, part, off))"
+        )
+        db.executemany("INSERT INTO attempts VALUES ('t', 0, ?, ?)", [(40, 1), (41, 4), (42, 1)])
+    c = Attempts(old)
+    assert (c.handed(tp), c.get(tp, 41)) == ((40, 42), 4)
+    c.close()

@@ -418,24 +418,30 @@ def test_each_publish_closes_its_connection_without_waiting_for_a_collection(rab
     """A confirmed publish (the sink's, one per partition) closes its socket before it
     returns. It once stopped its loop while the close was under way, and the socket
     stayed open until Python's cycle collector ran: with collections off, three publishes
-    left three connections open."""
+    left three connections open, and each loop two wake-up sockets."""
     import gc
 
     import pika
 
     from ackflow.sinks.rabbitmq import publish_confirmed
-    from amqp import connections_to
+    from amqp import connections_to, fds
 
     q = names("closes")
     setup(rabbitmq.url, queue=q)
+
+    def sockets():
+        return {fd: link for fd, link in fds().items() if link.startswith("socket:")}
+
     gc.disable()
     try:
-        before = connections_to(rabbitmq.port)
+        before, all_before = connections_to(rabbitmq.port), sockets()
         for i in range(3):
             props = pika.BasicProperties(message_id=f"m{i}")
             assert publish_confirmed(rabbitmq.url, "", [(q, b"{}", props)]) == {}
         left = connections_to(rabbitmq.port) - before
+        new = {fd: link for fd, link in sockets().items() if all_before.get(fd) != link}
     finally:
         gc.enable()
     assert left == set()
+    assert new == {}  # nor its event loop's wake-up sockets (two a publish, before)
     assert count(rabbitmq.url, q) == 3

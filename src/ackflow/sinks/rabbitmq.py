@@ -247,11 +247,11 @@ def publish_confirmed(
     def stop(conn: Any, error: str | None) -> None:
         if error is not None and state["error"] is None:
             state["error"] = error
-        if conn.is_open:
+        if conn.is_closed:
+            conn.ioloop.stop()
+        elif not conn.is_closing:  # open, or still opening (close() aborts that)
             conn.close()  # on_closed stops the loop once the broker closed it
             conn.ioloop.call_later(CLOSE_WAIT_S, conn.ioloop.stop)  # one that never answers
-        elif conn.is_closed:
-            conn.ioloop.stop()
         # closing (a channel's close callback during conn.close()): on_closed stops the
         # loop; stopping it here left the socket open until a garbage collection
 
@@ -329,14 +329,18 @@ def publish_confirmed(
             return
         idle = time.monotonic() - state["progress"]
         if idle >= timeout_s:
+            closing = conn.is_closing  # a close already under way that never ended
             stop(conn, f"no confirm for {timeout_s:g} s")
-            if not (conn.is_open or conn.is_closed):  # stuck closing: give up waiting
+            if closing:
                 conn.ioloop.stop()
         else:
             conn.ioloop.call_later(timeout_s - idle, watchdog)
 
     conn.ioloop.call_later(timeout_s, watchdog)
-    conn.ioloop.start()
+    try:
+        conn.ioloop.start()
+    finally:
+        conn.ioloop.close()  # its own wake-up sockets and poller, not left to a collection
     if state["error"] is not None or unconfirmed or state["next"] < n:
         # the connection, the channel or the broker's confirms failed, not these rows:
         # a failure of the write as a whole (a candidate for a systemic failure)

@@ -76,9 +76,9 @@ class _Part:
         self.inbox: deque[Any] = deque()  # fetched, not handed out yet
         self.committed = -1  # the offset last committed by this source
         self.revoking = False
-        # the highest offset handed out before this assignment read the partition (by
-        # an earlier run, or another process on this machine): a redelivery up to it
-        self.handed_before = -1
+        # the offsets handed out before this assignment read the partition, by an
+        # earlier run or another process on this machine (committed, high): redeliveries
+        self.handed_before = (0, -1)
 
 
 class KafkaSource(Source):
@@ -517,7 +517,7 @@ class KafkaSource(Source):
         if part.tracker is None:  # the partition's reading starts at its committed offset
             part.tracker = OffsetTracker(start=off)
             part.committed = off
-            part.handed_before = self._store().handed_high(tp)
+            part.handed_before = self._store().handed(tp)
         elif off > part.last_seen + 1:
             part.tracker.gap(part.last_seen + 1, off)  # never delivered: a gap
         part.last_seen = off
@@ -527,7 +527,8 @@ class KafkaSource(Source):
         headers = delivery_headers(tp, off, m)
         self._bodies[(tp, off)] = (part.gen, body, headers)
         # handed out before this assignment: its recorded count, else that one delivery
-        count = max(self._store().get(tp, off), 1) + 1 if off <= part.handed_before else 1
+        low, high = part.handed_before
+        count = max(self._store().get(tp, off), 1) + 1 if low <= off <= high else 1
         return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, part.gen))
 
     def _mine(self, tp: Partition, off: int, gen: int) -> bool:

@@ -1,9 +1,11 @@
 """The Kafka source's delivery counts that survive a restart: one small SQLite file
 (fsynced) per consumer group and machine.
 
-Two tables: per partition, the highest offset ever handed out (``handed``: every
-offset above the committed one and at most this one was delivered at least once), and
-per message delivered more than once, its count (``attempts``). A first delivery costs
+Two tables: per partition, the highest offset ever handed out and the offset last
+committed through this file (``handed``: every offset from the committed one up to the
+high one was delivered at least once; one below the committed one that comes again is
+a replay, after the group's offsets were reset or expired, and counts from 1), and per
+message delivered more than once, its count (``attempts``). A first delivery costs
 no row of its own, only the partition's high mark (one upsert per pull and partition,
 in the pull's one transaction), so counting stays off the per-message path."""
 
@@ -32,16 +34,26 @@ class Attempts:
             "CREATE TABLE IF NOT EXISTS attempts (topic TEXT, part INTEGER, "
             "off INTEGER, n INTEGER, PRIMARY KEY (topic, part, off))"
         )
-        self.db.execute(
-            "CREATE TABLE IF NOT EXISTS handed (topic TEXT, part INTEGER, high INTEGER, "
-            "PRIMARY KEY (topic, part))"
-        )
+        with self.db:
+            self.db.execute("BEGIN")
+            made = self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='handed'"
+            ).fetchone()
+            self.db.execute(
+                "CREATE TABLE IF NOT EXISTS handed (topic TEXT, part INTEGER, high INTEGER, "
+                "committed INTEGER, PRIMARY KEY (topic, part))"
+            )
+            if not made:  # a file of a version that kept a row per delivery: its marks
+                self.db.execute(
+                    "INSERT OR IGNORE INTO handed SELECT topic, part, max(off), min(off) "
+                    "FROM attempts GROUP BY topic, part"
+                )
 
-    def handed_high(self, tp: Partition) -> int:
-        """The highest offset of ``tp`` handed out so far, by any run using this file
-        (-1: none)."""
-        row = self.db.execute("SELECT high FROM handed WHERE topic=? AND part=?", tp).fetchone()
-        return int(row[0]) if row else -1
+    def handed(self, tp: Partition) -> tuple[int, int]:
+        """``(committed, high)`` of ``tp``: the offsets from ``committed`` to ``high`` were
+        handed out before, by any run using this file (``(0, -1)``: none)."""
+        row = self.db.execute("SELECT committed, high FROM handed WHERE topic=? AND part=?", tp).fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, -1)
 
     def get(self, tp: Partition, offset: int) -> int:
         """Deliveries of the message so far, as recorded (0: none recorded)."""
@@ -65,14 +77,23 @@ class Attempts:
                 [(tp[0], tp[1], off, n) for tp, off, n in counts],
             )
             self.db.executemany(
-                "INSERT INTO handed VALUES (?, ?, ?) ON CONFLICT (topic, part) "
+                "INSERT INTO handed VALUES (?, ?, ?, 0) ON CONFLICT (topic, part) "
                 "DO UPDATE SET high = max(high, excluded.high)",
                 [(tp[0], tp[1], high) for tp, high in highs.items()],
             )
         faults.point("kafka.attempt_recorded")
 
     def forget(self, tp: Partition, below: int) -> None:
-        self.db.execute("DELETE FROM attempts WHERE topic=? AND part=? AND off<?", (tp[0], tp[1], below))
+        """``tp`` was committed up to ``below``: the counts below it go, and the mark
+        moves (an offset below it that comes again is a replay)."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("DELETE FROM attempts WHERE topic=? AND part=? AND off<?", (tp[0], tp[1], below))
+            self.db.execute(
+                "INSERT INTO handed VALUES (?, ?, -1, ?) ON CONFLICT (topic, part) "
+                "DO UPDATE SET committed = max(committed, excluded.committed)",
+                (tp[0], tp[1], below),
+            )
 
     def close(self) -> None:
         self.db.close()
