@@ -73,6 +73,13 @@ POINTS: dict[str, str] = {
     "committed; prepare not returned",
     "postgres.before_commit": "Postgres partition write: rows upserted, COMMIT not sent",
     "postgres.after_commit": "Postgres partition write: COMMIT done, task not returned",
+    "state.watermark": "window state: the watermark moved (inside a batch's state transaction, "
+    "or the idle advance's own update just committed)",
+    "state.before_commit": "window state: a batch's partials, applied keys and watermark are "
+    "in the transaction; COMMIT not sent",
+    "state.after_commit": "window state: a batch's contribution is committed; nothing acked yet",
+    "state.after_output": "window results: written and committed in the output sink; not yet "
+    "deleted from the state store",
     "source.reconnect": "a source is about to reconnect to its broker",
     "rabbitmq.ack": "RabbitMQ source: before an ack (single or multiple) is sent",
     "rabbitmq.nack": "RabbitMQ source: before a nack or reject is sent",

@@ -330,6 +330,40 @@ class Flow:
             raise ConfigError(f"step {step_name!r}: keys must be column names")
         return self._add(GroupedWithin(step_name, n, float(timeout_s), tuple(keys)))
 
+    def window(self, kind: Any, *, aggs: Any, name: str | None = None, **options: Any) -> Any:
+        """Aggregate rows over event-time windows kept in durable state; end with ``.to(sink)``.
+
+        ``kind`` is :func:`~ackflow.windows.tumbling`, :func:`~ackflow.windows.hopping`,
+        :func:`~ackflow.windows.session` or :func:`~ackflow.windows.count_window`;
+        ``aggs`` aggregates from :mod:`ackflow.windows`. Options: ``by`` (key columns),
+        ``time`` (the event time: a column or a Spark Column; timestamps, epoch seconds
+        or ISO text), ``lateness`` (how far behind the largest event time the watermark
+        trails), ``output`` (``"final"``: once, when the watermark passes the window's
+        end; ``"update"``: after each batch that changed it), ``on_late`` (a sink for
+        rows below the watermark; without it they fail their message as ``late``),
+        ``idle`` (no data for this long: the watermark moves on with the wall clock;
+        default 60 s), ``remember`` (how long applied row keys are kept against
+        redelivery; default 1 hour). A message is acked once its rows are committed in
+        the state store. See the windows page of the docs.
+
+        >>> import ackflow, tempfile
+        >>> from ackflow import windows as w
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src = ListSource(['{"k": "a", "t": 0.1, "v": 2}', '{"k": "a", "t": 0.7, "v": 3}',
+        ...                   '{"k": "a", "t": 1.2, "v": 4}'])
+        >>> out = MemorySink()
+        >>> flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", idle=0.2,
+        ...                         aggs=[w.sum_("v").alias("total"), w.count()]).to(out)
+        >>> report = ackflow.run(flow, master="local[2]", until_idle=1.5,
+        ...                      state_dir=tempfile.mkdtemp())
+        >>> sorted((r["window_start"].second, r["total"], r["count"]) for r in out.rows)
+        [(0, 5, 2), (1, 4, 1)]
+        """
+        from ackflow.state.spec import window_flow
+
+        return window_flow(self, kind, aggs=aggs, name=name, **options)
+
     def join(
         self, other: Any, on: str | Iterable[str], how: str = "inner", *, name: str | None = None
     ) -> Flow:

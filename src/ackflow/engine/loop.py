@@ -42,7 +42,7 @@ from ackflow.core.systemic import SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.report import RunReport
-from ackflow.engine.schemas import open_store
+from ackflow.engine.schemas import open_store, state_file
 from ackflow.engine.settle import Settling, write_dead_letters  # noqa: F401 - write_dead_letters re-exported
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
@@ -300,6 +300,10 @@ class Engine(Settling):
             compiled = compile_(flow)
         with contextlib.ExitStack() as stack:  # every resource closed on every path
             for sink in flow.sinks:
+                if hasattr(sink, "bind_state"):  # a window: its durable state's file
+                    where = state_file(flow, self.state_dir, "windows.db")
+                    if where is not None:
+                        sink.bind_state(where)
                 sink.open()
                 stack.callback(_quietly, "close sink", sink.close)
             if flow.error_sink is not None:

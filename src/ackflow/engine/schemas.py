@@ -64,3 +64,16 @@ def open_store(flow: Flow, state_dir: str | None) -> SchemaStore:
             "(--state-dir) to keep them"
         )
     return SchemaStore(location)
+
+
+def state_file(flow: Flow, state_dir: str | None, name: str) -> str | None:
+    """Where a run keeps another durable file ``name`` (a window's state): beside the
+    schema store, or None if the flow has no place for local state."""
+    if state_dir is not None:
+        return os.path.join(state_dir, name)
+    location = default_location(flow)
+    if location is None:
+        return None
+    if location.endswith(".schemas.db"):  # the embedded queue's QUEUE.schemas.db
+        return location[: -len("schemas.db")] + name
+    return os.path.join(os.path.dirname(location), name)

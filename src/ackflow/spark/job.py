@@ -40,6 +40,10 @@ def run_rows_job(compiled: Plan, rows: pa.Table, batch_id: str) -> JobResult:
 
 
 def _run(compiled: Plan, inputs: pa.Table, batch_id: str) -> JobResult:
+    for sink in compiled.sinks:  # a window notes the watermark its tasks will read
+        begin = getattr(sink, "begin_job", None)
+        if begin is not None:
+            begin(batch_id)
     try:
         table = compiled.job(inputs, batch_id).toArrow()
     except FlowError:

@@ -1,0 +1,165 @@
+"""A window's task side: a partition's rows -> partial aggregates per (keys, window).
+
+Runs inside Spark tasks (pickled with the window sink). Each live row is one of:
+
+* **applied**: its row key is in the store's applied keys (a redelivery of a row whose
+  contribution is already committed): counted as written, contributes nothing again;
+* **failed**: no usable event time (null, or not a time), or a group key that cannot
+  be a key: the row's message fails with the reason (a dead letter names the window);
+* **late**: its event time is below the watermark the task read: it goes to the
+  ``on_late`` sink if there is one, else it fails with ``late: event time T <
+  watermark W`` (never dropped silently);
+* **contributing**: folded into the partial of each window it belongs to.
+
+The partials, the contributing row keys and the largest event time are the task's
+token; the driver merges them into the store in one transaction (:mod:`.store`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ackflow.state.spec import WindowSpec
+from ackflow.windows import Count, Hopping, Session, Tumbling
+
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def to_us(value: Any) -> int:
+    """An event time in microseconds since the epoch: a timestamp (naive = UTC), a
+    date, epoch seconds (a number), or ISO 8601 text. ValueError says why not."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a time")
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        delta = value - EPOCH
+        return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+    if isinstance(value, dt.date):
+        return to_us(dt.datetime(value.year, value.month, value.day))
+    if isinstance(value, (int, float)):
+        if value != value or abs(value) > 1e13:
+            raise ValueError(f"{value!r} is not a time in epoch seconds")
+        return round(value * 1_000_000)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return to_us(dt.datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text))
+        except ValueError:
+            raise ValueError(f"{value[:60]!r} is not an ISO 8601 time") from None
+    raise ValueError(f"a {type(value).__name__} is not a time")
+
+
+def show_us(us: int) -> str:
+    """A time in microseconds as ISO 8601 UTC text."""
+    return (EPOCH + dt.timedelta(microseconds=us)).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Partials:
+    """What one task hands the driver for one window operator."""
+
+    watermark: int | None  # the watermark the task read (None: no data yet)
+    #: (key values, window start, window end) -> (rows, accumulators); tumbling,
+    #: hopping and session windows (a session's end is its last row + gap)
+    parts: dict[tuple[tuple[Any, ...], int, int], tuple[int, list[Any]]] = field(default_factory=dict)
+    #: count windows: (key values, (event time, row key), accumulators), one per row
+    rows: list[tuple[tuple[Any, ...], tuple[int, str], list[Any]]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # contributing row keys
+    max_t: int | None = None
+    late: int = 0
+    applied: int = 0
+
+
+def contribute(
+    spec: WindowSpec,
+    rows: Any,
+    row_keys: Sequence[str],
+    watermark: int | None,
+    applied: set[str],
+) -> tuple[Partials, dict[int, str], list[int]]:
+    """Fold a partition's rows (an Arrow table) into partials.
+
+    Returns the partials, the failed rows (index -> reason) and the late rows' indexes."""
+    out = Partials(watermark)
+    failed: dict[int, str] = {}
+    late: list[int] = []
+    n = rows.num_rows
+    times: list[Any] = rows.column(spec.time).to_pylist() if spec.time is not None else [None] * n
+    key_cols = [rows.column(k).to_pylist() for k in spec.by]
+    inputs = [rows.column(a.column).to_pylist() if a.column is not None else None for a in spec.aggs]
+    kind = spec.kind
+    sessions: dict[tuple[Any, ...], list[tuple[int, str, int]]] = {}
+    for i in range(n):
+        rk = row_keys[i]
+        if rk in applied:
+            out.applied += 1
+            continue
+        if spec.time is not None:
+            raw = times[i]
+            if raw is None:
+                failed[i] = f"event time column {spec.time!r} is null"
+                continue
+            try:
+                t = to_us(raw)
+            except ValueError as e:
+                failed[i] = f"event time column {spec.time!r}: {e}"
+                continue
+        else:
+            t = 0
+        if watermark is not None and spec.time is not None and t < watermark:
+            late.append(i)
+            out.late += 1
+            continue
+        gk = tuple(col[i] for col in key_cols)
+        try:
+            hash(gk)
+        except TypeError:
+            failed[i] = f"group key {spec.by} has a value that cannot be a key (a list or a map)"
+            continue
+        out.keys.append(rk)
+        if spec.time is not None:
+            out.max_t = t if out.max_t is None else max(out.max_t, t)
+        order = (t, rk)
+        if isinstance(kind, Count):
+            accs = [a.add(a.init(), _value(inputs, j, i), order) for j, a in enumerate(spec.aggs)]
+            out.rows.append((gk, order, accs))
+        elif isinstance(kind, Session):
+            sessions.setdefault(gk, []).append((t, rk, i))
+        else:
+            assert isinstance(kind, (Tumbling, Hopping))
+            for start in kind.starts(t):
+                slot = (gk, start, start + kind.size_us)
+                held = out.parts.get(slot)
+                if held is None:
+                    held = out.parts[slot] = (0, [a.init() for a in spec.aggs])
+                accs = [
+                    a.add(acc, _value(inputs, j, i), order)
+                    for j, (a, acc) in enumerate(zip(spec.aggs, held[1], strict=True))
+                ]
+                out.parts[slot] = (held[0] + 1, accs)
+    if isinstance(kind, Session):
+        for gk, members in sessions.items():
+            members.sort()
+            start, end = members[0][0], members[0][0]
+            count, accs = 0, [a.init() for a in spec.aggs]
+            for t, rk, i in members:
+                if count and t >= end:  # a gap: the session so far is one partial
+                    out.parts[(gk, start, end)] = (count, accs)
+                    start, count, accs = t, 0, [a.init() for a in spec.aggs]
+                end = t + kind.gap_us
+                accs = [
+                    a.add(acc, _value(inputs, j, i), (t, rk))
+                    for j, (a, acc) in enumerate(zip(spec.aggs, accs, strict=True))
+                ]
+                count += 1
+            out.parts[(gk, start, end)] = (count, accs)
+    return out, failed, late
+
+
+def _value(inputs: list[list[Any] | None], j: int, i: int) -> Any:
+    col = inputs[j]
+    return None if col is None else col[i]

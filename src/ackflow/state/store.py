@@ -1,0 +1,414 @@
+"""The windows' state store: partial aggregates, watermarks and applied row keys.
+
+One SQLite file (``windows.db`` beside the flow's other durable state, or in
+``state_dir``), in WAL mode with ``synchronous=FULL``: a commit is on disk when it
+returns. Tables:
+
+* ``windows``: one row per open window (operator, key values, start), its end, its row
+  count and its accumulators (pickled: this file is ackflow's own, never outside
+  bytes); ``dirty`` marks windows changed since they were last written (``update``).
+* ``marks``: per operator the watermark, the largest event time seen, when data last
+  came (wall clock, for the idle advance), late rows, and windows written.
+* ``applied``: the row keys whose contribution is committed, with when; a redelivered
+  row whose key is here adds nothing again. Kept for the operator's ``remember``
+  (default one hour), then forgotten: a row delivered again after that, into a window
+  still open, is counted again; into a closed one, it is late.
+
+A batch's contribution (every task's partials, the new watermark, the applied keys)
+is one transaction (:meth:`WindowStore.apply`); the message is acked only after it.
+Tasks read the watermark and the applied keys through a read-only connection
+(:func:`read_view`), so a Spark cluster needs executors that see the file (or
+another store).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ackflow import faults
+from ackflow.state.partials import Partials
+from ackflow.state.spec import WindowSpec
+from ackflow.windows import Count, Session
+
+STORE_FILE = "windows.db"
+CHUNK = 900  # SQLite's bound on host parameters, with room
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS windows (
+    op TEXT NOT NULL, gk TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
+    rows INTEGER NOT NULL, full INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
+    state BLOB NOT NULL, PRIMARY KEY (op, gk, start));
+CREATE INDEX IF NOT EXISTS windows_end ON windows (op, "end");
+CREATE TABLE IF NOT EXISTS marks (
+    op TEXT PRIMARY KEY, watermark INTEGER, max_event INTEGER, data_at REAL,
+    late INTEGER NOT NULL DEFAULT 0, written INTEGER NOT NULL DEFAULT 0,
+    applied_rows INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS applied (op TEXT NOT NULL, key TEXT NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (op, key));
+CREATE INDEX IF NOT EXISTS applied_at ON applied (op, at);
+CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, watermark INTEGER,
+    PRIMARY KEY (op, batch));
+CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next INTEGER NOT NULL,
+    PRIMARY KEY (op, gk));
+"""
+
+
+class StateError(RuntimeError):
+    """The state store refused a batch (a contribution it already holds: a bug)."""
+
+
+def gk_text(values: Sequence[Any]) -> str:
+    """A group's key values as the store's key text (stable across runs)."""
+    return json.dumps(list(values), default=str, separators=(",", ":"))
+
+
+def connect(path: str, readonly: bool = False) -> sqlite3.Connection:
+    if readonly:
+        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True, timeout=30)
+        db.execute("PRAGMA query_only=ON")
+        return db
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.executescript(_SCHEMA)
+    return db
+
+
+def read_view(
+    path: str, op: str, keys: Sequence[str], batch: str | None = None
+) -> tuple[int | None, set[str]]:
+    """A task's view: the watermark its batch began with (rows below it are late) and
+    which of ``keys`` are applied."""
+    db = connect(path, readonly=True)
+    try:
+        row = db.execute("SELECT watermark FROM begun WHERE op = ? AND batch = ?", (op, batch)).fetchone()
+        if row is None:
+            row = db.execute("SELECT watermark FROM marks WHERE op = ?", (op,)).fetchone()
+        applied: set[str] = set()
+        for i in range(0, len(keys), CHUNK):
+            part = list(keys[i : i + CHUNK])
+            marks = ",".join("?" * len(part))
+            applied.update(
+                r[0]
+                for r in db.execute(f"SELECT key FROM applied WHERE op = ? AND key IN ({marks})", [op, *part])
+            )
+        return (row[0] if row else None), applied
+    finally:
+        db.close()
+
+
+@dataclass
+class Due:
+    """A window ready to be written: its row and what to do after."""
+
+    gk: str
+    start: int
+    end: int
+    values: tuple[Any, ...]
+    accs: list[Any]
+    close: bool  # delete after writing (final), else only clear ``dirty``
+
+
+class WindowStore:
+    """The driver's handle on the store (thread-safe: one lock around each transaction)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.db = connect(path)
+        self.lock = threading.RLock()
+        # a batch's starting watermark needs no fsync: a crash ends the batch with it
+        self.scratch = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+        self.scratch.execute("PRAGMA synchronous=OFF")
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
+            self.scratch.close()
+
+    def begin(self, op: str, batch: str) -> int | None:
+        """A batch begins: its tasks judge lateness by the watermark as of now (a later
+        batch that commits first does not make this one's rows late)."""
+        with self.lock:
+            w = self.mark(op)["watermark"]
+            self.scratch.execute("INSERT OR REPLACE INTO begun VALUES (?, ?, ?)", (op, batch, w))
+        return w  # type: ignore[no-any-return]
+
+    def end(self, op: str, batch: str | None = None) -> None:
+        """A batch committed or failed (None: every batch, at start: left by a crash)."""
+        with self.lock:
+            if batch is None:
+                self.scratch.execute("DELETE FROM begun WHERE op = ?", (op,))
+            else:
+                self.scratch.execute("DELETE FROM begun WHERE op = ? AND batch = ?", (op, batch))
+
+    def mark(self, op: str) -> dict[str, Any]:
+        with self.lock:
+            row = self.db.execute(
+                "SELECT watermark, max_event, data_at, late, written, applied_rows FROM marks WHERE op = ?",
+                (op,),
+            ).fetchone()
+        names = ("watermark", "max_event", "data_at", "late", "written", "applied_rows")
+        return dict(zip(names, row or (None, None, None, 0, 0, 0), strict=True))
+
+    def apply(self, spec: WindowSpec, parts: Iterable[Partials], now: float | None = None) -> int:
+        """Merge a batch's partials, record their row keys and move the watermark: one
+        transaction. Returns the rows contributed."""
+        now = time.time() if now is None else now
+        parts = list(parts)
+        keys = [k for p in parts for k in p.keys]
+        late = sum(p.late for p in parts)
+        max_t = max((p.max_t for p in parts if p.max_t is not None), default=None)
+        with self.lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                self._check_fresh(spec.name, keys)
+                if isinstance(spec.kind, Count):
+                    self._merge_counts(spec, parts)
+                elif isinstance(spec.kind, Session):
+                    self._merge_sessions(spec, parts)
+                else:
+                    self._merge_fixed(spec, parts)
+                db.executemany(
+                    "INSERT INTO applied (key, op, at) VALUES (?, ?, ?)", [(k, spec.name, now) for k in keys]
+                )
+                self._move(spec, max_t, late, len(keys), now if keys else None)
+                faults.point("state.before_commit")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        faults.point("state.after_commit")
+        return len(keys)
+
+    def _check_fresh(self, op: str, keys: list[str]) -> None:
+        for i in range(0, len(keys), CHUNK):
+            part = keys[i : i + CHUNK]
+            marks = ",".join("?" * len(part))
+            hit = self.db.execute(
+                f"SELECT key FROM applied WHERE op = ? AND key IN ({marks}) LIMIT 1", [op, *part]
+            ).fetchone()
+            if hit is not None:
+                raise StateError(
+                    f"row key {hit[0]!r} is applied already (two batches held one message's rows); "
+                    "the batch is not applied and its messages are not acked"
+                )
+
+    def _load(self, op: str, gk: str, start: int) -> tuple[int, list[Any]] | None:
+        row = self.db.execute(
+            "SELECT rows, state FROM windows WHERE op = ? AND gk = ? AND start = ?", (op, gk, start)
+        ).fetchone()
+        return None if row is None else (row[0], pickle.loads(row[1])[1])
+
+    def _put(
+        self,
+        op: str,
+        values: tuple[Any, ...],
+        start: int,
+        end: int,
+        rows: int,
+        accs: list[Any],
+        full: int = 0,
+    ) -> None:
+        self.db.execute(
+            'INSERT OR REPLACE INTO windows (op, gk, start, "end", rows, full, dirty, state) '
+            "VALUES (?, ?, ?, ?, ?, ?, 1, ?)",
+            (op, gk_text(values), start, end, rows, full, pickle.dumps((values, accs))),
+        )
+
+    def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
+        merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
+        for p in parts:
+            for (values, start, end), (rows, accs) in p.parts.items():
+                slot = (gk_text(values), start)
+                held = merged.get(slot)
+                if held is not None:
+                    accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, held[3], accs, strict=True)]
+                    rows += held[2]
+                merged[slot] = (values, end, rows, accs)
+        for (gk, start), (values, end, rows, accs) in merged.items():
+            old = self._load(spec.name, gk, start)
+            if old is not None:
+                accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, old[1], accs, strict=True)]
+                rows += old[0]
+            self._put(spec.name, values, start, end, rows, accs)
+
+    def _merge_sessions(self, spec: WindowSpec, parts: list[Partials]) -> None:
+        """A key's sessions: the stored ones and the new partials, overlapping ones merged
+        (a partial may bridge two stored sessions: all three become one)."""
+        per: dict[str, list[tuple[int, int, int, list[Any], tuple[Any, ...]]]] = {}
+        for p in parts:
+            for (values, start, end), (rows, accs) in p.parts.items():
+                per.setdefault(gk_text(values), []).append((start, end, rows, accs, values))
+        for gk, new in per.items():
+            old = self.db.execute(
+                'SELECT start, "end", rows, state FROM windows WHERE op = ? AND gk = ?', (spec.name, gk)
+            ).fetchall()
+            items = [(s, e, r, pickle.loads(b)[1], pickle.loads(b)[0]) for s, e, r, b in old] + new
+            items.sort(key=lambda x: (x[0], x[1]))
+            out: list[tuple[int, int, int, list[Any], tuple[Any, ...]]] = []
+            for s, e, r, accs, values in items:
+                if out and s < out[-1][1]:
+                    ps, pe, pr, pa_, pv = out[-1]
+                    merged = [a.merge(x, y) for a, x, y in zip(spec.aggs, pa_, accs, strict=True)]
+                    out[-1] = (ps, max(pe, e), pr + r, merged, pv)
+                else:
+                    out.append((s, e, r, accs, values))
+            self.db.execute("DELETE FROM windows WHERE op = ? AND gk = ?", (spec.name, gk))
+            for s, e, r, accs, values in out:
+                self._put(spec.name, values, s, e, r, accs)
+
+    def _merge_counts(self, spec: WindowSpec, parts: list[Partials]) -> None:
+        """Count windows fill in arrival order: each batch's rows by (event time, row key)
+        within a key; a window that reaches ``n`` rows is full (written, then deleted)
+        and the key's next row opens the next one."""
+        assert isinstance(spec.kind, Count)
+        n = spec.kind.n
+        per: dict[str, list[tuple[tuple[int, str], tuple[Any, ...], list[Any]]]] = {}
+        for p in parts:
+            for values, order, accs in p.rows:
+                per.setdefault(gk_text(values), []).append((order, values, accs))
+        for gk, rows in per.items():
+            rows.sort(key=lambda x: x[0])
+            cur = self.db.execute(
+                "SELECT start, rows, state FROM windows WHERE op = ? AND gk = ? AND full = 0", (spec.name, gk)
+            ).fetchone()
+            last = self.db.execute(
+                "SELECT max(start) FROM windows WHERE op = ? AND gk = ?", (spec.name, gk)
+            ).fetchone()[0]
+            if cur is not None:
+                index, count, accs = cur[0], cur[1], pickle.loads(cur[2])[1]
+            else:
+                index = self._next_index(spec.name, gk, last)
+                count, accs = 0, [a.init() for a in spec.aggs]
+            for _, values, row_accs in rows:
+                accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, accs, row_accs, strict=True)]
+                count += 1
+                if count == n:
+                    self._put(spec.name, values, index, index, count, accs, full=1)
+                    index, count, accs = index + 1, 0, [a.init() for a in spec.aggs]
+            if count:
+                self._put(spec.name, rows[-1][1], index, index, count, accs)
+            self._set_next(spec.name, gk, index)
+
+    def _next_index(self, op: str, gk: str, last: int | None) -> int:
+        row = self.db.execute("SELECT next FROM count_next WHERE op = ? AND gk = ?", (op, gk)).fetchone()
+        if row is not None:
+            return int(row[0])
+        return 0 if last is None else last + 1
+
+    def _set_next(self, op: str, gk: str, index: int) -> None:
+        """A count window's index per key survives its windows' deletion."""
+        self.db.execute("INSERT OR REPLACE INTO count_next (op, gk, next) VALUES (?, ?, ?)", (op, gk, index))
+
+    def _move(self, spec: WindowSpec, max_t: int | None, late: int, rows: int, data_at: float | None) -> None:
+        m = self.db.execute("SELECT watermark, max_event FROM marks WHERE op = ?", (spec.name,)).fetchone()
+        w, top = m if m is not None else (None, None)
+        if max_t is not None:
+            top = max_t if top is None else max(top, max_t)
+            wanted = top - spec.lateness_us
+            if w is None or wanted > w:
+                w = wanted
+                faults.point("state.watermark")
+        self.db.execute(
+            "INSERT INTO marks (op, watermark, max_event, data_at, late, applied_rows) "
+            "VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (op) DO UPDATE SET watermark = excluded.watermark, max_event = excluded.max_event, "
+            "data_at = coalesce(excluded.data_at, marks.data_at), late = marks.late + excluded.late, "
+            "applied_rows = marks.applied_rows + excluded.applied_rows",
+            (spec.name, w, top, data_at, late, rows),
+        )
+
+    def advance_idle(self, spec: WindowSpec, now: float | None = None) -> int | None:
+        """No data for ``idle``: the watermark moves on with the wall clock (event time is
+        taken to pass as fast as real time since the last data), so windows close when
+        data stops. Returns the new watermark if it moved."""
+        now = time.time() if now is None else now
+        with self.lock:
+            m = self.db.execute(
+                "SELECT watermark, max_event, data_at FROM marks WHERE op = ?", (spec.name,)
+            ).fetchone()
+            if m is None or m[1] is None or m[2] is None:
+                return None
+            w, top, data_at = m
+            idle_for = int((now - data_at) * 1_000_000)
+            if idle_for < spec.idle_us:
+                return None
+            wanted = top + idle_for - spec.lateness_us
+            if w is not None and wanted <= w:
+                return None
+            self.db.execute("UPDATE marks SET watermark = ? WHERE op = ?", (wanted, spec.name))
+        faults.point("state.watermark")
+        return int(wanted)
+
+    def due(self, spec: WindowSpec, bound: int | None, limit: int = 5000) -> list[Due]:
+        """Windows to write now: closed ones (end <= ``bound``, or full count windows),
+        and with ``output="update"`` every window changed since it was last written."""
+        args: list[Any] = []
+        if isinstance(spec.kind, Count):
+            closed = "full = 1"
+        elif bound is None:
+            closed = "0"
+        else:
+            closed, args = '"end" <= ?', [bound]
+        where = closed if spec.output == "final" else f"({closed}) OR dirty = 1"
+        with self.lock:
+            rows = self.db.execute(
+                f'SELECT gk, start, "end", state, ({closed}) FROM windows WHERE op = ? AND ({where}) '
+                f'ORDER BY "end", gk LIMIT {int(limit)}',
+                [*args, spec.name, *args],
+            ).fetchall()
+        out = []
+        for gk, start, end, state, closing in rows:
+            values, accs = pickle.loads(state)
+            out.append(Due(gk, start, end, tuple(values), accs, bool(closing)))
+        return out
+
+    def done(self, spec: WindowSpec, written: Sequence[Due]) -> None:
+        """``written`` are in the sink: closed ones deleted, the others made clean."""
+        with self.lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(
+                    "DELETE FROM windows WHERE op = ? AND gk = ? AND start = ?",
+                    [(spec.name, d.gk, d.start) for d in written if d.close],
+                )
+                db.executemany(
+                    "UPDATE windows SET dirty = 0 WHERE op = ? AND gk = ? AND start = ?",
+                    [(spec.name, d.gk, d.start) for d in written if not d.close],
+                )
+                db.execute(
+                    "UPDATE marks SET written = written + ? WHERE op = ?",
+                    (sum(1 for d in written if d.close), spec.name),
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def forget(self, spec: WindowSpec, now: float | None = None) -> int:
+        """Forget applied row keys older than the operator's ``remember``."""
+        now = time.time() if now is None else now
+        with self.lock:
+            cur = self.db.execute(
+                "DELETE FROM applied WHERE op = ? AND at < ?", (spec.name, now - spec.remember_us / 1e6)
+            )
+            return cur.rowcount
+
+    def stats(self, op: str) -> dict[str, Any]:
+        """Open windows, applied keys remembered, and the file's size (bytes)."""
+        with self.lock:
+            windows = self.db.execute("SELECT count(*) FROM windows WHERE op = ?", (op,)).fetchone()[0]
+            applied = self.db.execute("SELECT count(*) FROM applied WHERE op = ?", (op,)).fetchone()[0]
+        size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
+        return {"open_windows": windows, "applied_keys": applied, "bytes": size}

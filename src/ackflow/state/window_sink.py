@@ -1,0 +1,266 @@
+"""The window operator as the job's sink: rows go into durable state, results out.
+
+In a batch's Spark job each task folds its rows into partial aggregates
+(:mod:`.partials`) and hands them to the driver as its token; :meth:`WindowSink.commit`
+merges every token into the store in one transaction (:mod:`.store`). A row counts as
+written when that commit returned, so its message is acked then, never held until its
+window closes.
+
+Results: after each commit and on a timer, the windows that are due (closed by the
+watermark, full count windows, or with ``output="update"`` changed ones) are written
+to the output sink on the driver, under a stable row key (operator, key values,
+window), committed there, and only then deleted from the store. A crash between the
+two writes the same rows under the same keys again: harmless for a keyed sink.
+
+The watermark a window closes by never overtakes a running batch: a batch's tasks
+accept rows at or above the watermark they read, so a window that such a batch may
+still add to is not written until the batch committed (or failed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from ackflow import faults
+from ackflow.core.errors import FlowError, describe
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
+from ackflow.state.partials import Partials, contribute, show_us
+from ackflow.state.spec import WindowSpec
+from ackflow.windows import Count
+
+log = logging.getLogger("ackflow.window")
+
+
+class WindowSink(Sink):
+    """Window ``spec``'s state; results go to ``output``; late rows to ``on_late``
+    (else they fail their message as ``late``). Built by ``flow.window(...).to(output)``."""
+
+    wants_keys = True
+
+    def __init__(self, spec: WindowSpec, output: Sink, on_late: Sink | None = None) -> None:
+        super().__init__(spec.name)
+        self.spec = spec
+        self.output = output
+        self.on_late = on_late
+        self.branches: tuple[Sink, ...] = (output,) if on_late is None else (output, on_late)
+        self.key = [c for c in (spec.time, *spec.by) if c]  # kept even when all null
+        self.path: str | None = None  # the store's file (bind_state)
+        self._store: Any = None
+        self._running: dict[str, int | None] = {}  # batch id -> watermark at its start
+        self._ticker: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._seq = 0
+        self.emit_failures = 0
+        self._prepared: pa.Schema | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for k in ("_store", "_running", "_ticker", "_stopped"):
+            state[k] = None
+        return state
+
+    def bind_state(self, path: str) -> None:
+        """Driver side, before open: the store's file (chosen by the engine)."""
+        self.path = os.path.abspath(path)
+
+    # -- driver: life cycle ----------------------------------------------------------
+
+    def open(self) -> None:
+        from ackflow.state.store import WindowStore
+
+        if self.path is None:
+            raise FlowError(
+                self.name,
+                "a window keeps durable state and this flow has no place for it: give the run "
+                "state_dir= (--state-dir)",
+            )
+        self.output.open()
+        if self.on_late is not None:
+            self.on_late.open()
+        self._store = WindowStore(self.path)
+        self._store.end(self.name)  # batches of a run that crashed
+        self._running = {}
+        self._stopped = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name=f"window-{self.name}", daemon=True)
+        self._ticker.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=30)
+        if self._store is not None:
+            try:
+                self.tick()  # windows that came due while stopping
+            except Exception as e:  # noqa: BLE001 - logged; they are written next run
+                log.warning("window %r: writing due windows at close failed: %s", self.name, describe(e))
+            self._store.close()
+            self._store = None
+        self.output.close()
+        if self.on_late is not None:
+            self.on_late.close()
+
+    def prepare(self, schema: Any) -> None:
+        missing = [c for c in self.spec.columns if c not in schema.names]
+        if missing:
+            raise FlowError(
+                self.name, f"column(s) {missing} are not among the flow's columns {list(schema.names)}"
+            )
+        for k in self.spec.by:
+            t = schema.field(k).type
+            if pa.types.is_nested(t):
+                raise FlowError(self.name, f"group key {k!r} is a {t}: keys must be plain values")
+        self._prepared = schema
+        if self.on_late is not None:
+            self.on_late.prepare(schema)
+
+    def begin_job(self, batch_id: str) -> None:
+        """Before a batch's job: remember the watermark its tasks will read at least."""
+        store = self._store
+        if store is not None:
+            self._running[batch_id] = store.begin(self.name, batch_id)
+
+    # -- task side -------------------------------------------------------------------
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        from ackflow.state.store import read_view
+
+        assert self.path is not None
+        keys = rows.column(ROW_KEY).to_pylist()
+        watermark, applied = read_view(self.path, self.name, keys, batch_id)
+        parts, failed, late = contribute(self.spec, rows, keys, watermark, applied)
+        out: dict[int, str | tuple[str, str]] = dict(failed)
+        late_token = None
+        if late:
+            if self.on_late is None:
+                times = rows.column(self.spec.time).to_pylist()
+                for i in late:
+                    out[i] = f"late: event time {times[i]} < watermark {show_us(watermark or 0)}"
+            else:
+                sub = rows.take(late)
+                if not self.on_late.wants_keys:
+                    sub = sub.drop_columns([ROW_KEY])
+                res = self.on_late.write_partition(batch_id, partition, sub)
+                late_token = res.token
+                for j, e in res.failed.items():
+                    out[late[j]] = e if isinstance(e, tuple) else (self.on_late.name, e)
+        return PartitionResult(failed=out, token=pickle.dumps((parts, late_token)))
+
+    # -- driver: commit --------------------------------------------------------------
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        got = [pickle.loads(t) for t in tokens]
+        try:
+            if self.on_late is not None:
+                self.on_late.commit(batch_id, [lt for _, lt in got if lt is not None])
+            parts: list[Partials] = [p for p, _ in got]
+            self._store.apply(self.spec, parts)
+        finally:
+            self._running.pop(batch_id, None)
+            self._store.end(self.name, batch_id)
+        try:
+            self.emit()
+        except FlowError:  # the output sink cannot take the results: stop the run
+            raise
+        except Exception as e:  # noqa: BLE001 - the batch is committed; results wait for the next try
+            self._emit_failed(e)
+
+    def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        self._running.pop(batch_id, None)
+        if self._store is not None:
+            self._store.end(self.name, batch_id)
+        if self.on_late is not None:
+            lates = [pickle.loads(t)[1] for t in tokens]
+            self.on_late.abort(batch_id, [lt for lt in lates if lt is not None])
+
+    # -- driver: results -------------------------------------------------------------
+
+    def bound(self) -> int | None:
+        """The watermark windows close by: the store's, held back by running batches."""
+        w = self._store.mark(self.name)["watermark"]
+        for started in list(self._running.values()):
+            if w is None or started is None:
+                return None
+            w = min(w, started)
+        return w
+
+    def emit(self) -> int:
+        """Write every due window to the output sink; returns how many."""
+        store = self._store
+        total = 0
+        with store.lock:  # one writer of results at a time
+            while True:
+                due = store.due(self.spec, self.bound())
+                if not due:
+                    return total
+                self._seq += 1
+                bid = f"{self.name}-out-{os.getpid()}-{time.monotonic_ns()}"
+                table = self._table(due)
+                if type(self.output).prepare is not Sink.prepare:
+                    self.output.prepare(table.schema)
+                res = self.output.write_partition(
+                    bid, 0, table if self.output.wants_keys else table.drop_columns([ROW_KEY])
+                )
+                if res.failed:
+                    why = next(iter(res.failed.values()))
+                    raise RuntimeError(
+                        f"{len(res.failed)} window rows failed in {self.output.name!r}, first: {why}"
+                    )
+                self.output.commit(bid, [res.token] if res.token is not None else [])
+                faults.point("state.after_output")
+                store.done(self.spec, due)
+                total += len(due)
+                store.forget(self.spec)
+
+    def _table(self, due: list[Any]) -> pa.Table:
+        spec = self.spec
+        cols: dict[str, list[Any]] = {k: [d.values[i] for d in due] for i, k in enumerate(spec.by)}
+        if isinstance(spec.kind, Count):
+            cols["window_index"] = [d.start for d in due]
+        else:
+            cols["window_start"] = [d.start for d in due]
+            cols["window_end"] = [d.end for d in due]
+        for j, a in enumerate(spec.aggs):
+            cols[a.name] = [a.finish(d.accs[j]) for d in due]
+        table = pa.table(cols)
+        if not isinstance(spec.kind, Count):
+            ts = pa.timestamp("us", tz="UTC")
+            for c in ("window_start", "window_end"):
+                table = table.set_column(table.schema.get_field_index(c), c, table.column(c).cast(ts))
+        keys = [_window_key(self.name, d.gk, d.start) for d in due]
+        return table.append_column(ROW_KEY, pa.array(keys, pa.string()))
+
+    def _emit_failed(self, e: BaseException) -> None:
+        self.emit_failures += 1
+        log.error(
+            "window %r: writing results to %r failed (they stay in the state store and are tried again): %s",
+            self.name,
+            self.output.name,
+            describe(e),
+        )
+
+    def tick(self) -> None:
+        """The timer's work: the idle watermark advance, then due windows."""
+        self._store.advance_idle(self.spec)
+        self.emit()
+
+    def _tick_loop(self) -> None:
+        every = max(0.05, min(1.0, self.spec.idle_us / 2e6))
+        while not self._stopped.wait(every):
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - logged, tried again on the next tick
+                self._emit_failed(e)
+
+
+def _window_key(op: str, gk: str, start: int) -> str:
+    digest = hashlib.sha256(f"{op}\x00{gk}\x00{start}".encode()).hexdigest()[:32]
+    return f"w:{op}:{digest}"

@@ -1,0 +1,140 @@
+"""flow.window(...): acked at the state commit, results written once under stable keys,
+late rows never dropped, windows that close when data stops, and state that survives a
+restart and a crash between any two durable steps (the in-process executor: the same
+task code as Spark's, no JVM; Spark itself in the doctest and test_window_exactness)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ackflow
+from ackflow import faults
+from ackflow import windows as w
+from ackflow.core.errors import FlowError
+from ackflow.core.policy import RetryPolicy
+from ackflow.flow import Flow, branch
+from ackflow.sinks import MemorySink
+from ackflow.testing import KeyedSink, ListSource
+
+
+def msgs(*recs):
+    return [json.dumps({"t": t, "k": k, "v": v}) for t, k, v in recs]
+
+
+def run(flow, tmp_path, **kw):
+    kw.setdefault("until_idle", 1.0)
+    return ackflow.run(flow, executor="local", state_dir=str(tmp_path), batch_size=kw.pop("batch_size", 4), **kw)
+
+
+def results(sink):
+    return sorted((r["k"], r["window_start"].second, r["n"], r["total"]) for r in sink.rows.values())
+
+
+AGGS = [w.count().alias("n"), w.sum_("v").alias("total")]
+
+
+def test_messages_are_acked_at_the_state_commit_and_windows_written_once(tmp_path):
+    src = ListSource(msgs((0.1, "a", 1), (0.2, "b", 2), (0.5, "a", 3), (1.1, "a", 4), (1.3, "b", 5)))
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1, name="per_s").to(out)
+    report = run(flow, tmp_path, until_idle=1.5)
+    assert set(src.final().values()) == {"acked"} and report.acked == 5, src.failures
+    assert results(out) == [("a", 0, 2, 4), ("a", 1, 1, 4), ("b", 0, 1, 2), ("b", 1, 1, 5)]
+    assert not out.conflicts and set(out.writes.values()) == {1}
+    assert all(k.startswith("w:per_s:") for k in out.rows)
+
+
+def test_a_crash_after_the_state_commit_is_not_counted_twice(tmp_path):
+    # the commit is durable, then the batch fails before any ack: the messages come
+    # again, their rows are applied already, and they are acked without a second count
+    src = ListSource(msgs(*[(0.1 * i, "a", i) for i in range(8)]), policy=RetryPolicy(max_deliveries=4))
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1).to(out)
+    faults.arm("state.after_commit", "raise")
+    try:
+        run(flow, tmp_path, until_idle=1.5)
+    finally:
+        faults.disarm()
+    assert set(src.final().values()) == {"acked"}
+    again = [k for k, s in src.settled.items() if s[:-1]]  # given back, then acked
+    assert len(again) == 4 and all(src.settled[k] == ["released", "acked"] for k in again)
+    assert results(out) == [("a", 0, 8, sum(range(8)))]
+
+
+def test_a_crash_between_writing_results_and_deleting_them_rewrites_the_same_rows(tmp_path):
+    src = ListSource(msgs((0.1, "a", 1), (0.4, "a", 2), (1.5, "b", 3)))
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1).to(out)
+    faults.arm("state.after_output", "raise")
+    try:
+        run(flow, tmp_path, until_idle=1.5)
+    finally:
+        faults.disarm()
+    assert results(out) == [("a", 0, 2, 3), ("b", 1, 1, 3)]
+    assert not out.conflicts and max(out.writes.values()) == 2  # written again, same row
+
+
+def test_late_rows_fail_their_message_with_the_reason_or_go_to_on_late(tmp_path):
+    recs = [(10.0, "a", 1), (10.5, "a", 1), (1.0, "a", 7)]  # the third is 9 s behind
+    src = ListSource(msgs(*recs[:2]) + msgs(recs[2]))
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, lateness="2s").to(out)
+    run(flow, tmp_path / "a", batch_size=2, max_concurrent_batches=1)  # the late row's batch second
+    assert src.final() == {"m0": "acked", "m1": "acked", "m2": "dead_lettered"}
+    assert src.failures["m2"].step == "window_1"
+    assert src.failures["m2"].error.startswith("late: event time 1.0 < watermark 1970-01-01T00:00:08")
+
+    src = ListSource(msgs(*recs[:2]) + msgs(recs[2]))
+    late = MemorySink("late")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, lateness="2s", on_late=late)
+    run(flow.to(KeyedSink("out")), tmp_path / "b", batch_size=2, max_concurrent_batches=1)
+    assert set(src.final().values()) == {"acked"}
+    assert [(r["t"], r["v"]) for r in late.rows] == [(1.0, 7)]
+
+
+def test_windows_close_when_data_stops_and_state_carries_over_a_restart(tmp_path):
+    out = KeyedSink("out")
+    first = ListSource(msgs((0.1, "a", 1), (0.2, "a", 2)), name="first")
+    flow = Flow(first).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=60)
+    run(flow.to(out), tmp_path)
+    assert out.rows == {}  # idle for 60 s not reached: the window stays open, in state
+    second = ListSource(msgs((0.3, "a", 4)), name="first", keys=["m9"])
+    flow = Flow(second).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1)
+    run(flow.to(out), tmp_path, until_idle=2.0)
+    assert results(out) == [("a", 0, 3, 7)]
+
+
+def test_update_mode_upserts_after_each_batch(tmp_path):
+    src = ListSource(msgs(*[(0.1 * i, "a", 1) for i in range(6)]))
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, output="update", idle=0.1)
+    run(flow.to(out), tmp_path, batch_size=2, max_concurrent_batches=1)
+    assert results(out) == [("a", 0, 6, 6)]
+    (key,) = out.rows
+    assert out.writes[key] >= 2  # written as it grew, the last value is the whole window
+
+
+def test_several_windows_on_one_stream_and_session_and_count_windows(tmp_path):
+    recs = [(0.0, "a", 1), (0.5, "a", 2), (3.0, "a", 3), (3.2, "b", 4), (3.4, "a", 5)]
+    src = ListSource(msgs(*recs))
+    sessions, counts = KeyedSink("sessions"), KeyedSink("counts")
+    flow = Flow(src).broadcast(
+        branch().window(w.session("1s"), by="k", time="t", aggs=AGGS, idle=0.1, name="s").to(sessions),
+        branch().window(w.count_window(2), by="k", aggs=AGGS, name="c").to(counts),
+    )
+    run(flow, tmp_path, until_idle=2.5, batch_size=10)
+    got = sorted((r["k"], r["window_start"].timestamp(), r["n"], r["total"]) for r in sessions.rows.values())
+    assert got == [("a", 0.0, 2, 3), ("a", 3.0, 2, 8), ("b", 3.2, 1, 4)]
+    # count windows: "a" has 4 rows -> two full windows; "b" one row -> still open
+    assert sorted((r["k"], r["window_index"], r["n"], r["total"]) for r in counts.rows.values()) == [
+        ("a", 0, 2, 3),
+        ("a", 1, 2, 8),
+    ]
+
+
+def test_a_flow_without_a_place_for_state_is_refused_at_start():
+    flow = Flow(ListSource(msgs((0.1, "a", 1)))).window(w.tumbling("1s"), time="t", aggs=AGGS).to(KeyedSink())
+    with pytest.raises(FlowError, match="give the run state_dir="):
+        ackflow.run(flow, executor="local", until_idle=0.2)
