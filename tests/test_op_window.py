@@ -12,6 +12,7 @@ import pytest
 import ackflow
 from ackflow import faults
 from ackflow import windows as w
+from ackflow.cli import main
 from ackflow.core.errors import FlowError
 from ackflow.core.policy import RetryPolicy
 from ackflow.flow import Flow, branch
@@ -25,7 +26,8 @@ def msgs(*recs):
 
 def run(flow, tmp_path, **kw):
     kw.setdefault("until_idle", 1.0)
-    return ackflow.run(flow, executor="local", state_dir=str(tmp_path), batch_size=kw.pop("batch_size", 4), **kw)
+    kw.setdefault("batch_size", 4)
+    return ackflow.run(flow, executor="local", state_dir=str(tmp_path), **kw)
 
 
 def results(sink):
@@ -94,12 +96,29 @@ def test_late_rows_fail_their_message_with_the_reason_or_go_to_on_late(tmp_path)
     assert [(r["t"], r["v"]) for r in late.rows] == [(1.0, 7)]
 
 
-def test_windows_close_when_data_stops_and_state_carries_over_a_restart(tmp_path):
+def test_windows_close_when_data_stops_and_state_carries_over_a_restart(tmp_path, capsys):
     out = KeyedSink("out")
     first = ListSource(msgs((0.1, "a", 1), (0.2, "a", 2)), name="first")
     flow = Flow(first).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=60)
     run(flow.to(out), tmp_path)
     assert out.rows == {}  # idle for 60 s not reached: the window stays open, in state
+    assert main(["state", "show", str(tmp_path), "--json"]) == 0
+    (op,) = json.loads(capsys.readouterr().out)
+    assert (op["window"], op["watermark"], op["open_windows"], op["rows_applied"]) == (
+        "window_1",
+        "1970-01-01T00:00:00.200000Z",
+        1,
+        2,
+    )
+    assert op["open"] == [
+        {
+            "keys": ["a"],
+            "start": "1970-01-01T00:00:00Z",
+            "end": "1970-01-01T00:00:01Z",
+            "rows": 2,
+            "unwritten_changes": True,
+        }
+    ]
     second = ListSource(msgs((0.3, "a", 4)), name="first", keys=["m9"])
     flow = Flow(second).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1)
     run(flow.to(out), tmp_path, until_idle=2.0)

@@ -1,4 +1,4 @@
-"""The ``ackflow`` command: demo, run, queue, dlq, schema, servers, docs."""
+"""The ``ackflow`` command: demo, run, queue, dlq, schema, state, servers, docs."""
 
 from __future__ import annotations
 
@@ -48,6 +48,27 @@ def cmd_schema(args: argparse.Namespace) -> int:
         lines = v["columns"] if args.action == "show" else v["changes"]
         for line in lines:
             print(f"    {line}")
+    return 0
+
+
+def cmd_state(args: argparse.Namespace) -> int:
+    from ackflow.state.show import describe
+
+    ops = describe(args.store, args.window, args.limit)
+    if args.json:
+        print(json.dumps(ops))
+        return 0
+    if not ops:
+        print("(no window state yet)")
+    for op in ops:
+        print(
+            f"{op['window']}: watermark {op['watermark']}, {op['open_windows']} open, "
+            f"{op['windows_written']} written, {op['rows_applied']} rows applied, {op['late_rows']} late, "
+            f"{op['applied_keys_remembered']} row keys remembered"
+        )
+        for w in op["open"]:
+            span = f"{w['start']} .. {w['end']}" if w["end"] is not None else f"#{w['start']}"
+            print(f"    {w['keys']}  {span}  {w['rows']} rows")
     return 0
 
 
@@ -425,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "schema":
             return cmd_schema(args)
+        if args.command == "state":
+            return cmd_state(args)
         if args.command == "docs":
             return cmd_docs(args)
         if args.command == "dlq":

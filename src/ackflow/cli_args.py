@@ -283,6 +283,14 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--step", default=None, help="only this segment (as listed)")
         s.add_argument("--json", action="store_true", help="print JSON")
 
+    state = sub.add_parser("state", help="show a flow's window state: watermarks and open windows")
+    stsub = state.add_subparsers(dest="action", required=True)
+    st = stsub.add_parser("show", help="each window's watermark, counters and open windows")
+    st.add_argument("store", help="the state directory (state_dir) or its windows.db")
+    st.add_argument("--window", default=None, help="only this window (by name)")
+    st.add_argument("--limit", type=int, default=20, help="open windows to list per window (default 20)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+
     docs = sub.add_parser(
         "docs", help="build the documentation site and serve it on 127.0.0.1 (needs the dev extras: MkDocs)"
     )

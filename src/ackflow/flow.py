@@ -341,8 +341,8 @@ class Flow:
         trails), ``output`` (``"final"``: once, when the watermark passes the window's
         end; ``"update"``: after each batch that changed it), ``on_late`` (a sink for
         rows below the watermark; without it they fail their message as ``late``),
-        ``idle`` (no data for this long: the watermark moves on with the wall clock;
-        default 60 s), ``remember`` (how long applied row keys are kept against
+        ``idle`` (no batch for this long: every open window closes, as if the watermark
+        passed them; default 60 s), ``remember`` (how long applied row keys are kept against
         redelivery; default 1 hour). A message is acked once its rows are committed in
         the state store. See the windows page of the docs.
 

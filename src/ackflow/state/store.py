@@ -328,27 +328,22 @@ class WindowStore:
             (spec.name, w, top, data_at, late, rows),
         )
 
-    def advance_idle(self, spec: WindowSpec, now: float | None = None) -> int | None:
-        """No data for ``idle``: the watermark moves on with the wall clock (event time is
-        taken to pass as fast as real time since the last data), so windows close when
-        data stops. Returns the new watermark if it moved."""
-        now = time.time() if now is None else now
+    def close_open(self, spec: WindowSpec) -> int | None:
+        """The stream went quiet: move the watermark to the end of the last open window,
+        so that every window holding data closes (a row that comes later for one of
+        them is late). Returns the new watermark if it moved."""
         with self.lock:
-            m = self.db.execute(
-                "SELECT watermark, max_event, data_at FROM marks WHERE op = ?", (spec.name,)
-            ).fetchone()
-            if m is None or m[1] is None or m[2] is None:
+            top = self.db.execute('SELECT max("end") FROM windows WHERE op = ?', (spec.name,)).fetchone()[0]
+            w = self.mark(spec.name)["watermark"]
+            if top is None or (w is not None and top <= w):
                 return None
-            w, top, data_at = m
-            idle_for = int((now - data_at) * 1_000_000)
-            if idle_for < spec.idle_us:
-                return None
-            wanted = top + idle_for - spec.lateness_us
-            if w is not None and wanted <= w:
-                return None
-            self.db.execute("UPDATE marks SET watermark = ? WHERE op = ?", (wanted, spec.name))
+            self.db.execute(
+                "INSERT INTO marks (op, watermark) VALUES (?, ?) "
+                "ON CONFLICT (op) DO UPDATE SET watermark = excluded.watermark",
+                (spec.name, top),
+            )
         faults.point("state.watermark")
-        return int(wanted)
+        return int(top)
 
     def due(self, spec: WindowSpec, bound: int | None, limit: int = 5000) -> list[Due]:
         """Windows to write now: closed ones (end <= ``bound``, or full count windows),

@@ -59,6 +59,7 @@ class WindowSink(Sink):
         self._ticker: threading.Thread | None = None
         self._stopped = threading.Event()
         self._seq = 0
+        self._active = 0.0
         self.emit_failures = 0
         self._prepared: pa.Schema | None = None
 
@@ -89,6 +90,7 @@ class WindowSink(Sink):
         self._store = WindowStore(self.path)
         self._store.end(self.name)  # batches of a run that crashed
         self._running = {}
+        self._active = time.monotonic()  # when a batch last began (or the run did)
         self._stopped = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name=f"window-{self.name}", daemon=True)
         self._ticker.start()
@@ -126,6 +128,7 @@ class WindowSink(Sink):
         """Before a batch's job: remember the watermark its tasks will read at least."""
         store = self._store
         if store is not None:
+            self._active = time.monotonic()
             self._running[batch_id] = store.begin(self.name, batch_id)
 
     # -- task side -------------------------------------------------------------------
@@ -248,8 +251,12 @@ class WindowSink(Sink):
         )
 
     def tick(self) -> None:
-        """The timer's work: the idle watermark advance, then due windows."""
-        self._store.advance_idle(self.spec)
+        """The timer's work: close every open window once no batch began for ``idle``
+        (in this run: a restart's downtime does not count, its backlog is no quiet
+        stream), then write due windows."""
+        quiet = time.monotonic() - self._active >= self.spec.idle_us / 1e6
+        if quiet and not self._running and not isinstance(self.spec.kind, Count):
+            self._store.close_open(self.spec)
         self.emit()
 
     def _tick_loop(self) -> None:

@@ -1,0 +1,73 @@
+"""``ackflow state show``: what a windows state store holds, read-only."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sqlite3
+from typing import Any
+
+from ackflow.core.errors import ConfigError
+from ackflow.state.partials import show_us
+from ackflow.state.store import STORE_FILE
+
+
+def _when(us: int | None) -> str | None:
+    return None if us is None else show_us(us)
+
+
+def describe(where: str, window: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    """Per window operator: its watermark, counters and its open windows (the first
+    ``limit``, oldest end first). ``where``: a state directory or the store's file."""
+    path = os.path.join(where, STORE_FILE) if os.path.isdir(where) else where
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"no windows state store at {where!r} (expected a state directory or its {STORE_FILE})"
+        )
+    try:
+        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+        ops = db.execute(
+            "SELECT op, watermark, max_event, late, written, applied_rows FROM marks ORDER BY op"
+        )
+        marks = ops.fetchall()
+    except sqlite3.DatabaseError as e:
+        raise ConfigError(f"{path!r} is not a windows state store: {e}") from e
+    out = []
+    try:
+        for op, w, top, late, done, applied_rows in marks:
+            if window is not None and op != window:
+                continue
+            n_open = db.execute("SELECT count(*) FROM windows WHERE op = ?", (op,)).fetchone()[0]
+            remembered = db.execute("SELECT count(*) FROM applied WHERE op = ?", (op,)).fetchone()[0]
+            rows = db.execute(
+                'SELECT start, "end", rows, dirty, state FROM windows WHERE op = ? '
+                'ORDER BY "end", gk LIMIT ?',
+                (op, limit),
+            ).fetchall()
+            out.append(
+                {
+                    "window": op,
+                    "watermark": _when(w),
+                    "max_event_time": _when(top),
+                    "open_windows": n_open,
+                    "rows_applied": applied_rows,
+                    "late_rows": late,
+                    "windows_written": done,
+                    "applied_keys_remembered": remembered,
+                    "open": [
+                        {
+                            "keys": list(pickle.loads(state)[0]),
+                            "start": start if start == end else _when(start),
+                            "end": None if start == end else _when(end),
+                            "rows": n,
+                            "unwritten_changes": bool(dirty),
+                        }
+                        for start, end, n, dirty, state in rows
+                    ],
+                }
+            )
+    finally:
+        db.close()
+    if window is not None and not out:
+        raise ConfigError(f"no window named {window!r} in {path!r}")
+    return out

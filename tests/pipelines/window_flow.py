@@ -1,0 +1,52 @@
+"""The pipeline of the window exactness test: daily Seattle weather records (the
+vega_datasets package's ``seattle-weather.csv``) from an embedded queue into three
+windows at once, by weather kind: tumbling (30 days), hopping (28 days every 14) and
+session (3 days apart); each window's results go to a Parquet dataset of its own.
+
+Configured by environment variables (it runs in a subprocess that the test kills):
+AF_QUEUE (the queue file), AF_OUT (the folder of the three datasets). ``ACKFLOW_FAULTS``
+arms fault points as usual.
+"""
+
+import os
+
+import ackflow
+from ackflow import windows as w
+from ackflow.core.policy import RetryPolicy
+from ackflow.flow import branch
+from ackflow.sinks import Parquet
+from ackflow.sources import EmbeddedQueue
+
+KINDS = {
+    "tumbling": w.tumbling("30 days"),
+    "hopping": w.hopping("28 days", every="14 days"),
+    "session": w.session("3 days"),
+}
+
+
+def aggs():
+    return [
+        w.count().alias("days"),
+        w.sum_("precipitation").alias("rain_mm"),
+        w.max_("temp_max").alias("hottest"),
+        w.min_("temp_min").alias("coldest"),
+        w.avg("wind").alias("mean_wind"),
+        w.count_distinct("temp_max").alias("distinct_highs"),
+        w.first("wind").alias("first_wind"),
+        w.last("precipitation").alias("last_rain"),
+    ]
+
+
+def flow(queue=None, out=None):
+    queue = queue or os.environ["AF_QUEUE"]
+    out = out or os.environ["AF_OUT"]
+    source = EmbeddedQueue(queue, "weather", policy=RetryPolicy(max_deliveries=10, backoff_s=0.05))
+    days = ackflow.Flow(source).with_columns(day="to_timestamp(date, 'yyyy/MM/dd')", name="day")
+    return days.broadcast(
+        *[
+            branch()
+            .window(kind, by="weather", time="day", lateness="10 days", idle=1.0, aggs=aggs(), name=name)
+            .to(Parquet(os.path.join(out, name), name=f"{name}_out"))
+            for name, kind in KINDS.items()
+        ]
+    )
