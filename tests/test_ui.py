@@ -566,3 +566,46 @@ def test_ackflow_run_serves_the_page_with_ui_port(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     assert f"status page: http://127.0.0.1:{port}/" in err
     assert json.loads(out.strip().splitlines()[-1])["acked"] == 300
+
+
+def test_the_page_shows_each_windows_state(tmp_path, page):
+    """A windowed flow: the page's Windows panel shows the watermark, the open windows
+    and the late rows, as the metrics do (the in-process executor: no JVM needed)."""
+    from ackflow import windows as w
+
+    bodies = [json.dumps({"t": t, "k": "a", "v": 1}) for t in (100.0, 101.0, 130.0, 5.0)]
+    src = ListSource(bodies)
+    flow = (
+        ackflow.Flow(src)
+        .window(w.tumbling("10s"), by="k", time="t", aggs=[w.count()], idle=600, name="per_10s")
+        .to(MemorySink("out"))
+    )
+    engine = Engine(
+        flow,
+        executor="local",
+        ui_port=0,
+        metrics_port=0,
+        state_dir=str(tmp_path),
+        batch_size=3,
+        max_concurrent_batches=1,
+        handle_signals=False,
+    )
+    t = threading.Thread(target=engine.run, daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: engine.ui is not None and src.final().get("m3") is not None, timeout=30)
+        page.goto(engine.ui.url)
+        page.wait_for_function("() => !document.getElementById('windows').hidden", timeout=15000)
+        shown = "() => document.getElementById('window-states').textContent.replace(/\\s/g, '')"
+        page.wait_for_function(
+            f"() => ({shown})().includes('openwindows2') && ({shown})().includes('laterows1')", timeout=15000
+        )
+        text = page.inner_text("#window-states")
+        assert "per_10s" in text and "1970-01-01T00:02:10Z" in text  # watermark: 130 s
+        raw = http(f"http://127.0.0.1:{engine.metrics.port}/metrics")[1].decode()
+        assert 'ackflow_window_open{window="per_10s"} 2.0' in raw
+        assert 'ackflow_window_late_rows{window="per_10s"} 1.0' in raw
+        assert src.failures["m3"].error.startswith("late: event time 5.0")
+    finally:
+        engine.request_stop()
+        t.join(30)

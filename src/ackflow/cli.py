@@ -116,6 +116,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ackflow.spark.session import session
 
     workdir = os.path.abspath(args.workdir)
+    if args.windows:
+        return _demo_windows(args, workdir)
     sink = args.sink or "parquet"
     if args.resume and not args.sink and os.path.exists(demo.DemoPaths(workdir).manifest):
         with open(demo.DemoPaths(workdir).manifest) as f:
@@ -160,6 +162,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(_demo_text(summary, paths))
+    return 0 if check["ok"] else 1
+
+
+def _demo_windows(args: argparse.Namespace, workdir: str) -> int:
+    from ackflow import demo_windows as dw
+    from ackflow.engine import Engine
+    from ackflow.observe import ProgressBar
+    from ackflow.spark.session import session
+
+    if args.sink or args.source != "embedded":
+        raise ConfigError("--windows runs on the embedded queue into Parquet: drop --sink and --source")
+    p = dw.paths(workdir)
+    if args.resume:
+        if not os.path.exists(p["manifest"]):
+            raise ConfigError(
+                f"--resume: no windowed demo in {workdir!r}; run 'ackflow demo --windows' first"
+            )
+    else:
+        if not args.json:
+            print(f"publishing {args.messages:,} timed orders to {p['db']} ...", file=sys.stderr)
+        dw.publish(workdir, args.messages, args.poison_rate, seed=args.seed)
+    bar = ProgressBar(total=None if args.resume else args.messages)
+    kwargs = {**_engine_kwargs(args), "state_dir": args.state_dir or p["state"]}
+    report = Engine(dw.build_flow(workdir), spark=session(args.master), progress=bar, **kwargs).run()
+    bar.close()
+    check = dw.verify(workdir)
+    summary = {
+        "published": 0 if args.resume else args.messages,
+        "acked": report.acked,
+        "dead_lettered": report.dead_lettered,
+        "nacked": report.nacked,
+        "elapsed_s": round(report.elapsed_s, 3),
+        "messages_per_s": round(report.messages_per_s, 1),
+        "dead_lettered_by_step": report.dead_lettered_by_step,
+        "check": check,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(dw.text(summary, p, kwargs["state_dir"]))
     return 0 if check["ok"] else 1
 
 

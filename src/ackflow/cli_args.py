@@ -156,6 +156,12 @@ def parser() -> argparse.ArgumentParser:
         help="where the orders are queued (default: the embedded queue)",
     )
     demo.add_argument(
+        "--windows",
+        action="store_true",
+        help="the windowed demo: orders per customer per minute in durable window state, "
+        "some late, some poison (embedded queue, Parquet)",
+    )
+    demo.add_argument(
         "--amqp-url",
         default=None,
         help="RabbitMQ URL for --source rabbitmq (amqp://user:pass@host:5672/%%2F)",

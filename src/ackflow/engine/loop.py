@@ -261,6 +261,7 @@ class Engine(Settling):
                 connected=self.flow.source.connected,
                 source=details,
                 rows=rows,
+                windows={s.name: s.facts() for s in self.flow.sinks if hasattr(s, "facts")},
             )
         )
 
@@ -304,6 +305,7 @@ class Engine(Settling):
                     where = state_file(flow, self.state_dir, "windows.db")
                     if where is not None:
                         sink.bind_state(where)
+                    sink.observe(self.metrics)  # type: ignore[attr-defined]
                 sink.open()
                 stack.callback(_quietly, "close sink", sink.close)
             if flow.error_sink is not None:

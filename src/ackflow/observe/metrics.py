@@ -84,6 +84,43 @@ class Metrics:
         )
         self.source_connected.set(1)
         self.max_inflight.set(max_inflight)
+        w = ["window"]
+        self.window_gauges = {
+            "open_windows": Gauge("ackflow_window_open", "Open windows in the state store", w, registry=r),
+            "watermark_s": Gauge(
+                "ackflow_window_watermark_seconds",
+                "The window's watermark (event time, epoch s)",
+                w,
+                registry=r,
+            ),
+            "watermark_lag_s": Gauge(
+                "ackflow_window_watermark_lag_seconds",
+                "Wall clock minus the watermark: how far behind now windows close",
+                w,
+                registry=r,
+            ),
+            "late_rows": Gauge(
+                "ackflow_window_late_rows",
+                "Rows that came below the watermark (since the state began)",
+                w,
+                registry=r,
+            ),
+            "windows_written": Gauge(
+                "ackflow_window_results_written",
+                "Closed windows written (since the state began)",
+                w,
+                registry=r,
+            ),
+            "state_bytes": Gauge(
+                "ackflow_window_state_bytes", "Size of the state store's file", w, registry=r
+            ),
+            "output_failures": Gauge(
+                "ackflow_window_output_failures",
+                "Failed attempts (this run) to write due windows (they stay in state and are tried again)",
+                w,
+                registry=r,
+            ),
+        }
         self._episodes_seen = 0
         self._server: Any = None
 
@@ -93,6 +130,13 @@ class Metrics:
         if episodes > self._episodes_seen:
             self.throttle_episodes.inc(episodes - self._episodes_seen)
             self._episodes_seen = episodes
+
+    def windows(self, name: str, facts: dict[str, Any]) -> None:
+        """A window operator's state, as its timer last read it."""
+        for key, gauge in self.window_gauges.items():
+            value = facts.get(key)
+            if isinstance(value, (int, float)):
+                gauge.labels(window=name).set(value)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         try:

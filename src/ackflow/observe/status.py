@@ -85,6 +85,8 @@ class EngineFacts:
     source: dict[str, object]
     #: rows (in, out, failed) per Python step and sink, counted by the tasks
     rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: per window operator: its watermark, open windows, late rows, ... (WindowSink.facts)
+    windows: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -378,6 +380,7 @@ class StatusBoard:
                 "details": source,
                 "probed": probed,
             },
+            "windows": facts.windows,
             "history": self._history_columns(),
             "dead_letters": [n.as_json() for n in reversed(self._dead_letters)],
             "replay_supported": self.replay_supported,

@@ -401,9 +401,8 @@ class WindowStore:
             return cur.rowcount
 
     def stats(self, op: str) -> dict[str, Any]:
-        """Open windows, applied keys remembered, and the file's size (bytes)."""
+        """Open windows and the file's size (bytes; with its write-ahead log)."""
         with self.lock:
             windows = self.db.execute("SELECT count(*) FROM windows WHERE op = ?", (op,)).fetchone()[0]
-            applied = self.db.execute("SELECT count(*) FROM applied WHERE op = ?", (op,)).fetchone()[0]
         size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
-        return {"open_windows": windows, "applied_keys": applied, "bytes": size}
+        return {"open_windows": windows, "bytes": size}

@@ -62,10 +62,42 @@ class WindowSink(Sink):
         self._active = 0.0
         self.emit_failures = 0
         self._prepared: pa.Schema | None = None
+        self._metrics: Any = None
+        self._facts: dict[str, Any] = {}
+
+    def observe(self, metrics: Any) -> None:
+        """Driver side: the run's metrics, updated by the timer."""
+        self._metrics = metrics
+
+    def facts(self) -> dict[str, Any]:
+        """The state as the timer last read it (for the status page)."""
+        return dict(self._facts)
+
+    def _refresh(self) -> None:
+        from ackflow.state.partials import show_us
+
+        mark = self._store.mark(self.name)
+        stats = self._store.stats(self.name)
+        w, top = mark["watermark"], mark["max_event"]
+        self._facts = {
+            "kind": type(self.spec.kind).__name__.lower(),
+            "watermark": None if w is None else show_us(w),
+            "max_event_time": None if top is None else show_us(top),
+            "watermark_s": None if w is None else w / 1e6,
+            "watermark_lag_s": None if w is None else round(time.time() - w / 1e6, 3),
+            "open_windows": stats["open_windows"],
+            "rows_applied": mark["applied_rows"],
+            "late_rows": mark["late"],
+            "windows_written": mark["written"],
+            "state_bytes": stats["bytes"],
+            "output_failures": self.emit_failures,
+        }
+        if self._metrics is not None:
+            self._metrics.windows(self.name, self._facts)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for k in ("_store", "_running", "_ticker", "_stopped"):
+        for k in ("_store", "_running", "_ticker", "_stopped", "_metrics"):
             state[k] = None
         return state
 
@@ -257,7 +289,10 @@ class WindowSink(Sink):
         quiet = time.monotonic() - self._active >= self.spec.idle_us / 1e6
         if quiet and not self._running and not isinstance(self.spec.kind, Count):
             self._store.close_open(self.spec)
-        self.emit()
+        try:
+            self.emit()
+        finally:
+            self._refresh()
 
     def _tick_loop(self) -> None:
         every = max(0.05, min(1.0, self.spec.idle_us / 2e6))

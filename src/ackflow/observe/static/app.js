@@ -248,6 +248,27 @@ function drawSource(s) {
   fillDl($("source-details"), pairs);
 }
 
+function drawWindows(s) {
+  const ws = Object.entries(s.windows || {});
+  $("windows").hidden = ws.length === 0;
+  const box = $("window-states");
+  clear(box);
+  for (const [name, f] of ws) {
+    const dl = el("dl", {});
+    fillDl(dl, [
+      ["kind", String(f.kind)], ["watermark", f.watermark === null ? "– (no data yet)" : String(f.watermark)],
+      ["watermark lag", f.watermark_lag_s === null ? "–" : secs(f.watermark_lag_s)],
+      ["open windows", num(f.open_windows)], ["rows applied", num(f.rows_applied)],
+      ["late rows", num(f.late_rows)], ["windows written", num(f.windows_written)],
+      ["state size", `${num(f.state_bytes)} bytes`], ["failed result writes", num(f.output_failures)],
+    ]);
+    const div = el("div", { class: "window-state" });
+    div.appendChild(el("h3", {}, name));
+    div.appendChild(dl);
+    box.appendChild(div);
+  }
+}
+
 function drawLatency(s) {
   const l = s.latency;
   fillDl($("latency"), [
@@ -412,6 +433,7 @@ function render(s) {
   drawWindow(s);
   drawSource(s);
   drawLatency(s);
+  drawWindows(s);
   drawSchema(s);
   drawDeadLetters(s);
   document.body.dataset.version = String((Number(document.body.dataset.version) || 0) + 1);
