@@ -26,7 +26,7 @@ def example(name, *args, env=None, timeout=600):
     )
 
 
-@pytest.mark.parametrize("name", ["rabbitmq_to_postgres.py", "files_to_delta.py"])
+@pytest.mark.parametrize("name", ["rabbitmq_to_postgres.py", "files_to_delta.py", "clicks_per_minute.py"])
 def test_help(name):
     r = example(name, "--help")
     assert r.returncode == 0 and "usage:" in r.stdout and "--until-idle" in r.stdout
@@ -115,3 +115,33 @@ def test_files_to_delta(tmp_path):
         json.loads(line) for line in (src / "done" / "events-0.jsonl.dead.jsonl").read_text().splitlines()
     ]
     assert len(dead) == 4 and all("teleport" in json.dumps(d) for d in dead), dead[:1]
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_clicks_per_minute(tmp_path, postgres):
+    """Windows into PostgreSQL: every valid click counted once, in a window row or in the
+    late dataset; one row per page and minute; the state inspectable afterwards."""
+    import pyarrow.dataset as ds
+
+    src, table = tmp_path / "in", f"clicks_{uuid.uuid4().hex[:8]}"
+    args = [str(src), "--dsn", postgres.dsn, "--table", table, "--master", "local[2]"]
+    r = example("clicks_per_minute.py", *args, "--sample", "3", "--until-idle", "5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "acked             891" in r.stdout and "check: 9" in r.stdout, r.stdout
+    with psycopg.connect(postgres.dsn) as c:
+        rows = c.execute(
+            sql.SQL("SELECT page, window_start, clicks, users FROM {}").format(sql.Identifier(table))
+        ).fetchall()
+    late = ds.dataset(str(src / "late")).to_table().num_rows if (src / "late").exists() else 0
+    assert sum(n for _, _, n, _ in rows) + late == 891
+    assert len({(p, t) for p, t, _, _ in rows}) == len(rows) and all(0 < u <= 40 for *_, u in rows)
+    assert {p for p, *_ in rows} == {"/", "/cart", "/search"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "ackflow.cli", "state", "show", str(tmp_path / "in-state"), "--json"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    (op,) = json.loads(shown.stdout)
+    assert op["window"] == "per_minute" and op["open_windows"] == 0 and op["rows_applied"] == 891 - late
