@@ -1,0 +1,192 @@
+"""A model-based test of windows (hypothesis): random rows, batches that overlap and
+commit out of order, tasks of several partitions, crashes before and after the state
+commit (the batch's messages delivered again), late rows and quiet streams, driven
+through the real task code (:func:`contribute`) and the real store; then every row has
+exactly one fate, no window is written twice, and every written window equals the
+windows recomputed from the rows counted."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ackflow.flow import Flow
+from ackflow.state.partials import contribute
+from ackflow.state.spec import window_flow
+from ackflow.state.store import WindowStore, read_view
+from ackflow.testing import ListSource
+from ackflow.windows import count, hopping, max_, session, sum_, tumbling
+
+S = 1_000_000
+KINDS = {"tumbling": tumbling("10s"), "hopping": hopping("10s", every="5s"), "session": session("5s")}
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 40))
+    rows = [
+        (draw(st.sampled_from("abc")), draw(st.integers(0, 60)), draw(st.integers(-5, 9))) for _ in range(n)
+    ]
+    plan = []  # (batch size, partitions, crash, overlaps the next batch, a quiet spell after)
+    left = n
+    while left > 0:
+        size = draw(st.integers(1, min(8, left)))
+        crash = draw(st.sampled_from(["none", "none", "none", "before_commit", "after_commit"]))
+        plan.append((size, draw(st.integers(1, 3)), crash, draw(st.booleans()), draw(st.booleans())))
+        left -= size
+    return {
+        "kind": draw(st.sampled_from(sorted(KINDS))),
+        "lateness": draw(st.integers(0, 20)),
+        "rows": rows,
+        "plan": plan,
+    }
+
+
+class Run:
+    """The engine's protocol around one window, with the sink's emission rule."""
+
+    def __init__(self, spec, store):
+        self.spec, self.store = spec, store
+        self.running = {}  # batch id -> watermark it began with
+        self.written = {}  # (gk, start) -> accumulators written (count of writes too)
+        self.writes = {}
+        self.late = {}  # row id -> the watermark its batch began with
+        self.counted = set()
+
+    def begin(self, bid):
+        self.running[bid] = self.store.begin(self.spec.name, bid)
+
+    def tasks(self, bid, rows, ids, parts):
+        out = []
+        for p in range(parts):
+            idx = list(range(p, len(rows), parts))
+            if not idx:
+                continue
+            table = pa.Table.from_pylist(
+                [{"k": rows[i][0], "t": float(rows[i][1]), "v": rows[i][2]} for i in idx]
+            )
+            keys = [ids[i] for i in idx]
+            w, applied = read_view(self.store.path, self.spec.name, keys, bid)
+            partials, failed, late = contribute(self.spec, table, keys, w, applied)
+            assert not failed
+            out.append((partials, {keys[j]: w for j in late}))
+        return out
+
+    def commit(self, bid, results):
+        self.store.apply(self.spec, [p for p, _ in results])
+        for p, late in results:
+            self.counted.update(p.keys)
+            self.late.update(late)
+        self.end(bid)
+        self.emit()
+
+    def end(self, bid):
+        self.running.pop(bid, None)
+        self.store.end(self.spec.name, bid)
+
+    def emit(self):
+        bound = self.store.mark(self.spec.name)["watermark"]
+        for w in self.running.values():
+            bound = None if bound is None or w is None else min(bound, w)
+        due = self.store.due(self.spec, bound)
+        for d in due:
+            key = (d.gk, d.start)
+            self.writes[key] = self.writes.get(key, 0) + 1
+            self.written[key] = (d.end, [a.finish(x) for a, x in zip(self.spec.aggs, d.accs, strict=True)])
+        self.store.done(self.spec, due)
+
+
+def expected(spec, rows, counted_rows):
+    """The windows of the counted rows, recomputed: (gk, start) -> (end, [count, sum, max])."""
+    import json
+
+    members = {}
+    for i in counted_rows:
+        k, t, v = rows[i]
+        kind = spec.kind
+        if hasattr(kind, "starts"):
+            for s in kind.starts(t * S):
+                members.setdefault((k, s, s + kind.size_us), []).append(v)
+    if not hasattr(spec.kind, "starts"):  # sessions: a gap of 5 s or more splits
+        per = {}
+        for i in counted_rows:
+            per.setdefault(rows[i][0], []).append((rows[i][1] * S, rows[i][2]))
+        for k, items in per.items():
+            items.sort()
+            start, last, vals = items[0][0], items[0][0], []
+            for t, v in items:
+                if vals and t >= last + spec.kind.gap_us:
+                    members[(k, start, last + spec.kind.gap_us)] = vals
+                    start, vals = t, []
+                last = t
+                vals.append(v)
+            members[(k, start, last + spec.kind.gap_us)] = vals
+    return {
+        (json.dumps([k], separators=(",", ":")), s): (e, [len(v), sum(v), max(v)])
+        for (k, s, e), v in members.items()
+    }
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sc=scenarios())
+def test_every_row_has_one_fate_and_every_window_is_written_once_and_right(tmp_path_factory, sc):
+    path = str(tmp_path_factory.mktemp("w") / "windows.db")
+    flow = Flow(ListSource([]))
+    spec = window_flow(
+        flow,
+        KINDS[sc["kind"]],
+        by="k",
+        time="t",
+        lateness=sc["lateness"],
+        aggs=[count(), sum_("v"), max_("v")],
+        name="w",
+    ).spec
+    store = WindowStore(path)
+    run = Run(spec, store)
+    rows = sc["rows"]
+    ids = [f"r{i}" for i in range(len(rows))]
+    queue = list(range(len(rows)))  # row indexes in arrival order; a crash puts a batch back
+    held = []  # a begun batch waiting to commit after the next one (out of order)
+    step = 0
+    plan = list(sc["plan"])
+    while queue or held:
+        size, parts, crash, overlap, quiet = plan[step % len(plan)] if plan else (len(queue), 1, "none", 0, 0)
+        step += 1
+        if step > 200:
+            crash = "none"  # the run must end: crashes stop after a while
+        batch, queue = queue[:size], queue[size:]
+        bid = f"b{step}"
+        if batch:
+            run.begin(bid)
+            results = run.tasks(bid, [rows[i] for i in batch], [ids[i] for i in batch], parts)
+            if crash == "before_commit":  # the transaction never happened; the batch comes again
+                run.end(bid)
+                queue = batch + queue
+            elif overlap and queue:
+                held.append((bid, results, crash, batch))
+                continue
+            else:
+                run.commit(bid, results)
+                if crash == "after_commit":  # committed, not acked: delivered again
+                    queue = queue + batch
+        for hbid, hres, hcrash, hbatch in held:  # the earlier batch commits after this one
+            run.commit(hbid, hres)
+            if hcrash == "after_commit":
+                queue = queue + hbatch
+        held = []
+        if quiet:
+            store.close_open(spec)
+            run.emit()
+    store.close_open(spec)
+    run.emit()
+    store.close()
+    everyone = set(ids)
+    final_late = {r for r in run.late if r not in run.counted}
+    assert run.counted | final_late == everyone
+    assert not run.counted & final_late
+    for r, w in run.late.items():  # judged late against its batch's starting watermark
+        assert w is not None and rows[int(r[1:])][1] * S < w
+    assert max(run.writes.values(), default=1) == 1, "a window written twice"
+    want = expected(spec, rows, sorted(int(r[1:]) for r in run.counted))
+    assert run.written == want
