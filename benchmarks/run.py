@@ -27,6 +27,10 @@ over 100-byte JSON messages in the embedded queue:
 * ackflow_iceberg -- ackflow end to end into an Iceberg table (``sinks.Iceberg``, SQL
                      catalog on SQLite). Both are compared with ``ackflow`` (the Parquet
                      sink) in the same run;
+* ss_windows, ackflow_windows, ackflow_windows_base -- windows (``benchmarks.windows``):
+                Structured Streaming's watermark and ``groupBy(window(...))`` in append
+                mode against ackflow's tumbling window in its state store, and ackflow
+                without the window, on the same files with event times (10 000 keys);
 * latency    -- RabbitMQ at a low rate (``--latency-rate``, 200 msg/s, for
                 ``--latency-seconds``) with the engine's default settings: publish-to-ack
                 latency p50 / p99 (each body carries its publish time).
@@ -63,6 +67,7 @@ import tempfile
 import uuid
 from typing import Any
 
+from benchmarks import windows
 from benchmarks.phases import (
     QUEUE,
     body,
@@ -102,6 +107,7 @@ PHASES = (
     "shape_evolving",
     "kafka_limit",
     "ackflow_kafka",
+    *windows.PHASES,
 )
 RATIOS = (
     ("shape_evolving", "shape_fixed"),
@@ -114,6 +120,7 @@ RATIOS = (
     ("ackflow_files", "ss_files"),
     ("ackflow_delta", "ackflow"),
     ("ackflow_iceberg", "ackflow"),
+    *windows.RATIOS,
 )
 
 
@@ -147,6 +154,8 @@ def run_phase(name: str, args: list[str], broker: int | None = None) -> dict[str
 def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     """Run the phase ``a.phase`` in this process."""
     name, out = a.phase, os.path.join(a.dir, a.phase)
+    if name in windows.PHASES:
+        return windows.one_phase(name, a.files, a.messages, a.batch_size, a.max_inflight, out)
     if name == "limit":
         return phase_limit(a.db, a.messages, a.batch_size)
     if name == "peer":
@@ -202,6 +211,11 @@ def prepare(name: str, n: int, tmp: str, url: str | None, kafka: str | None = No
         return ["--db", db, "--url", url or ""]
     if name == "latency":
         return ["--db", db, "--url", url or ""]
+    if name in windows.PHASES:
+        files = os.path.join(tmp, f"{name}-in")
+        shutil.rmtree(files, ignore_errors=True)
+        windows.write_files(files, n)
+        return ["--db", db, "--files", files]
     if "files" in name:
         files = os.path.join(tmp, f"{name}-in")
         shutil.rmtree(files, ignore_errors=True)
