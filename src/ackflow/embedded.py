@@ -308,11 +308,12 @@ class EmbeddedQueue:
                 "stop it first (one consumer per queue)"
             )
         self._lock_fd = fd
-        now = time.time()
+        # given back in their place (oldest first, before what was published after them),
+        # as a broker requeues: a window would otherwise see them behind the backlog, late
         with self._tx():
             cur = self._db.execute(
-                "UPDATE messages SET leased = 0, visible_at = ? WHERE queue = ? AND leased = 1",
-                (now, queue),
+                "UPDATE messages SET leased = 0, visible_at = published_at WHERE queue = ? AND leased = 1",
+                (queue,),
             )
         return cur.rowcount
 
@@ -388,13 +389,13 @@ class EmbeddedQueue:
             )
 
     def release(self, deliveries: Sequence[tuple[int, int]]) -> int:
-        """Give back unprocessed deliveries at once, without counting a delivery."""
-        now = time.time()
+        """Give back unprocessed deliveries at once, without counting a delivery, in
+        their place in the queue (before what was published after them)."""
         with self._tx():
             return self._changes(
-                "UPDATE messages SET leased = 0, visible_at = ?, deliveries = deliveries - 1"
+                "UPDATE messages SET leased = 0, visible_at = published_at, deliveries = deliveries - 1"
                 " WHERE id = ? AND deliveries = ? AND leased = 1",
-                [(now, rid, n) for rid, n in deliveries],
+                [(rid, n) for rid, n in deliveries],
             )
 
     def extend(self, deliveries: Sequence[tuple[int, int]], *, visibility_timeout: float) -> int:

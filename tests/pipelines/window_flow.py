@@ -6,9 +6,15 @@ session (3 days apart); each window's results go to a Parquet dataset of its own
 Configured by environment variables (it runs in a subprocess that the test kills):
 AF_QUEUE (the queue file), AF_OUT (the folder of the three datasets). ``ACKFLOW_FAULTS``
 arms fault points as usual.
+
+``python window_flow.py`` runs it in this process with the in-process executor (no
+JVM): the state store's fault points are on the driver, so that is the same code path,
+fast.
 """
 
+import datetime as dt
 import os
+import sys
 
 import ackflow
 from ackflow import windows as w
@@ -37,11 +43,16 @@ def aggs():
     ]
 
 
+def day(record):
+    """The record's date as its event time (a timestamp)."""
+    return {**record, "day": dt.datetime.strptime(record["date"], "%Y/%m/%d")}
+
+
 def flow(queue=None, out=None):
     queue = queue or os.environ["AF_QUEUE"]
     out = out or os.environ["AF_OUT"]
     source = EmbeddedQueue(queue, "weather", policy=RetryPolicy(max_deliveries=10, backoff_s=0.05))
-    days = ackflow.Flow(source).with_columns(day="to_timestamp(date, 'yyyy/MM/dd')", name="day")
+    days = ackflow.Flow(source).map(day, name="day")
     return days.broadcast(
         *[
             branch()
@@ -50,3 +61,18 @@ def flow(queue=None, out=None):
             for name, kind in KINDS.items()
         ]
     )
+
+
+if __name__ == "__main__":
+    from ackflow.engine.loop import Engine
+
+    report = Engine(
+        flow(),
+        executor="local",
+        batch_size=100,
+        max_inflight=300,
+        until_idle=3.0,
+        handle_signals=False,
+    ).run()
+    print(report.acked, report.dead_lettered, flush=True)
+    sys.exit(0)

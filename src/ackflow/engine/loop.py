@@ -194,6 +194,13 @@ class Engine(Settling):
         self._dead_letter_failures = 0
         self._run_token = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
         self._seq = 0
+        self._activity = time.monotonic()  # the loop's last message, completion or wait
+        self._busy = True  # until the loop runs: nothing is quiet while the run starts
+
+    def quiet_s(self) -> float:
+        """Seconds the stream has been quiet: nothing pulled, batched, running or held
+        (0 while busy). Read by other threads: a window's timer closes windows by it."""
+        return 0.0 if self._busy else time.monotonic() - self._activity
 
     # -- signals ------------------------------------------------------------------------
 
@@ -305,7 +312,7 @@ class Engine(Settling):
                     where = state_file(flow, self.state_dir, "windows.db")
                     if where is not None:
                         sink.bind_state(where)
-                    sink.observe(self.metrics)  # type: ignore[attr-defined]
+                    sink.observe(self.metrics, self.quiet_s)  # type: ignore[attr-defined]
                 sink.open()
                 stack.callback(_quietly, "close sink", sink.close)
             if flow.error_sink is not None:
@@ -544,6 +551,8 @@ class Engine(Settling):
                 pending = []
             if self.groups is not None and len(self._running) < self.max_concurrent:
                 self._submit_groups(pool)
+            # how long the stream has been quiet, for windows (their idle rule)
+            self._activity, self._busy = last_message, bool(pending or self._running or self.held)
             if (
                 self.until_idle is not None
                 and not pending

@@ -61,6 +61,57 @@ CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next 
 """
 
 
+OWN = object()  # apply(): the watermark follows the batch's own largest event time
+
+
+class Gate:
+    """Which batches may move the watermark: a batch's largest event time counts once
+    every batch that began before it has ended (committed or failed); until then it
+    waits. Otherwise a younger batch that commits first moves the watermark past rows
+    of an older one that then fails, or dies in a crash, and comes again: late for no
+    fault of theirs. A crash forgets what waits: the watermark is then lower, never
+    past a row still to come. The batch's own tasks judge lateness by the watermark it
+    began with. Not thread-safe: the window sink calls it under the store's lock."""
+
+    def __init__(self) -> None:
+        self._seq = 0
+        self.running: dict[str, tuple[int, int | None]] = {}  # batch -> (order, watermark)
+        self._waiting: list[tuple[int, int]] = []  # (order, largest event time)
+
+    def begin(self, batch: str, watermark: int | None) -> None:
+        self._seq += 1
+        self.running[batch] = (self._seq, watermark)
+
+    def _split(self, batch: str, event_max: int | None) -> tuple[int | None, list[tuple[int, int]]]:
+        seq = self.running.get(batch, (None, None))[0]
+        waiting = list(self._waiting)
+        if seq is not None and event_max is not None:
+            waiting.append((seq, event_max))
+        others = [s for b, (s, _) in self.running.items() if b != batch]
+        oldest = min(others, default=None)
+        ready = [t for s, t in waiting if oldest is None or s < oldest]
+        keep = [(s, t) for s, t in waiting if not (oldest is None or s < oldest)]
+        return max(ready, default=None), keep
+
+    def ready(self, batch: str, event_max: int | None) -> int | None:
+        """The event time the watermark may follow if ``batch`` ends now with ``event_max``."""
+        return self._split(batch, event_max)[0]
+
+    def end(self, batch: str, event_max: int | None) -> int | None:
+        """``batch`` ended (``event_max``: None if it failed); what may count now."""
+        out, self._waiting = self._split(batch, event_max)
+        self.running.pop(batch, None)
+        return out
+
+    def bound(self, watermark: int | None) -> int | None:
+        """The watermark windows may close by: held back by every running batch's."""
+        for _, started in self.running.values():
+            if watermark is None or started is None:
+                return None
+            watermark = min(watermark, started)
+        return watermark
+
+
 class StateError(RuntimeError):
     """The state store refused a batch (a contribution it already holds: a bug)."""
 
@@ -159,14 +210,20 @@ class WindowStore:
         names = ("watermark", "max_event", "data_at", "late", "written", "applied_rows")
         return dict(zip(names, row or (None, None, None, 0, 0, 0), strict=True))
 
-    def apply(self, spec: WindowSpec, parts: Iterable[Partials], now: float | None = None) -> int:
+    def apply(
+        self, spec: WindowSpec, parts: Iterable[Partials], now: float | None = None, *, event_max: Any = OWN
+    ) -> int:
         """Merge a batch's partials, record their row keys and move the watermark: one
-        transaction. Returns the rows contributed."""
+        transaction. Returns the rows contributed. ``event_max``: the event time the
+        watermark may follow now (a :class:`Gate` decides; None: it stays); by default
+        the batch's own largest."""
         now = time.time() if now is None else now
         parts = list(parts)
         keys = [k for p in parts for k in p.keys]
         late = sum(p.late for p in parts)
         max_t = max((p.max_t for p in parts if p.max_t is not None), default=None)
+        if event_max is not OWN:
+            max_t = event_max
         with self.lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
@@ -327,6 +384,19 @@ class WindowStore:
             "applied_rows = marks.applied_rows + excluded.applied_rows",
             (spec.name, w, top, data_at, late, rows),
         )
+
+    def move(self, spec: WindowSpec, event_max: int | None) -> None:
+        """Let the watermark follow ``event_max`` (a batch that ended let waiting ones count)."""
+        if event_max is None:
+            return
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self._move(spec, event_max, 0, 0, None)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
 
     def close_open(self, spec: WindowSpec) -> int | None:
         """The stream went quiet: move the watermark to the end of the last open window,

@@ -55,7 +55,7 @@ class WindowSink(Sink):
         self.key = [c for c in (spec.time, *spec.by) if c]  # kept even when all null
         self.path: str | None = None  # the store's file (bind_state)
         self._store: Any = None
-        self._running: dict[str, int | None] = {}  # batch id -> watermark at its start
+        self._gate: Any = None  # the running batches and the watermark's order (store.Gate)
         self._ticker: threading.Thread | None = None
         self._stopped = threading.Event()
         self._seq = 0
@@ -63,11 +63,14 @@ class WindowSink(Sink):
         self.emit_failures = 0
         self._prepared: pa.Schema | None = None
         self._metrics: Any = None
+        self._quiet: Any = None
         self._facts: dict[str, Any] = {}
 
-    def observe(self, metrics: Any) -> None:
-        """Driver side: the run's metrics, updated by the timer."""
+    def observe(self, metrics: Any, quiet: Any = None) -> None:
+        """Driver side: the run's metrics (updated by the timer), and ``quiet()``: how
+        long the engine has pulled nothing and had nothing in flight (seconds)."""
         self._metrics = metrics
+        self._quiet = quiet
 
     def facts(self) -> dict[str, Any]:
         """The state as the timer last read it (for the status page)."""
@@ -97,7 +100,7 @@ class WindowSink(Sink):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for k in ("_store", "_running", "_ticker", "_stopped", "_metrics"):
+        for k in ("_store", "_gate", "_ticker", "_stopped", "_metrics", "_quiet"):
             state[k] = None
         return state
 
@@ -108,7 +111,7 @@ class WindowSink(Sink):
     # -- driver: life cycle ----------------------------------------------------------
 
     def open(self) -> None:
-        from ackflow.state.store import WindowStore
+        from ackflow.state.store import Gate, WindowStore
 
         if self.path is None:
             raise FlowError(
@@ -121,7 +124,7 @@ class WindowSink(Sink):
             self.on_late.open()
         self._store = WindowStore(self.path)
         self._store.end(self.name)  # batches of a run that crashed
-        self._running = {}
+        self._gate = Gate()
         self._active = time.monotonic()  # when a batch last began (or the run did)
         self._stopped = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name=f"window-{self.name}", daemon=True)
@@ -161,7 +164,8 @@ class WindowSink(Sink):
         store = self._store
         if store is not None:
             self._active = time.monotonic()
-            self._running[batch_id] = store.begin(self.name, batch_id)
+            with store.lock:  # registered before any emission can see the new watermark
+                self._gate.begin(batch_id, store.begin(self.name, batch_id))
 
     # -- task side -------------------------------------------------------------------
 
@@ -193,14 +197,23 @@ class WindowSink(Sink):
 
     def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
         got = [pickle.loads(t) for t in tokens]
-        try:
-            if self.on_late is not None:
+        store = self._store
+        if self.on_late is not None:
+            try:
                 self.on_late.commit(batch_id, [lt for _, lt in got if lt is not None])
-            parts: list[Partials] = [p for p, _ in got]
-            self._store.apply(self.spec, parts)
-        finally:
-            self._running.pop(batch_id, None)
-            self._store.end(self.name, batch_id)
+            except BaseException:
+                self._ended(batch_id)
+                raise
+        parts: list[Partials] = [p for p, _ in got]
+        event_max = max((p.max_t for p in parts if p.max_t is not None), default=None)
+        with store.lock:
+            try:
+                store.apply(self.spec, parts, event_max=self._gate.ready(batch_id, event_max))
+            except BaseException:
+                self._ended(batch_id)
+                raise
+            self._gate.end(batch_id, event_max)
+            store.end(self.name, batch_id)
         try:
             self.emit()
         except FlowError:  # the output sink cannot take the results: stop the run
@@ -208,10 +221,17 @@ class WindowSink(Sink):
         except Exception as e:  # noqa: BLE001 - the batch is committed; results wait for the next try
             self._emit_failed(e)
 
+    def _ended(self, batch_id: str) -> None:
+        """``batch_id`` failed: it adds nothing; batches that waited for it may count."""
+        store = self._store
+        if store is None or self._gate is None:
+            return
+        with store.lock:
+            store.move(self.spec, self._gate.end(batch_id, None))
+            store.end(self.name, batch_id)
+
     def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
-        self._running.pop(batch_id, None)
-        if self._store is not None:
-            self._store.end(self.name, batch_id)
+        self._ended(batch_id)
         if self.on_late is not None:
             lates = [pickle.loads(t)[1] for t in tokens]
             self.on_late.abort(batch_id, [lt for lt in lates if lt is not None])
@@ -220,12 +240,8 @@ class WindowSink(Sink):
 
     def bound(self) -> int | None:
         """The watermark windows close by: the store's, held back by running batches."""
-        w = self._store.mark(self.name)["watermark"]
-        for started in list(self._running.values()):
-            if w is None or started is None:
-                return None
-            w = min(w, started)
-        return w
+        with self._store.lock:
+            return self._gate.bound(self._store.mark(self.name)["watermark"])  # type: ignore[no-any-return]
 
     def emit(self) -> int:
         """Write every due window to the output sink; returns how many."""
@@ -283,11 +299,19 @@ class WindowSink(Sink):
         )
 
     def tick(self) -> None:
-        """The timer's work: close every open window once no batch began for ``idle``
-        (in this run: a restart's downtime does not count, its backlog is no quiet
-        stream), then write due windows."""
-        quiet = time.monotonic() - self._active >= self.spec.idle_us / 1e6
-        if quiet and not self._running and not isinstance(self.spec.kind, Count):
+        """The timer's work: close every open window once the stream was quiet for
+        ``idle`` (the engine pulled nothing and had nothing in flight; a restart's
+        downtime and its start do not count, its backlog is no quiet stream), then
+        write due windows."""
+        if self._quiet is not None:
+            quiet_s = self._quiet()
+        else:  # not run by an engine: quiet since the last batch began
+            quiet_s = 0.0 if self._gate.running else time.monotonic() - self._active
+        if (
+            quiet_s >= self.spec.idle_us / 1e6
+            and not self._gate.running
+            and not isinstance(self.spec.kind, Count)
+        ):
             self._store.close_open(self.spec)
         try:
             self.emit()
