@@ -157,3 +157,56 @@ def test_a_flow_without_a_place_for_state_is_refused_at_start():
     flow = Flow(ListSource(msgs((0.1, "a", 1)))).window(w.tumbling("1s"), time="t", aggs=AGGS).to(KeyedSink())
     with pytest.raises(FlowError, match="give the run state_dir="):
         ackflow.run(flow, executor="local", until_idle=0.2)
+
+
+def test_a_result_the_output_refuses_is_kept_aside_and_the_others_are_written(tmp_path, capsys):
+    """One window's row cannot be written (the sink refuses it; another's Python
+    aggregator raises in finish): both stay in the state store with the reason, and
+    every other window is written; nothing holds back the windows after them."""
+
+    class Picky:
+        def init(self):
+            return 0
+
+        def add(self, acc, value):
+            return acc + value
+
+        def merge(self, a, b):
+            return a + b
+
+        def finish(self, acc):
+            if acc == 13:
+                raise ValueError("13 is unlucky")
+            return acc
+
+    recs = [(0.1, "a", 1), (0.2, "b", 13), (0.3, "c", 5), (1.5, "a", 2), (1.6, "c", 7)]
+    src = ListSource(msgs(*recs))
+    out = KeyedSink("out", fail_if=lambda r: r["k"] == "c" and r["n"] == 1 and r["total"] == 5)
+    aggs = [*AGGS, w.python(Picky(), "v", name="lucky")]
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=aggs, idle=0.1).to(out)
+    run(flow, tmp_path, until_idle=1.5)
+    assert set(src.final().values()) == {"acked"}  # the rows were counted: acked
+    assert results(out) == [("a", 0, 1, 1), ("a", 1, 1, 2), ("c", 1, 1, 7)]
+    assert main(["state", "show", str(tmp_path), "--json"]) == 0
+    (op,) = json.loads(capsys.readouterr().out)
+    assert op["refused_windows"] == 2
+    reasons = sorted(x["refused"] for x in op["open"])
+    assert "13 is unlucky" in reasons[0] and "row refused by the sink" in reasons[1], reasons
+
+
+def test_a_column_without_values_yet_and_times_out_of_range(tmp_path):
+    """An aggregate's column that no row of a batch has (all null: not sent to the
+    sink) sums to nothing instead of failing the batch; an event time in milliseconds
+    given as seconds (year 55 000) fails its own message, naming the likely mistake."""
+    bodies = [
+        json.dumps({"t": 0.1, "k": "a"}),
+        json.dumps({"t": 0.2, "k": "a", "v": None}),
+        json.dumps({"t": 1_795_000_000_000, "k": "a", "v": 1}),
+    ]
+    src = ListSource(bodies)
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1).to(out)
+    run(flow, tmp_path, until_idle=1.5, batch_size=10)
+    assert src.final() == {"m0": "acked", "m1": "acked", "m2": "dead_lettered"}
+    assert "milliseconds? give seconds" in src.failures["m2"].error
+    assert results(out) == [("a", 0, 2, None)]

@@ -62,13 +62,15 @@ def cmd_state(args: argparse.Namespace) -> int:
         print("(no window state yet)")
     for op in ops:
         print(
-            f"{op['window']}: watermark {op['watermark']}, {op['open_windows']} open, "
+            f"{op['window']}: watermark {op['watermark']}, {op['open_windows']} open "
+            f"({op['refused_windows']} refused by the output), "
             f"{op['windows_written']} written, {op['rows_applied']} rows applied, {op['late_rows']} late, "
             f"{op['applied_keys_remembered']} row keys remembered"
         )
         for w in op["open"]:
             span = f"{w['start']} .. {w['end']}" if w["end"] is not None else f"#{w['start']}"
-            print(f"    {w['keys']}  {span}  {w['rows']} rows")
+            refused = f"  REFUSED: {w['refused']}" if "refused" in w else ""
+            print(f"    {w['keys']}  {span}  {w['rows']} rows{refused}")
     return 0
 
 

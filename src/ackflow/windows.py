@@ -60,14 +60,17 @@ def duration_us(value: object, what: str) -> int:
 
     >>> duration_us("250ms", "x"), duration_us(1.5, "x"), duration_us("2 hours", "x")
     (250000, 1500000, 7200000000)
+    >>> duration_us("10us", "x"), duration_us("30s", "x"), duration_us("5 mins", "x")
+    (10, 30000000, 300000000)
     """
     if isinstance(value, dt.timedelta):
         us = round(value.total_seconds() * US)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         us = round(value * US) if value == value and abs(value) < 1e12 else -1
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+?)s?\s*", value.lower())
-        unit = _UNITS.get(m.group(2)) if m else None
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", value.lower())
+        word = m.group(2) if m else ""
+        unit = _UNITS.get(word, _UNITS.get(word[:-1]) if word.endswith("s") else None)
         if m is None or unit is None:
             raise ConfigError(
                 f"{what}: {value!r} is not a duration (say '30s', '5 minutes', '1h', or give seconds)"

@@ -87,6 +87,12 @@ class Metrics:
         w = ["window"]
         self.window_gauges = {
             "open_windows": Gauge("ackflow_window_open", "Open windows in the state store", w, registry=r),
+            "refused_windows": Gauge(
+                "ackflow_window_refused",
+                "Closed windows whose result the output refused or could not be made (kept in state)",
+                w,
+                registry=r,
+            ),
             "watermark_s": Gauge(
                 "ackflow_window_watermark_seconds",
                 "The window's watermark (event time, epoch s)",

@@ -26,6 +26,7 @@ from ackflow.state.spec import WindowSpec
 from ackflow.windows import Count, Hopping, Session, Tumbling
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+LIMIT_S = 253_402_300_799  # 9999-12-31T23:59:59Z in epoch seconds (year 1 is about -LIMIT_S)
 
 
 def to_us(value: Any) -> int:
@@ -41,8 +42,9 @@ def to_us(value: Any) -> int:
     if isinstance(value, dt.date):
         return to_us(dt.datetime(value.year, value.month, value.day))
     if isinstance(value, (int, float)):
-        if value != value or abs(value) > 1e13:
-            raise ValueError(f"{value!r} is not a time in epoch seconds")
+        if value != value or not -LIMIT_S <= value <= LIMIT_S:
+            hint = " (milliseconds? give seconds)" if value == value and abs(value) < LIMIT_S * 1000 else ""
+            raise ValueError(f"{value!r} is not a time in epoch seconds of the years 1-9999{hint}")
         return round(value * 1_000_000)
     if isinstance(value, str):
         text = value.strip()
@@ -88,11 +90,15 @@ def contribute(
     failed: dict[int, str] = {}
     late: list[int] = []
     n = rows.num_rows
-    times: list[Any] = rows.column(spec.time).to_pylist() if spec.time is not None else [None] * n
-    key_cols = [rows.column(k).to_pylist() for k in spec.by]
-    inputs = [rows.column(a.column).to_pylist() if a.column is not None else None for a in spec.aggs]
+
+    def values(name: str) -> list[Any]:  # a column no row held a value in yet is not sent
+        return rows.column(name).to_pylist() if name in rows.column_names else [None] * n
+
+    times: list[Any] = values(spec.time) if spec.time is not None else [None] * n
+    key_cols = [values(k) for k in spec.by]
+    inputs = [values(a.column) if a.column is not None else None for a in spec.aggs]
     kind = spec.kind
-    sessions: dict[tuple[Any, ...], list[tuple[int, str, int]]] = {}
+    sessions: dict[tuple[Any, ...], list[tuple[int, str, int, list[Any]]]] = {}
     for i in range(n):
         rk = row_keys[i]
         if rk in applied:
@@ -120,15 +126,19 @@ def contribute(
         except TypeError:
             failed[i] = f"group key {spec.by} has a value that cannot be a key (a list or a map)"
             continue
+        order = (t, rk)
+        try:  # each value alone first: a value an aggregate cannot take fails its row only
+            single = [a.add(a.init(), _value(inputs, j, i), order) for j, a in enumerate(spec.aggs)]
+        except Exception as e:  # noqa: BLE001 - the row's own data
+            failed[i] = f"aggregate: {type(e).__name__}: {e}"[:500]
+            continue
         out.keys.append(rk)
         if spec.time is not None:
             out.max_t = t if out.max_t is None else max(out.max_t, t)
-        order = (t, rk)
         if isinstance(kind, Count):
-            accs = [a.add(a.init(), _value(inputs, j, i), order) for j, a in enumerate(spec.aggs)]
-            out.rows.append((gk, order, accs))
+            out.rows.append((gk, order, single))
         elif isinstance(kind, Session):
-            sessions.setdefault(gk, []).append((t, rk, i))
+            sessions.setdefault(gk, []).append((t, rk, i, single))
         else:
             assert isinstance(kind, (Tumbling, Hopping))
             for start in kind.starts(t):
@@ -136,25 +146,19 @@ def contribute(
                 held = out.parts.get(slot)
                 if held is None:
                     held = out.parts[slot] = (0, [a.init() for a in spec.aggs])
-                accs = [
-                    a.add(acc, _value(inputs, j, i), order)
-                    for j, (a, acc) in enumerate(zip(spec.aggs, held[1], strict=True))
-                ]
+                accs = [a.merge(acc, one) for a, acc, one in zip(spec.aggs, held[1], single, strict=True)]
                 out.parts[slot] = (held[0] + 1, accs)
     if isinstance(kind, Session):
         for gk, members in sessions.items():
-            members.sort()
+            members.sort(key=lambda m: (m[0], m[1]))
             start, end = members[0][0], members[0][0]
             count, accs = 0, [a.init() for a in spec.aggs]
-            for t, rk, i in members:
+            for t, _, _, single in members:
                 if count and t >= end:  # a gap: the session so far is one partial
                     out.parts[(gk, start, end)] = (count, accs)
                     start, count, accs = t, 0, [a.init() for a in spec.aggs]
                 end = t + kind.gap_us
-                accs = [
-                    a.add(acc, _value(inputs, j, i), (t, rk))
-                    for j, (a, acc) in enumerate(zip(spec.aggs, accs, strict=True))
-                ]
+                accs = [a.merge(acc, one) for a, acc, one in zip(spec.aggs, accs, single, strict=True)]
                 count += 1
             out.parts[(gk, start, end)] = (count, accs)
     return out, failed, late

@@ -37,11 +37,13 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
         for op, w, top, late, done, applied_rows in marks:
             if window is not None and op != window:
                 continue
-            n_open = db.execute("SELECT count(*) FROM windows WHERE op = ?", (op,)).fetchone()[0]
+            n_open, refused = db.execute(
+                "SELECT count(*), count(error) FROM windows WHERE op = ?", (op,)
+            ).fetchone()
             remembered = db.execute("SELECT count(*) FROM applied WHERE op = ?", (op,)).fetchone()[0]
             rows = db.execute(
-                'SELECT start, "end", rows, dirty, state FROM windows WHERE op = ? '
-                'ORDER BY "end", gk LIMIT ?',
+                'SELECT start, "end", rows, dirty, state, error FROM windows WHERE op = ? '
+                'ORDER BY error IS NULL, "end", gk LIMIT ?',
                 (op, limit),
             ).fetchall()
             out.append(
@@ -50,6 +52,7 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
                     "watermark": _when(w),
                     "max_event_time": _when(top),
                     "open_windows": n_open,
+                    "refused_windows": refused,
                     "rows_applied": applied_rows,
                     "late_rows": late,
                     "windows_written": done,
@@ -61,8 +64,9 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
                             "end": None if start == end else _when(end),
                             "rows": n,
                             "unwritten_changes": bool(dirty),
+                            **({"refused": error} if error else {}),
                         }
-                        for start, end, n, dirty, state in rows
+                        for start, end, n, dirty, state, error in rows
                     ],
                 }
             )

@@ -45,7 +45,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS windows (
     op TEXT NOT NULL, gk TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
     rows INTEGER NOT NULL, full INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
-    state BLOB NOT NULL, PRIMARY KEY (op, gk, start));
+    state BLOB NOT NULL, error TEXT, PRIMARY KEY (op, gk, start));
 CREATE INDEX IF NOT EXISTS windows_end ON windows (op, "end");
 CREATE TABLE IF NOT EXISTS marks (
     op TEXT PRIMARY KEY, watermark INTEGER, max_event INTEGER, data_at REAL,
@@ -426,6 +426,7 @@ class WindowStore:
         else:
             closed, args = '"end" <= ?', [bound]
         where = closed if spec.output == "final" else f"({closed}) OR dirty = 1"
+        where = f"({where}) AND error IS NULL"  # a window its sink refused waits (see fail)
         with self.lock:
             rows = self.db.execute(
                 f'SELECT gk, start, "end", state, ({closed}) FROM windows WHERE op = ? AND ({where}) '
@@ -461,6 +462,23 @@ class WindowStore:
                 db.execute("ROLLBACK")
                 raise
 
+    def fail(self, spec: WindowSpec, due: Due, why: str) -> None:
+        """The output refused ``due``'s row (or it could not be made): it stays in the
+        store with the reason, shown by ``ackflow state show``, and is not tried again
+        in this run (each start clears the reasons: :meth:`retry_failed`), so it never
+        holds back the windows after it."""
+        with self.lock:
+            self.db.execute(
+                "UPDATE windows SET error = ? WHERE op = ? AND gk = ? AND start = ?",
+                (why[:2000], spec.name, due.gk, due.start),
+            )
+
+    def retry_failed(self, spec: WindowSpec) -> int:
+        with self.lock:
+            return self.db.execute(
+                "UPDATE windows SET error = NULL WHERE op = ? AND error IS NOT NULL", (spec.name,)
+            ).rowcount
+
     def forget(self, spec: WindowSpec, now: float | None = None) -> int:
         """Forget applied row keys older than the operator's ``remember``."""
         now = time.time() if now is None else now
@@ -471,8 +489,11 @@ class WindowStore:
             return cur.rowcount
 
     def stats(self, op: str) -> dict[str, Any]:
-        """Open windows and the file's size (bytes; with its write-ahead log)."""
+        """Open windows, those the output refused, and the file's size (bytes; with its
+        write-ahead log)."""
         with self.lock:
-            windows = self.db.execute("SELECT count(*) FROM windows WHERE op = ?", (op,)).fetchone()[0]
+            windows, refused = self.db.execute(
+                "SELECT count(*), count(error) FROM windows WHERE op = ?", (op,)
+            ).fetchone()
         size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
-        return {"open_windows": windows, "bytes": size}
+        return {"open_windows": windows, "refused_windows": refused, "bytes": size}

@@ -52,7 +52,7 @@ class WindowSink(Sink):
         self.output = output
         self.on_late = on_late
         self.branches: tuple[Sink, ...] = (output,) if on_late is None else (output, on_late)
-        self.key = [c for c in (spec.time, *spec.by) if c]  # kept even when all null
+        self.key = spec.columns  # the columns it reads reach it even while all null
         self.path: str | None = None  # the store's file (bind_state)
         self._store: Any = None
         self._gate: Any = None  # the running batches and the watermark's order (store.Gate)
@@ -89,6 +89,7 @@ class WindowSink(Sink):
             "watermark_s": None if w is None else w / 1e6,
             "watermark_lag_s": None if w is None else round(time.time() - w / 1e6, 3),
             "open_windows": stats["open_windows"],
+            "refused_windows": stats["refused_windows"],
             "rows_applied": mark["applied_rows"],
             "late_rows": mark["late"],
             "windows_written": mark["written"],
@@ -124,6 +125,7 @@ class WindowSink(Sink):
             self.on_late.open()
         self._store = WindowStore(self.path)
         self._store.end(self.name)  # batches of a run that crashed
+        self._store.retry_failed(self.spec)  # results refused last run: try them again
         self._gate = Gate()
         self._active = time.monotonic()  # when a batch last began (or the run did)
         self._stopped = threading.Event()
@@ -244,7 +246,9 @@ class WindowSink(Sink):
             return self._gate.bound(self._store.mark(self.name)["watermark"])  # type: ignore[no-any-return]
 
     def emit(self) -> int:
-        """Write every due window to the output sink; returns how many."""
+        """Write every due window to the output sink; returns how many. A window whose
+        row cannot be made or that the sink refuses is set aside in the store with the
+        reason (:meth:`WindowStore.fail`): it never holds back the others."""
         store = self._store
         total = 0
         with store.lock:  # one writer of results at a time
@@ -252,24 +256,55 @@ class WindowSink(Sink):
                 due = store.due(self.spec, self.bound())
                 if not due:
                     return total
-                self._seq += 1
+                table, due = self._table_or_refuse(due)
+                if not due:
+                    continue
                 bid = f"{self.name}-out-{os.getpid()}-{time.monotonic_ns()}"
-                table = self._table(due)
                 if type(self.output).prepare is not Sink.prepare:
                     self.output.prepare(table.schema)
                 res = self.output.write_partition(
                     bid, 0, table if self.output.wants_keys else table.drop_columns([ROW_KEY])
                 )
-                if res.failed:
-                    why = next(iter(res.failed.values()))
-                    raise RuntimeError(
-                        f"{len(res.failed)} window rows failed in {self.output.name!r}, first: {why}"
+                for i, why in res.failed.items():
+                    store.fail(
+                        self.spec, due[i], f"{self.output.name}: {why[1] if isinstance(why, tuple) else why}"
+                    )
+                    log.error(
+                        "window %r: %r refused a result (kept in the state store): %s",
+                        self.name,
+                        self.output.name,
+                        why,
                     )
                 self.output.commit(bid, [res.token] if res.token is not None else [])
                 faults.point("state.after_output")
-                store.done(self.spec, due)
-                total += len(due)
+                store.done(self.spec, [d for i, d in enumerate(due) if i not in res.failed])
+                total += len(due) - len(res.failed)
                 store.forget(self.spec)
+
+    def _table_or_refuse(self, due: list[Any]) -> tuple[pa.Table, list[Any]]:
+        """The rows of ``due``; if they cannot be made together, each alone, and those
+        that cannot be made at all (a Python aggregator that raises, a sum too large
+        for a column) are set aside with the reason."""
+        try:
+            return self._table(due), due
+        except Exception:  # noqa: BLE001 - find the windows at fault
+            pass
+        good = []
+        for d in due:
+            try:
+                self._table([d])
+                good.append(d)
+            except Exception as e:  # noqa: BLE001 - this window's values
+                self._store.fail(self.spec, d, f"its row cannot be made: {describe(e)}")
+                log.error(
+                    "window %r: a result cannot be made (kept in the state store): %s", self.name, describe(e)
+                )
+        if not good:
+            return pa.table({}), []
+        try:
+            return self._table(good), good
+        except Exception:  # noqa: BLE001 - each is fine alone, not together: one at a time
+            return self._table(good[:1]), good[:1]
 
     def _table(self, due: list[Any]) -> pa.Table:
         spec = self.spec
