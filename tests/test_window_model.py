@@ -33,11 +33,9 @@ def scenarios(draw):
     ordered = draw(st.booleans())
     if ordered:
         rows.sort(key=lambda r: r[1])
-    crashes = (
-        ["none", "none", "after_commit"]
-        if ordered
-        else ["none", "none", "none", "before_commit", "after_commit"]
-    )
+    crashes = ["none", "none", "after_commit", "bisect"]
+    if not ordered:
+        crashes += ["before_commit", "none"]
     plan = []  # (batch size, partitions, crash, overlaps the next batch, a quiet spell after)
     left = n
     while left > 0:
@@ -68,6 +66,12 @@ class Run:
 
     def begin(self, bid):
         self.gate.begin(bid, self.store.begin(self.spec.name, bid))
+
+    def hold(self, bid):  # the engine's batch, around all of its jobs (WindowSink.hold)
+        self.gate.begin(f"hold:{bid}", self.store.mark(self.spec.name)["watermark"])
+
+    def unhold(self, bid):
+        self.store.move(self.spec, self.gate.end(f"hold:{bid}", None))
 
     def restart(self):
         """The process died: running batches are gone, a new process starts."""
@@ -180,10 +184,30 @@ def test_every_row_has_one_fate_and_every_window_is_written_once_and_right(tmp_p
         batch, queue = queue[:size], queue[size:]
         bid = f"b{step}"
         if batch:
+            run.hold(bid)
+            if crash == "bisect":  # the job fails as a whole; its halves run as jobs of their own
+                run.begin(bid)
+                run.tasks(bid, [rows[i] for i in batch], [ids[i] for i in batch], parts)
+                run.fail(bid)
+                if queue:  # meanwhile a younger batch runs and commits
+                    young, queue = queue[:size], queue[size:]
+                    yb = f"{bid}y"
+                    run.hold(yb)
+                    run.begin(yb)
+                    run.commit(yb, run.tasks(yb, [rows[i] for i in young], [ids[i] for i in young], parts))
+                    run.unhold(yb)
+                half = max(1, len(batch) // 2)
+                for k, h in enumerate(h for h in (batch[:half], batch[half:]) if h):
+                    hb = f"{bid}{'ab'[k]}"
+                    run.begin(hb)
+                    run.commit(hb, run.tasks(hb, [rows[i] for i in h], [ids[i] for i in h], parts))
+                run.unhold(bid)
+                continue
             run.begin(bid)
             results = run.tasks(bid, [rows[i] for i in batch], [ids[i] for i in batch], parts)
             if crash == "before_commit":  # the transaction failed: nacked, retried later
                 run.fail(bid)
+                run.unhold(bid)
                 queue = requeue(batch, at_front=False)
             elif overlap and queue and crash == "none":
                 held.append((bid, results, batch))
@@ -195,8 +219,11 @@ def test_every_row_has_one_fate_and_every_window_is_written_once_and_right(tmp_p
                     held = []
                     run.restart()
                     queue = requeue(batch + lost, at_front=True)
+                else:
+                    run.unhold(bid)
         for hbid, hres, _ in held:  # the earlier batch commits after this one
             run.commit(hbid, hres)
+            run.unhold(hbid)
         held = []
         if quiet:
             store.close_open(spec)

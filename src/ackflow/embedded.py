@@ -146,6 +146,11 @@ class DeadLetter:
         }
 
 
+#: a message leased this many times and never settled (each consumer that had it died)
+#: is given back behind the backlog instead of in its place
+CRASH_SUSPECT = 3
+
+
 class EmbeddedQueue:
     """A handle on one queue file. Not thread-safe: use one handle per thread.
 
@@ -309,11 +314,14 @@ class EmbeddedQueue:
             )
         self._lock_fd = fd
         # given back in their place (oldest first, before what was published after them),
-        # as a broker requeues: a window would otherwise see them behind the backlog, late
+        # as a broker requeues: a window would otherwise see them behind the backlog, late.
+        # One delivered CRASH_SUSPECT times without a settlement may be what kills the
+        # consumer: it goes behind the backlog, so that the rest still flows.
         with self._tx():
             cur = self._db.execute(
-                "UPDATE messages SET leased = 0, visible_at = published_at WHERE queue = ? AND leased = 1",
-                (queue,),
+                "UPDATE messages SET leased = 0, visible_at = CASE WHEN deliveries >= ? THEN ? "
+                "ELSE published_at END WHERE queue = ? AND leased = 1",
+                (CRASH_SUSPECT, time.time(), queue),
             )
         return cur.rowcount
 

@@ -319,7 +319,14 @@ def execute(
             fail_all(rest, failure)
             result.untested.update(d.lineage_id for d in rest)
 
-    attempt(deliveries, batch_id)
+    holding = [s for s in compiled.sinks if hasattr(s, "hold")]
+    for s in holding:  # a window keeps the batch's place while its jobs (halves, probes) run
+        s.hold(batch_id)
+    try:
+        attempt(deliveries, batch_id)
+    finally:
+        for s in holding:
+            s.unhold(batch_id)
     return result
 
 

@@ -40,13 +40,17 @@ def run_rows_job(compiled: Plan, rows: pa.Table, batch_id: str) -> JobResult:
 
 
 def _run(compiled: Plan, inputs: pa.Table, batch_id: str) -> JobResult:
-    for sink in compiled.sinks:  # a window notes the watermark its tasks will read
-        begin = getattr(sink, "begin_job", None)
-        if begin is not None:
-            begin(batch_id)
+    begun = []
     try:
+        for sink in compiled.sinks:  # a window notes the watermark its tasks will read
+            begin = getattr(sink, "begin_job", None)
+            if begin is not None:
+                begin(batch_id)
+                begun.append(sink)
         table = compiled.job(inputs, batch_id).toArrow()
     except FlowError:
+        for sink in begun:  # the run stops; the window forgets the job (its rows wait for no one)
+            sink.abort(batch_id, [])
         raise
     except Exception as e:  # Py4J, PythonException, SparkRuntimeException: the whole job
         raise JobFailed(summarize(e)) from e

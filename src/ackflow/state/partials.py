@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ackflow.state.spec import WindowSpec
-from ackflow.windows import Count, Hopping, Session, Tumbling
+from ackflow.windows import Hopping, Session, Tumbling
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 LIMIT_S = 253_402_300_799  # 9999-12-31T23:59:59Z in epoch seconds (year 1 is about -LIMIT_S)
@@ -132,22 +132,25 @@ def contribute(
         except Exception as e:  # noqa: BLE001 - the row's own data
             failed[i] = f"aggregate: {type(e).__name__}: {e}"[:500]
             continue
-        out.keys.append(rk)
-        if spec.time is not None:
-            out.max_t = t if out.max_t is None else max(out.max_t, t)
-        if isinstance(kind, Count):
-            out.rows.append((gk, order, single))
+        if isinstance(kind, (Tumbling, Hopping)):
+            merged = []
+            try:  # a value that cannot join the others (a struct's max) fails its row only
+                for start in kind.starts(t):
+                    slot = (gk, start, start + kind.size_us)
+                    held = out.parts.get(slot, (0, [a.init() for a in spec.aggs]))
+                    accs = [a.merge(acc, one) for a, acc, one in zip(spec.aggs, held[1], single, strict=True)]
+                    merged.append((slot, (held[0] + 1, accs)))
+            except Exception as e:  # noqa: BLE001 - the row's own data
+                failed[i] = f"aggregate: {type(e).__name__}: {e}"[:500]
+                continue
+            out.parts.update(merged)
         elif isinstance(kind, Session):
             sessions.setdefault(gk, []).append((t, rk, i, single))
         else:
-            assert isinstance(kind, (Tumbling, Hopping))
-            for start in kind.starts(t):
-                slot = (gk, start, start + kind.size_us)
-                held = out.parts.get(slot)
-                if held is None:
-                    held = out.parts[slot] = (0, [a.init() for a in spec.aggs])
-                accs = [a.merge(acc, one) for a, acc, one in zip(spec.aggs, held[1], single, strict=True)]
-                out.parts[slot] = (held[0] + 1, accs)
+            out.rows.append((gk, order, single))
+        out.keys.append(rk)
+        if spec.time is not None:
+            out.max_t = t if out.max_t is None else max(out.max_t, t)
     if isinstance(kind, Session):
         for gk, members in sessions.items():
             members.sort(key=lambda m: (m[0], m[1]))

@@ -169,6 +169,22 @@ class WindowSink(Sink):
             with store.lock:  # registered before any emission can see the new watermark
                 self._gate.begin(batch_id, store.begin(self.name, batch_id))
 
+    def hold(self, batch_id: str) -> None:
+        """A batch begins (the engine's, before any of its jobs): until :meth:`unhold`,
+        batches that began after it cannot move the watermark, so the rows of its later
+        jobs (the halves of a failed job, a retry after its columns evolved) are judged
+        by where the watermark stood when it began."""
+        store = self._store
+        if store is not None:
+            with store.lock:
+                self._gate.begin(f"hold:{batch_id}", store.mark(self.name)["watermark"])
+
+    def unhold(self, batch_id: str) -> None:
+        store = self._store
+        if store is not None:
+            with store.lock:
+                store.move(self.spec, self._gate.end(f"hold:{batch_id}", None))
+
     # -- task side -------------------------------------------------------------------
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
@@ -262,9 +278,13 @@ class WindowSink(Sink):
                 bid = f"{self.name}-out-{os.getpid()}-{time.monotonic_ns()}"
                 if type(self.output).prepare is not Sink.prepare:
                     self.output.prepare(table.schema)
-                res = self.output.write_partition(
-                    bid, 0, table if self.output.wants_keys else table.drop_columns([ROW_KEY])
-                )
+                try:
+                    res = self.output.write_partition(
+                        bid, 0, table if self.output.wants_keys else table.drop_columns([ROW_KEY])
+                    )
+                except Exception:
+                    self.output.abort(bid, [])
+                    raise
                 for i, why in res.failed.items():
                     store.fail(
                         self.spec, due[i], f"{self.output.name}: {why[1] if isinstance(why, tuple) else why}"
@@ -275,7 +295,12 @@ class WindowSink(Sink):
                         self.output.name,
                         why,
                     )
-                self.output.commit(bid, [res.token] if res.token is not None else [])
+                tokens = [res.token] if res.token is not None else []
+                try:
+                    self.output.commit(bid, tokens)
+                except Exception:
+                    self.output.abort(bid, tokens)  # what it staged; the windows stay, tried again
+                    raise
                 faults.point("state.after_output")
                 store.done(self.spec, [d for i, d in enumerate(due) if i not in res.failed])
                 total += len(due) - len(res.failed)
