@@ -163,6 +163,27 @@ def test_demo_through_a_real_rabbitmq_broker(tmp_path, rabbitmq):
     assert "guest:guest" not in r.stdout + r.stderr  # the URL's password never shows
 
 
+@pytest.mark.spark
+@pytest.mark.slow
+def test_the_windowed_demo_checks_every_window(tmp_path):
+    """ackflow demo --windows --json: orders per customer per minute on Spark, some late
+    (kept in a Parquet dataset of their own), some poison; every window equals the
+    recomputation, none twice, every message accounted for; the state is inspectable."""
+    work = tmp_path / "demo"
+    r = ackflow_cmd(
+        "demo", "--windows", "--json", "--messages", "15000", "--workdir", str(work),
+        "--master", "local[2]", "--batch-size", "2500", "--max-inflight", "7500",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    check = json.loads(r.stdout.strip().splitlines()[-1])["check"]
+    assert check["ok"], check
+    assert check["windows_written"] == check["windows_expected"] > 100 and check["windows_written_twice"] == 0
+    assert check["late"] > 0 and check["dead_lettered"] == check["poison_expected"] > 0
+    shown = ackflow_cmd("state", "show", str(work / "state"), "--json")
+    (op,) = json.loads(shown.stdout)
+    assert op["window"] == "per_minute" and op["open_windows"] == 0 and op["late_rows"] == check["late"]
+
+
 def test_demo_source_rabbitmq_needs_a_url(capsys):
     assert main(["demo", "--source", "rabbitmq", "--messages", "1"]) != 0
     assert "--amqp-url" in capsys.readouterr().err
