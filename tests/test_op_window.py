@@ -210,3 +210,34 @@ def test_a_column_without_values_yet_and_times_out_of_range(tmp_path):
     assert src.final() == {"m0": "acked", "m1": "acked", "m2": "dead_lettered"}
     assert "milliseconds? give seconds" in src.failures["m2"].error
     assert results(out) == [("a", 0, 2, None)]
+
+
+def test_state_in_postgresql_counts_once_after_a_crash_and_has_one_driver(postgres):
+    """state=PostgresState(dsn): the tasks read the watermark and the applied keys from
+    the server, the driver merges there; a crash after the state commit is not counted
+    twice, and a second process on the same window's state is refused at start."""
+    import uuid
+
+    from ackflow.core.errors import FlowError
+    from ackflow.state import pg
+
+    state = w.PostgresState(postgres.dsn, schema=f"win_{uuid.uuid4().hex[:8]}")
+    src = ListSource(msgs(*[(0.1 * i, "a", i) for i in range(8)]), policy=RetryPolicy(max_deliveries=4))
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1, state=state).to(out)
+    faults.arm("state.after_commit", "raise")
+    try:
+        ackflow.run(flow, executor="local", batch_size=4, until_idle=1.5)  # no state_dir needed
+    finally:
+        faults.disarm()
+    assert set(src.final().values()) == {"acked"}
+    assert results(out) == [("a", 0, 8, sum(range(8)))]
+    held = pg.open_store(state, "window_1")
+    try:
+        again = Flow(ListSource(msgs((5.0, "a", 1)))).window(
+            w.tumbling("1s"), by="k", time="t", aggs=AGGS, state=state
+        )
+        with pytest.raises(FlowError, match="another process drives this window's state"):
+            ackflow.run(again.to(KeyedSink("out")), executor="local", until_idle=0.2)
+    finally:
+        held.close()

@@ -56,8 +56,8 @@ def scenarios(draw):
 class Run:
     """The engine's protocol around one window, with the sink's emission rule."""
 
-    def __init__(self, spec, store):
-        self.spec, self.store = spec, store
+    def __init__(self, spec, store, view):
+        self.spec, self.store, self.view = spec, store, view
         self.gate = Gate()  # the running batches, as the window sink keeps them
         self.written = {}  # (gk, start) -> accumulators written (count of writes too)
         self.writes = {}
@@ -88,7 +88,7 @@ class Run:
                 [{"k": rows[i][0], "t": float(rows[i][1]), "v": rows[i][2]} for i in idx]
             )
             keys = [ids[i] for i in idx]
-            w, applied = read_view(self.store.path, self.spec.name, keys, bid)
+            w, applied = self.view(keys, bid) or read_view(self.store.path, self.spec.name, keys, bid)
             partials, failed, late = contribute(self.spec, table, keys, w, applied)
             assert not failed
             out.append((partials, {keys[j]: w for j in late}))
@@ -153,7 +153,26 @@ def expected(spec, rows, counted_rows):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=scenarios())
 def test_every_row_has_one_fate_and_every_window_is_written_once_and_right(tmp_path_factory, sc):
-    path = str(tmp_path_factory.mktemp("w") / "windows.db")
+    check(sc, WindowStore(str(tmp_path_factory.mktemp("w") / "windows.db")), lambda keys, w: None)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sc=scenarios())
+def test_the_same_in_postgresql(postgres, sc):
+    """The PostgreSQL store runs the SQLite store's statements (translated): the same
+    model over a real server (a schema per example)."""
+    import uuid
+
+    from ackflow.state import pg
+
+    state = pg.PostgresState(postgres.dsn, schema=f"w_{uuid.uuid4().hex[:10]}")
+    store = pg.open_store(state, "w")
+    check(sc, store, lambda keys, bid: pg.read_view(state, "w", keys, bid))
+
+
+def check(sc, store, view):
+    """Run scenario ``sc`` against ``store``; ``view(keys, batch)``: the tasks' read (None:
+    the SQLite file's)."""
     flow = Flow(ListSource([]))
     spec = window_flow(
         flow,
@@ -164,8 +183,7 @@ def test_every_row_has_one_fate_and_every_window_is_written_once_and_right(tmp_p
         aggs=[count(), sum_("v"), max_("v")],
         name="w",
     ).spec
-    store = WindowStore(path)
-    run = Run(spec, store)
+    run = Run(spec, store, view)
     rows = sc["rows"]
     ids = [f"r{i}" for i in range(len(rows))]
     queue = list(range(len(rows)))  # row indexes in arrival order

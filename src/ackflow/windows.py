@@ -299,3 +299,11 @@ def python(aggregator: Any, column: Any, *, name: str | None = None) -> Aggregat
 
 def _is_column(obj: object) -> bool:
     return any(c.__name__ == "Column" and c.__module__.startswith("pyspark") for c in type(obj).__mro__)
+
+
+def __getattr__(name: str) -> Any:  # ackflow.windows.PostgresState, without importing psycopg early
+    if name == "PostgresState":
+        from ackflow.state.pg import PostgresState
+
+        return PostgresState
+    raise AttributeError(name)

@@ -321,12 +321,12 @@ def execute(
 
     holding = [s for s in compiled.sinks if hasattr(s, "hold")]
     for s in holding:  # a window keeps the batch's place while its jobs (halves, probes) run
-        s.hold(batch_id)
+        s.hold(batch_id)  # type: ignore[attr-defined]
     try:
         attempt(deliveries, batch_id)
     finally:
         for s in holding:
-            s.unhold(batch_id)
+            s.unhold(batch_id)  # type: ignore[attr-defined]
     return result
 
 

@@ -42,7 +42,7 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
             ).fetchone()
             remembered = db.execute("SELECT count(*) FROM applied WHERE op = ?", (op,)).fetchone()[0]
             rows = db.execute(
-                'SELECT start, "end", rows, dirty, state, error FROM windows WHERE op = ? '
+                'SELECT start, "end", nrows, dirty, state, error FROM windows WHERE op = ? '
                 'ORDER BY error IS NULL, "end", gk LIMIT ?',
                 (op, limit),
             ).fetchall()

@@ -30,6 +30,7 @@ class WindowSpec:
     output: str
     idle_us: int
     remember_us: int
+    state: Any = None  # a PostgresState, or None: the SQLite file beside the run's state
 
     @property
     def columns(self) -> list[str]:
@@ -74,6 +75,7 @@ def window_flow(
     on_late: Sink | None = None,
     idle: Any = 60,
     remember: Any = 3600,
+    state: Any = None,
     name: str | None = None,
 ) -> WindowedFlow:
     """Check :meth:`Flow.window`'s arguments; Spark Column inputs become hidden
@@ -101,6 +103,12 @@ def window_flow(
         )
     if time is None and not isinstance(kind, Count):
         raise ConfigError(f"window {op!r}: time= (the event time column) is needed for time windows")
+    from ackflow.state.pg import PostgresState
+
+    if state is not None and not isinstance(state, PostgresState):
+        raise ConfigError(
+            f"window {op!r}: state= takes a PostgresState (or None: a file beside the run's state)"
+        )
     if on_late is not None and not isinstance(on_late, Sink):
         raise ConfigError(f"window {op!r}: on_late= takes an ackflow Sink")
     hidden: dict[str, Any] = {}
@@ -131,6 +139,7 @@ def window_flow(
         output,
         duration_us(idle, f"window {op!r}: idle"),
         duration_us(remember, f"window {op!r}: remember"),
+        state,
     )
     if hidden:
         flow = flow.with_columns(hidden, name=f"{op}.inputs")

@@ -44,7 +44,7 @@ CHUNK = 900  # SQLite's bound on host parameters, with room
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS windows (
     op TEXT NOT NULL, gk TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
-    rows INTEGER NOT NULL, full INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
+    nrows INTEGER NOT NULL, filled INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
     state BLOB NOT NULL, error TEXT, PRIMARY KEY (op, gk, start));
 CREATE INDEX IF NOT EXISTS windows_end ON windows (op, "end");
 CREATE TABLE IF NOT EXISTS marks (
@@ -172,10 +172,16 @@ class Due:
 class WindowStore:
     """The driver's handle on the store (thread-safe: one lock around each transaction)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, conn: Any = None, size: Any = None) -> None:
+        """The SQLite file at ``path``; or ``conn``, a connection that takes the same
+        statements (PostgreSQL: :mod:`ackflow.state.pg`), and ``size()`` its bytes."""
         self.path = path
-        self.db = connect(path)
         self.lock = threading.RLock()
+        self._size = size
+        if conn is not None:
+            self.db = self.scratch = conn
+            return
+        self.db = connect(path)
         # a batch's starting watermark needs no fsync: a crash ends the batch with it
         self.scratch = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
         self.scratch.execute("PRAGMA synchronous=OFF")
@@ -190,7 +196,9 @@ class WindowStore:
         batch that commits first does not make this one's rows late)."""
         with self.lock:
             w = self.mark(op)["watermark"]
-            self.scratch.execute("INSERT OR REPLACE INTO begun VALUES (?, ?, ?)", (op, batch, w))
+            self.scratch.execute(
+                "INSERT OR REPLACE INTO begun (op, batch, watermark) VALUES (?, ?, ?)", (op, batch, w)
+            )
         return w  # type: ignore[no-any-return]
 
     def end(self, op: str, batch: str | None = None) -> None:
@@ -262,7 +270,7 @@ class WindowStore:
 
     def _load(self, op: str, gk: str, start: int) -> tuple[int, list[Any]] | None:
         row = self.db.execute(
-            "SELECT rows, state FROM windows WHERE op = ? AND gk = ? AND start = ?", (op, gk, start)
+            "SELECT nrows, state FROM windows WHERE op = ? AND gk = ? AND start = ?", (op, gk, start)
         ).fetchone()
         return None if row is None else (row[0], pickle.loads(row[1])[1])
 
@@ -274,12 +282,12 @@ class WindowStore:
         end: int,
         rows: int,
         accs: list[Any],
-        full: int = 0,
+        filled: int = 0,
     ) -> None:
         self.db.execute(
-            'INSERT OR REPLACE INTO windows (op, gk, start, "end", rows, full, dirty, state) '
+            'INSERT OR REPLACE INTO windows (op, gk, start, "end", nrows, filled, dirty, state) '
             "VALUES (?, ?, ?, ?, ?, ?, 1, ?)",
-            (op, gk_text(values), start, end, rows, full, pickle.dumps((values, accs))),
+            (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs))),
         )
 
     def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
@@ -308,7 +316,7 @@ class WindowStore:
                 per.setdefault(gk_text(values), []).append((start, end, rows, accs, values))
         for gk, new in per.items():
             old = self.db.execute(
-                'SELECT start, "end", rows, state FROM windows WHERE op = ? AND gk = ?', (spec.name, gk)
+                'SELECT start, "end", nrows, state FROM windows WHERE op = ? AND gk = ?', (spec.name, gk)
             ).fetchall()
             items = [(s, e, r, pickle.loads(b)[1], pickle.loads(b)[0]) for s, e, r, b in old] + new
             items.sort(key=lambda x: (x[0], x[1]))
@@ -337,7 +345,8 @@ class WindowStore:
         for gk, rows in per.items():
             rows.sort(key=lambda x: x[0])
             cur = self.db.execute(
-                "SELECT start, rows, state FROM windows WHERE op = ? AND gk = ? AND full = 0", (spec.name, gk)
+                "SELECT start, nrows, state FROM windows WHERE op = ? AND gk = ? AND filled = 0",
+                (spec.name, gk),
             ).fetchone()
             last = self.db.execute(
                 "SELECT max(start) FROM windows WHERE op = ? AND gk = ?", (spec.name, gk)
@@ -351,7 +360,7 @@ class WindowStore:
                 accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, accs, row_accs, strict=True)]
                 count += 1
                 if count == n:
-                    self._put(spec.name, values, index, index, count, accs, full=1)
+                    self._put(spec.name, values, index, index, count, accs, filled=1)
                     index, count, accs = index + 1, 0, [a.init() for a in spec.aggs]
             if count:
                 self._put(spec.name, rows[-1][1], index, index, count, accs)
@@ -420,9 +429,9 @@ class WindowStore:
         and with ``output="update"`` every window changed since it was last written."""
         args: list[Any] = []
         if isinstance(spec.kind, Count):
-            closed = "full = 1"
+            closed = "filled = 1"
         elif bound is None:
-            closed = "0"
+            closed = "FALSE"
         else:
             closed, args = '"end" <= ?', [bound]
         where = closed if spec.output == "final" else f"({closed}) OR dirty = 1"
@@ -495,5 +504,8 @@ class WindowStore:
             windows, refused = self.db.execute(
                 "SELECT count(*), count(error) FROM windows WHERE op = ?", (op,)
             ).fetchone()
-        size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
+        if self._size is not None:
+            size = self._size()
+        else:
+            size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
         return {"open_windows": windows, "refused_windows": refused, "bytes": size}

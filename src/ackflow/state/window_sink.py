@@ -114,7 +114,7 @@ class WindowSink(Sink):
     def open(self) -> None:
         from ackflow.state.store import Gate, WindowStore
 
-        if self.path is None:
+        if self.path is None and self.spec.state is None:
             raise FlowError(
                 self.name,
                 "a window keeps durable state and this flow has no place for it: give the run "
@@ -123,7 +123,13 @@ class WindowSink(Sink):
         self.output.open()
         if self.on_late is not None:
             self.on_late.open()
-        self._store = WindowStore(self.path)
+        if self.spec.state is not None:
+            from ackflow.state.pg import open_store
+
+            self._store = open_store(self.spec.state, self.name)
+        else:
+            assert self.path is not None
+            self._store = WindowStore(self.path)
         self._store.end(self.name)  # batches of a run that crashed
         self._store.retry_failed(self.spec)  # results refused last run: try them again
         self._gate = Gate()
@@ -190,9 +196,14 @@ class WindowSink(Sink):
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         from ackflow.state.store import read_view
 
-        assert self.path is not None
         keys = rows.column(ROW_KEY).to_pylist()
-        watermark, applied = read_view(self.path, self.name, keys, batch_id)
+        if self.spec.state is not None:
+            from ackflow.state import pg
+
+            watermark, applied = pg.read_view(self.spec.state, self.name, keys, batch_id)
+        else:
+            assert self.path is not None
+            watermark, applied = read_view(self.path, self.name, keys, batch_id)
         parts, failed, late = contribute(self.spec, rows, keys, watermark, applied)
         out: dict[int, str | tuple[str, str]] = dict(failed)
         late_token = None

@@ -1,0 +1,161 @@
+"""A window's state in PostgreSQL: ``flow.window(..., state=PostgresState(dsn))``.
+
+For Spark executors that cannot see the driver's file (a cluster across machines): the
+tasks read the watermark and the applied row keys over the network, the driver merges
+each batch in one PostgreSQL transaction, exactly as the SQLite store does (the same
+statements, :class:`~ackflow.state.store.WindowStore`). The tables live in their own
+schema (``ackflow_state`` by default). One process drives a window's state at a time: a
+second one is refused at start (a session advisory lock per schema and window); several
+processes sharing windows (a Kafka consumer group) need a watermark per source
+partition, which is not built.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.secrets import redact
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS windows (
+    op TEXT NOT NULL, gk TEXT NOT NULL, start BIGINT NOT NULL, "end" BIGINT NOT NULL,
+    nrows BIGINT NOT NULL, filled INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
+    state BYTEA NOT NULL, error TEXT, PRIMARY KEY (op, gk, start));
+CREATE INDEX IF NOT EXISTS windows_end ON windows (op, "end");
+CREATE TABLE IF NOT EXISTS marks (
+    op TEXT PRIMARY KEY, watermark BIGINT, max_event BIGINT, data_at DOUBLE PRECISION,
+    late BIGINT NOT NULL DEFAULT 0, written BIGINT NOT NULL DEFAULT 0,
+    applied_rows BIGINT NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS applied (op TEXT NOT NULL, key TEXT NOT NULL, at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (op, key));
+CREATE INDEX IF NOT EXISTS applied_at ON applied (op, at);
+CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, watermark BIGINT,
+    PRIMARY KEY (op, batch));
+CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next BIGINT NOT NULL,
+    PRIMARY KEY (op, gk));
+"""
+_KEYS = {"windows": ("op", "gk", "start"), "begun": ("op", "batch"), "count_next": ("op", "gk")}
+_REPLACE = re.compile(r"INSERT OR REPLACE INTO (\w+) \(([^)]*)\) VALUES \(([^)]*)\)")
+
+
+def translate(query: str) -> str:
+    """The SQLite store's statement for PostgreSQL: ``%s`` placeholders, ``INSERT OR
+    REPLACE`` as an upsert on the table's key, ``BEGIN IMMEDIATE`` as ``BEGIN``.
+
+    >>> q = translate("INSERT OR REPLACE INTO begun (op, batch, watermark) VALUES (?, ?, ?)")
+    >>> for part in q.split(" ON CONFLICT "):
+    ...     print(part)
+    INSERT INTO begun (op, batch, watermark) VALUES (%s, %s, %s)
+    (op, batch) DO UPDATE SET watermark = EXCLUDED.watermark
+    """
+    m = _REPLACE.search(query)
+    if m is not None:
+        table, cols = m.group(1), [c.strip() for c in m.group(2).split(",")]
+        keys = _KEYS[table]
+        sets = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c not in keys)
+        query = (
+            f"INSERT INTO {table} ({m.group(2)}) VALUES ({m.group(3)}) "
+            f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {sets}"
+        )
+    return query.replace("BEGIN IMMEDIATE", "BEGIN").replace("?", "%s")
+
+
+class _Conn:
+    """A psycopg connection that takes the SQLite store's statements."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def execute(self, query: str, params: Sequence[Any] = ()) -> Any:
+        return self.conn.execute(translate(query), params)
+
+    def executemany(self, query: str, rows: Sequence[Sequence[Any]]) -> Any:
+        cur = self.conn.cursor()
+        cur.executemany(translate(query), rows)
+        return cur
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@dataclass(frozen=True)
+class PostgresState:
+    """Keep a window's state in PostgreSQL at ``dsn`` (schema ``schema``, created if missing)."""
+
+    dsn: str
+    schema: str = "ackflow_state"
+    connect_timeout: float = 10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dsn, str) or not self.dsn:
+            raise ConfigError("PostgresState: give a DSN (postgresql://user:pass@host/db)")
+        if not isinstance(self.schema, str) or not self.schema:
+            raise ConfigError("PostgresState: schema must be a name")
+
+    def connect(self) -> Any:
+        import psycopg
+        from psycopg import sql
+
+        try:
+            conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=int(self.connect_timeout))
+        except psycopg.Error as e:
+            raise FlowError(
+                "window state", f"cannot connect to PostgreSQL at {redact(self.dsn)}: {redact(str(e))}"
+            ) from None
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema)))
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+        return conn
+
+
+def open_store(state: PostgresState, op: str) -> Any:
+    """The driver's store in PostgreSQL (a :class:`WindowStore` on a psycopg connection),
+    holding the window's advisory lock for the run."""
+    from ackflow.state.store import WindowStore
+
+    conn = state.connect()
+    for stmt in _DDL.split(";"):
+        if stmt.strip():
+            conn.execute(stmt)
+    got = conn.execute(
+        "SELECT pg_try_advisory_lock(hashtext(%s))", (f"ackflow-window:{state.schema}:{op}",)
+    ).fetchone()[0]
+    if not got:
+        conn.close()
+        raise FlowError(
+            op,
+            f"another process drives this window's state in PostgreSQL (schema {state.schema!r}); "
+            "stop it first",
+        )
+
+    def size() -> int:
+        return int(
+            conn.execute(
+                "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
+                (state.schema,),
+            ).fetchone()[0]
+        )
+
+    return WindowStore(f"postgresql:{state.schema}", conn=_Conn(conn), size=size)
+
+
+def read_view(
+    state: PostgresState, op: str, keys: Sequence[str], batch: str | None
+) -> tuple[int | None, set[str]]:
+    """A task's view (as :func:`ackflow.state.store.read_view`), over the network."""
+    conn = state.connect()
+    try:
+        row = conn.execute("SELECT watermark FROM begun WHERE op = %s AND batch = %s", (op, batch)).fetchone()
+        if row is None:
+            row = conn.execute("SELECT watermark FROM marks WHERE op = %s", (op,)).fetchone()
+        applied = {
+            r[0]
+            for r in conn.execute("SELECT key FROM applied WHERE op = %s AND key = ANY(%s)", (op, list(keys)))
+        }
+        return (row[0] if row else None), applied
+    finally:
+        conn.close()
