@@ -343,8 +343,10 @@ class Flow:
         rows below the watermark; without it they fail their message as ``late``),
         ``idle`` (no batch for this long: every open window closes, as if the watermark
         passed them; default 60 s), ``remember`` (how long applied row keys are kept against
-        redelivery; default 1 hour). A message is acked once its rows are committed in
-        the state store. See the windows page of the docs.
+        redelivery; default 1 hour), ``state`` (``windows.PostgresState(dsn)`` keeps the
+        state on a PostgreSQL server; default: a SQLite file beside the run's state). A
+        message is acked once its rows are committed in the state store. See the windows
+        page of the docs.
 
         >>> import ackflow, tempfile
         >>> from ackflow import windows as w
