@@ -598,12 +598,13 @@ def test_the_page_shows_each_windows_state(tmp_path, page):
         page.wait_for_function("() => !document.getElementById('windows').hidden", timeout=15000)
         shown = "() => document.getElementById('window-states').textContent.replace(/\\s/g, '')"
         page.wait_for_function(
-            f"() => ({shown})().includes('openwindows2') && ({shown})().includes('laterows1')", timeout=15000
+            f"() => ({shown})().includes('openwindows1') && ({shown})().includes('laterows1')", timeout=15000
         )
         text = page.inner_text("#window-states")
         assert "per_10s" in text and "1970-01-01T00:02:10Z" in text  # watermark: 130 s
         raw = http(f"http://127.0.0.1:{engine.metrics.port}/metrics")[1].decode()
-        assert 'ackflow_window_open{window="per_10s"} 2.0' in raw
+        assert 'ackflow_window_open{window="per_10s"} 1.0' in raw  # [100, 110) closed by 130
+        assert 'ackflow_window_results_written{window="per_10s"} 1.0' in raw
         assert 'ackflow_window_late_rows{window="per_10s"} 1.0' in raw
         assert src.failures["m3"].error.startswith("late: event time 5.0")
     finally:

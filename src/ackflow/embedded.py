@@ -148,7 +148,7 @@ class DeadLetter:
 
 #: a message leased this many times and never settled (each consumer that had it died)
 #: is given back behind the backlog instead of in its place
-CRASH_SUSPECT = 3
+CRASH_SUSPECT = 10
 
 
 class EmbeddedQueue:
@@ -315,7 +315,7 @@ class EmbeddedQueue:
         self._lock_fd = fd
         # given back in their place (oldest first, before what was published after them),
         # as a broker requeues: a window would otherwise see them behind the backlog, late.
-        # One delivered CRASH_SUSPECT times without a settlement may be what kills the
+        # One leased CRASH_SUSPECT times without a settlement may be what kills the
         # consumer: it goes behind the backlog, so that the rest still flows.
         with self._tx():
             cur = self._db.execute(
