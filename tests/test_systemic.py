@@ -364,3 +364,26 @@ def test_a_not_null_column_the_flow_never_writes_stops_at_start(spark, postgres,
     with pytest.raises(FlowError, match=r"NOT NULL column.*region"):
         ackflow.run(ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table)), spark=spark, **FAST)
     assert not src.dead_letters and set(src.final().values()) == {"released"}
+
+
+def test_a_broadcast_whose_commit_failed_once_ends_the_episode_when_it_writes_again(tmp_path):
+    """A composite sink (broadcast; dedupe is another) counts its rows by branch: a
+    commit failure names the composite, and the rows its branches write next prove it
+    works. Before, the episode never ended: the run never went idle and stopped with
+    SystemicFailure after ``systemic_stop_after_s``."""
+    from ackflow.sinks import Broadcast
+    from ackflow.testing import KeyedSink
+
+    src = ListSource(bodies([{"i": i} for i in range(6)]))
+    a, b = KeyedSink("a", fail_commits={1: "after"}), KeyedSink("b")
+    report = ackflow.run(
+        ackflow.Flow(src).to(Broadcast(a, b, name="both")),
+        executor="local",
+        batch_size=2,
+        max_concurrent_batches=1,
+        until_idle=0.5,
+        systemic_after=2,
+        systemic_stop_after_s=20,
+    )
+    assert report.acked == 6 and report.systemic is None and report.systemic_episodes == 1
+    assert len(a.rows) == len(b.rows) == 6

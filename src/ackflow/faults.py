@@ -73,6 +73,10 @@ POINTS: dict[str, str] = {
     "committed; prepare not returned",
     "postgres.before_commit": "Postgres partition write: rows upserted, COMMIT not sent",
     "postgres.after_commit": "Postgres partition write: COMMIT done, task not returned",
+    "dedupe.after_claim": "dedupe task: the partition's claims are committed; the sink has "
+    "not written its rows",
+    "dedupe.after_output": "dedupe commit: the sink committed the job's rows; its claims not "
+    "yet marked committed",
     "state.watermark": "window state: the watermark moved (inside a batch's state transaction, "
     "or the idle advance's own update just committed)",
     "state.before_commit": "window state: a batch's partials, applied keys and watermark are "

@@ -366,6 +366,43 @@ class Flow:
 
         return window_flow(self, kind, aggs=aggs, name=name, **options)
 
+    def dedupe(
+        self,
+        by: str | Iterable[str],
+        *,
+        within: Any,
+        time: Any = None,
+        state: Any = None,
+        name: str | None = None,
+    ) -> Any:
+        """Drop repeats of a business key inside a horizon; end with ``.to(sink)``.
+
+        The first row of each value of ``by`` goes to the sink; a later row with that
+        value, less than ``within`` after the first (by ``time``, an event time column
+        or Spark Column; by default the wall clock when the row came), is dropped and
+        its message acked (the metric ``ackflow_dedupe_dropped_total`` counts it). From ``within`` on, the
+        next row is a first again. The first rows are kept in durable state (a SQLite
+        file beside the run's state, or ``state=windows.PostgresState(dsn)``), claimed
+        before the sink writes and committed with it: a crash or a redelivery never
+        lets two rows of one key through, nor drops a row whose first was never
+        written. See the dedupe section of the windows page.
+
+        >>> import ackflow, tempfile
+        >>> from ackflow.sinks import MemorySink
+        >>> from ackflow.testing import ListSource
+        >>> src = ListSource(['{"order": "o1", "n": 1}', '{"order": "o2", "n": 2}',
+        ...                   '{"order": "o1", "n": 3}'])
+        >>> out = MemorySink()
+        >>> flow = Flow(src).dedupe("order", within="1h").to(out)
+        >>> report = ackflow.run(flow, master="local[2]", until_idle=0.5,
+        ...                      state_dir=tempfile.mkdtemp())
+        >>> sorted(r["order"] for r in out.rows), report.acked
+        (['o1', 'o2'], 3)
+        """
+        from ackflow.state.dedupe import dedupe_flow
+
+        return dedupe_flow(self, by, within=within, time=time, state=state, name=name)
+
     def join(
         self, other: Any, on: str | Iterable[str], how: str = "inner", *, name: str | None = None
     ) -> Flow:

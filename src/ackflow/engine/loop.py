@@ -268,7 +268,7 @@ class Engine(Settling):
                 connected=self.flow.source.connected,
                 source=details,
                 rows=rows,
-                windows={s.name: s.facts() for s in self.flow.sinks if hasattr(s, "facts")},
+                windows={s.name: f for s in self.flow.sinks if hasattr(s, "facts") and (f := s.facts())},
             )
         )
 

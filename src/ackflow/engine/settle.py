@@ -283,6 +283,9 @@ class Settling:
         to be nacked or dead-lettered as usual. Raises :class:`SystemicFailure` once an
         episode has lasted ``systemic_stop_after_s``."""
         working = {name for name, n in result.outcomes.rows_written.items() if n > 0}
+        for sink in self.flow.sinks:  # a broadcast, a dedupe: rows are counted by branch
+            if any(b.name in working for b in getattr(sink, "branches", ())):
+                working.add(sink.name)
         if working:  # rows reached a sink: every step before it works
             working.add(ANY_STEP)
         detector = self.systemic

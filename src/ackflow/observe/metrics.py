@@ -127,6 +127,12 @@ class Metrics:
                 registry=r,
             ),
         }
+        self.dedupe_repeats = Counter(
+            "ackflow_dedupe_dropped",
+            "Rows a dedupe operator dropped as repeats of a key it holds (their messages acked)",
+            ["dedupe"],
+            registry=r,
+        )
         self._episodes_seen = 0
         self._server: Any = None
 
@@ -136,6 +142,9 @@ class Metrics:
         if episodes > self._episodes_seen:
             self.throttle_episodes.inc(episodes - self._episodes_seen)
             self._episodes_seen = episodes
+
+    def dedupe_dropped(self, name: str, n: int) -> None:
+        self.dedupe_repeats.labels(name).inc(n)
 
     def windows(self, name: str, facts: dict[str, Any]) -> None:
         """A window operator's state, as its timer last read it."""

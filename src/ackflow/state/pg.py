@@ -19,25 +19,17 @@ from typing import Any
 
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.secrets import redact
+from ackflow.state.store import SCHEMA
 
-_DDL = """
-CREATE TABLE IF NOT EXISTS windows (
-    op TEXT NOT NULL, gk TEXT NOT NULL, start BIGINT NOT NULL, "end" BIGINT NOT NULL,
-    nrows BIGINT NOT NULL, filled INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
-    state BYTEA NOT NULL, error TEXT, PRIMARY KEY (op, gk, start));
-CREATE INDEX IF NOT EXISTS windows_end ON windows (op, "end");
-CREATE TABLE IF NOT EXISTS marks (
-    op TEXT PRIMARY KEY, watermark BIGINT, max_event BIGINT, data_at DOUBLE PRECISION,
-    late BIGINT NOT NULL DEFAULT 0, written BIGINT NOT NULL DEFAULT 0,
-    applied_rows BIGINT NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS applied (op TEXT NOT NULL, key TEXT NOT NULL, at DOUBLE PRECISION NOT NULL,
-    PRIMARY KEY (op, key));
-CREATE INDEX IF NOT EXISTS applied_at ON applied (op, at);
-CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, watermark BIGINT,
-    PRIMARY KEY (op, batch));
-CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next BIGINT NOT NULL,
-    PRIMARY KEY (op, gk));
-"""
+
+def _pg_types(ddl: str) -> str:
+    """The SQLite store's tables in PostgreSQL's types (one schema, written once)."""
+    for lite, pg in ((" INTEGER", " BIGINT"), (" BLOB", " BYTEA"), (" REAL", " DOUBLE PRECISION")):
+        ddl = ddl.replace(lite, pg)
+    return ddl
+
+
+_DDL = _pg_types(SCHEMA)
 _KEYS = {"windows": ("op", "gk", "start"), "begun": ("op", "batch"), "count_next": ("op", "gk")}
 _REPLACE = re.compile(r"INSERT OR REPLACE INTO (\w+) \(([^)]*)\) VALUES \(([^)]*)\)")
 
@@ -111,15 +103,22 @@ class PostgresState:
         return conn
 
 
+def connect_store(state: PostgresState) -> _Conn:
+    """A connection to the state's schema that takes the SQLite store's statements
+    (tables created if missing)."""
+    conn = state.connect()
+    for stmt in _DDL.split(";"):
+        if stmt.strip():
+            conn.execute(stmt)
+    return _Conn(conn)
+
+
 def open_store(state: PostgresState, op: str) -> Any:
     """The driver's store in PostgreSQL (a :class:`WindowStore` on a psycopg connection),
     holding the window's advisory lock for the run."""
     from ackflow.state.store import WindowStore
 
-    conn = state.connect()
-    for stmt in _DDL.split(";"):
-        if stmt.strip():
-            conn.execute(stmt)
+    conn = connect_store(state).conn
     got = conn.execute(
         "SELECT pg_try_advisory_lock(hashtext(%s))", (f"ackflow-window:{state.schema}:{op}",)
     ).fetchone()[0]

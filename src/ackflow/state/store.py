@@ -9,6 +9,7 @@ returns. Tables:
   bytes); ``dirty`` marks windows changed since they were last written (``update``).
 * ``marks``: per operator the watermark, the largest event time seen, when data last
   came (wall clock, for the idle advance), late rows, and windows written.
+* ``dedupe``: a dedupe operator's claims, one per key value (:mod:`.dedupe`).
 * ``applied``: the row keys whose contribution is committed, with when; a redelivered
   row whose key is here adds nothing again. Kept for the operator's ``remember``
   (default one hour), then forgotten: a row delivered again after that, into a window
@@ -41,7 +42,7 @@ from ackflow.windows import Count, Session
 STORE_FILE = "windows.db"
 CHUNK = 900  # SQLite's bound on host parameters, with room
 
-_SCHEMA = """
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS windows (
     op TEXT NOT NULL, gk TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
     nrows INTEGER NOT NULL, filled INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
@@ -58,6 +59,11 @@ CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, waterma
     PRIMARY KEY (op, batch));
 CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next INTEGER NOT NULL,
     PRIMARY KEY (op, gk));
+CREATE TABLE IF NOT EXISTS dedupe (op TEXT NOT NULL, k TEXT NOT NULL, owner TEXT NOT NULL,
+    job TEXT NOT NULL, t INTEGER NOT NULL, at REAL NOT NULL, done INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (op, k));
+CREATE INDEX IF NOT EXISTS dedupe_job ON dedupe (op, job);
+CREATE INDEX IF NOT EXISTS dedupe_t ON dedupe (op, t);
 """
 
 
@@ -130,7 +136,7 @@ def connect(path: str, readonly: bool = False) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
-    db.executescript(_SCHEMA)
+    db.executescript(SCHEMA)
     return db
 
 

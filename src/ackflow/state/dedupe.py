@@ -1,0 +1,369 @@
+"""``flow.dedupe(by, within=...)``: drop repeats of a business key inside a horizon.
+
+The operator wraps the flow's sink. Its durable state is one claim per key value
+(table ``dedupe``, in the windows' store: the SQLite file beside the run's state, or a
+:class:`~ackflow.state.pg.PostgresState`): which row first had the key (its row key:
+its message's identity and place), when (its event time, or the wall clock when it
+came), the job that wrote it, and whether that job committed.
+
+In a task, inside one claim transaction per partition (SQLite ``BEGIN IMMEDIATE``;
+PostgreSQL a transaction-scoped advisory lock per operator), each row is, in the
+order of its time:
+
+* **first**: no claim for its key, or the claim expired (its time is ``within`` or
+  more after the claim's): it claims the key and goes to the sink;
+* **the owner again** (the claim's row key is its own: a redelivery, or a task run
+  again): it goes to the sink again, under the same row key (a keyed sink writes it in
+  place);
+* **a repeat**: the claim is another row's, committed, or of this very job: it is
+  dropped, and its message is acked as handled (counted by the metric
+  ``ackflow_dedupe_dropped_total``);
+* **waiting**: the claim is another job's that has not settled (a batch running
+  beside this one, or one a crash left behind): the row fails with that reason and its
+  message is retried; by then the claim is committed (a repeat) or gone (a first).
+
+On the driver, :meth:`DedupeSink.commit` commits the sink, then marks the job's claims
+committed. A claim is deleted only when the sink refused its row; a job that failed
+(:meth:`DedupeSink.abort`), or a crash, leaves its claims uncommitted but owned, since
+a sink may have made rows durable inside the tasks (PostgreSQL does): the owner's
+redelivery writes the same row again, under the same key, and its job commits the
+claim. A claim never committed is abandoned after ``within`` by the wall clock (its
+owner ended as a dead letter): a repeat may then claim the key. Committed claims
+``within`` behind the newest claimed time (or the wall clock) are deleted after each
+commit: the state grows with the keys seen in one horizon, never with the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from ackflow import faults
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
+
+log = logging.getLogger("ackflow.dedupe")
+
+CHUNK = 900  # SQLite's bound on host parameters, with room
+
+
+@dataclass(frozen=True)
+class DedupeSpec:
+    """What a dedupe operator compares: the key columns, the horizon (µs), and the time
+    column (None: the wall clock when a row is claimed)."""
+
+    name: str
+    by: tuple[str, ...]
+    within_us: int
+    time: str | None = None
+    state: Any = None  # a PostgresState, or None: the SQLite file beside the run's state
+
+
+@dataclass(frozen=True)
+class DedupedFlow:
+    """A flow whose rows pass a dedupe operator: end it with ``.to(sink)``."""
+
+    flow: Any
+    spec: DedupeSpec
+
+    def to(self, sink: Sink) -> Any:
+        if not isinstance(sink, Sink):
+            raise ConfigError(
+                f"dedupe {self.spec.name!r}: .to() needs an ackflow Sink, got {type(sink).__name__}"
+            )
+        return self.flow.to(DedupeSink(self.spec, sink))
+
+
+def dedupe_flow(
+    flow: Any, by: Any, *, within: Any, time: Any = None, state: Any = None, name: str | None = None
+) -> DedupedFlow:
+    """Check :meth:`Flow.dedupe`'s arguments."""
+    from ackflow.state.pg import PostgresState
+    from ackflow.windows import _is_column, duration_us
+
+    op = flow._name(name, "dedupe")
+    by_t = (by,) if isinstance(by, str) else tuple(by)
+    if not by_t or not all(isinstance(k, str) and k for k in by_t):
+        raise ConfigError(f"dedupe {op!r}: by= takes one or more column names")
+    within_us = duration_us(within, f"dedupe {op!r}: within")
+    if within_us <= 0:
+        raise ConfigError(f"dedupe {op!r}: within must be a positive duration")
+    if state is not None and not isinstance(state, PostgresState):
+        raise ConfigError(
+            f"dedupe {op!r}: state= takes a PostgresState (or None: a file beside the run's state)"
+        )
+    if time is not None and not isinstance(time, str):
+        if not _is_column(time):
+            raise ConfigError(f"dedupe {op!r}: time= takes a column name or a Spark Column")
+        flow = flow.with_columns({f"_{op}_time": time}, name=f"{op}.inputs")
+        time = f"_{op}_time"
+    return DedupedFlow(flow, DedupeSpec(op, by_t, within_us, time, state))
+
+
+class DedupeSink(Sink):
+    """Rows whose key is not a repeat go to ``inner``; see the module docstring."""
+
+    wants_keys = True
+
+    def __init__(self, spec: DedupeSpec, inner: Sink) -> None:
+        super().__init__(spec.name)
+        self.spec = spec
+        self.inner = inner
+        self.branches: tuple[Sink, ...] = (inner,)
+        self.key = [*spec.by, *([spec.time] if spec.time else []), *(getattr(inner, "key", None) or [])]
+        self.path: str | None = None
+        self.dropped = 0  # repeats dropped (this run, committed jobs)
+        self._metrics: Any = None
+
+    # -- driver ----------------------------------------------------------------------
+
+    def bind_state(self, path: str) -> None:
+        """Driver side, before open: the store's file (chosen by the engine)."""
+        self.path = os.path.abspath(path)
+        if hasattr(self.inner, "bind_state"):
+            self.inner.bind_state(path)
+
+    def observe(self, metrics: Any, quiet: Any = None) -> None:
+        self._metrics = metrics
+        if hasattr(self.inner, "observe"):
+            self.inner.observe(metrics, quiet)
+
+    def open(self) -> None:
+        if self.path is None and self.spec.state is None:
+            raise FlowError(
+                self.name,
+                "dedupe keeps durable state and this flow has no place for it: give the run "
+                "state_dir= (--state-dir)",
+            )
+        db = self._connect()  # creates the tables; fails at start if the store is unreachable
+        db.close()
+        self.inner.open()
+
+    def close(self) -> None:
+        if self.dropped:
+            log.info("dedupe %r: %d repeats dropped this run", self.name, self.dropped)
+        self.inner.close()
+
+    def prepare(self, schema: Any) -> None:
+        missing = [
+            c for c in (*self.spec.by, *([self.spec.time] if self.spec.time else [])) if c not in schema.names
+        ]
+        if missing:
+            raise FlowError(
+                self.name, f"column(s) {missing} are not among the flow's columns {list(schema.names)}"
+            )
+        for k in self.spec.by:
+            t = schema.field(k).type
+            if pa.types.is_nested(t):
+                raise FlowError(self.name, f"key {k!r} is a {t}: dedupe keys must be plain values")
+        if type(self.inner).prepare is not Sink.prepare:
+            self.inner.prepare(schema)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_metrics": None}
+
+    # a window inside: the engine's hooks reach it
+    def begin_job(self, batch_id: str) -> None:
+        if hasattr(self.inner, "begin_job"):
+            self.inner.begin_job(batch_id)
+
+    def hold(self, batch_id: str) -> None:
+        if hasattr(self.inner, "hold"):
+            self.inner.hold(batch_id)
+
+    def unhold(self, batch_id: str) -> None:
+        if hasattr(self.inner, "unhold"):
+            self.inner.unhold(batch_id)
+
+    def facts(self) -> dict[str, Any]:
+        return dict(self.inner.facts()) if hasattr(self.inner, "facts") else {}
+
+    def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        got = [pickle.loads(t) for t in tokens]
+        self.inner.commit(batch_id, [t for t, _ in got if t is not None])
+        faults.point("dedupe.after_output")
+        db = self._connect()
+        try:
+            db.execute(
+                "UPDATE dedupe SET done = 1 WHERE op = ? AND job = ? AND done = 0", (self.name, batch_id)
+            )
+            self._forget(db)
+        finally:
+            db.close()
+        dropped = sum(n for _, n in got)
+        self.dropped += dropped
+        if dropped and self._metrics is not None:
+            self._metrics.dedupe_dropped(self.name, dropped)
+
+    def abort(self, batch_id: str, tokens: Sequence[bytes]) -> None:
+        """The job failed: its claims stay, owned by their rows (a sink may have made
+        rows durable inside the tasks, as PostgreSQL does): the owners come again and
+        commit them; until then a repeat of theirs waits."""
+        self.inner.abort(batch_id, [t for t, _ in (pickle.loads(x) for x in tokens) if t is not None])
+
+    def _forget(self, db: Any) -> None:
+        """Claims a horizon behind the newest (event time) or the wall clock are done."""
+        if self.spec.time is None:
+            horizon = int(time.time() * 1e6) - self.spec.within_us
+        else:
+            top = db.execute("SELECT max(t) FROM dedupe WHERE op = ?", (self.name,)).fetchone()[0]
+            if top is None:
+                return
+            horizon = int(top) - self.spec.within_us
+        db.execute("DELETE FROM dedupe WHERE op = ? AND done = 1 AND t < ?", (self.name, horizon))
+        abandoned = time.time() - self.spec.within_us / 1e6
+        db.execute("DELETE FROM dedupe WHERE op = ? AND done = 0 AND at < ?", (self.name, abandoned))
+
+    def claims(self) -> int:
+        """Keys held now (for tests and ``ackflow state show``)."""
+        db = self._connect()
+        try:
+            return int(db.execute("SELECT count(*) FROM dedupe WHERE op = ?", (self.name,)).fetchone()[0])
+        finally:
+            db.close()
+
+    # -- both sides ------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        if self.spec.state is not None:
+            from ackflow.state.pg import connect_store
+
+            return connect_store(self.spec.state)
+        from ackflow.state.store import connect
+
+        assert self.path is not None
+        return connect(self.path)
+
+    # -- task side -------------------------------------------------------------------
+
+    def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
+        from ackflow.state.partials import to_us
+        from ackflow.state.store import gk_text
+
+        n = rows.num_rows
+        keys = rows.column(ROW_KEY).to_pylist()
+        cols = [rows.column(k).to_pylist() for k in self.spec.by]
+        failed: dict[int, str | tuple[str, str]] = {}
+        now = int(time.time() * 1e6)
+        todo: list[tuple[int, str, int, str]] = []  # (time, row key, index, key text)
+        times = rows.column(self.spec.time).to_pylist() if self.spec.time else None
+        for i in range(n):
+            t = now
+            if times is not None:
+                try:
+                    if times[i] is None:
+                        raise ValueError("it is null")
+                    t = to_us(times[i])
+                except ValueError as e:
+                    failed[i] = f"time column {self.spec.time!r}: {e}"
+                    continue
+            todo.append((t, keys[i], i, gk_text([c[i] for c in cols])))
+        todo.sort()
+        passed, dropped = self._claim(batch_id, todo, failed)
+        faults.point("dedupe.after_claim")
+        if not passed:
+            return PartitionResult(
+                failed=failed, token=pickle.dumps((None, dropped)), counts={self.inner.name: 0}
+            )
+        sub = rows.take(passed)
+        if not self.inner.wants_keys:
+            sub = sub.drop_columns([ROW_KEY])
+        res = self.inner.write_partition(batch_id, partition, sub)  # raising: the claims stay (owned)
+        refused = [keys[passed[j]] for j in res.failed]
+        if refused:
+            self._release(batch_id, refused)
+        for j, why in res.failed.items():
+            failed[passed[j]] = why if isinstance(why, tuple) else (self.inner.name, why)
+        counts = (
+            dict(res.counts) if res.counts is not None else {self.inner.name: len(passed) - len(res.failed)}
+        )
+        return PartitionResult(failed=failed, token=pickle.dumps((res.token, dropped)), counts=counts)
+
+    def _claim(
+        self, job: str, todo: list[tuple[int, str, int, str]], failed: dict[int, str | tuple[str, str]]
+    ) -> tuple[list[int], int]:
+        """Decide each row in one claim transaction; returns the rows to write and how
+        many repeats were dropped."""
+        db = self._connect()
+        pg = self.spec.state is not None
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                if pg:
+                    db.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"ackflow-dedupe:{self.name}",))
+                held = self._held(db, sorted({k for *_, k in todo}))
+                passed: list[int] = []
+                dropped = 0
+                writes: list[tuple[Any, ...]] = []
+                wall = time.time()
+                for t, rk, i, k in todo:
+                    claim = held.get(k)
+                    if claim is None or (claim[0] != rk and self._expired(claim, t, wall)):
+                        held[k] = (rk, job, t, 0, wall)
+                        writes.append((self.name, k, rk, job, t, wall))
+                        passed.append(i)
+                    elif claim[0] == rk:
+                        passed.append(i)
+                        if (
+                            not claim[3] and claim[1] != job
+                        ):  # a failed job's or a crash's: settled by this one
+                            held[k] = (rk, job, claim[2], 0, claim[4])
+                            writes.append((self.name, k, rk, job, claim[2], claim[4]))
+                    elif claim[3] or claim[1] == job:
+                        dropped += 1
+                    else:
+                        failed[i] = (
+                            f"dedupe: key {k[:200]} is held by another message's row ({claim[0][:80]}) "
+                            "whose batch has not settled; tried again"
+                        )
+                db.executemany(
+                    "INSERT INTO dedupe (op, k, owner, job, t, at, done) VALUES (?, ?, ?, ?, ?, ?, 0) "
+                    "ON CONFLICT (op, k) DO UPDATE SET owner = excluded.owner, job = excluded.job, "
+                    "t = excluded.t, at = excluded.at, done = 0",
+                    writes,
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        finally:
+            db.close()
+        return sorted(passed), dropped
+
+    def _expired(self, claim: tuple[str, str, int, int, float], t: int, wall: float) -> bool:
+        """A claim another row may take: ``t`` is ``within`` or more after it, or it was
+        never committed and is ``within`` old by the wall clock (its owner ended as a dead
+        letter, or never came again)."""
+        if t >= claim[2] + self.spec.within_us:
+            return True
+        return not claim[3] and wall - claim[4] >= self.spec.within_us / 1e6
+
+    def _held(self, db: Any, ks: list[str]) -> dict[str, tuple[str, str, int, int, float]]:
+        out: dict[str, tuple[str, str, int, int, float]] = {}
+        for j in range(0, len(ks), CHUNK):
+            part = ks[j : j + CHUNK]
+            marks = ",".join("?" * len(part))
+            for k, owner, job, t, at, done in db.execute(
+                f"SELECT k, owner, job, t, at, done FROM dedupe WHERE op = ? AND k IN ({marks})",
+                [self.name, *part],
+            ):
+                out[k] = (owner, job, int(t), int(done), float(at))
+        return out
+
+    def _release(self, job: str, owners: list[str]) -> None:
+        """The sink did not take these rows: their claims go (another row may claim)."""
+        db = self._connect()
+        try:
+            db.executemany(
+                "DELETE FROM dedupe WHERE op = ? AND owner = ? AND job = ? AND done = 0",
+                [(self.name, o, job) for o in owners],
+            )
+        finally:
+            db.close()

@@ -1,0 +1,190 @@
+"""flow.dedupe(by, within=...): the first row of a key is written once, repeats inside
+the horizon are dropped (their messages acked), and neither a redelivery, a failed job
+nor a crash between the sink's commit and the claims' lets a second row of one key
+through or drops a row whose first was never written (the in-process executor: the
+same task code as Spark's; Spark itself in the doctest and the PostgreSQL test)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+import ackflow
+from ackflow import faults
+from ackflow import windows as w
+from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.policy import RetryPolicy
+from ackflow.flow import Flow
+from ackflow.testing import KeyedSink, ListSource
+
+
+def msgs(*recs):
+    return [json.dumps({"order": o, "t": t, "n": n}) for o, t, n in recs]
+
+
+def run(flow, tmp_path, **kw):
+    kw.setdefault("until_idle", 1.0)
+    kw.setdefault("batch_size", 2)
+    kw.setdefault("max_concurrent_batches", 1)
+    return ackflow.run(flow, executor="local", state_dir=str(tmp_path), **kw)
+
+
+def written(sink):
+    return sorted((r["order"], r["n"]) for r in sink.rows.values())
+
+
+def claims(tmp_path):
+    db = sqlite3.connect(tmp_path / "windows.db")
+    try:
+        return sorted(db.execute("SELECT k, owner, done FROM dedupe").fetchall())
+    finally:
+        db.close()
+
+
+def test_the_first_row_of_a_key_is_written_and_repeats_are_dropped_and_acked(tmp_path):
+    # repeats in the same batch (o1 twice in the first), in later batches, and a key
+    # seen again after the horizon (by event time) is a first again
+    src = ListSource(
+        msgs(("o1", 0, 1), ("o1", 1, 2), ("o2", 2, 3), ("o1", 5, 4), ("o2", 20, 5), ("o1", 11, 6))
+    )
+    out = KeyedSink("out")
+    flow = Flow(src).dedupe("order", within="10s", time="t", name="once").to(out)
+    report = run(flow, tmp_path)
+    assert set(src.final().values()) == {"acked"} and report.acked == 6
+    assert written(out) == [("o1", 1), ("o1", 6), ("o2", 3), ("o2", 5)]
+    assert not out.conflicts and set(out.writes.values()) == {1}
+    assert report.rows_written == {"out": 4}
+    assert [(k, done) for k, _, done in claims(tmp_path)] == [('["o1"]', 1), ('["o2"]', 1)]
+
+
+def test_repeats_are_dropped_across_runs_and_by_the_wall_clock_without_time(tmp_path):
+    out = KeyedSink("out")
+    first = ListSource(msgs(("o1", 0, 1), ("o2", 0, 2)), keys=["a", "b"])
+    run(Flow(first).dedupe(["order"], within="1h").to(out), tmp_path)
+    second = ListSource(msgs(("o1", 0, 3), ("o3", 0, 4)), keys=["c", "d"])
+    run(Flow(second).dedupe(["order"], within="1h").to(out), tmp_path)
+    assert set(second.final().values()) == {"acked"}
+    assert written(out) == [("o1", 1), ("o2", 2), ("o3", 4)]
+
+
+def test_a_redelivered_first_is_written_again_in_place_and_its_repeat_dropped(tmp_path):
+    """The sink committed the rows, then the process failed before the claims were
+    marked (the fault point): every message of the job comes again. The first row's
+    own message is its claim's owner: written again under the same key; the repeat,
+    delivered with it, is dropped. One row, no conflict."""
+    src = ListSource(msgs(("o1", 0, 1), ("o1", 1, 2)), policy=RetryPolicy(max_deliveries=3))
+    out = KeyedSink("out")
+    flow = Flow(src).dedupe("order", within="1h", time="t").to(out)
+    faults.arm("dedupe.after_output", "raise")
+    try:
+        run(flow, tmp_path)
+    finally:
+        faults.disarm()
+    assert src.settled == {"m0": ["released", "acked"], "m1": ["released", "acked"]}
+    assert written(out) == [("o1", 1)] and not out.conflicts
+    assert out.writes[next(iter(out.rows))] == 2  # the same row, twice: in place
+    assert claims(tmp_path) == [('["o1"]', "m0", 1)]
+
+
+def test_a_repeat_waits_while_the_first_is_unsettled_and_is_then_dropped(tmp_path):
+    """A job's claim is left uncommitted (its sink's commit failed after the rows were
+    durable, as a crash would leave it): a repeat in a later batch must not be written
+    (a second row of the key) nor dropped while the first may still fail: it fails
+    with the reason and comes again; once the first's redelivery committed, it is a
+    repeat."""
+    src = ListSource(msgs(("o1", 0, 1), ("x", 0, 0), ("o1", 1, 2)), policy=RetryPolicy(max_deliveries=6))
+    out = KeyedSink("out", fail_commits={1: "after"})
+    flow = Flow(src).dedupe("order", within="1h", time="t").to(out)
+    run(flow, tmp_path, until_idle=2.0)
+    assert set(src.final().values()) == {"acked"}
+    assert written(out) == [("o1", 1), ("x", 0)] and not out.conflicts
+    # m0 and m1 were given back behind m2: m2 ran while its first was unsettled
+    assert src.settled == {
+        "m0": ["released", "acked"],
+        "m1": ["released", "acked"],
+        "m2": ["nacked", "acked"],
+    }
+    assert "is held by another message's row (m0) whose batch has not settled" in src.failures["m2"].error
+
+
+def test_a_row_the_sink_refuses_gives_up_its_claim(tmp_path):
+    # o1's first row is refused for good (dead-lettered): it never reached the sink,
+    # so the next o1 is a first, not a repeat of a dead letter
+    src = ListSource(msgs(("o1", 0, 1), ("o1", 1, 2)))
+    out = KeyedSink("out", fail_if=lambda r: r["n"] == 1)
+    run(Flow(src).dedupe("order", within="1h", time="t").to(out), tmp_path, batch_size=1)
+    assert src.final() == {"m0": "dead_lettered", "m1": "acked"}
+    assert written(out) == [("o1", 2)]
+
+
+def test_bad_times_fail_their_message_and_bad_configuration_fails_at_build_or_start(tmp_path):
+    src = ListSource(msgs(("o1", None, 1), ("o2", "noon", 2), ("o3", "1970-01-01T00:00:03Z", 3)))
+    out = KeyedSink("out")
+    run(Flow(src).dedupe("order", within="1h", time="t").to(out), tmp_path)
+    assert src.final() == {"m0": "dead_lettered", "m1": "dead_lettered", "m2": "acked"}
+    assert "time column 't'" in src.failures["m1"].error and "ISO 8601" in src.failures["m1"].error
+    flow = Flow(ListSource(msgs(("o1", 0, 1))))
+    with pytest.raises(ConfigError, match="within must be a positive"):
+        flow.dedupe("order", within=0)
+    with pytest.raises(ConfigError, match="by= takes"):
+        flow.dedupe([], within="1h")
+    with pytest.raises(FlowError, match="give the run state_dir="):
+        ackflow.run(flow.dedupe("order", within="1h").to(KeyedSink()), executor="local", until_idle=0.2)
+    missing = ListSource(msgs(("o1", 0, 1)))
+    with pytest.raises(FlowError, match=r"\['nope'\] are not among"):
+        run(Flow(missing).dedupe("nope", within="1h").to(KeyedSink()), tmp_path)
+
+
+def test_dedupe_before_a_window_counts_each_key_once(tmp_path):
+    src = ListSource(msgs(("o1", 0.1, 1), ("o1", 0.2, 1), ("o2", 0.3, 1), ("o1", 0.4, 1)))
+    out = KeyedSink("out")
+    flow = (
+        Flow(src)
+        .dedupe("order", within="1h", time="t")
+        .to(Flow(src).window(w.tumbling("1s"), time="t", aggs=[w.count().alias("n")], idle=0.1).to(out).sink)
+    )
+    run(flow, tmp_path, until_idle=1.5)
+    assert set(src.final().values()) == {"acked"}
+    assert [r["n"] for r in out.rows.values()] == [2]
+
+
+def test_old_claims_are_forgotten(tmp_path):
+    src = ListSource(msgs(*[(f"o{i}", i * 10, i) for i in range(6)]))
+    run(Flow(src).dedupe("order", within="15s", time="t").to(KeyedSink("out")), tmp_path)
+    # the newest claim is at 50 s: those before 35 s are gone
+    assert [k for k, _, _ in claims(tmp_path)] == ['["o4"]', '["o5"]']
+
+
+def test_on_spark_with_state_in_postgresql_one_row_per_key_after_a_failed_commit(spark, postgres, pg_table):
+    """Spark tasks claim in PostgreSQL (several tasks of a batch at once: the advisory
+    lock makes one the first); the sink is PostgreSQL too. The first commit of the
+    claims fails after the rows were written: the owners come again and are written in
+    place. One row per order, the first's, and every claim committed."""
+    import uuid
+
+    import psycopg
+
+    from ackflow.sinks import Postgres
+
+    state = w.PostgresState(postgres.dsn, schema=f"dd_{uuid.uuid4().hex[:8]}")
+    recs = [(f"o{i % 7}", i, i) for i in range(40)]  # o0..o6, each about 6 times
+    src = ListSource(msgs(*recs), policy=RetryPolicy(max_deliveries=10, backoff_s=0.05))
+    flow = (
+        Flow(src)
+        .dedupe("order", within="1h", time="t", state=state)
+        .to(Postgres(postgres.dsn, pg_table, create=True))
+    )
+    faults.arm("dedupe.after_output", "raise")
+    try:
+        ackflow.run(flow, spark=spark, batch_size=10, until_idle=1.0, max_concurrent_batches=2)
+    finally:
+        faults.disarm()
+    assert set(src.final().values()) == {"acked"}, src.failures
+    with psycopg.connect(postgres.dsn) as c:
+        rows = sorted(c.execute(f'SELECT "order", n FROM "{pg_table}"').fetchall())
+        held = c.execute(f'SELECT count(*), sum(done) FROM "{state.schema}".dedupe').fetchone()
+    assert [o for o, _ in rows] == [f"o{i}" for i in range(7)]  # one row each
+    assert all(n % 7 == int(o[1:]) for o, n in rows)  # a row of that order (which one: the first to claim)
+    assert held == (7, 7)
