@@ -2,8 +2,10 @@
 shipped by the vega_datasets package) through tumbling, hopping and session windows on
 Spark, the pipeline SIGKILLed at a random moment and killed at the state store's
 boundaries (after a batch's state commit, before it, between writing results and
-deleting them), then run to the end; every window's result equals pandas computing
-the same windows over the same records: none missing, none twice, none wrong."""
+deleting them; a dedupe's after its claims and after its sink's commit), then run to
+the end; every window's result equals pandas computing the same windows over the same
+records: none missing, none twice, none wrong; and the dedupe wrote exactly one record
+per weather kind and month."""
 
 from __future__ import annotations
 
@@ -157,6 +159,8 @@ def test_windows_equal_pandas_after_sigkills_and_crashes_at_each_state_boundary(
     # executor runs the same code without a JVM's start each time)
     local = [sys.executable, PIPELINE]
     for point in (
+        f"dedupe.after_claim=exit@{rng.randint(1, 20)}",
+        "dedupe.after_output=exit@1",
         f"state.after_commit=exit@{rng.randint(1, 4)}",
         "state.after_output=exit@1",
         f"state.before_commit=exit@{rng.randint(1, 3)}",
@@ -181,3 +185,13 @@ def test_windows_equal_pandas_after_sigkills_and_crashes_at_each_state_boundary(
         f"{len(wrong)} wrong {[(k, want[k], got[k]) for k in wrong[:2]]}"
     )
     assert len(want) > 500  # the three kinds over four years of five weather kinds
+    # the dedupe: one record per (weather, month), each a record of that weather and month
+    path = os.path.join(out, "first_of_month")
+    schema = pq.read_schema(os.path.join(path, "_common_metadata"))
+    firsts = ds.dataset(path, schema=schema, partitioning="hive").to_table().to_pylist()
+    keys = [(r["weather"], r["month"]) for r in firsts]
+    assert sorted(keys) == sorted({(r["weather"], r["date"][:7]) for r in rows}), f"seed {seed}"
+    assert all(r["date"][:7] == r["month"] for r in firsts)
+    assert {r["date"]: r["weather"] for r in rows}.items() >= {
+        r["date"]: r["weather"] for r in firsts
+    }.items()

@@ -372,6 +372,7 @@ class Flow:
         *,
         within: Any,
         time: Any = None,
+        remember: Any = 3600,
         state: Any = None,
         name: str | None = None,
     ) -> Any:
@@ -385,7 +386,10 @@ class Flow:
         file beside the run's state, or ``state=windows.PostgresState(dsn)``), claimed
         before the sink writes and committed with it: a crash or a redelivery never
         lets two rows of one key through, nor drops a row whose first was never
-        written. See the dedupe section of the windows page.
+        written. A claim is kept until it is ``within`` behind the newest and at least
+        ``remember`` old (wall clock; default one hour): a repeat that comes later than
+        both (a very late row) is written as a first. See the dedupe section of the
+        windows page.
 
         >>> import ackflow, tempfile
         >>> from ackflow.sinks import MemorySink
@@ -401,7 +405,7 @@ class Flow:
         """
         from ackflow.state.dedupe import dedupe_flow
 
-        return dedupe_flow(self, by, within=within, time=time, state=state, name=name)
+        return dedupe_flow(self, by, within=within, time=time, remember=remember, state=state, name=name)
 
     def join(
         self, other: Any, on: str | Iterable[str], how: str = "inner", *, name: str | None = None

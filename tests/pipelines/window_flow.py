@@ -1,7 +1,8 @@
 """The pipeline of the window exactness test: daily Seattle weather records (the
 vega_datasets package's ``seattle-weather.csv``) from an embedded queue into three
 windows at once, by weather kind: tumbling (30 days), hopping (28 days every 14) and
-session (3 days apart); each window's results go to a Parquet dataset of its own.
+session (3 days apart); each window's results go to a Parquet dataset of its own; and
+a dedupe keeps the first record of each weather kind in each month.
 
 Configured by environment variables (it runs in a subprocess that the test kills):
 AF_QUEUE (the queue file), AF_OUT (the folder of the three datasets). ``ACKFLOW_FAULTS``
@@ -44,8 +45,8 @@ def aggs():
 
 
 def day(record):
-    """The record's date as its event time (a timestamp)."""
-    return {**record, "day": dt.datetime.strptime(record["date"], "%Y/%m/%d")}
+    """The record's date as its event time (a timestamp), and its month."""
+    return {**record, "day": dt.datetime.strptime(record["date"], "%Y/%m/%d"), "month": record["date"][:7]}
 
 
 def flow(queue=None, out=None):
@@ -59,7 +60,11 @@ def flow(queue=None, out=None):
             .window(kind, by="weather", time="day", lateness="10 days", idle=1.0, aggs=aggs(), name=name)
             .to(Parquet(os.path.join(out, name), name=f"{name}_out"))
             for name, kind in KINDS.items()
-        ]
+        ],
+        # the first day of each weather kind in each month (repeats are all within 62 days)
+        branch()
+        .dedupe(["weather", "month"], within="62 days", time="day", name="first_of_month")
+        .to(Parquet(os.path.join(out, "first_of_month"), name="first_of_month_out")),
     )
 
 

@@ -27,10 +27,11 @@ committed. A claim is deleted only when the sink refused its row; a job that fai
 (:meth:`DedupeSink.abort`), or a crash, leaves its claims uncommitted but owned, since
 a sink may have made rows durable inside the tasks (PostgreSQL does): the owner's
 redelivery writes the same row again, under the same key, and its job commits the
-claim. A claim never committed is abandoned after ``within`` by the wall clock (its
-owner ended as a dead letter): a repeat may then claim the key. Committed claims
-``within`` behind the newest claimed time (or the wall clock) are deleted after each
-commit: the state grows with the keys seen in one horizon, never with the stream.
+claim. A claim never committed is abandoned after ``remember`` (wall clock; its owner
+ended as a dead letter): a repeat may then claim the key. Committed claims go once they
+are ``within`` behind the newest claimed time (or the wall clock) and ``remember`` old:
+the state grows with the keys seen in one horizon (or in ``remember``), never with the
+stream; a repeat that comes after both (a very late row) is written as a first.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class DedupeSpec:
     within_us: int
     time: str | None = None
     state: Any = None  # a PostgresState, or None: the SQLite file beside the run's state
+    remember_us: int = 3_600_000_000  # claims kept at least this long (wall clock)
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,14 @@ class DedupedFlow:
 
 
 def dedupe_flow(
-    flow: Any, by: Any, *, within: Any, time: Any = None, state: Any = None, name: str | None = None
+    flow: Any,
+    by: Any,
+    *,
+    within: Any,
+    time: Any = None,
+    remember: Any = 3600,
+    state: Any = None,
+    name: str | None = None,
 ) -> DedupedFlow:
     """Check :meth:`Flow.dedupe`'s arguments."""
     from ackflow.state.pg import PostgresState
@@ -104,7 +113,8 @@ def dedupe_flow(
             raise ConfigError(f"dedupe {op!r}: time= takes a column name or a Spark Column")
         flow = flow.with_columns({f"_{op}_time": time}, name=f"{op}.inputs")
         time = f"_{op}_time"
-    return DedupedFlow(flow, DedupeSpec(op, by_t, within_us, time, state))
+    remember_us = duration_us(remember, f"dedupe {op!r}: remember")
+    return DedupedFlow(flow, DedupeSpec(op, by_t, within_us, time, state, remember_us))
 
 
 class DedupeSink(Sink):
@@ -209,17 +219,23 @@ class DedupeSink(Sink):
         self.inner.abort(batch_id, [t for t, _ in (pickle.loads(x) for x in tokens) if t is not None])
 
     def _forget(self, db: Any) -> None:
-        """Claims a horizon behind the newest (event time) or the wall clock are done."""
+        """Committed claims a horizon behind the newest (event time) or the wall clock,
+        and claimed more than ``remember`` ago, go: a repeat that comes later than both
+        (a retry, a late row) would find its claim gone and be written as a first. Claims
+        never committed go after ``remember`` (their owner ended as a dead letter)."""
+        now = time.time()
         if self.spec.time is None:
-            horizon = int(time.time() * 1e6) - self.spec.within_us
+            horizon = int(now * 1e6) - self.spec.within_us
         else:
             top = db.execute("SELECT max(t) FROM dedupe WHERE op = ?", (self.name,)).fetchone()[0]
             if top is None:
                 return
             horizon = int(top) - self.spec.within_us
-        db.execute("DELETE FROM dedupe WHERE op = ? AND done = 1 AND t < ?", (self.name, horizon))
-        abandoned = time.time() - self.spec.within_us / 1e6
-        db.execute("DELETE FROM dedupe WHERE op = ? AND done = 0 AND at < ?", (self.name, abandoned))
+        old = now - self.spec.remember_us / 1e6
+        db.execute(
+            "DELETE FROM dedupe WHERE op = ? AND ((done = 1 AND t < ? AND at < ?) OR (done = 0 AND at < ?))",
+            (self.name, horizon, old, old),
+        )
 
     def claims(self) -> int:
         """Keys held now (for tests and ``ackflow state show``)."""
@@ -339,11 +355,11 @@ class DedupeSink(Sink):
 
     def _expired(self, claim: tuple[str, str, int, int, float], t: int, wall: float) -> bool:
         """A claim another row may take: ``t`` is ``within`` or more after it, or it was
-        never committed and is ``within`` old by the wall clock (its owner ended as a dead
-        letter, or never came again)."""
+        never committed and is ``remember`` old (its owner ended as a dead letter, or
+        never came again)."""
         if t >= claim[2] + self.spec.within_us:
             return True
-        return not claim[3] and wall - claim[4] >= self.spec.within_us / 1e6
+        return not claim[3] and wall - claim[4] >= self.spec.remember_us / 1e6
 
     def _held(self, db: Any, ks: list[str]) -> dict[str, tuple[str, str, int, int, float]]:
         out: dict[str, tuple[str, str, int, int, float]] = {}
