@@ -55,6 +55,9 @@ def _ranked_errors(receipts: pa.Table, order: Sequence[str] | None) -> pa.Array:
 #: how a task's receipt starts the error of a sink write that raised for its whole
 #: partition (not a row's own failure): ``write failed: <error>``
 WHOLE_WRITE = "write failed: "
+#: a row's error that is not its message's: it waits for another message's row to settle
+#: (a dedupe's first); the message is given back, no delivery spent, and comes again
+WAITS = "waits: "
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class Failure:
     step: str
     error: str
     whole: bool = field(default=False, compare=False)
+    waits: bool = field(default=False, compare=False)  # see WAITS
 
     def __str__(self) -> str:
         return f"step {self.step!r}: {self.error}"
@@ -155,7 +159,9 @@ def settle_receipts(
             )
         elif err is not None:
             _, step, text = err.split(_SEP, 2)
-            outcomes.failed[mid] = Failure(step, text, whole=text.startswith(WHOLE_WRITE))
+            outcomes.failed[mid] = Failure(
+                step, text, whole=text.startswith(WHOLE_WRITE), waits=text.startswith(WAITS)
+            )
         elif not short:
             outcomes.failed[mid] = Failure(
                 "ledger", "a branch returned no receipt for this message (lineage lost)"

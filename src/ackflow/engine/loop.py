@@ -167,6 +167,7 @@ class Engine(Settling):
         self.report = RunReport()
         self.groups: GroupBuffer | None = None  # grouped_within's buffer, if the flow has one
         self.held: dict[int, int] = {}  # lineage id -> group memberships still unwritten
+        self.parked: list[tuple[float, Any, Any]] = []  # (due, delivery, failure): waits (settle._park)
         self.suffix: Any = None
         self._gw_index = -1
         self.metrics = Metrics(max_inflight)
@@ -485,6 +486,8 @@ class Engine(Settling):
         while True:
             if self._complete(0):  # a settlement is activity: retries it started may come
                 last_message = time.monotonic()
+            if self.parked and self._unpark():  # given back: they come again
+                last_message = time.monotonic()
             self._drop_lost()
             now = time.monotonic()
             if self._stop.is_set():  # stop receiving now: what comes while draining
@@ -552,12 +555,16 @@ class Engine(Settling):
             if self.groups is not None and len(self._running) < self.max_concurrent:
                 self._submit_groups(pool)
             # how long the stream has been quiet, for windows (their idle rule)
-            self._activity, self._busy = last_message, bool(pending or self._running or self.held)
+            self._activity, self._busy = (
+                last_message,
+                bool(pending or self._running or self.held or self.parked),
+            )
             if (
                 self.until_idle is not None
                 and not pending
                 and not self._running
                 and not self.held
+                and not self.parked
                 and not (self.groups and len(self.groups))
                 and now - last_message >= self.until_idle
             ):

@@ -31,12 +31,17 @@ from ackflow.sinks.base import ROW_KEY
 
 log = logging.getLogger("ackflow.engine")
 
+#: how long a message that waits for another message's row stays in flight before it is
+#: given back to come again (a dedupe's repeat of an unsettled first)
+PARK_S = 1.0
+
 
 class Settling:
     """The engine's settling methods; the state they share is the engine's (set in
     ``Engine.__init__``)."""
 
     flow: Flow
+    parked: list[tuple[float, Delivery, Failure]]
     report: RunReport
     metrics: Metrics
     window: InflightWindow
@@ -179,6 +184,10 @@ class Settling:
         self._ack(acked)
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
         failures = self._give_back_systemic(result, failures, acked=bool(acked))
+        waiting = [(d, f) for d, f in failures if f.waits]
+        if waiting:  # not their failure: another message's row settles first (a dedupe)
+            self._park(waiting)
+            failures = [(d, f) for d, f in failures if not f.waits]
         self._fail(result.batch_id, failures)
         self._release([by_id[i] for i in result.released if i in by_id])
 
@@ -486,6 +495,23 @@ class Settling:
         self.flow.source.release(deliveries)
         self.report.released += len(deliveries)
         self.metrics.released.inc(len(deliveries))
+
+    def _park(self, failures: list[tuple[Delivery, Failure]]) -> None:
+        """Failures that wait for another message's row (:data:`~ackflow.core.ledger.WAITS`):
+        kept in flight for :data:`PARK_S`, then given back (no delivery spent); not given
+        back at once, which would run them again and again while the other settles."""
+        due = time.monotonic() + PARK_S
+        self.parked.extend((due, d, f) for d, f in failures)
+
+    def _unpark(self) -> bool:
+        """Give back the parked failures that are due; True if there were any."""
+        now = time.monotonic()
+        due = [(d, f) for t, d, f in self.parked if t <= now]
+        if due:
+            self.parked = [(t, d, f) for t, d, f in self.parked if t > now]
+            self._give_back(due)
+            self._forget([d for d, _ in due])  # out of the window: the message comes again
+        return bool(due)
 
     def _give_back(self, failures: list[tuple[Delivery, Failure]]) -> None:
         """Give failed messages back mid-run without failing them (a systemic or suspect

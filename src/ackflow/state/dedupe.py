@@ -48,6 +48,7 @@ import pyarrow as pa
 
 from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.ledger import WAITS
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 
 log = logging.getLogger("ackflow.dedupe")
@@ -108,6 +109,11 @@ def dedupe_flow(
         raise ConfigError(
             f"dedupe {op!r}: state= takes a PostgresState (or None: a file beside the run's state)"
         )
+    if state is not None and name is None:
+        raise ConfigError(
+            f"dedupe {op!r}: with state= in PostgreSQL give name= (the claims are kept under it, "
+            "and another flow's default name in the same schema would share them)"
+        )
     if time is not None and not isinstance(time, str):
         if not _is_column(time):
             raise ConfigError(f"dedupe {op!r}: time= takes a column name or a Spark Column")
@@ -115,6 +121,18 @@ def dedupe_flow(
         time = f"_{op}_time"
     remember_us = duration_us(remember, f"dedupe {op!r}: remember")
     return DedupedFlow(flow, DedupeSpec(op, by_t, within_us, time, state, remember_us))
+
+
+@dataclass
+class _Claim:
+    """One first of a key: its row key, job, time (µs), committed or not, and when it
+    was claimed or last renewed by its owner (wall clock)."""
+
+    owner: str
+    job: str
+    t: int
+    done: int
+    at: float
 
 
 class DedupeSink(Sink):
@@ -152,7 +170,7 @@ class DedupeSink(Sink):
                 "dedupe keeps durable state and this flow has no place for it: give the run "
                 "state_dir= (--state-dir)",
             )
-        db = self._connect()  # creates the tables; fails at start if the store is unreachable
+        db = self._connect(create=True)  # the tables; fails at start if the store is unreachable
         db.close()
         self.inner.open()
 
@@ -197,17 +215,18 @@ class DedupeSink(Sink):
 
     def commit(self, batch_id: str, tokens: Sequence[bytes]) -> None:
         got = [pickle.loads(t) for t in tokens]
-        self.inner.commit(batch_id, [t for t, _ in got if t is not None])
+        self.inner.commit(batch_id, [t for t, _, _ in got if t is not None])
         faults.point("dedupe.after_output")
         db = self._connect()
-        try:
-            db.execute(
-                "UPDATE dedupe SET done = 1 WHERE op = ? AND job = ? AND done = 0", (self.name, batch_id)
+        try:  # only the claims whose rows the sink took (a task that raised sent none)
+            db.executemany(
+                "UPDATE dedupe SET done = 1 WHERE op = ? AND k = ? AND owner = ? AND done = 0",
+                [(self.name, k, owner) for _, _, written in got for k, owner in written],
             )
             self._forget(db)
         finally:
             db.close()
-        dropped = sum(n for _, n in got)
+        dropped = sum(n for _, n, _ in got)
         self.dropped += dropped
         if dropped and self._metrics is not None:
             self._metrics.dedupe_dropped(self.name, dropped)
@@ -216,7 +235,7 @@ class DedupeSink(Sink):
         """The job failed: its claims stay, owned by their rows (a sink may have made
         rows durable inside the tasks, as PostgreSQL does): the owners come again and
         commit them; until then a repeat of theirs waits."""
-        self.inner.abort(batch_id, [t for t, _ in (pickle.loads(x) for x in tokens) if t is not None])
+        self.inner.abort(batch_id, [t for t, _, _ in (pickle.loads(x) for x in tokens) if t is not None])
 
     def _forget(self, db: Any) -> None:
         """Committed claims a horizon behind the newest (event time) or the wall clock,
@@ -230,7 +249,8 @@ class DedupeSink(Sink):
             top = db.execute("SELECT max(t) FROM dedupe WHERE op = ?", (self.name,)).fetchone()[0]
             if top is None:
                 return
-            horizon = int(top) - self.spec.within_us
+            # capped by the wall clock: one row dated in the far future forgets no claim
+            horizon = min(int(top), int(now * 1e6)) - self.spec.within_us
         old = now - self.spec.remember_us / 1e6
         db.execute(
             "DELETE FROM dedupe WHERE op = ? AND ((done = 1 AND t < ? AND at < ?) OR (done = 0 AND at < ?))",
@@ -247,11 +267,11 @@ class DedupeSink(Sink):
 
     # -- both sides ------------------------------------------------------------------
 
-    def _connect(self) -> Any:
+    def _connect(self, create: bool = False) -> Any:
         if self.spec.state is not None:
             from ackflow.state.pg import connect_store
 
-            return connect_store(self.spec.state)
+            return connect_store(self.spec.state, create=create)
         from ackflow.state.store import connect
 
         assert self.path is not None
@@ -269,6 +289,7 @@ class DedupeSink(Sink):
         failed: dict[int, str | tuple[str, str]] = {}
         now = int(time.time() * 1e6)
         todo: list[tuple[int, str, int, str]] = []  # (time, row key, index, key text)
+        free: list[int] = []  # rows with a null key value: no key to compare, written
         times = rows.column(self.spec.time).to_pylist() if self.spec.time else None
         for i in range(n):
             t = now
@@ -280,69 +301,109 @@ class DedupeSink(Sink):
                 except ValueError as e:
                     failed[i] = f"time column {self.spec.time!r}: {e}"
                     continue
-            todo.append((t, keys[i], i, gk_text([c[i] for c in cols])))
+            values = [c[i] for c in cols]
+            if any(v is None for v in values):
+                free.append(i)
+            else:
+                todo.append((t, keys[i], i, gk_text(values)))
         todo.sort()
-        passed, dropped = self._claim(batch_id, todo, failed)
+        claimed, repeats, dropped = self._claim(batch_id, todo, failed)
         faults.point("dedupe.after_claim")
-        if not passed:
-            return PartitionResult(
-                failed=failed, token=pickle.dumps((None, dropped)), counts={self.inner.name: 0}
-            )
-        sub = rows.take(passed)
-        if not self.inner.wants_keys:
-            sub = sub.drop_columns([ROW_KEY])
-        res = self.inner.write_partition(batch_id, partition, sub)  # raising: the claims stay (owned)
-        refused = [keys[passed[j]] for j in res.failed]
-        if refused:
-            self._release(batch_id, refused)
+        passed = sorted([*claimed, *free])
+        res = PartitionResult()
+        if passed:
+            sub = rows.take(passed)
+            if not self.inner.wants_keys:
+                sub = sub.drop_columns([ROW_KEY])
+            res = self.inner.write_partition(batch_id, partition, sub)  # raising: the claims stay (owned)
+        refused = {passed[j] for j in res.failed}
         for j, why in res.failed.items():
             failed[passed[j]] = why if isinstance(why, tuple) else (self.inner.name, why)
-        counts = (
-            dict(res.counts) if res.counts is not None else {self.inner.name: len(passed) - len(res.failed)}
+        # a claim whose row the sink refused: it was not written (unless the sink writes
+        # to several places, where a refusal may follow another branch's write)
+        gone = [i for i in claimed if i in refused and claimed[i]]
+        if gone and not getattr(self.inner, "branches", None):
+            self._release(batch_id, [(claimed[i], keys[i]) for i in gone])
+        written = [(claimed[i], keys[i]) for i in claimed if i not in refused and claimed[i]]
+        # a repeat of a row of this partition is dropped once that row was written; a
+        # repeat of another partition's row waits (that row may yet be refused)
+        owners = {claimed[i]: i for i in claimed if claimed[i]}
+        for i, k in repeats:
+            mine = owners.get(k)
+            if mine is not None and mine not in refused:
+                dropped += 1
+            else:
+                failed[i] = f"{WAITS}key {k[:200]} is held by a row of this batch that is not written yet"
+        counts = dict(res.counts) if res.counts is not None else {self.inner.name: len(passed) - len(refused)}
+        return PartitionResult(
+            failed=failed, token=pickle.dumps((res.token, dropped, written)), counts=counts
         )
-        return PartitionResult(failed=failed, token=pickle.dumps((res.token, dropped)), counts=counts)
 
     def _claim(
         self, job: str, todo: list[tuple[int, str, int, str]], failed: dict[int, str | tuple[str, str]]
-    ) -> tuple[list[int], int]:
-        """Decide each row in one claim transaction; returns the rows to write and how
-        many repeats were dropped."""
+    ) -> tuple[dict[int, str], list[tuple[int, str]], int]:
+        """Decide each row in one claim transaction. A key may hold several claims: a row
+        less than ``within`` from a claim of another row (either side) repeats it; a row
+        near none is a first and claims its own time. Returns the rows to write
+        (index -> key text), the repeats of claims of this very job (index, key text),
+        decided once the sink wrote, and how many repeats of committed claims were
+        dropped."""
         db = self._connect()
         pg = self.spec.state is not None
+        within = self.spec.within_us
+        claimed: dict[int, str] = {}
+        repeats: list[tuple[int, str]] = []
+        dropped = 0
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
                 if pg:
-                    db.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"ackflow-dedupe:{self.name}",))
+                    db.execute(
+                        "SELECT pg_advisory_xact_lock(hashtext(?))",
+                        (f"ackflow-dedupe:{self.spec.state.schema}:{self.name}",),
+                    )
                 held = self._held(db, sorted({k for *_, k in todo}))
-                passed: list[int] = []
-                dropped = 0
                 writes: list[tuple[Any, ...]] = []
+                gone: list[tuple[Any, ...]] = []
                 wall = time.time()
                 for t, rk, i, k in todo:
-                    claim = held.get(k)
-                    if claim is None or (claim[0] != rk and self._expired(claim, t, wall)):
-                        held[k] = (rk, job, t, 0, wall)
+                    claims = held.setdefault(k, [])
+                    own = next((c for c in claims if c.owner == rk), None)
+                    if own is not None:  # the owner again: written in place
+                        claimed[i] = k
+                        if not own.done:  # a failed job's or a crash's: settled by this one
+                            own.job, own.at = job, wall
+                            writes.append((self.name, k, rk, job, own.t, wall))
+                        continue
+                    if self.spec.time is None:  # the wall clock, read under the lock: in order
+                        t = int(wall * 1e6)
+                    cover = next((c for c in claims if abs(t - c.t) < within), None)
+                    if (
+                        cover is not None
+                        and not cover.done
+                        and wall - cover.at >= self.spec.remember_us / 1e6
+                    ):
+                        claims.remove(cover)  # never committed, abandoned: its owner ended
+                        gone.append((self.name, k, cover.t))
+                        cover = None
+                    if cover is None:
+                        claims.append(_Claim(rk, job, t, 0, wall))
                         writes.append((self.name, k, rk, job, t, wall))
-                        passed.append(i)
-                    elif claim[0] == rk:
-                        passed.append(i)
-                        if (
-                            not claim[3] and claim[1] != job
-                        ):  # a failed job's or a crash's: settled by this one
-                            held[k] = (rk, job, claim[2], 0, claim[4])
-                            writes.append((self.name, k, rk, job, claim[2], claim[4]))
-                    elif claim[3] or claim[1] == job:
+                        claimed[i] = k
+                    elif cover.done:  # committed: a repeat, dropped
                         dropped += 1
+                    elif cover.job == job:
+                        repeats.append((i, k))
                     else:
                         failed[i] = (
-                            f"dedupe: key {k[:200]} is held by another message's row ({claim[0][:80]}) "
-                            "whose batch has not settled; tried again"
+                            f"{WAITS}key {k[:200]} is held by another message's row ({cover.owner[:80]}) "
+                            "whose batch has not settled"
                         )
+                db.executemany("DELETE FROM dedupe WHERE op = ? AND k = ? AND t = ?", gone)
                 db.executemany(
                     "INSERT INTO dedupe (op, k, owner, job, t, at, done) VALUES (?, ?, ?, ?, ?, ?, 0) "
-                    "ON CONFLICT (op, k) DO UPDATE SET owner = excluded.owner, job = excluded.job, "
-                    "t = excluded.t, at = excluded.at, done = 0",
+                    "ON CONFLICT (op, k, t) DO UPDATE SET owner = excluded.owner, job = excluded.job, "
+                    "at = excluded.at, done = 0",
                     writes,
                 )
                 db.execute("COMMIT")
@@ -351,18 +412,10 @@ class DedupeSink(Sink):
                 raise
         finally:
             db.close()
-        return sorted(passed), dropped
+        return claimed, repeats, dropped
 
-    def _expired(self, claim: tuple[str, str, int, int, float], t: int, wall: float) -> bool:
-        """A claim another row may take: ``t`` is ``within`` or more after it, or it was
-        never committed and is ``remember`` old (its owner ended as a dead letter, or
-        never came again)."""
-        if t >= claim[2] + self.spec.within_us:
-            return True
-        return not claim[3] and wall - claim[4] >= self.spec.remember_us / 1e6
-
-    def _held(self, db: Any, ks: list[str]) -> dict[str, tuple[str, str, int, int, float]]:
-        out: dict[str, tuple[str, str, int, int, float]] = {}
+    def _held(self, db: Any, ks: list[str]) -> dict[str, list[_Claim]]:
+        out: dict[str, list[_Claim]] = {}
         for j in range(0, len(ks), CHUNK):
             part = ks[j : j + CHUNK]
             marks = ",".join("?" * len(part))
@@ -370,16 +423,17 @@ class DedupeSink(Sink):
                 f"SELECT k, owner, job, t, at, done FROM dedupe WHERE op = ? AND k IN ({marks})",
                 [self.name, *part],
             ):
-                out[k] = (owner, job, int(t), int(done), float(at))
+                out.setdefault(k, []).append(_Claim(owner, job, int(t), int(done), float(at)))
         return out
 
-    def _release(self, job: str, owners: list[str]) -> None:
-        """The sink did not take these rows: their claims go (another row may claim)."""
+    def _release(self, job: str, claims: list[tuple[str, str]]) -> None:
+        """The sink refused these rows (key text, owner): their claims go, so the next
+        row of the key is a first, not a repeat of a row never written."""
         db = self._connect()
         try:
             db.executemany(
-                "DELETE FROM dedupe WHERE op = ? AND owner = ? AND job = ? AND done = 0",
-                [(self.name, o, job) for o in owners],
+                "DELETE FROM dedupe WHERE op = ? AND k = ? AND owner = ? AND job = ? AND done = 0",
+                [(self.name, k, owner, job) for k, owner in claims],
             )
         finally:
             db.close()

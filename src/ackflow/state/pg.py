@@ -103,11 +103,12 @@ class PostgresState:
         return conn
 
 
-def connect_store(state: PostgresState) -> _Conn:
+def connect_store(state: PostgresState, create: bool = True) -> _Conn:
     """A connection to the state's schema that takes the SQLite store's statements
-    (tables created if missing)."""
+    (``create``: the tables created if missing; the driver's, once: DDL takes locks
+    that would queue the tasks' transactions)."""
     conn = state.connect()
-    for stmt in _DDL.split(";"):
+    for stmt in _DDL.split(";") if create else ():
         if stmt.strip():
             conn.execute(stmt)
     return _Conn(conn)

@@ -9,7 +9,7 @@ returns. Tables:
   bytes); ``dirty`` marks windows changed since they were last written (``update``).
 * ``marks``: per operator the watermark, the largest event time seen, when data last
   came (wall clock, for the idle advance), late rows, and windows written.
-* ``dedupe``: a dedupe operator's claims, one per key value (:mod:`.dedupe`).
+* ``dedupe``: a dedupe operator's claims, one per first of a key value (:mod:`.dedupe`).
 * ``applied``: the row keys whose contribution is committed, with when; a redelivered
   row whose key is here adds nothing again. Kept for the operator's ``remember``
   (default one hour), then forgotten: a row delivered again after that, into a window
@@ -61,9 +61,9 @@ CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next 
     PRIMARY KEY (op, gk));
 CREATE TABLE IF NOT EXISTS dedupe (op TEXT NOT NULL, k TEXT NOT NULL, owner TEXT NOT NULL,
     job TEXT NOT NULL, t INTEGER NOT NULL, at REAL NOT NULL, done INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (op, k));
-CREATE INDEX IF NOT EXISTS dedupe_job ON dedupe (op, job);
+    PRIMARY KEY (op, k, t));
 CREATE INDEX IF NOT EXISTS dedupe_t ON dedupe (op, t);
+CREATE INDEX IF NOT EXISTS dedupe_at ON dedupe (op, at);
 """
 
 
