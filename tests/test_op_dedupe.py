@@ -14,6 +14,7 @@ import pytest
 import ackflow
 from ackflow import faults
 from ackflow import windows as w
+from ackflow.cli import main
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.policy import RetryPolicy
 from ackflow.flow import Flow
@@ -43,7 +44,7 @@ def claims(tmp_path):
         db.close()
 
 
-def test_the_first_row_of_a_key_is_written_and_repeats_are_dropped_and_acked(tmp_path):
+def test_the_first_row_of_a_key_is_written_and_repeats_are_dropped_and_acked(tmp_path, capsys):
     # repeats in the same batch (o1 twice in the first), in later batches, and a key
     # seen again after the horizon (by event time) is a first again
     src = ListSource(
@@ -58,6 +59,16 @@ def test_the_first_row_of_a_key_is_written_and_repeats_are_dropped_and_acked(tmp
     assert report.rows_written == {"out": 4}
     # a first per span: o1 at 0 and 11, o2 at 2 and 20
     assert [(k, done) for k, _, done in claims(tmp_path)] == [('["o1"]', 1)] * 2 + [('["o2"]', 1)] * 2
+    assert main(["state", "show", str(tmp_path), "--json"]) == 0
+    (op,) = json.loads(capsys.readouterr().out)
+    assert op == {
+        "dedupe": "once",
+        "claims": 4,
+        "uncommitted_claims": 0,
+        "newest_claim": "1970-01-01T00:00:20Z",
+    }
+    assert main(["state", "show", str(tmp_path)]) == 0
+    assert "once (dedupe): 4 claims, 0 not committed" in capsys.readouterr().out
 
 
 def test_repeats_are_dropped_across_runs_and_by_the_wall_clock_without_time(tmp_path):

@@ -61,6 +61,12 @@ def cmd_state(args: argparse.Namespace) -> int:
     if not ops:
         print("(no window state yet)")
     for op in ops:
+        if "dedupe" in op:
+            print(
+                f"{op['dedupe']} (dedupe): {op['claims']} claims, {op['uncommitted_claims']} not committed, "
+                f"newest {op['newest_claim']}"
+            )
+            continue
         print(
             f"{op['window']}: watermark {op['watermark']}, {op['open_windows']} open "
             f"({op['refused_windows']} refused by the output), "

@@ -1,4 +1,4 @@
-"""``ackflow state show``: what a windows state store holds, read-only."""
+"""``ackflow state show``: what a windows state store holds (windows and dedupes), read-only."""
 
 from __future__ import annotations
 
@@ -16,9 +16,21 @@ def _when(us: int | None) -> str | None:
     return None if us is None else show_us(us)
 
 
+def _dedupes(db: sqlite3.Connection) -> list[tuple[str, int, int, int | None]]:
+    """Per dedupe operator: its claims, those not committed yet, the newest claim's time
+    (a store written before dedupe existed has no such table)."""
+    try:
+        return db.execute(
+            "SELECT op, count(*), sum(done = 0), max(t) FROM dedupe GROUP BY op ORDER BY op"
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return []
+
+
 def describe(where: str, window: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
     """Per window operator: its watermark, counters and its open windows (the first
-    ``limit``, oldest end first). ``where``: a state directory or the store's file."""
+    ``limit``, oldest end first); per dedupe operator: its claims. ``where``: a state
+    directory or the store's file."""
     path = os.path.join(where, STORE_FILE) if os.path.isdir(where) else where
     if not os.path.isfile(path):
         raise ConfigError(
@@ -70,6 +82,16 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
                     ],
                 }
             )
+        for op, n, uncommitted, newest in _dedupes(db):
+            if window is None or op == window:
+                out.append(
+                    {
+                        "dedupe": op,
+                        "claims": n,
+                        "uncommitted_claims": uncommitted,
+                        "newest_claim": _when(newest),
+                    }
+                )
     finally:
         db.close()
     if window is not None and not out:
