@@ -61,6 +61,8 @@ from benchmarks.chaos_publisher import (
     QUEUE,
     STREAM,
     TABLE,
+    WINDOW,
+    WINDOW_TABLE,
     Published,
     Publisher,
 )
@@ -236,6 +238,7 @@ class Soak:
         self.a, self.sched, self.pg, self.rmq, self.work = a, sched, pg, rmq, work
         self.files_dir = os.path.join(work, "in")
         self.parquet_dir = os.path.join(work, "parquet")
+        self.state_dir = os.path.join(work, "state")  # the schema store and the window's state
         os.makedirs(self.files_dir)
         policy = sched.retry_policy()
         # the broker's limit is above ackflow's own (its last delivery dead-letters with
@@ -258,6 +261,9 @@ class Soak:
             "dsn": pg.dsn,
             "table": TABLE,
             "dead_table": DEAD_TABLE,
+            "window_table": WINDOW_TABLE,
+            "window": WINDOW,
+            "state_dir": self.state_dir,
             "parquet_dir": self.parquet_dir,
             "batch_size": 2000,
             "max_inflight": 6000,
@@ -573,6 +579,10 @@ def print_table(s: dict[str, Any]) -> None:
         ("row values checked (wrong)", f"{s['values_checked']:,} ({s['values_wrong']})"),
         ("good messages dead-lettered", s["good_dead_lettered"]),
         ("rows in PostgreSQL / Parquet", f"{s['rows_postgres']:,} / {s['rows_parquet']:,}"),
+        (
+            "rows the window counted (windows written)",
+            f"{s['window_rows_counted']:,} ({s['windows_written']})",
+        ),
         ("longest stall (no ack progress)", f"{s['longest_stall_s']} s"),
         ("pipeline start to first ack", f"median {s['first_ack_s_median']} s, max {s['first_ack_s_max']} s"),
         ("peak RSS driver / child tree", f"{s['peak_rss_driver_mb']} / {s['peak_rss_child_tree_mb']} MB"),

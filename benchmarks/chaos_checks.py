@@ -10,7 +10,17 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.chaos_publisher import DEAD_TABLE, DLX_QUEUE, ID_RE, QUEUE, STREAM, TABLE, Published
+from benchmarks.chaos_publisher import (
+    DEAD_TABLE,
+    DLX_QUEUE,
+    ID_RE,
+    QUEUE,
+    STREAM,
+    TABLE,
+    WINDOW,
+    WINDOW_TABLE,
+    Published,
+)
 
 if TYPE_CHECKING:
     from benchmarks.chaos import Soak
@@ -123,6 +133,39 @@ def stream_tail(rmq: Any, start: int) -> list[tuple[int, str]]:
     return got
 
 
+def window_counts(
+    windows: list[tuple[Any, ...]], state_dir: str, pg_rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The count window's rows and totals (written to PostgreSQL, and still open in the
+    state store) against the rows in PostgreSQL: each written row counted once."""
+    import pickle
+    import sqlite3
+
+    open_rows = open_total = 0
+    path = os.path.join(state_dir, "windows.db")
+    if os.path.exists(path):
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            for n, state in db.execute(
+                "SELECT nrows, state FROM windows WHERE op = ? AND filled = 0", (WINDOW,)
+            ):
+                open_rows += n
+                open_total += pickle.loads(state)[1][1] or 0  # (key values, [count, sum])
+        finally:
+            db.close()
+    per_id: dict[str, int] = {r["id"]: r["total"] for r in pg_rows}
+    twice = sorted(i for i, c in Counter(i for i, _, _ in windows).items() if c > 1)
+    rows = sum(n for _, n, _ in windows) + open_rows
+    total = sum(t for _, _, t in windows) + open_total
+    return {
+        "written": len(windows),
+        "rows": rows,
+        "rows_off": rows - len(per_id),
+        "total_off": total - sum(per_id.values()),
+        "twice": twice[:20],
+    }
+
+
 def is_poison(text: str) -> bool:
     try:
         return int(json.loads(text)["qty"]) <= 0
@@ -142,6 +185,7 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         dead_rows = conn.execute(  # the body: text, or its bytes where it is not text
             f"SELECT message, coalesce(convert_to(body, 'UTF8'), body_bytes) FROM {DEAD_TABLE}"
         ).fetchall()
+        windows = conn.execute(f"SELECT window_index, n, total FROM {WINDOW_TABLE}").fetchall()
     pg_ids = Counter(r["id"] for r in pg_rows)
     pq_ids: Counter[str] = Counter()
     pq_rows: list[dict[str, Any]] = []
@@ -193,6 +237,7 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
     good_dead = good & set(dead_ids)
     poison_written = poison & (set(pg_ids) | set(pq_ids))
     unknown_rows = (set(pg_ids) | set(pq_ids)) - good - poison
+    counted = window_counts(windows, soak.state_dir, pg_rows)
     depth = queue_depth(rmq.url)
     committed = stream_committed(rmq)
     left = files_left(soak.files_dir)
@@ -215,6 +260,9 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         "stream_stored_offset": committed,
         "stream_last_offset": stream_end,
         "files_left": left[:20],
+        "window_rows_not_counted_once": counted["rows_off"],
+        "window_total_off": counted["total_off"],
+        "windows_written_twice": counted["twice"],
     }
     checks["stream_unconfirmed_in_stream"] = extra_stream
     # offsets the broker never delivers (seen after a restart): the source declares them gaps
@@ -230,6 +278,9 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         and committed == stream_end
         and not left
         and not mismatched
+        and counted["rows_off"] == 0
+        and counted["total_off"] == 0
+        and not counted["twice"]
     )
     return {
         "lost": len(lost),
@@ -242,6 +293,8 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         "good_dead_lettered": len(good_dead),
         "rows_postgres": sum(pg_ids.values()),
         "rows_parquet": sum(pq_ids.values()),
+        "windows_written": counted["written"],
+        "window_rows_counted": counted["rows"],
         "ok": ok,
         "checks": checks,
     }

@@ -8,8 +8,10 @@ dead-letter exchange, a RabbitMQ stream, a Files directory), ``map`` (validate),
 line items gathered across the batch boundary: the group row carries its members),
 ``map`` (one row per group), ``group_by("id", "kind")`` (a Column aggregate), ``join``
 with a static DataFrame of kinds, ``transform`` (a DataFrame function adding a column),
-then a broadcast to PostgreSQL (upserts on ackflow's row key) and Parquet, with dead
-letters to a PostgreSQL table keyed by the message identity. The optional nested
+then a broadcast to PostgreSQL (upserts on ackflow's row key), Parquet and a count
+window (every 500 rows: their count and the sum of their totals, in durable state,
+written to PostgreSQL when full), with dead letters to a PostgreSQL table keyed by the
+message identity. The optional nested
 ``opt``, the list ``tags`` (often empty) and the nullable ``note`` ride along to both
 sinks and must land as published.
 
@@ -30,6 +32,7 @@ import json
 from typing import Any
 
 import ackflow
+from ackflow import windows as w
 from ackflow.sinks import Parquet, Postgres
 from ackflow.sources import Files, RabbitMQ, RabbitMQStream
 
@@ -138,8 +141,29 @@ def build(cfg: dict[str, Any]) -> ackflow.Flow:
         .join(kinds, on="kind", how="inner", name="kinds")
         .transform(label_len, name="label_len")
         .broadcast(
-            Postgres(cfg["dsn"], cfg["table"], mode="upsert", create=True, connect_timeout=3, name="pg"),
-            Parquet(cfg["parquet_dir"], name="parquet"),
+            ackflow.branch().to(
+                Postgres(cfg["dsn"], cfg["table"], mode="upsert", create=True, connect_timeout=3, name="pg")
+            ),
+            ackflow.branch().to(Parquet(cfg["parquet_dir"], name="parquet")),
+            # every row counted once, through crashes and redeliveries (remember: longer
+            # than any soak); the checks add up the written and the open windows
+            ackflow.branch()
+            .window(
+                w.count_window(500),
+                aggs=[w.count().alias("n"), w.sum_("total").alias("total")],
+                remember="6h",
+                name=cfg["window"],
+            )
+            .to(
+                Postgres(
+                    cfg["dsn"],
+                    cfg["window_table"],
+                    mode="upsert",
+                    create=True,
+                    connect_timeout=3,
+                    name="pg_windows",
+                )
+            ),
         )
         .on_error(
             Postgres(
@@ -171,6 +195,7 @@ def main() -> None:
         until_idle=a.until_idle,
         metrics_port=cfg.get("metrics_port"),
         drain_timeout_s=10,
+        state_dir=cfg["state_dir"],
     )
     print(
         json.dumps(

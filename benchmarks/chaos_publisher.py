@@ -21,6 +21,8 @@ DLX_QUEUE = "chaos-dlx-q"  # ... and the queue it routes to
 STREAM = "chaos-events"
 TABLE = "chaos_rows"
 DEAD_TABLE = "chaos_dead"
+WINDOW_TABLE = "chaos_windows"
+WINDOW = "per_500"  # the soak's count window: every 500 rows, their count and total
 KINDS = ("book", "game", "tool", "food")
 ID_RE = re.compile(r'"id":\s*"([qsf]\d{7})"')
 
