@@ -525,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         "values_wrong": result["values_wrong"],
         "rows_postgres": result["rows_postgres"],
         "rows_parquet": result["rows_parquet"],
+        "windows_written": result["windows_written"],
+        "window_rows_counted": result["window_rows_counted"],
         "longest_stall_s": round(st.longest_stall_s, 1),
         "acked_seen": int(st.acked),
         "first_ack_s_max": max(st.first_ack_s, default=None),

@@ -563,6 +563,13 @@ class Flow:
         names += [s.name for s in self.sinks]
         if self.error_sink is not None:  # its rows are counted by name too
             names.append(self.error_sink.name)
+        if any(isinstance(s, GroupedWithin) for s in self.steps) and any(
+            type(s).__name__ == "DedupeSink" for s in self.sinks
+        ):
+            raise ConfigError(
+                "dedupe after grouped_within is not built (its rows are groups of several "
+                "messages): dedupe before the grouped_within, or group after"
+            )
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ConfigError(

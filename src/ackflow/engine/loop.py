@@ -486,8 +486,13 @@ class Engine(Settling):
         while True:
             if self._complete(0):  # a settlement is activity: retries it started may come
                 last_message = time.monotonic()
-            if self.parked and self._unpark():  # given back: they come again
-                last_message = time.monotonic()
+            if self.parked:
+                again = self._unpark()  # waited: run again (still in flight, no delivery spent)
+                if again:
+                    if not pending:
+                        batch_started = time.monotonic()
+                    pending.extend(again)
+                    last_message = time.monotonic()
             self._drop_lost()
             now = time.monotonic()
             if self._stop.is_set():  # stop receiving now: what comes while draining

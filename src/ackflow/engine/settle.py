@@ -498,20 +498,20 @@ class Settling:
 
     def _park(self, failures: list[tuple[Delivery, Failure]]) -> None:
         """Failures that wait for another message's row (:data:`~ackflow.core.ledger.WAITS`):
-        kept in flight for :data:`PARK_S`, then given back (no delivery spent); not given
-        back at once, which would run them again and again while the other settles."""
+        kept in flight for :data:`PARK_S`, then run again in a batch of their own choosing
+        (:meth:`_unpark`): never given back to the source, where a broker that counts
+        deliveries (a quorum queue's limit) would spend one per wait."""
         due = time.monotonic() + PARK_S
         self.parked.extend((due, d, f) for d, f in failures)
 
-    def _unpark(self) -> bool:
-        """Give back the parked failures that are due; True if there were any."""
+    def _unpark(self) -> list[Delivery]:
+        """The parked deliveries that are due, out of the parking (the loop batches them
+        again; they are still in flight, their identities still live)."""
         now = time.monotonic()
-        due = [(d, f) for t, d, f in self.parked if t <= now]
-        if due:
-            self.parked = [(t, d, f) for t, d, f in self.parked if t > now]
-            self._give_back(due)
-            self._forget([d for d, _ in due])  # out of the window: the message comes again
-        return bool(due)
+        due = [d for t, d, _ in self.parked if t <= now and not d.settled]
+        if due or self.parked:
+            self.parked = [(t, d, f) for t, d, f in self.parked if t > now and not d.settled]
+        return due
 
     def _give_back(self, failures: list[tuple[Delivery, Failure]]) -> None:
         """Give failed messages back mid-run without failing them (a systemic or suspect

@@ -36,11 +36,12 @@ stream; a repeat that comes after both (a very late row) is written as a first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 log = logging.getLogger("ackflow.dedupe")
 
 CHUNK = 900  # SQLite's bound on host parameters, with room
+WALL_MIN_US = 10_000_000  # the shortest within by the wall clock
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,12 @@ def dedupe_flow(
     within_us = duration_us(within, f"dedupe {op!r}: within")
     if within_us <= 0:
         raise ConfigError(f"dedupe {op!r}: within must be a positive duration")
+    if time is None and within_us < WALL_MIN_US:
+        raise ConfigError(
+            f"dedupe {op!r}: without time= (the wall clock), within must be at least "
+            f"{WALL_MIN_US // 1_000_000} s: a repeat that waits for its first is decided a few "
+            "seconds after the first's commit, and would be a first again"
+        )
     if state is not None and not isinstance(state, PostgresState):
         raise ConfigError(
             f"dedupe {op!r}: state= takes a PostgresState (or None: a file beside the run's state)"
@@ -120,6 +128,11 @@ def dedupe_flow(
         flow = flow.with_columns({f"_{op}_time": time}, name=f"{op}.inputs")
         time = f"_{op}_time"
     remember_us = duration_us(remember, f"dedupe {op!r}: remember")
+    if remember_us <= 0:
+        raise ConfigError(
+            f"dedupe {op!r}: remember must be a positive duration (longer than a batch runs: an "
+            "unsettled first older than it is taken as abandoned)"
+        )
     return DedupedFlow(flow, DedupeSpec(op, by_t, within_us, time, state, remember_us))
 
 
@@ -217,15 +230,22 @@ class DedupeSink(Sink):
         got = [pickle.loads(t) for t in tokens]
         self.inner.commit(batch_id, [t for t, _, _ in got if t is not None])
         faults.point("dedupe.after_output")
-        db = self._connect()
-        try:  # only the claims whose rows the sink took (a task that raised sent none)
-            db.executemany(
-                "UPDATE dedupe SET done = 1 WHERE op = ? AND k = ? AND owner = ? AND done = 0",
-                [(self.name, k, owner) for _, _, written in got for k, owner in written],
-            )
+        claims = [(k, owner) for _, _, written in got for k, owner in written]
+        # without time=, a first's span starts when it is committed: a repeat that waited
+        # for the commit is inside it however long it waited
+        now = int(time.time() * 1e6)
+        with self._locked() as db:  # only the claims whose rows the sink took
+            if self.spec.time is None:
+                db.executemany(
+                    "UPDATE dedupe SET done = 1, t = ? WHERE op = ? AND k = ? AND owner = ? AND done = 0",
+                    [(now + j, self.name, k, owner) for j, (k, owner) in enumerate(claims)],  # one µs apart
+                )
+            else:
+                db.executemany(
+                    "UPDATE dedupe SET done = 1 WHERE op = ? AND k = ? AND owner = ? AND done = 0",
+                    [(self.name, k, owner) for k, owner in claims],
+                )
             self._forget(db)
-        finally:
-            db.close()
         dropped = sum(n for _, n, _ in got)
         self.dropped += dropped
         if dropped and self._metrics is not None:
@@ -321,19 +341,21 @@ class DedupeSink(Sink):
             failed[passed[j]] = why if isinstance(why, tuple) else (self.inner.name, why)
         # a claim whose row the sink refused: it was not written (unless the sink writes
         # to several places, where a refusal may follow another branch's write)
-        gone = [i for i in claimed if i in refused and claimed[i]]
+        gone = [i for i in claimed if i in refused]
         if gone and not getattr(self.inner, "branches", None):
-            self._release(batch_id, [(claimed[i], keys[i]) for i in gone])
-        written = [(claimed[i], keys[i]) for i in claimed if i not in refused and claimed[i]]
+            self._release(batch_id, [(claimed[i][0], keys[i]) for i in gone])
+        written = [(claimed[i][0], keys[i]) for i in claimed if i not in refused]
         # a repeat of a row of this partition is dropped once that row was written; a
         # repeat of another partition's row waits (that row may yet be refused)
-        owners = {claimed[i]: i for i in claimed if claimed[i]}
-        for i, k in repeats:
-            mine = owners.get(k)
+        owners = {claimed[i]: i for i in claimed}
+        for i, first in repeats:
+            mine = owners.get(first)
             if mine is not None and mine not in refused:
                 dropped += 1
             else:
-                failed[i] = f"{WAITS}key {k[:200]} is held by a row of this batch that is not written yet"
+                failed[i] = (
+                    f"{WAITS}key {first[0][:200]} is held by a row of this batch that is not written yet"
+                )
         counts = dict(res.counts) if res.counts is not None else {self.inner.name: len(passed) - len(refused)}
         return PartitionResult(
             failed=failed, token=pickle.dumps((res.token, dropped, written)), counts=counts
@@ -341,77 +363,60 @@ class DedupeSink(Sink):
 
     def _claim(
         self, job: str, todo: list[tuple[int, str, int, str]], failed: dict[int, str | tuple[str, str]]
-    ) -> tuple[dict[int, str], list[tuple[int, str]], int]:
+    ) -> tuple[dict[int, tuple[str, int]], list[tuple[int, tuple[str, int]]], int]:
         """Decide each row in one claim transaction. A key may hold several claims: a row
         less than ``within`` from a claim of another row (either side) repeats it; a row
         near none is a first and claims its own time. Returns the rows to write
-        (index -> key text), the repeats of claims of this very job (index, key text),
-        decided once the sink wrote, and how many repeats of committed claims were
-        dropped."""
-        db = self._connect()
-        pg = self.spec.state is not None
+        (index -> the claim each owns: key text, time), the repeats of claims of this
+        very job (index, claim), decided once the sink wrote, and how many repeats of
+        committed claims were dropped."""
         within = self.spec.within_us
-        claimed: dict[int, str] = {}
-        repeats: list[tuple[int, str]] = []
+        claimed: dict[int, tuple[str, int]] = {}  # row -> the claim it owns (key text, time)
+        repeats: list[tuple[int, tuple[str, int]]] = []
         dropped = 0
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                if pg:
-                    db.execute(
-                        "SELECT pg_advisory_xact_lock(hashtext(?))",
-                        (f"ackflow-dedupe:{self.spec.state.schema}:{self.name}",),
+        with self._locked() as db:
+            held = self._held(db, sorted({k for *_, k in todo}))
+            writes: list[tuple[Any, ...]] = []
+            gone: list[tuple[Any, ...]] = []
+            wall = time.time()
+            for t, rk, i, k in todo:
+                claims = held.setdefault(k, [])
+                own = next((c for c in claims if c.owner == rk), None)
+                if own is not None:  # the owner again: written in place
+                    claimed[i] = (k, own.t)
+                    if not own.done:  # a failed job's or a crash's: settled by this one
+                        own.job, own.at = job, wall
+                        writes.append((self.name, k, rk, job, own.t, wall))
+                    continue
+                if self.spec.time is None:  # the wall clock, read under the lock: in order
+                    t = int(wall * 1e6)
+                covers = [c for c in claims if abs(t - c.t) < within]
+                for c in covers:  # never committed and `remember` old: its owner ended
+                    if not c.done and wall - c.at >= self.spec.remember_us / 1e6:
+                        claims.remove(c)
+                        gone.append((self.name, k, c.t))
+                covers = [c for c in covers if c in claims]
+                pending = next((c for c in covers if not c.done), None)
+                if not covers:
+                    claims.append(_Claim(rk, job, t, 0, wall))
+                    writes.append((self.name, k, rk, job, t, wall))
+                    claimed[i] = (k, t)
+                elif any(c.done for c in covers):  # a committed first: a repeat, dropped
+                    dropped += 1
+                elif pending is not None and pending.job == job:
+                    repeats.append((i, (k, pending.t)))
+                elif pending is not None:
+                    failed[i] = (
+                        f"{WAITS}key {k[:200]} is held by another message's row ({pending.owner[:80]}) "
+                        "whose batch has not settled"
                     )
-                held = self._held(db, sorted({k for *_, k in todo}))
-                writes: list[tuple[Any, ...]] = []
-                gone: list[tuple[Any, ...]] = []
-                wall = time.time()
-                for t, rk, i, k in todo:
-                    claims = held.setdefault(k, [])
-                    own = next((c for c in claims if c.owner == rk), None)
-                    if own is not None:  # the owner again: written in place
-                        claimed[i] = k
-                        if not own.done:  # a failed job's or a crash's: settled by this one
-                            own.job, own.at = job, wall
-                            writes.append((self.name, k, rk, job, own.t, wall))
-                        continue
-                    if self.spec.time is None:  # the wall clock, read under the lock: in order
-                        t = int(wall * 1e6)
-                    cover = next((c for c in claims if abs(t - c.t) < within), None)
-                    if (
-                        cover is not None
-                        and not cover.done
-                        and wall - cover.at >= self.spec.remember_us / 1e6
-                    ):
-                        claims.remove(cover)  # never committed, abandoned: its owner ended
-                        gone.append((self.name, k, cover.t))
-                        cover = None
-                    if cover is None:
-                        claims.append(_Claim(rk, job, t, 0, wall))
-                        writes.append((self.name, k, rk, job, t, wall))
-                        claimed[i] = k
-                    elif cover.done:  # committed: a repeat, dropped
-                        dropped += 1
-                    elif cover.job == job:
-                        repeats.append((i, k))
-                    else:
-                        failed[i] = (
-                            f"{WAITS}key {k[:200]} is held by another message's row ({cover.owner[:80]}) "
-                            "whose batch has not settled"
-                        )
-                db.executemany("DELETE FROM dedupe WHERE op = ? AND k = ? AND t = ?", gone)
-                db.executemany(
-                    "INSERT INTO dedupe (op, k, owner, job, t, at, done) VALUES (?, ?, ?, ?, ?, ?, 0) "
-                    "ON CONFLICT (op, k, t) DO UPDATE SET owner = excluded.owner, job = excluded.job, "
-                    "at = excluded.at, done = 0",
-                    writes,
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-        finally:
-            db.close()
+            db.executemany("DELETE FROM dedupe WHERE op = ? AND k = ? AND t = ?", gone)
+            db.executemany(
+                "INSERT INTO dedupe (op, k, owner, job, t, at, done) VALUES (?, ?, ?, ?, ?, ?, 0) "
+                "ON CONFLICT (op, k, t) DO UPDATE SET owner = excluded.owner, job = excluded.job, "
+                "at = excluded.at, done = 0",
+                writes,
+            )
         return claimed, repeats, dropped
 
     def _held(self, db: Any, ks: list[str]) -> dict[str, list[_Claim]]:
@@ -429,11 +434,29 @@ class DedupeSink(Sink):
     def _release(self, job: str, claims: list[tuple[str, str]]) -> None:
         """The sink refused these rows (key text, owner): their claims go, so the next
         row of the key is a first, not a repeat of a row never written."""
-        db = self._connect()
-        try:
+        with self._locked() as db:
             db.executemany(
                 "DELETE FROM dedupe WHERE op = ? AND k = ? AND owner = ? AND job = ? AND done = 0",
                 [(self.name, k, owner, job) for k, owner in claims],
             )
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[Any]:
+        """One transaction holding the operator's claims alone (as the tasks' claims do):
+        a commit never interleaves with a claim read and written by a task."""
+        db = self._connect()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                if self.spec.state is not None:
+                    db.execute(
+                        "SELECT pg_advisory_xact_lock(hashtext(?))",
+                        (f"ackflow-dedupe:{self.spec.state.schema}:{self.name}",),
+                    )
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
         finally:
             db.close()
