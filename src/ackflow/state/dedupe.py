@@ -1,26 +1,28 @@
 """``flow.dedupe(by, within=...)``: drop repeats of a business key inside a horizon.
 
-The operator wraps the flow's sink. Its durable state is one claim per key value
-(table ``dedupe``, in the windows' store: the SQLite file beside the run's state, or a
-:class:`~ackflow.state.pg.PostgresState`): which row first had the key (its row key:
-its message's identity and place), when (its event time, or the wall clock when it
-came), the job that wrote it, and whether that job committed.
+The operator wraps the flow's sink. Its durable state is a claim per first of a key
+value (table ``dedupe``, in the windows' store: the SQLite file beside the run's state,
+or a :class:`~ackflow.state.pg.PostgresState`): which row was the first (its row key:
+its message's identity and place), when (its event time; without ``time=`` the wall
+clock, and from its commit on), the job that wrote it, and whether that job committed.
 
 In a task, inside one claim transaction per partition (SQLite ``BEGIN IMMEDIATE``;
-PostgreSQL a transaction-scoped advisory lock per operator), each row is, in the
-order of its time:
+PostgreSQL a transaction-scoped advisory lock per operator, which commits and releases
+take too), each row is, in the order of its time:
 
-* **first**: no claim for its key, or the claim expired (its time is ``within`` or
-  more after the claim's): it claims the key and goes to the sink;
-* **the owner again** (the claim's row key is its own: a redelivery, or a task run
+* **the owner again** (a claim's row key is its own: a redelivery, or a task run
   again): it goes to the sink again, under the same row key (a keyed sink writes it in
   place);
-* **a repeat**: the claim is another row's, committed, or of this very job: it is
-  dropped, and its message is acked as handled (counted by the metric
-  ``ackflow_dedupe_dropped_total``);
-* **waiting**: the claim is another job's that has not settled (a batch running
-  beside this one, or one a crash left behind): the row fails with that reason and its
-  message is retried; by then the claim is committed (a repeat) or gone (a first).
+* **first**: no claim of its key is less than ``within`` from it (either side): it
+  claims its time and goes to the sink;
+* **a repeat**: such a claim is committed, or is of this very job and its row was
+  written in this partition: it is dropped, and its message is acked as handled
+  (counted by the metric ``ackflow_dedupe_dropped_total``);
+* **waiting**: such a claim is another job's that has not settled (a batch beside this
+  one, one a crash left behind), or another partition's of this job: the row says it
+  waits (:data:`~ackflow.core.ledger.WAITS`); the engine keeps its message in flight
+  for a second and runs it again, no delivery spent; by then the claim is committed (a
+  repeat) or gone (a first).
 
 On the driver, :meth:`DedupeSink.commit` commits the sink, then marks the job's claims
 committed. A claim is deleted only when the sink refused its row; a job that failed
