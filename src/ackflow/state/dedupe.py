@@ -47,8 +47,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
-
 from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.ledger import WAITS
@@ -195,17 +193,10 @@ class DedupeSink(Sink):
         self.inner.close()
 
     def prepare(self, schema: Any) -> None:
-        missing = [
-            c for c in (*self.spec.by, *([self.spec.time] if self.spec.time else [])) if c not in schema.names
-        ]
-        if missing:
-            raise FlowError(
-                self.name, f"column(s) {missing} are not among the flow's columns {list(schema.names)}"
-            )
-        for k in self.spec.by:
-            t = schema.field(k).type
-            if pa.types.is_nested(t):
-                raise FlowError(self.name, f"key {k!r} is a {t}: dedupe keys must be plain values")
+        from ackflow.state.spec import check_columns
+
+        columns = [*self.spec.by, *([self.spec.time] if self.spec.time else [])]
+        check_columns(self.name, schema, columns, self.spec.by, "dedupe key")
         if type(self.inner).prepare is not Sink.prepare:
             self.inner.prepare(schema)
 

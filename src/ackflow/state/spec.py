@@ -44,6 +44,22 @@ class WindowSpec:
         return [*self.by, *window, *[a.name for a in self.aggs]]
 
 
+def check_columns(op: str, schema: Any, columns: list[str], keys: tuple[str, ...], what: str) -> None:
+    """A stateful operator's ``prepare``: its ``columns`` are among the flow's, and its
+    ``keys`` are plain values (a FlowError naming the operator otherwise)."""
+    import pyarrow as pa
+
+    from ackflow.core.errors import FlowError
+
+    missing = [c for c in columns if c not in schema.names]
+    if missing:
+        raise FlowError(op, f"column(s) {missing} are not among the flow's columns {list(schema.names)}")
+    for k in keys:
+        t = schema.field(k).type
+        if pa.types.is_nested(t):
+            raise FlowError(op, f"{what} {k!r} is a {t}: keys must be plain values")
+
+
 @dataclass(frozen=True)
 class WindowedFlow:
     """A flow whose rows go into a window: end it with ``.to(sink)``, the sink its

@@ -34,7 +34,7 @@ from ackflow import faults
 from ackflow.core.errors import FlowError, describe
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 from ackflow.state.partials import Partials, contribute, show_us
-from ackflow.state.spec import WindowSpec
+from ackflow.state.spec import WindowSpec, check_columns
 from ackflow.windows import Count
 
 log = logging.getLogger("ackflow.window")
@@ -154,15 +154,7 @@ class WindowSink(Sink):
             self.on_late.close()
 
     def prepare(self, schema: Any) -> None:
-        missing = [c for c in self.spec.columns if c not in schema.names]
-        if missing:
-            raise FlowError(
-                self.name, f"column(s) {missing} are not among the flow's columns {list(schema.names)}"
-            )
-        for k in self.spec.by:
-            t = schema.field(k).type
-            if pa.types.is_nested(t):
-                raise FlowError(self.name, f"group key {k!r} is a {t}: keys must be plain values")
+        check_columns(self.name, schema, self.spec.columns, self.spec.by, "group key")
         self._prepared = schema
         if self.on_late is not None:
             self.on_late.prepare(schema)
