@@ -378,11 +378,12 @@ class Flow:
     ) -> Any:
         """Drop repeats of a business key inside a horizon; end with ``.to(sink)``.
 
-        The first row of each value of ``by`` goes to the sink; a later row with that
-        value, less than ``within`` after the first (by ``time``, an event time column
-        or Spark Column; by default the wall clock when the row came), is dropped and
-        its message acked (the metric ``ackflow_dedupe_dropped_total`` counts it). From ``within`` on, the
-        next row is a first again. The first rows are kept in durable state (a SQLite
+        The first row of each value of ``by`` goes to the sink; a row with that value
+        less than ``within`` from a first (either side, by ``time``: an event time
+        column or Spark Column; without it by the wall clock, from the first's commit,
+        ``within`` at least 10 s) is dropped and its message acked (the metric
+        ``ackflow_dedupe_dropped_total`` counts it); a row ``within`` or more from
+        every first is a first again. The first rows are kept in durable state (a SQLite
         file beside the run's state, or ``state=windows.PostgresState(dsn)``), claimed
         before the sink writes and committed with it: a crash or a redelivery never
         lets two rows of one key through, nor drops a row whose first was never
@@ -563,8 +564,10 @@ class Flow:
         names += [s.name for s in self.sinks]
         if self.error_sink is not None:  # its rows are counted by name too
             names.append(self.error_sink.name)
+        from ackflow.state.dedupe import DedupeSink
+
         if any(isinstance(s, GroupedWithin) for s in self.steps) and any(
-            type(s).__name__ == "DedupeSink" for s in self.sinks
+            isinstance(s, DedupeSink) for s in self.sinks
         ):
             raise ConfigError(
                 "dedupe after grouped_within is not built (its rows are groups of several "

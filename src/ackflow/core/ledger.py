@@ -56,7 +56,8 @@ def _ranked_errors(receipts: pa.Table, order: Sequence[str] | None) -> pa.Array:
 #: partition (not a row's own failure): ``write failed: <error>``
 WHOLE_WRITE = "write failed: "
 #: a row's error that is not its message's: it waits for another message's row to settle
-#: (a dedupe's first); the message is given back, no delivery spent, and comes again
+#: (a dedupe's first); the engine keeps the message in flight and runs it again, no
+#: delivery spent
 WAITS = "waits: "
 
 

@@ -167,7 +167,7 @@ class Engine(Settling):
         self.report = RunReport()
         self.groups: GroupBuffer | None = None  # grouped_within's buffer, if the flow has one
         self.held: dict[int, int] = {}  # lineage id -> group memberships still unwritten
-        self.parked: list[tuple[float, Any, Any]] = []  # (due, delivery, failure): waits (settle._park)
+        self.parked: list[tuple[float, Delivery]] = []  # (due, delivery): waits (settle._park)
         self.suffix: Any = None
         self._gw_index = -1
         self.metrics = Metrics(max_inflight)

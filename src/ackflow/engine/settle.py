@@ -31,8 +31,8 @@ from ackflow.sinks.base import ROW_KEY
 
 log = logging.getLogger("ackflow.engine")
 
-#: how long a message that waits for another message's row stays in flight before it is
-#: given back to come again (a dedupe's repeat of an unsettled first)
+#: how long a message that waits for another message's row stays in flight before it
+#: runs again (a dedupe's repeat of an unsettled first)
 PARK_S = 1.0
 
 
@@ -41,7 +41,7 @@ class Settling:
     ``Engine.__init__``)."""
 
     flow: Flow
-    parked: list[tuple[float, Delivery, Failure]]
+    parked: list[tuple[float, Delivery]]
     report: RunReport
     metrics: Metrics
     window: InflightWindow
@@ -502,15 +502,14 @@ class Settling:
         (:meth:`_unpark`): never given back to the source, where a broker that counts
         deliveries (a quorum queue's limit) would spend one per wait."""
         due = time.monotonic() + PARK_S
-        self.parked.extend((due, d, f) for d, f in failures)
+        self.parked.extend((due, d) for d, _ in failures)
 
     def _unpark(self) -> list[Delivery]:
         """The parked deliveries that are due, out of the parking (the loop batches them
         again; they are still in flight, their identities still live)."""
         now = time.monotonic()
-        due = [d for t, d, _ in self.parked if t <= now and not d.settled]
-        if due or self.parked:
-            self.parked = [(t, d, f) for t, d, f in self.parked if t > now and not d.settled]
+        due = [d for t, d in self.parked if t <= now and not d.settled]
+        self.parked = [(t, d) for t, d in self.parked if t > now and not d.settled]
         return due
 
     def _give_back(self, failures: list[tuple[Delivery, Failure]]) -> None:

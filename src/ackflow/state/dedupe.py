@@ -54,7 +54,6 @@ from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 
 log = logging.getLogger("ackflow.dedupe")
 
-CHUNK = 900  # SQLite's bound on host parameters, with room
 WALL_MIN_US = 10_000_000  # the shortest within by the wall clock
 
 
@@ -69,6 +68,11 @@ class DedupeSpec:
     time: str | None = None
     state: Any = None  # a PostgresState, or None: the SQLite file beside the run's state
     remember_us: int = 3_600_000_000  # claims kept at least this long (wall clock)
+
+    @property
+    def columns(self) -> list[str]:
+        """The input columns the dedupe reads."""
+        return [*self.by, *([self.time] if self.time else [])]
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ class DedupeSink(Sink):
         self.spec = spec
         self.inner = inner
         self.branches: tuple[Sink, ...] = (inner,)
-        self.key = [*spec.by, *([spec.time] if spec.time else []), *(getattr(inner, "key", None) or [])]
+        self.key = [*spec.columns, *(getattr(inner, "key", None) or [])]
         self.path: str | None = None
         self.dropped = 0  # repeats dropped (this run, committed jobs)
         self._metrics: Any = None
@@ -195,8 +199,7 @@ class DedupeSink(Sink):
     def prepare(self, schema: Any) -> None:
         from ackflow.state.spec import check_columns
 
-        columns = [*self.spec.by, *([self.spec.time] if self.spec.time else [])]
-        check_columns(self.name, schema, columns, self.spec.by, "dedupe key")
+        check_columns(self.name, schema, self.spec.columns, self.spec.by, "dedupe key")
         if type(self.inner).prepare is not Sink.prepare:
             self.inner.prepare(schema)
 
@@ -269,14 +272,6 @@ class DedupeSink(Sink):
             "DELETE FROM dedupe WHERE op = ? AND ((done = 1 AND t < ? AND at < ?) OR (done = 0 AND at < ?))",
             (self.name, horizon, old, old),
         )
-
-    def claims(self) -> int:
-        """Keys held now (for tests and ``ackflow state show``)."""
-        db = self._connect()
-        try:
-            return int(db.execute("SELECT count(*) FROM dedupe WHERE op = ?", (self.name,)).fetchone()[0])
-        finally:
-            db.close()
 
     # -- both sides ------------------------------------------------------------------
 
@@ -389,16 +384,15 @@ class DedupeSink(Sink):
                         claims.remove(c)
                         gone.append((self.name, k, c.t))
                 covers = [c for c in covers if c in claims]
-                pending = next((c for c in covers if not c.done), None)
                 if not covers:
                     claims.append(_Claim(rk, job, t, 0, wall))
                     writes.append((self.name, k, rk, job, t, wall))
                     claimed[i] = (k, t)
                 elif any(c.done for c in covers):  # a committed first: a repeat, dropped
                     dropped += 1
-                elif pending is not None and pending.job == job:
+                elif (pending := covers[0]).job == job:  # every cover uncommitted
                     repeats.append((i, (k, pending.t)))
-                elif pending is not None:
+                else:
                     failed[i] = (
                         f"{WAITS}key {k[:200]} is held by another message's row ({pending.owner[:80]}) "
                         "whose batch has not settled"
@@ -413,15 +407,12 @@ class DedupeSink(Sink):
         return claimed, repeats, dropped
 
     def _held(self, db: Any, ks: list[str]) -> dict[str, list[_Claim]]:
+        from ackflow.state.store import rows_in
+
         out: dict[str, list[_Claim]] = {}
-        for j in range(0, len(ks), CHUNK):
-            part = ks[j : j + CHUNK]
-            marks = ",".join("?" * len(part))
-            for k, owner, job, t, at, done in db.execute(
-                f"SELECT k, owner, job, t, at, done FROM dedupe WHERE op = ? AND k IN ({marks})",
-                [self.name, *part],
-            ):
-                out.setdefault(k, []).append(_Claim(owner, job, int(t), int(done), float(at)))
+        query = "SELECT k, owner, job, t, at, done FROM dedupe WHERE op = ? AND k IN ({marks})"
+        for k, owner, job, t, at, done in rows_in(db, query, [self.name], ks):
+            out.setdefault(k, []).append(_Claim(owner, job, int(t), int(done), float(at)))
         return out
 
     def _release(self, job: str, claims: list[tuple[str, str]]) -> None:

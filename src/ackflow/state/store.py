@@ -30,7 +30,7 @@ import pickle
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +118,14 @@ class Gate:
         return watermark
 
 
+def rows_in(db: Any, query: str, args: Sequence[Any], values: Sequence[Any]) -> Iterator[Any]:
+    """The rows of ``query`` (its ``IN ({marks})`` filled) for ``values``, a chunk of
+    :data:`CHUNK` at a time (SQLite's bound on host parameters); ``args`` come first."""
+    for i in range(0, len(values), CHUNK):
+        part = list(values[i : i + CHUNK])
+        yield from db.execute(query.format(marks=",".join("?" * len(part))), [*args, *part])
+
+
 class StateError(RuntimeError):
     """The state store refused a batch (a contribution it already holds: a bug)."""
 
@@ -150,14 +158,8 @@ def read_view(
         row = db.execute("SELECT watermark FROM begun WHERE op = ? AND batch = ?", (op, batch)).fetchone()
         if row is None:
             row = db.execute("SELECT watermark FROM marks WHERE op = ?", (op,)).fetchone()
-        applied: set[str] = set()
-        for i in range(0, len(keys), CHUNK):
-            part = list(keys[i : i + CHUNK])
-            marks = ",".join("?" * len(part))
-            applied.update(
-                r[0]
-                for r in db.execute(f"SELECT key FROM applied WHERE op = ? AND key IN ({marks})", [op, *part])
-            )
+        query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks})"
+        applied = {r[0] for r in rows_in(db, query, [op], keys)}
         return (row[0] if row else None), applied
     finally:
         db.close()
@@ -262,17 +264,13 @@ class WindowStore:
         return len(keys)
 
     def _check_fresh(self, op: str, keys: list[str]) -> None:
-        for i in range(0, len(keys), CHUNK):
-            part = keys[i : i + CHUNK]
-            marks = ",".join("?" * len(part))
-            hit = self.db.execute(
-                f"SELECT key FROM applied WHERE op = ? AND key IN ({marks}) LIMIT 1", [op, *part]
-            ).fetchone()
-            if hit is not None:
-                raise StateError(
-                    f"row key {hit[0]!r} is applied already (two batches held one message's rows); "
-                    "the batch is not applied and its messages are not acked"
-                )
+        query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks}) LIMIT 1"
+        hit = next(rows_in(self.db, query, [op], keys), None)
+        if hit is not None:
+            raise StateError(
+                f"row key {hit[0]!r} is applied already (two batches held one message's rows); "
+                "the batch is not applied and its messages are not acked"
+            )
 
     def _load(self, op: str, gk: str, start: int) -> tuple[int, list[Any]] | None:
         row = self.db.execute(
