@@ -5,6 +5,8 @@ never committed twice; a redelivered message's rows are not added again."""
 
 import os
 import sqlite3
+import threading
+import time
 
 import pyarrow as pa
 import pytest
@@ -204,7 +206,17 @@ def test_a_commit_that_loses_the_race_to_another_writer_is_retried(tmp_path, kin
             return stale if len(calls) == 2 else real(self)  # the commit's first read
 
         monkeypatch.setattr(type(sink), "_load", load_stale_once)
-        monkeypatch.setattr(iceberg_module.time, "sleep", waits.append)
+        # time.sleep is global: other threads of the test process (a run's loops) keep
+        # their real sleep; only this thread's waits are the commit's
+        here, real_sleep = threading.current_thread(), time.sleep
+
+        def sleep(seconds):
+            if threading.current_thread() is here:
+                waits.append(seconds)
+            else:
+                real_sleep(seconds)
+
+        monkeypatch.setattr(iceberg_module.time, "sleep", sleep)
         sink.commit("b2", stage(sink, "b2", ["b"], start=1))
         monkeypatch.undo()
         assert len(waits) == 1  # the first attempt lost (CommitFailedException), then retried
