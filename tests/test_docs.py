@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- run(?: needs=([a-z,]+))? -->$")
-SERVERS = {"rabbitmq": "AMQP_URL", "postgres": "PG_DSN"}  # fixture: the variable it sets
+SERVERS = {"rabbitmq": "AMQP_URL", "postgres": "PG_DSN", "kafka": "KAFKA_BOOTSTRAP"}  # fixture: its variable
+ADDRESS = {"rabbitmq": "url", "postgres": "dsn", "kafka": "bootstrap"}  # fixture: where it listens
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
@@ -89,7 +90,7 @@ def test_examples_run(page, tmp_path, request):
     env = _env()
     for server in set().union(*(needs for _, needs in RUNNABLE[page])):
         fixture = request.getfixturevalue(server)  # the session's throwaway server
-        env[SERVERS[server]] = fixture.url if server == "rabbitmq" else fixture.dsn
+        env[SERVERS[server]] = getattr(fixture, ADDRESS[server])
     r = subprocess.run(
         [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )

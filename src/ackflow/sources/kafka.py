@@ -371,16 +371,19 @@ class KafkaSource(Source):
         from confluent_kafka import TopicPartition
 
         with self._lock:
-            idle = [
-                tp
-                for tp, p in self._parts.items()
-                if p.tracker is not None and not p.inbox and not p.revoking
-            ]
+            idle = [tp for tp, p in self._parts.items() if not p.inbox and not p.revoking]
             if not idle:
                 return
             for pos in self._consumer.position([TopicPartition(t, p) for t, p in idle]):
                 part = self._parts.get((pos.topic, pos.partition))
-                if part is None or part.tracker is None or pos.offset < 0:
+                if part is None or pos.offset < 0:
+                    continue
+                if part.tracker is None:  # moved without a message in this assignment (a
+                    # partition holding only markers or aborted records since its commit):
+                    # nothing before the position is ours to settle; commit it once
+                    part.tracker = OffsetTracker(start=pos.offset)
+                    part.last_seen = pos.offset - 1
+                    part.handed_before = self._store().handed((pos.topic, pos.partition))
                     continue
                 if pos.offset > part.last_seen + 1:
                     part.tracker.gap(part.last_seen + 1, pos.offset)
