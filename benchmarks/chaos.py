@@ -51,6 +51,7 @@ from typing import Any
 
 from benchmarks.chaos_checks import (
     files_left,
+    kafka_lag,
     queue_depth,
     verify,
 )
@@ -58,6 +59,8 @@ from benchmarks.chaos_publisher import (
     DEAD_TABLE,
     DLX,
     DLX_QUEUE,
+    KAFKA_PARTITIONS,
+    KAFKA_TOPIC,
     QUEUE,
     STREAM,
     TABLE,
@@ -79,6 +82,9 @@ FAULT_SPECS = (
     "postgres.after_commit=exit@3",
     "files.before_commit=exit@3",
     "rabbitmq.ack=exit@2",
+    "kafka.before_commit=exit@2",
+    "kafka.after_commit=exit@3",
+    "kafka.attempt_recorded=exit@1",
 )
 
 
@@ -234,8 +240,11 @@ def log_line(msg: str, t0: float) -> None:
 
 
 class Soak:
-    def __init__(self, a: argparse.Namespace, sched: Schedule, pg: Any, rmq: Any, work: str) -> None:
+    def __init__(
+        self, a: argparse.Namespace, sched: Schedule, pg: Any, rmq: Any, work: str, kafka: Any = None
+    ) -> None:
         self.a, self.sched, self.pg, self.rmq, self.work = a, sched, pg, rmq, work
+        self.kafka = kafka  # the Kafka server, or None: a soak without the Kafka source
         self.files_dir = os.path.join(work, "in")
         self.parquet_dir = os.path.join(work, "parquet")
         self.state_dir = os.path.join(work, "state")  # the schema store and the window's state
@@ -265,6 +274,8 @@ class Soak:
             "window": WINDOW,
             "state_dir": self.state_dir,
             "parquet_dir": self.parquet_dir,
+            "kafka": kafka.bootstrap if kafka is not None else None,
+            "kafka_topic": KAFKA_TOPIC,
             "batch_size": 2000,
             "max_inflight": 6000,
             **policy,
@@ -304,6 +315,8 @@ class Soak:
                 await p.create_stream(STREAM, exists_ok=True)
 
         asyncio.run(go())
+        if self.kafka is not None:
+            self.kafka.create_topic(KAFKA_TOPIC, KAFKA_PARTITIONS)
 
     def start_child(self, until_idle: float | None = None, faults_ok: bool = True) -> None:
         faults = ""
@@ -366,7 +379,14 @@ class Soak:
 
     def run(self) -> Published:
         self.setup()
-        publisher = Publisher(self.rmq, self.files_dir, self.a.rate, self.sched.seed, self.a.resend)
+        publisher = Publisher(
+            self.rmq,
+            self.files_dir,
+            self.a.rate,
+            self.sched.seed,
+            self.a.resend,
+            kafka=self.kafka.bootstrap if self.kafka is not None else None,
+        )
         publisher.start()
         chaos = self.chaos_thread(publisher)
         kills = list(self.sched.kills)
@@ -439,7 +459,11 @@ class Soak:
                 return
 
     def work_left(self) -> bool:
-        return bool(queue_depth(self.rmq.url) or files_left(self.files_dir))
+        return bool(
+            queue_depth(self.rmq.url)
+            or files_left(self.files_dir)
+            or (self.kafka is not None and kafka_lag(self.kafka.bootstrap))
+        )
 
 
 # ---------------------------------------------------------------------------- main
@@ -466,19 +490,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="end with one JSON object")
     p.add_argument("--quiet", action="store_true", help="no event log, only the summary")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--no-kafka", action="store_true", help="leave the Kafka source out")
     a = p.parse_args(argv)
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(3), "little")
     sched = Schedule.draw(seed, a.minutes)
     print(f"chaos soak: {sched.describe()}", flush=True)
     print(f"retry policy: {sched.retry_policy()}", flush=True)
 
-    from ackflow.servers import PostgresServer, RabbitMQServer
+    from contextlib import nullcontext
+
+    from ackflow.servers import KafkaServer, PostgresServer, RabbitMQServer
 
     work = tempfile.mkdtemp(prefix="ackflow-chaos-")
     started = time.monotonic()
     try:
-        with PostgresServer() as pg, RabbitMQServer(streams=True) as rmq:
-            soak = Soak(a, sched, pg, rmq, work)
+        with (
+            PostgresServer() as pg,
+            RabbitMQServer(streams=True) as rmq,
+            nullcontext() if a.no_kafka else KafkaServer() as kafka,
+        ):
+            soak = Soak(a, sched, pg, rmq, work, kafka)
             pub = soak.run()
             result = verify(pub, pg, rmq, soak)
             soak.log.close()

@@ -7,6 +7,7 @@ import asyncio
 import glob
 import json
 import os
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,8 @@ from benchmarks.chaos_publisher import (
     DEAD_TABLE,
     DLX_QUEUE,
     ID_RE,
+    KAFKA_PARTITIONS,
+    KAFKA_TOPIC,
     QUEUE,
     STREAM,
     TABLE,
@@ -89,6 +92,50 @@ def value_mismatches(rows: list[dict[str, Any]], expect: dict[str, dict[str, Any
 
 def files_left(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.endswith(".jsonl") and not n.startswith("."))
+
+
+def kafka_committed(bootstrap: str) -> dict[int, int]:
+    """The chaos group's committed offset of each partition of the topic."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "chaos"})
+    try:
+        tps = [TopicPartition(KAFKA_TOPIC, p) for p in range(KAFKA_PARTITIONS)]
+        return {tp.partition: tp.offset for tp in c.committed(tps, 15)}
+    finally:
+        c.close()
+
+
+def kafka_topic(bootstrap: str) -> tuple[dict[int, int], list[str]]:
+    """The end of each partition (its last message's offset + 1) and the body of every
+    message, read by assignment from offset 0 until nothing more comes for 2 s. (tansu
+    0.6's high watermark can lag the partition's real end: 997 with messages up to
+    offset 999 after idempotent produces; so the end is read, not asked for.)"""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "chaos-check", "enable.auto.commit": False})
+    c.assign([TopicPartition(KAFKA_TOPIC, p, 0) for p in range(KAFKA_PARTITIONS)])
+    ends = {p: 0 for p in range(KAFKA_PARTITIONS)}
+    got: list[str] = []
+    quiet = time.monotonic()
+    deadline = quiet + 120
+    try:
+        while time.monotonic() - quiet < 2.0 and time.monotonic() < deadline:
+            for m in c.consume(500, 0.5):
+                if m.error() is None:
+                    got.append((m.value() or b"").decode("utf-8", "replace"))
+                    ends[m.partition()] = max(ends[m.partition()], m.offset() + 1)
+                    quiet = time.monotonic()
+    finally:
+        c.close()
+    return ends, got
+
+
+def kafka_lag(bootstrap: str) -> int:
+    """Messages of the topic past the group's commits."""
+    committed = kafka_committed(bootstrap)
+    ends, _ = kafka_topic(bootstrap)
+    return sum(max(0, end - max(0, committed[p])) for p, end in ends.items())
 
 
 def stream_committed(rmq: Any) -> int:
@@ -220,6 +267,21 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
             extra_stream.append((off, text[:120]))
             (pub.poison if is_poison(text) else pub.good).add(mid.group(1))
     stream_end = max((off for off, _ in in_stream), default=-1)
+    # the same for the Kafka topic: a message without a delivery report may be in it
+    extra_kafka: list[str] = []
+    committed_k: dict[int, int] = {}
+    kafka_ends: dict[int, int] = {}
+    if soak.kafka is not None:
+        kafka_ends, bodies = kafka_topic(soak.kafka.bootstrap)
+        for text in bodies:
+            mid = ID_RE.search(text)
+            if mid and mid.group(1) not in pub.good and mid.group(1) not in pub.poison:
+                extra_kafka.append(text[:120])
+                (pub.poison if is_poison(text) else pub.good).add(mid.group(1))
+        committed_k = kafka_committed(soak.kafka.bootstrap)
+    kafka_at_end = all(
+        committed_k[p] == end or (end == 0 and committed_k[p] < 0) for p, end in kafka_ends.items()
+    )
     good, poison = pub.good, pub.poison
     in_dlx = set(dlx_ids)  # the broker's dead letters: accounted there, and only there
     lost_pg = good - set(pg_ids) - in_dlx
@@ -265,6 +327,9 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         "windows_written_twice": counted["twice"],
     }
     checks["stream_unconfirmed_in_stream"] = extra_stream
+    checks["kafka_committed"] = committed_k
+    checks["kafka_end"] = kafka_ends
+    checks["kafka_unconfirmed_in_topic"] = extra_kafka[:20]
     # offsets the broker never delivers (seen after a restart): the source declares them gaps
     checks["stream_offsets_not_messages"] = stream_end + 1 - len(in_stream)
     ok = (
@@ -276,6 +341,7 @@ def verify(pub: Published, pg: Any, rmq: Any, soak: Soak) -> dict[str, Any]:
         and unknown_dead == 0
         and depth == 0
         and committed == stream_end
+        and kafka_at_end
         and not left
         and not mismatched
         and counted["rows_off"] == 0

@@ -2,8 +2,9 @@
 
     python -m benchmarks.chaos_pipeline CONFIG.json [--until-idle S]
 
-Three sources merged (a RabbitMQ quorum queue with ``x-delivery-limit`` and a
-dead-letter exchange, a RabbitMQ stream, a Files directory), ``map`` (validate),
+Four sources merged (a RabbitMQ quorum queue with ``x-delivery-limit`` and a
+dead-letter exchange, a RabbitMQ stream, a Files directory, and a Kafka topic read as a
+consumer group unless the soak runs without Kafka), ``map`` (validate),
 ``flat_map`` (one row per line item), ``grouped_within(4, 0.25, "id")`` (a message's
 line items gathered across the batch boundary: the group row carries its members),
 ``map`` (one row per group), ``group_by("id", "kind")`` (a Column aggregate), ``join``
@@ -29,12 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 import ackflow
 from ackflow import windows as w
 from ackflow.sinks import Parquet, Postgres
-from ackflow.sources import Files, RabbitMQ, RabbitMQStream
+from ackflow.sources import Files, Kafka, RabbitMQ, RabbitMQStream
 
 KINDS = ("book", "game", "tool", "food")
 
@@ -111,11 +113,22 @@ def build(cfg: dict[str, Any]) -> ackflow.Flow:
         "127.0.0.1", cfg["stream_port"], cfg["stream"], "chaos", offset="first", policy=policy, name="stream"
     )
     files = Files(cfg["files_dir"], format="jsonl", policy=policy, name="files", scan_interval_s=0.5)
+    sources = [ackflow.Flow(queue), ackflow.Flow(stream), ackflow.Flow(files)]
+    if cfg.get("kafka"):
+        kafka = Kafka(
+            cfg["kafka"],
+            cfg["kafka_topic"],
+            "chaos",
+            policy=policy,
+            attempts_path=os.path.join(cfg["state_dir"], "kafka-attempts.db"),
+            name="kafka",
+        )
+        sources.append(ackflow.Flow(kafka))
     kinds = spark.createDataFrame(
         [(k, k.upper(), i) for i, k in enumerate(KINDS)], "kind STRING, label STRING, rank INT"
     )
     return (
-        ackflow.merge(ackflow.Flow(queue), ackflow.Flow(stream), ackflow.Flow(files))
+        ackflow.merge(*sources)
         .map(
             validate,
             name="validate",

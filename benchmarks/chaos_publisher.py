@@ -1,6 +1,6 @@
 """The chaos soak's publisher (``benchmarks.chaos``): the names it publishes into, and
-a thread feeding the quorum queue, the stream and the Files directory at a steady rate,
-recording each message once it is confirmed."""
+a thread feeding the quorum queue, the stream, the Files directory and the Kafka topic
+at a steady rate, recording each message once it is confirmed."""
 
 from __future__ import annotations
 
@@ -19,12 +19,14 @@ QUEUE = "chaos-orders"
 DLX = "chaos-dlx"  # the quorum queue's dead-letter exchange (fanout) ...
 DLX_QUEUE = "chaos-dlx-q"  # ... and the queue it routes to
 STREAM = "chaos-events"
+KAFKA_TOPIC = "chaos-kafka"
+KAFKA_PARTITIONS = 3
 TABLE = "chaos_rows"
 DEAD_TABLE = "chaos_dead"
 WINDOW_TABLE = "chaos_windows"
 WINDOW = "per_500"  # the soak's count window: every 500 rows, their count and total
 KINDS = ("book", "game", "tool", "food")
-ID_RE = re.compile(r'"id":\s*"([qsf]\d{7})"')
+ID_RE = re.compile(r'"id":\s*"([qsfk]\d{7})"')
 
 
 @dataclass
@@ -41,12 +43,22 @@ class Published:
 
 
 class Publisher(threading.Thread):
-    """Publishes ``rate`` messages a second to each of the three sources, recording
-    every message once the broker confirmed it (or the file was renamed in)."""
+    """Publishes ``rate`` messages a second to each of the sources, recording every
+    message once the broker confirmed it (or the file was renamed in)."""
 
-    def __init__(self, rmq: Any, files_dir: str, rate: float, seed: int, resend: float = 0.05) -> None:
+    def __init__(
+        self,
+        rmq: Any,
+        files_dir: str,
+        rate: float,
+        seed: int,
+        resend: float = 0.05,
+        kafka: str | None = None,
+    ) -> None:
         super().__init__(name="publisher", daemon=True)
         self.rmq, self.files_dir, self.rate, self.resend = rmq, files_dir, rate, resend
+        self.kafka = kafka  # the bootstrap address, or None: no Kafka source
+        self._producer: Any = None
         self.rng = random.Random(seed * 7919 + 1)
         self.out = Published()
         self.stop_event = threading.Event()
@@ -123,6 +135,8 @@ class Publisher(threading.Thread):
                 self.publish_queue([*self._carry["q"], *(self._enc(self.message("q")) for _ in range(n))])
                 self.publish_stream([*self._carry["s"], *(self._enc(self.message("s")) for _ in range(n))])
                 self._pending_lines += [self.message("f") for _ in range(n)]
+                if self.kafka is not None:
+                    self.publish_kafka([self._enc(self.message("k")) for _ in range(n)])
                 if time.monotonic() - last_file >= 2.0:
                     self.write_file()
                     last_file = time.monotonic()
@@ -189,6 +203,37 @@ class Publisher(threading.Thread):
             self.out.errors += 1
             self.out.error_log.append(f"stream at {sent[0]}/{len(msgs)}: {type(e).__name__}: {e}"[:200])
 
+    def publish_kafka(self, msgs: list[tuple[str, bytes, bool]]) -> None:
+        """Produce to the topic (idempotent, ``acks=all``), a message recorded on its
+        delivery report. One without a report is not produced again (it may be in the
+        topic: a second copy would be a second message); verify() reads the topic and
+        counts what it holds as published."""
+        from confluent_kafka import Producer
+
+        if self._producer is None:
+            self._producer = Producer(
+                {"bootstrap.servers": self.kafka, "enable.idempotence": True, "acks": "all", "linger.ms": 5}
+            )
+
+        def report(mid: str, poison: bool) -> Any:
+            def on(err: Any, _m: Any) -> None:
+                if err is None:
+                    self.record("kafka", mid, poison)
+                else:
+                    self.out.errors += 1
+                    self.out.error_log.append(f"kafka {mid}: {err}"[:200])
+
+            return on
+
+        for i, (mid, body, poison) in enumerate(msgs):
+            self._producer.produce(
+                KAFKA_TOPIC, value=body, partition=i % KAFKA_PARTITIONS, on_delivery=report(mid, poison)
+            )
+        left = self._producer.flush(30)
+        if left:
+            self.out.errors += 1
+            self.out.error_log.append(f"kafka: {left} messages without a delivery report")
+
     def write_file(self) -> None:
         if not self._pending_lines:
             return
@@ -206,6 +251,8 @@ class Publisher(threading.Thread):
         self._pending_lines = []
 
     def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(30)
         try:
             if self._conn is not None and self._conn.is_open:
                 self._conn.close()

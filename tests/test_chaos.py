@@ -1,7 +1,8 @@
 """The chaos soak, short: 3 minutes of SIGKILLs, broker restarts, database outages and
 armed fault points against a real RabbitMQ (a quorum queue with a delivery limit and a
 dead-letter exchange, fed by a producer that re-sends batches with the same message
-ids; a stream), a Files directory, PostgreSQL and Parquet, through grouped_within,
+ids; a stream), a Files directory, a Kafka topic read as a consumer group (tansu),
+PostgreSQL and Parquet, through grouped_within,
 group_by, join and transform, with null, empty and nested values, and a count window in
 durable state; nothing may be lost or duplicated, every value lands as published, and
 the window counts each row once."""
@@ -36,6 +37,7 @@ def test_three_minute_chaos_soak_loses_and_duplicates_nothing():
     assert summary["broker_restarts"] >= 1, context
     assert summary["db_outages"] >= 1, context
     assert summary["messages"] > 1000, context
+    assert summary["per_source"].get("kafka", 0) > 200, context  # and committed to its end (ok)
     assert summary["lost"] == 0, context
     assert summary["duplicated"] == 0, context
     assert summary["good_dead_lettered"] == 0, context

@@ -148,6 +148,70 @@ def test_a_poison_message_at_the_head_keeps_its_delivery_count_across_restarts(k
     assert counts == [1, 2, 3]
 
 
+def test_delivery_counts_in_postgresql_follow_a_partition_to_another_process(kafka, postgres, tmp_path):
+    """With ``attempts_dsn=``, the group's processes share the counts: a poison message
+    at a partition's head that crashes one process after another (each with a disk of
+    its own, empty) is counted 1, 2, 3 across them, so the policy can give it up (with
+    the files alone each would count 1)."""
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"poison", b"ok"], partitions=1)
+    counts = []
+    for process in range(3):
+        src = source(kafka, name, group, tmp_path / f"disk-{process}", attempts_dsn=postgres.dsn)
+        src.configure(max_inflight=10, error_sink=True)
+        src.open()
+        try:
+            got = pull_until(src, 2)
+            head = next(d for d in got if d.body == b"poison")
+            counts.append(head.delivery_count)
+            src.fail([(head, Failure("check", "poison"))])  # recorded, then "crash"
+        finally:
+            src.close()
+    assert counts == [1, 2, 3]
+    assert committed(kafka, name, group, 1) in ({0: -1001}, {0: 0})  # never past it
+
+
+def test_shared_delivery_counts_survive_a_database_restart(kafka, postgres, tmp_path):
+    """The counts' connection is lost when PostgreSQL restarts: the next write opens a
+    new one and the count goes on (1, then 2 after the restart)."""
+    name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"poison"], partitions=1)
+    src = source(kafka, name, group, tmp_path, attempts_dsn=postgres.dsn, policy=RetryPolicy(backoff_s=0.05))
+    src.configure(max_inflight=10, error_sink=True)
+    src.open()
+    try:
+        first = pull_until(src, 1)
+        assert first[0].delivery_count == 1
+        postgres.stop()
+        postgres.start()
+        src.fail([(first[0], Failure("check", "poison"))])  # recorded on a new connection
+        again = pull_until(src, 1)
+        assert again[0].delivery_count == 2
+    finally:
+        src.close()
+        if not postgres.running:
+            postgres.start()
+    src = source(kafka, name, group, tmp_path / "elsewhere", attempts_dsn=postgres.dsn)
+    src.configure(max_inflight=10, error_sink=True)
+    src.open()
+    try:
+        assert pull_until(src, 1)[0].delivery_count == 3  # another process goes on from 2
+    finally:
+        src.close()
+
+
+def test_an_unreachable_attempts_database_stops_at_start_without_its_password(kafka, tmp_path):
+    from ackflow.core.errors import ConfigError
+
+    src = source(
+        kafka, "t", "g", tmp_path, attempts_dsn="postgresql://app:s3cret@127.0.0.1:1/db?connect_timeout=2"
+    )
+    src.configure(max_inflight=10, error_sink=True)
+    with pytest.raises(ConfigError, match="delivery counts in PostgreSQL") as e:
+        src.open()
+    assert "s3cret" not in str(e.value)
+
+
 def test_a_full_window_pauses_the_partitions_and_loses_nothing(kafka, tmp_path):
     name, group = topic(kafka, 2), f"g-{uuid.uuid4().hex[:6]}"
     produce(kafka, name, [b"%d" % i for i in range(200)], partitions=2)

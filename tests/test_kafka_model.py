@@ -232,8 +232,9 @@ def committed(kafka: Any, name: str, group: str, partitions: int) -> dict[int, i
 
 
 def at_end(got: dict[int, int], want: dict[int, int]) -> bool:
-    """Every partition committed at its end (an empty one needs no commit)."""
-    return all(got[p] == end or (end == 0 and got[p] < 0) for p, end in want.items())
+    """Every partition committed at its end (an empty one needs no commit). At least
+    there: tansu 0.6's high watermark can lag the real end (benchmarks/chaos_checks.py)."""
+    return all(got[p] >= end or (end == 0 and got[p] < 0) for p, end in want.items())
 
 
 def crashed(e: BaseException) -> bool:
@@ -303,6 +304,8 @@ def run_example(kafka: Any, tmp: str, ex: KExample) -> None:
     for point, nth in ex.faults:
         faults.arm(point, "raise", nth=nth)
     want = ends(kafka, name, ex.partitions)
+    for part_no, off in where.values():  # past every record, whatever the watermark says
+        want[part_no] = max(want[part_no], off + 1)
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:

@@ -47,7 +47,7 @@ from ackflow.core.policy import RetryPolicy
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources.base import Source
-from ackflow.sources.kafka_attempts import Attempts, Partition
+from ackflow.sources.kafka_attempts import Attempts, Partition, open_attempts
 from ackflow.sources.kafka_messages import delivery_headers, produce_dead_letters
 
 log = logging.getLogger("ackflow.sources.kafka")
@@ -97,6 +97,10 @@ class KafkaSource(Source):
     The headers of a delivery are ``topic``, ``partition``, ``offset``, ``timestamp``
     (ms), ``key`` (the message key, where it is UTF-8 text) and the message's own
     headers that are UTF-8 text (``headers_field=`` puts them in a column).
+
+    Delivery counts survive restarts in ``attempts_path`` (SQLite, one per machine), or,
+    with ``attempts_dsn=`` (a PostgreSQL DSN), in two tables every process of the group
+    shares: a partition that moves to another process keeps its counts.
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class KafkaSource(Source):
         policy: RetryPolicy | None = None,
         config: dict[str, Any] | None = None,
         attempts_path: str | None = None,
+        attempts_dsn: str | None = None,
         revoke_timeout_s: float = 5.0,
         headers_field: str | None = None,
         dead_letter_topic: str | None = None,
@@ -138,6 +143,7 @@ class KafkaSource(Source):
         }
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group)
         self.attempts_path = attempts_path or os.path.join(".ackflow", f"kafka-{safe}.db")
+        self.attempts_dsn = attempts_dsn  # counts shared by the group's processes
         self.revoke_timeout_s = revoke_timeout_s
         self.headers_field = headers_field
         self.dead_letter_topic = dead_letter_topic
@@ -193,7 +199,7 @@ class KafkaSource(Source):
             raise ConfigError(
                 "the Kafka source needs confluent-kafka: pip install 'ackflow[kafka]'"
             ) from None
-        self._attempts = Attempts(self.attempts_path)
+        self._attempts = open_attempts(self.name, self.group, self.attempts_path, self.attempts_dsn)
         try:
             from confluent_kafka import KafkaError
 
