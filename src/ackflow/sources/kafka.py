@@ -386,10 +386,13 @@ class KafkaSource(Source):
                     continue
                 if part.tracker is None:  # moved without a message in this assignment (a
                     # partition holding only markers or aborted records since its commit):
-                    # nothing before the position is ours to settle; commit it once
-                    part.tracker = OffsetTracker(start=pos.offset)
+                    # nothing before the position is ours to settle; commit it once. (The
+                    # client resets the position on assign: never one of an earlier
+                    # assignment, see test_the_client_forgets_the_position_on_assign)
+                    handed = self._store().handed((pos.topic, pos.partition))  # may raise:
+                    part.tracker = OffsetTracker(start=pos.offset)  # nothing changed then
                     part.last_seen = pos.offset - 1
-                    part.handed_before = self._store().handed((pos.topic, pos.partition))
+                    part.handed_before = handed
                     continue
                 if pos.offset > part.last_seen + 1:
                     part.tracker.gap(part.last_seen + 1, pos.offset)
@@ -507,7 +510,8 @@ class KafkaSource(Source):
                 highs: dict[Partition, int] = {}
                 for tp, part in self._parts.items():
                     while part.inbox and len(out) < max_messages and not part.revoking:
-                        d = self._take(tp, part, part.inbox.popleft())
+                        d = self._take(tp, part, part.inbox[0])  # (raising: still there)
+                        part.inbox.popleft()
                         if d is not None:
                             out.append(d)
                             highs[tp] = part.last_seen
@@ -523,10 +527,14 @@ class KafkaSource(Source):
         off = int(m.offset())
         if off <= part.last_seen:
             return None  # fetched again after a seek: already handed out
+        # the delivery counts first: a store that fails (a database away) leaves nothing
+        # changed, so the commit can never pass this message as a gap
+        low, high = part.handed_before if part.tracker is not None else self._store().handed(tp)
+        before = self._store().get(tp, off) if low <= off <= high else 0
         if part.tracker is None:  # the partition's reading starts at its committed offset
             part.tracker = OffsetTracker(start=off)
             part.committed = off
-            part.handed_before = self._store().handed(tp)
+            part.handed_before = (low, high)
         elif off > part.last_seen + 1:
             part.tracker.gap(part.last_seen + 1, off)  # never delivered: a gap
         part.last_seen = off
@@ -536,8 +544,7 @@ class KafkaSource(Source):
         headers = delivery_headers(tp, off, m)
         self._bodies[(tp, off)] = (part.gen, body, headers)
         # handed out before this assignment: its recorded count, else that one delivery
-        low, high = part.handed_before
-        count = max(self._store().get(tp, off), 1) + 1 if low <= off <= high else 1
+        count = max(before, 1) + 1 if low <= off <= high else 1
         return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, part.gen))
 
     def _mine(self, tp: Partition, off: int, gen: int) -> bool:

@@ -112,10 +112,9 @@ class PgAttempts(Attempts):
     committed transaction, before the deliveries it counts are handed out."""
 
     def __init__(self, dsn: str, group: str) -> None:
-        import psycopg
 
         self.group, self.dsn = group, dsn
-        self.conn = psycopg.connect(dsn, connect_timeout=10, autocommit=True)
+        self.conn = _connect(dsn)
         with self.conn.transaction():
             self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('ackflow_kafka_attempts'))")
             self.conn.execute(
@@ -138,7 +137,7 @@ class PgAttempts(Attempts):
         except psycopg.OperationalError:
             try:
                 self.conn.close()
-                self.conn = psycopg.connect(self.dsn, connect_timeout=10, autocommit=True)
+                self.conn = _connect(self.dsn)
                 return fn()
             except psycopg.OperationalError as e:
                 raise SourceGone(
@@ -179,7 +178,8 @@ class PgAttempts(Attempts):
         with self.conn.transaction(), self.conn.cursor() as cur:
             cur.executemany(
                 "INSERT INTO ackflow_kafka_attempts VALUES (%s, %s, %s, %s, %s) "
-                "ON CONFLICT (grp, topic, part, off) DO UPDATE SET n = excluded.n",
+                "ON CONFLICT (grp, topic, part, off) DO UPDATE "
+                "SET n = greatest(ackflow_kafka_attempts.n, excluded.n)",
                 [(self.group, tp[0], tp[1], off, n) for tp, off, n in counts],
             )
             cur.executemany(
@@ -207,6 +207,23 @@ class PgAttempts(Attempts):
 
     def close(self) -> None:
         self.conn.close()
+
+
+def _connect(dsn: str) -> Any:
+    """A connection whose queries cannot hang on a dead peer (they run under the
+    source's lock: a stuck one would stop the consumer thread's polling)."""
+    import psycopg
+
+    return psycopg.connect(
+        dsn,
+        connect_timeout=10,
+        autocommit=True,
+        keepalives=1,
+        keepalives_idle=5,
+        keepalives_interval=2,
+        keepalives_count=3,
+        tcp_user_timeout=15000,
+    )
 
 
 def open_attempts(source: str, group: str, path: str, dsn: str | None) -> Attempts:
