@@ -225,6 +225,34 @@ def test_a_commit_that_loses_the_race_to_another_writer_is_retried(tmp_path, kin
     assert keys == ["a", "b"] and len(content(sink)) == 3
 
 
+def test_two_processes_creating_one_iceberg_table_at_once_both_go_on(tmp_path, monkeypatch):
+    """The catalog checks for the namespace, then inserts it: another process inserting
+    between the two made the slower one's insert fail on a unique constraint, and its run
+    stopped (seen in CI with two Kafka pipelines starting together). The create is tried
+    again and finds the winner's namespace and table."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    first = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+    second = Iceberg(f"sqlite:///{tmp_path / 'cat.db'}", "ns.t")
+    first.open(), second.open()
+    real = SqlCatalog.namespace_exists
+
+    def the_other_wins_between(self, namespace):
+        if self is second._cat() and not raced:
+            raced.append(1)
+            first.prepare(pa.schema([("n", pa.int64())]))  # creates namespace and table
+            return False  # what this process saw just before
+        return real(self, namespace)
+
+    raced: list[int] = []
+    monkeypatch.setattr(SqlCatalog, "namespace_exists", the_other_wins_between)
+    second.prepare(pa.schema([("n", pa.int64())]))
+    assert raced
+    first.commit("b1", stage(first, "b1", ["a"]))
+    second.commit("b1", stage(second, "b1", ["b"]))
+    assert sorted(k for k, _ in content(second)) == ["a", "b"]
+
+
 @pytest.mark.parametrize("kind", ["delta", "iceberg"])
 def test_with_key_columns_the_first_write_of_a_key_wins(tmp_path, kind):
     """``key=["sku"]``: those columns identify a row instead of ackflow's row key (no

@@ -346,15 +346,27 @@ class IcebergSink(TableSink):
                 "cast them in the flow",
                 {c: f"Iceberg cannot hold {why}" for c, why in bad.items()},
             )
-        try:
-            catalog.create_namespace_if_not_exists(namespace)
-            table = catalog.create_table_if_not_exists(
-                self.table, schema=schema, properties=RETENTION if self.keep_snapshots is not None else {}
-            )
-        except Exception as e:  # noqa: BLE001
-            raise FlowError(
-                self.name, f"cannot create Iceberg table {self.table!r}: {self._hide(_first(e))}"
-            ) from None
+        # Two processes may create the same table at once: the catalog checks, then
+        # inserts, and the slower one's insert fails on the faster one's row. The
+        # "if not exists" calls are idempotent, so a second try sees the winner's work.
+        for attempt in range(3):
+            try:
+                catalog.create_namespace_if_not_exists(namespace)
+                table = catalog.create_table_if_not_exists(
+                    self.table, schema=schema, properties=RETENTION if self.keep_snapshots is not None else {}
+                )
+                break
+            except Exception as e:  # noqa: BLE001
+                if attempt == 2:
+                    raise FlowError(
+                        self.name, f"cannot create Iceberg table {self.table!r}: {self._hide(_first(e))}"
+                    ) from None
+                log.info(
+                    "sink %r: creating %s raced another writer (%s); trying again",
+                    self.name,
+                    self.table,
+                    _first(e),
+                )
         self._set_location(table)
         os.makedirs(os.path.dirname(self.manifest_path), exist_ok=True)
         log.info("sink %r: created Iceberg table %s (%s)", self.name, self.table, ", ".join(schema.names))
