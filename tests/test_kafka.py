@@ -18,6 +18,7 @@ from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.sinks import MemorySink
 from ackflow.sources import Kafka
+from kafka_help import committed
 
 pytestmark = pytest.mark.kafka
 
@@ -37,17 +38,6 @@ def produce(kafka, name, bodies, partitions=3):
     for i, b in enumerate(bodies):
         p.produce(name, value=b, partition=i % partitions)
     assert p.flush(30) == 0
-
-
-def committed(kafka, name, group, partitions=3):
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": group})
-    try:
-        got = c.committed([TopicPartition(name, p) for p in range(partitions)], 15)
-        return {tp.partition: tp.offset for tp in got}
-    finally:
-        c.close()
 
 
 def committed_soon(kafka, name, group, partitions, timeout):
@@ -127,24 +117,29 @@ def test_the_commit_never_passes_an_unsettled_message(kafka, tmp_path):
         src.close()
 
 
+def poison_once(kafka, name, group, disk, **kw):
+    """One process's life: open, fetch the poison message at the head, record its
+    failure, then "crash" (close without settling). Its delivery count; the group's
+    commit never passes it."""
+    src = source(kafka, name, group, disk, **kw)
+    src.configure(max_inflight=10, error_sink=True)
+    src.open()
+    try:
+        got = pull_until(src, 2)
+        head = next(d for d in got if d.body == b"poison")
+        src.fail([(head, Failure("check", "poison"))])
+    finally:
+        src.close()
+    assert committed(kafka, name, group, 1) in ({0: -1001}, {0: 0})  # never past it
+    return head.delivery_count
+
+
 def test_a_poison_message_at_the_head_keeps_its_delivery_count_across_restarts(kafka, tmp_path):
     """A crash after each failure (the source closed without settling) must not reset
     the count: the third delivery is the third, so the policy can give it up."""
     name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
     produce(kafka, name, [b"poison", b"ok"], partitions=1)
-    counts = []
-    for _ in range(3):
-        src = source(kafka, name, group, tmp_path)
-        src.configure(max_inflight=10, error_sink=True)
-        src.open()
-        try:
-            got = pull_until(src, 2)
-            head = next(d for d in got if d.body == b"poison")
-            counts.append(head.delivery_count)
-            src.fail([(head, Failure("check", "poison"))])  # recorded, then "crash"
-        finally:
-            src.close()
-        assert committed(kafka, name, group, 1) in ({0: -1001}, {0: 0})  # never past it
+    counts = [poison_once(kafka, name, group, tmp_path) for _ in range(3)]
     assert counts == [1, 2, 3]
 
 
@@ -155,20 +150,11 @@ def test_delivery_counts_in_postgresql_follow_a_partition_to_another_process(kaf
     the files alone each would count 1)."""
     name, group = topic(kafka, 1), f"g-{uuid.uuid4().hex[:6]}"
     produce(kafka, name, [b"poison", b"ok"], partitions=1)
-    counts = []
-    for process in range(3):
-        src = source(kafka, name, group, tmp_path / f"disk-{process}", attempts_dsn=postgres.dsn)
-        src.configure(max_inflight=10, error_sink=True)
-        src.open()
-        try:
-            got = pull_until(src, 2)
-            head = next(d for d in got if d.body == b"poison")
-            counts.append(head.delivery_count)
-            src.fail([(head, Failure("check", "poison"))])  # recorded, then "crash"
-        finally:
-            src.close()
+    counts = [
+        poison_once(kafka, name, group, tmp_path / f"disk-{process}", attempts_dsn=postgres.dsn)
+        for process in range(3)
+    ]
     assert counts == [1, 2, 3]
-    assert committed(kafka, name, group, 1) in ({0: -1001}, {0: 0})  # never past it
 
 
 def test_shared_delivery_counts_survive_a_database_restart(kafka, postgres, tmp_path):

@@ -48,6 +48,7 @@ from ackflow.core.policy import RetryPolicy
 from ackflow.engine.loop import Engine
 from ackflow.sources.kafka import KafkaSource
 from ackflow.testing import KeyedSink
+from kafka_help import committed, ends
 
 pytestmark = pytest.mark.kafka
 
@@ -208,27 +209,6 @@ def publish(kafka: Any, name: str, ex: KExample) -> dict[int, tuple[int, int]]:
     p.flush(30)
     assert len([i for i in placed if i >= 0]) == len(ex.kinds)
     return placed
-
-
-def ends(kafka: Any, name: str, partitions: int) -> dict[int, int]:
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": "ends"})
-    try:
-        return {p: c.get_watermark_offsets(TopicPartition(name, p), 10)[1] for p in range(partitions)}
-    finally:
-        c.close()
-
-
-def committed(kafka: Any, name: str, group: str, partitions: int) -> dict[int, int]:
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer({"bootstrap.servers": kafka.bootstrap, "group.id": group})
-    try:
-        got = c.committed([TopicPartition(name, p) for p in range(partitions)], 15)
-        return {tp.partition: tp.offset for tp in got}
-    finally:
-        c.close()
 
 
 def at_end(got: dict[int, int], want: dict[int, int]) -> bool:
