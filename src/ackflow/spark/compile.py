@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -31,6 +32,7 @@ from ackflow.flow import (
     WithColumns,
 )
 from ackflow.sinks.base import Sink
+from ackflow.spark.feed import Feeds, Fn, fed, feed_enabled
 from ackflow.spark.plan import (
     Plan,
     Segment,
@@ -56,6 +58,8 @@ from ackflow.spark.rows import (
 )
 from ackflow.spark.writer import make_writer
 
+Feed = Callable[[Fn], Fn] | None
+
 
 class CompiledFlow(Plan):
     """A flow bound to a SparkSession.
@@ -77,6 +81,9 @@ class CompiledFlow(Plan):
         if count_rows:
             self.tally = spark.sparkContext.accumulator({}, CountsParam())  # type: ignore[arg-type]
         self._persisted: dict[str, DataFrame] = {}
+        # a local master's workers read a batch's messages from a file (see spark/feed.py)
+        local = (spark.sparkContext.master or "").startswith("local")
+        self._feeds = Feeds() if local and not rows_input and feed_enabled(spark) else None
         # local masters too: their Python workers may lack a module the driver has (another
         # interpreter, another sys.path), and then every message would fail as if poison
         check_executors_can_load(spark, self.shipped)
@@ -98,9 +105,9 @@ class CompiledFlow(Plan):
 
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
-        df, data_cols, lineage = self._start(inputs)
+        df, data_cols, lineage, feed = self._start(inputs, batch_id)
         df, data_cols, lineage, alive = self._chain(
-            self.segments, (), df, data_cols, lineage, decode=not self.rows_input
+            self.segments, (), df, data_cols, lineage, decode=not self.rows_input, feed=feed
         )
         if not self.branches:
             return self._write(self.sink, df, data_cols, lineage, batch_id)
@@ -117,36 +124,45 @@ class CompiledFlow(Plan):
             outs.append(self._write(sink, bdf, bcols, blin, batch_id))
         return functools.reduce(DataFrame.unionByName, outs)
 
-    def _start(self, inputs: pa.Table) -> tuple[DataFrame, list[str], str]:
-        """The batch's first DataFrame, its data columns and its lineage column."""
+    def _start(self, inputs: pa.Table, batch_id: str) -> tuple[DataFrame, list[str], str, Feed]:
+        """The batch's first DataFrame, its data columns, its lineage column, and what
+        the first Python function is wrapped in to read the messages (None: they are in
+        the DataFrame)."""
+        if self._feeds is not None and inputs.num_rows:
+            path, parts = self._feeds.write(inputs, batch_id)
+            return self.spark.range(0, parts, 1, parts), [], ID, functools.partial(fed, path)
         df = self.spark.createDataFrame(inputs)
         if self.rows_input:  # rows from grouped_within: data columns and __af_ids
-            return df, [c for c in inputs.column_names if not c.startswith("__af_")], IDS
-        return df, [], ID
+            return df, [c for c in inputs.column_names if not c.startswith("__af_")], IDS, None
+        return df, [], ID, None
 
     def locate(self, inputs: pa.Table) -> str:
         """Name the step that fails a job on its own over ``inputs`` (one poison message):
         run growing prefixes of the plan, a Spark job each, and return the first step
         whose prefix fails; the sink's name if every prefix succeeds."""
-        df, data_cols, lineage = self._start(inputs)
-        for k, seg in enumerate(self.segments, start=1):
-            try:
-                out, _, _, alive = self._chain(
-                    self.segments[:k], (), df, data_cols, lineage, decode=not self.rows_input
-                )
-                with self.uncounted():
-                    out.toArrow()  # every column evaluated
-            except FlowError:
-                raise
-            except Exception:  # noqa: BLE001 - this prefix is where it breaks
-                return "+".join(s.name for s in seg.steps) or "decode"
-            if not alive:
-                break
-        return self.sink.name if len(self.sinks) == 1 else "broadcast"
+        key = f"locate-{id(inputs)}-{threading.get_ident()}"
+        df, data_cols, lineage, feed = self._start(inputs, key)
+        try:
+            for k, seg in enumerate(self.segments, start=1):
+                try:
+                    out, _, _, alive = self._chain(
+                        self.segments[:k], (), df, data_cols, lineage, decode=not self.rows_input, feed=feed
+                    )
+                    with self.uncounted():
+                        out.toArrow()  # every column evaluated
+                except FlowError:
+                    raise
+                except Exception:  # noqa: BLE001 - this prefix is where it breaks
+                    return "+".join(s.name for s in seg.steps) or "decode"
+                if not alive:
+                    break
+            return self.sink.name if len(self.sinks) == 1 else "broadcast"
+        finally:
+            self.release(key)
 
-    def _sample(self, df: DataFrame, sampler: Any) -> list[tuple[str, int]]:
+    def _sample(self, df: DataFrame, sampler: Any, feed: Feed = None) -> list[tuple[str, int]]:
         with self.uncounted():  # the steps before it run again here
-            out = df.mapInArrow(sampler, "schema string, rows bigint").toArrow()
+            out = df.mapInArrow(feed(sampler) if feed else sampler, "schema string, rows bigint").toArrow()
         return list(zip(out.column("schema").to_pylist(), out.column("rows").to_pylist(), strict=True))
 
     def release(self, batch_id: str) -> None:
@@ -154,6 +170,8 @@ class CompiledFlow(Plan):
             shared = self._persisted.pop(batch_id, None)
         if shared is not None:
             shared.unpersist()
+        if self._feeds is not None:
+            self._feeds.release(batch_id)
 
     def _chain(
         self,
@@ -163,13 +181,16 @@ class CompiledFlow(Plan):
         data_cols: list[str],
         lineage: str,
         decode: bool,
+        feed: Feed = None,
     ) -> tuple[DataFrame, list[str], str, bool]:
         """Apply segments; returns the DataFrame, its data columns, its lineage column,
-        and False if a segment let no live row through (later steps were skipped)."""
+        and False if a segment let no live row through (later steps were skipped).
+        ``feed``: wraps the first segment's functions (they read the messages)."""
         for index, seg in enumerate(segs):
             if seg.python:
                 data_in = None if decode and index == 0 else data_cols
-                sample = functools.partial(self._sample, df)
+                first = feed if index == 0 else None
+                sample = functools.partial(self._sample, df, feed=first)
                 fresh = (*key, index) not in self._schemas  # inferred from every row now
                 schema = self._schema((*key, index), seg, sample, data_in, lineage)
                 if schema is not None and not fresh and (*key, index) in self._probing:
@@ -190,7 +211,7 @@ class CompiledFlow(Plan):
                     mode=self._inferred.get((*key, index)),
                     segment=self.segment_name((*key, index), seg),
                 )
-                df = df.mapInArrow(fn, from_arrow_schema(out_schema))
+                df = df.mapInArrow(first(fn) if first else fn, from_arrow_schema(out_schema))
                 data_cols = list(schema.names)
                 if dead_end:
                     return df, data_cols, lineage, False  # no rows, no columns for later steps

@@ -1,0 +1,111 @@
+"""A batch's messages handed to local executors through a file, not through the JVM.
+
+``spark.createDataFrame(arrow_table)`` turns every message into a JVM row on the driver,
+ships the rows inside the tasks, and the first ``mapInArrow`` turns them back into Arrow
+for its Python worker: measured, that was most of the JVM's CPU per message (JFR of the
+benchmark: ``LocalTableScanExec.unsafeRows``, ``ArrowFieldWriter.write``). On a local
+master the Python workers share the driver's disk, so the driver writes the batch as an
+Arrow IPC file (one record batch per partition) and the job starts from
+``spark.range(partitions)``: the first Python function reads its partition's record
+batch from the file itself. The bytes never enter the JVM; what comes out of that
+function is the same as before, so nothing after it changes.
+
+A file lives as long as its batch's job (:meth:`Feeds.release`); the directory is the
+process's own (named by its pid), and the directories of processes that died without
+cleaning up (SIGKILL) are removed by the next one to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+
+Fn = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+PREFIX = "ackflow-feed-"
+
+
+def fed(path: str, fn: Fn) -> Fn:
+    """``fn`` over the record batches of ``path`` named by its input (partition indices)."""
+
+    def run(indices: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        def batches() -> Iterator[pa.RecordBatch]:
+            with pa.OSFile(path, "rb") as f:  # read, not mapped: fn may keep a batch
+                reader = pa.ipc.open_file(f)
+                for b in indices:
+                    for i in b.column(0).to_pylist():
+                        yield reader.get_batch(i)
+
+        return fn(batches())
+
+    return run
+
+
+class Feeds:
+    """The input files of one process's batches."""
+
+    def __init__(self) -> None:
+        sweep_dead()
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
+        self._files: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
+
+    def write(self, table: pa.Table, batch_id: str) -> tuple[str, int]:
+        """Write ``table`` (chunked one record batch per partition); its path and how many
+        record batches it holds."""
+        path = os.path.join(self.dir, f"{uuid.uuid4().hex}.arrow")
+        batches = [b for b in table.to_batches() if b.num_rows]
+        with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            for b in batches:
+                w.write_batch(b)
+        with self._lock:
+            self._files.setdefault(batch_id, []).append(path)
+        return path, len(batches)
+
+    def release(self, batch_id: str) -> None:
+        with self._lock:
+            paths = self._files.pop(batch_id, [])
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(p)
+
+
+def sweep_dead() -> None:
+    """Remove the feed directories of processes that are gone."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if not name.startswith(PREFIX):
+                continue
+            try:
+                pid = int(name[len(PREFIX) :].split("-", 1)[0])
+            except ValueError:
+                continue
+            if pid == os.getpid() or _alive(pid):
+                continue
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
+
+
+def feed_enabled(spark: object) -> bool:
+    """On unless the session says ``spark.ackflow.feed=false`` (then the messages go
+    through ``createDataFrame`` as on a cluster)."""
+    conf = spark.conf  # type: ignore[attr-defined]
+    return str(conf.get("spark.ackflow.feed", "true")).lower() != "false"

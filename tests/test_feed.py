@@ -1,0 +1,145 @@
+"""A local master's batches reach the Python workers through a file (spark/feed.py):
+the same outcome, message by message, as through ``createDataFrame``; the files live
+as long as their job; a dead process's directory is swept by the next one. And the
+small machine's JVM compiles with C1 (session.quick_jit)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import ackflow
+from ackflow.embedded import EmbeddedQueue
+from ackflow.sinks import MemorySink
+from ackflow.sources import EmbeddedQueueSource
+from ackflow.spark import feed
+from ackflow.spark.feed import Feeds, fed, sweep_dead
+from ackflow.spark.session import quick_jit
+from helpers import FAST
+from test_hostile import KNOWN, nested
+
+POLICY = ackflow.RetryPolicy(max_deliveries=2, backoff_s=0.01)
+
+
+def check(r):
+    if isinstance(r.get("qty"), int) and r["qty"] % 5 == 0:
+        raise ValueError(f"qty {r['qty']} is poison")
+    return r
+
+
+def outcome(spark, tmp_path, bodies, on, monkeypatch):
+    """(rows by message, dead letters by message) of one run with the feed on or off."""
+    db = str(tmp_path / f"q-{on}.db")
+    EmbeddedQueue(db).publish("in", bodies, headers=[{"n": str(i)} for i in range(len(bodies))])
+    src = EmbeddedQueueSource(db, "in", policy=POLICY)
+    src.headers_field = "meta"
+    sink, dead = MemorySink(), MemorySink(name="dead")
+    writes = []
+    real = Feeds.write
+    monkeypatch.setattr(Feeds, "write", lambda self, t, b: writes.append(b) or real(self, t, b))
+    spark.conf.set("spark.ackflow.feed", "true" if on else "false")
+    try:
+        ackflow.run(
+            ackflow.Flow(src).map(check, name="check").to(sink).on_error(dead),
+            spark=spark,
+            **{**FAST, "until_idle": 0.5, "systemic_stop_after_s": 15},
+        )
+    finally:
+        spark.conf.unset("spark.ackflow.feed")
+    assert bool(writes) == on  # the path under test was the one taken
+    rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in sink.rows)
+    letters = sorted((r["body"], r["step"], r["error"]) for r in dead.rows)
+    return rows, letters
+
+
+@pytest.mark.spark
+@settings(
+    max_examples=int(os.environ.get("ACKFLOW_HOSTILE_EXAMPLES", "5")),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@example(bodies=[*KNOWN, b'{"qty": 10}', b'{"qty": 11, "m": {"x": [1, 2]}}'])
+@given(
+    bodies=st.lists(
+        st.one_of(
+            st.sampled_from(KNOWN),
+            st.binary(max_size=32),
+            st.dictionaries(st.sampled_from(["qty", "a", "b"]), nested, max_size=3).map(
+                lambda d: json.dumps(d).encode()
+            ),
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_the_file_and_the_dataframe_give_each_message_the_same_outcome(
+    spark, tmp_path_factory, monkeypatch, bodies
+):
+    """Hostile bodies (the fuzz's known cases and drawn ones), headers, a poison step:
+    every row written and every dead letter (body, step, reason) are the same whether
+    the messages went through the file or through ``createDataFrame``."""
+    tmp = tmp_path_factory.mktemp("feed")
+    assert outcome(spark, tmp, bodies, True, monkeypatch) == outcome(spark, tmp, bodies, False, monkeypatch)
+
+
+def test_a_file_lives_as_long_as_its_batch_and_holds_one_record_batch_per_partition(tmp_path):
+    feeds = Feeds()
+    table = pa.table({"n": list(range(10))})
+    path, parts = feeds.write(pa.Table.from_batches(table.to_batches(max_chunksize=4)), "b1")
+    other, _ = feeds.write(table, "b2")
+    assert parts == 3
+    # what a task of partition 1 and 2 reads (its input: the partition indices)
+    read = fed(path, lambda batches: iter(list(batches)))(iter([pa.record_batch({"id": [1, 2]})]))
+    assert [b.column(0).to_pylist() for b in read] == [[4, 5, 6, 7], [8, 9]]
+    feeds.release("b1")
+    assert not os.path.exists(path) and os.path.exists(other)
+    feeds.release("b1")  # twice: nothing to do
+    feeds.release("b2")
+    assert os.listdir(feeds.dir) == []
+
+
+def test_the_directory_of_a_dead_process_is_swept_and_a_living_ones_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(feed.tempfile, "gettempdir", lambda: str(tmp_path))
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(gone.stdout)
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for pid in (dead_pid, living.pid):
+            os.makedirs(tmp_path / f"{feed.PREFIX}{pid}-x")
+            (tmp_path / f"{feed.PREFIX}{pid}-x" / "a.arrow").write_bytes(b"x")
+        os.makedirs(tmp_path / "someone-elses")
+        sweep_dead()
+        assert sorted(os.listdir(tmp_path)) == sorted([f"{feed.PREFIX}{living.pid}-x", "someone-elses"])
+    finally:
+        living.kill()
+        living.wait()
+
+
+@pytest.mark.parametrize(
+    "cores, env, opts, want",
+    [
+        (2, {}, "", "-XX:TieredStopAtLevel=1"),
+        (16, {}, "", ""),
+        (2, {"ACKFLOW_JIT": "full"}, "", ""),
+        (16, {"ACKFLOW_JIT": "quick"}, "-Dx=1", "-Dx=1 -XX:TieredStopAtLevel=1"),
+        (2, {}, "-XX:TieredStopAtLevel=4", "-XX:TieredStopAtLevel=4"),  # one's own wins
+        (2, {"PYSPARK_GATEWAY_PORT": "1"}, "", ""),  # a JVM already runs: no-op
+    ],
+)
+def test_a_small_machines_local_driver_compiles_with_c1(monkeypatch, cores, env, opts, want):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    for k in ("ACKFLOW_JIT", "PYSPARK_GATEWAY_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SPARK_SUBMIT_OPTS", opts)
+    quick_jit()
+    assert os.environ["SPARK_SUBMIT_OPTS"] == want
