@@ -11,6 +11,8 @@ import threading
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ackflow import faults
 from ackflow.core.errors import ConfigError
@@ -182,3 +184,22 @@ def test_a_row_without_a_key_is_not_committed(sink, tmp_path):
     assert written(tmp_path / "out") == []
     sink.commit("b2", stage(sink, "b2", ["k1", "k2"]))
     assert written(tmp_path / "out") == [0, 1]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(keys=st.lists(st.text(), max_size=40))
+def test_keys_go_into_the_manifest_exactly_as_they_are(keys):
+    """The keys' one-statement insert (a JSON array) keeps every key as it is: quotes,
+    backslashes, control characters, characters beyond the BMP, repeats once; a key
+    holding NUL (which SQLite's JSON would cut) goes the slow way. A key cut or changed
+    would merge two rows' keys and drop one."""
+    import sqlite3
+
+    from ackflow.core.durable import insert_keys
+
+    for extra in ([], ['q"\\\n\t\U0001f600', "\x7f\u2028"], ["a\x00b", "a\x00c"]):
+        db = sqlite3.connect(":memory:")
+        db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY)")
+        insert_keys(db, "row_keys", [*keys, *extra])
+        got = [r[0] for r in db.execute("SELECT key FROM row_keys")]
+        assert sorted(got) == sorted({*keys, *extra})

@@ -49,7 +49,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.durable import WriteTx, fsync_dir, open_db
+from ackflow.core.durable import WriteTx, fsync_dir, insert_keys, open_db
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink, null_key_failures
@@ -94,7 +94,7 @@ class KeyManifest:
         manifest's size)."""
         db.execute("CREATE TEMP TABLE IF NOT EXISTS incoming (key TEXT PRIMARY KEY)")
         db.execute("DELETE FROM incoming")
-        db.executemany("INSERT OR IGNORE INTO incoming (key) VALUES (?)", ((k,) for k in keys))
+        insert_keys(db, "incoming", keys)
         return {
             r[0]
             for r in db.execute("SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")
@@ -110,7 +110,7 @@ class KeyManifest:
         dropped: int,
         recovered: bool = False,
     ) -> None:
-        db.executemany("INSERT OR IGNORE INTO row_keys (key) VALUES (?)", ((k,) for k in keys))
+        insert_keys(db, "row_keys", keys)
         db.execute(
             "INSERT OR REPLACE INTO batches (seq, batch, version, rows, dropped, recovered,"
             " committed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
