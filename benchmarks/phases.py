@@ -161,9 +161,10 @@ def publish_kafka(bootstrap: str, topic: str, n: int) -> None:
         raise SystemExit("benchmark messages were not delivered to Kafka")
 
 
-def phase_kafka_limit(bootstrap: str, topic: str, n: int) -> dict[str, Any]:
+def phase_kafka_limit(bootstrap: str, topic: str, n: int, broker: int | None = None) -> dict[str, Any]:
     """Raw confluent-kafka: a group member consumes the topic and commits every 1 000
-    messages (synchronously), the group join included, as ackflow's run includes it."""
+    messages (synchronously), the group join included, as ackflow's run includes it.
+    ``broker``: the broker's pid, whose CPU is measured over the same span."""
     from confluent_kafka import Consumer
 
     c = Consumer(
@@ -175,7 +176,7 @@ def phase_kafka_limit(bootstrap: str, topic: str, n: int) -> dict[str, Any]:
         }
     )
     t0 = time.perf_counter()
-    c0 = cpu_s()
+    c0, b0 = cpu_s(), tree_cpu(broker)
     c.subscribe([topic])
     done = 0
     idle_since = None
@@ -191,7 +192,7 @@ def phase_kafka_limit(bootstrap: str, topic: str, n: int) -> dict[str, Any]:
         done += got
         c.commit(asynchronous=False)
     secs = time.perf_counter() - t0
-    cpu = cpu_s() - c0
+    cpu, broker_cpu = cpu_s() - c0, tree_cpu(broker) - b0
     c.close()
     return {
         "messages": done,
@@ -199,6 +200,7 @@ def phase_kafka_limit(bootstrap: str, topic: str, n: int) -> dict[str, Any]:
         "rate": done / secs,
         "rss_mb": rss_mb(),
         "driver_cpu_us": cpu / max(1, done) * 1e6,
+        **({"broker_cpu_us": broker_cpu / max(1, done) * 1e6} if broker else {}),
     }
 
 

@@ -165,11 +165,18 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     if name.startswith("rmq_limit"):
         return phase_rmq_limit(a.url, rmq_queue(name), a.messages, a.max_inflight, a.broker_pid)
     if name == "kafka_limit":
-        return phase_kafka_limit(a.kafka, a.topic, a.messages)
+        return phase_kafka_limit(a.kafka, a.topic, a.messages, a.broker_pid)
     if name == "ackflow_kafka":
         publish_kafka(a.kafka, "warmup", a.batch_size)
         return phase_ackflow(
-            a.db, a.messages, a.batch_size, a.max_inflight, out, queue=a.topic, kafka=a.kafka
+            a.db,
+            a.messages,
+            a.batch_size,
+            a.max_inflight,
+            out,
+            queue=a.topic,
+            kafka=a.kafka,
+            broker=a.broker_pid,
         )
     if name == "ss_files":
         return phase_ss_files(a.files, a.messages, a.batch_size, out)
@@ -347,11 +354,12 @@ def main() -> None:
                     from ackflow.servers import PostgresServer
 
                     dsn = stack.enter_context(PostgresServer()).dsn
-                kafka = None
+                kafka = kafka_pid = None
                 if any("kafka" in x for x in phases):
                     from ackflow.servers import KafkaServer
 
-                    kafka = stack.enter_context(KafkaServer()).bootstrap
+                    tansu = stack.enter_context(KafkaServer())
+                    kafka, kafka_pid = tansu.bootstrap, tansu.proc.pid if tansu.proc else None
                 if any("rmq" in x or x == "latency" for x in phases):
                     from ackflow.servers import RabbitMQServer
 
@@ -367,7 +375,7 @@ def main() -> None:
                             run_phase(
                                 name,
                                 ["--dir", tmp, "--messages", str(a.messages), *common, *extra],
-                                broker if "rmq" in name else None,
+                                broker if "rmq" in name else kafka_pid if "kafka" in name else None,
                             )
                         )
                         clean(tmp, name)
