@@ -39,9 +39,11 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch):
     src = EmbeddedQueueSource(db, "in", policy=POLICY)
     src.headers_field = "meta"
     sink, dead = MemorySink(), MemorySink(name="dead")
-    writes = []
+    writes, feeds = [], []
     real = Feeds.write
-    monkeypatch.setattr(Feeds, "write", lambda self, t, b: writes.append(b) or real(self, t, b))
+    monkeypatch.setattr(
+        Feeds, "write", lambda self, t, b: writes.append(b) or feeds.append(self) or real(self, t, b)
+    )
     spark.conf.set("spark.ackflow.feed", "true" if on else "false")
     try:
         ackflow.run(
@@ -52,6 +54,8 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch):
     finally:
         spark.conf.unset("spark.ackflow.feed")
     assert bool(writes) == on  # the path under test was the one taken
+    for f in feeds:  # every job's file gone with it (bisections and locate too)
+        assert os.listdir(f.dir) == [feed.LOCK]
     rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in sink.rows)
     letters = sorted((r["body"], r["step"], r["error"]) for r in dead.rows)
     return rows, letters
@@ -101,26 +105,74 @@ def test_a_file_lives_as_long_as_its_batch_and_holds_one_record_batch_per_partit
     assert not os.path.exists(path) and os.path.exists(other)
     feeds.release("b1")  # twice: nothing to do
     feeds.release("b2")
-    assert os.listdir(feeds.dir) == []
+    assert os.listdir(feeds.dir) == [feed.LOCK]
+    # what Spark would hand the function: pieces of at most maxRecordsPerBatch
+    pieces = fed(path_again := feeds.write(table, "b3")[0], lambda b: iter(list(b)), max_rows=3)(
+        iter([pa.record_batch({"id": [0]})])
+    )
+    assert [b.num_rows for b in pieces] == [3, 3, 3, 1]
+    feeds.release("b3")
+    assert not os.path.exists(path_again)
+
+
+def test_a_feed_directory_removed_under_a_running_process_is_made_again():
+    """A cleaner of the temporary folder may remove it while the run is quiet."""
+    import shutil
+
+    feeds = Feeds()
+    shutil.rmtree(feeds.dir)
+    path, parts = feeds.write(pa.table({"n": [1, 2]}), "b1")
+    assert parts == 1 and os.path.exists(path)
 
 
 def test_the_directory_of_a_dead_process_is_swept_and_a_living_ones_kept(tmp_path, monkeypatch):
+    """Dead or alive is told by the directory's lock, not by a pid (containers sharing
+    the temporary folder do not share pids): a living owner holds it."""
     monkeypatch.setattr(feed.tempfile, "gettempdir", lambda: str(tmp_path))
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    for name in ("dead", "living"):
+        os.makedirs(tmp_path / f"{feed.PREFIX}1-{name}")
+        (tmp_path / f"{feed.PREFIX}1-{name}" / "a.arrow").write_bytes(b"x")
+        (tmp_path / f"{feed.PREFIX}1-{name}" / feed.LOCK).write_bytes(b"")
+    os.makedirs(tmp_path / f"{feed.PREFIX}1-nolock")  # not ours to judge
+    os.makedirs(tmp_path / "someone-elses")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX);"
+            " print('held', flush=True); time.sleep(60)",
+            str(tmp_path / f"{feed.PREFIX}1-living" / feed.LOCK),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    dead_pid = int(gone.stdout)
-    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        for pid in (dead_pid, living.pid):
-            os.makedirs(tmp_path / f"{feed.PREFIX}{pid}-x")
-            (tmp_path / f"{feed.PREFIX}{pid}-x" / "a.arrow").write_bytes(b"x")
-        os.makedirs(tmp_path / "someone-elses")
+        assert holder.stdout.readline().strip() == "held"
         sweep_dead()
-        assert sorted(os.listdir(tmp_path)) == sorted([f"{feed.PREFIX}{living.pid}-x", "someone-elses"])
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [f"{feed.PREFIX}1-living", f"{feed.PREFIX}1-nolock", "someone-elses"]
+        )
+        mine = Feeds()  # its own directory is locked by itself: a second sweep keeps it
+        sweep_dead()
+        assert os.path.isdir(mine.dir)
     finally:
-        living.kill()
-        living.wait()
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.spark
+def test_a_batch_whose_file_cannot_be_written_goes_through_the_jvm(spark, tmp_path, monkeypatch):
+    """A full or unwritable temporary folder costs speed only: every message is written."""
+    db = str(tmp_path / "q.db")
+    EmbeddedQueue(db).publish("in", [json.dumps({"qty": i}).encode() for i in range(1, 40, 5)])
+
+    def full(self, table, batch_id):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Feeds, "write", full)
+    sink = MemorySink()
+    report = ackflow.run(ackflow.Flow(EmbeddedQueueSource(db, "in")).to(sink), spark=spark, **FAST)
+    assert report.acked == 8 and sorted(r["qty"] for r in sink.rows) == list(range(1, 40, 5))
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,6 +60,7 @@ from ackflow.spark.rows import (
 from ackflow.spark.writer import make_writer
 
 Feed = Callable[[Fn], Fn] | None
+log = logging.getLogger("ackflow.engine")
 
 
 class CompiledFlow(Plan):
@@ -129,8 +131,14 @@ class CompiledFlow(Plan):
         the first Python function is wrapped in to read the messages (None: they are in
         the DataFrame)."""
         if self._feeds is not None and inputs.num_rows:
-            path, parts = self._feeds.write(inputs, batch_id)
-            return self.spark.range(0, parts, 1, parts), [], ID, functools.partial(fed, path)
+            try:
+                path, parts = self._feeds.write(inputs, batch_id)
+            except OSError as e:  # a full or unwritable temporary folder: the other way
+                log.warning("cannot write the batch's input file (%s); it goes through the JVM", e)
+            else:
+                pieces = int(self.spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch") or 10_000)
+                feed = functools.partial(fed, path, max_rows=pieces if pieces > 0 else 10_000)
+                return self.spark.range(0, parts, 1, parts), [], ID, feed
         df = self.spark.createDataFrame(inputs)
         if self.rows_input:  # rows from grouped_within: data columns and __af_ids
             return df, [c for c in inputs.column_names if not c.startswith("__af_")], IDS, None
@@ -141,8 +149,8 @@ class CompiledFlow(Plan):
         run growing prefixes of the plan, a Spark job each, and return the first step
         whose prefix fails; the sink's name if every prefix succeeds."""
         key = f"locate-{id(inputs)}-{threading.get_ident()}"
-        df, data_cols, lineage, feed = self._start(inputs, key)
         try:
+            df, data_cols, lineage, feed = self._start(inputs, key)
             for k, seg in enumerate(self.segments, start=1):
                 try:
                     out, _, _, alive = self._chain(
@@ -168,10 +176,10 @@ class CompiledFlow(Plan):
     def release(self, batch_id: str) -> None:
         with self._lock:
             shared = self._persisted.pop(batch_id, None)
-        if shared is not None:
-            shared.unpersist()
         if self._feeds is not None:
             self._feeds.release(batch_id)
+        if shared is not None:
+            shared.unpersist()
 
     def _chain(
         self,

@@ -28,12 +28,18 @@ from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
+from ackflow.core.durable import try_lock
+
 Fn = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 PREFIX = "ackflow-feed-"
+LOCK = "owner.lock"
 
 
-def fed(path: str, fn: Fn) -> Fn:
-    """``fn`` over the record batches of ``path`` named by its input (partition indices)."""
+def fed(path: str, fn: Fn, max_rows: int = 10_000) -> Fn:
+    """``fn`` over the record batches of ``path`` named by its input (partition indices),
+    in pieces of at most ``max_rows`` (what Spark hands a ``mapInArrow`` function:
+    ``spark.sql.execution.arrow.maxRecordsPerBatch``; a whole partition at once could
+    outgrow a worker's memory where the DataFrame's pieces did not)."""
 
     def run(indices: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         def batches() -> Iterator[pa.RecordBatch]:
@@ -41,7 +47,9 @@ def fed(path: str, fn: Fn) -> Fn:
                 reader = pa.ipc.open_file(f)
                 for b in indices:
                     for i in b.column(0).to_pylist():
-                        yield reader.get_batch(i)
+                        batch = reader.get_batch(i)
+                        for start in range(0, batch.num_rows, max_rows):
+                            yield batch.slice(start, max_rows)
 
         return fn(batches())
 
@@ -49,23 +57,35 @@ def fed(path: str, fn: Fn) -> Fn:
 
 
 class Feeds:
-    """The input files of one process's batches."""
+    """The input files of one process's batches. The directory holds a lock file this
+    process keeps locked (``flock``) while it lives: a directory whose lock can be taken
+    belongs to a dead process, whatever its pid means here (containers sharing the
+    temporary folder do not share pids; the kernel's locks they do share)."""
 
     def __init__(self) -> None:
         sweep_dead()
         self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
         self._files: dict[str, list[str]] = {}
         self._lock = threading.Lock()
-        weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self._held = try_lock(os.path.join(self.dir, LOCK))
+        weakref.finalize(self, _remove, self.dir, self._held)
 
     def write(self, table: pa.Table, batch_id: str) -> tuple[str, int]:
         """Write ``table`` (chunked one record batch per partition); its path and how many
-        record batches it holds."""
+        record batches it holds. The directory is made again if it went (a cleaner of
+        the temporary folder); a file half written is removed (OSError goes to the
+        caller, who sends the batch the other way)."""
+        os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"{uuid.uuid4().hex}.arrow")
         batches = [b for b in table.to_batches() if b.num_rows]
-        with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-            for b in batches:
-                w.write_batch(b)
+        try:
+            with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+                for b in batches:
+                    w.write_batch(b)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            raise
         with self._lock:
             self._files.setdefault(batch_id, []).append(path)
         return path, len(batches)
@@ -79,29 +99,28 @@ class Feeds:
 
 
 def sweep_dead() -> None:
-    """Remove the feed directories of processes that are gone."""
+    """Remove the feed directories of processes that are gone: those whose lock file
+    can be locked (its owner would hold it)."""
     root = tempfile.gettempdir()
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
-            if not name.startswith(PREFIX):
+            folder = os.path.join(root, name)
+            if not name.startswith(PREFIX) or not os.path.isfile(os.path.join(folder, LOCK)):
+                continue
+            fd = try_lock(os.path.join(folder, LOCK))
+            if fd is None:  # its owner lives
                 continue
             try:
-                pid = int(name[len(PREFIX) :].split("-", 1)[0])
-            except ValueError:
-                continue
-            if pid == os.getpid() or _alive(pid):
-                continue
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                shutil.rmtree(folder, ignore_errors=True)
+            finally:
+                os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's: alive
-        return True
-    return True
+def _remove(folder: str, fd: int | None) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def feed_enabled(spark: object) -> bool:
