@@ -513,3 +513,39 @@ def test_a_headers_field_of_strings_is_a_map_not_a_struct_that_grows(tmp_path):
     assert sorted(sorted(r["meta"]) for r in sink.rows) == sorted(
         [[("X", "4")], [("\n", "3"), ("y", "2")], [("x", "1")]]
     )
+
+
+TYPES = [
+    pa.int8(), pa.int64(), pa.uint8(), pa.uint64(), pa.float16(), pa.float32(), pa.float64(),
+    pa.null(), pa.date32(), pa.timestamp("us"), pa.time64("us"), pa.string(), pa.bool_(),
+    pa.struct([("a", pa.int64())]), pa.list_(pa.int64()), pa.map_(pa.string(), pa.int64()),
+]  # fmt: skip
+
+
+def test_the_plain_types_skipped_by_conform_are_always_passed_by_outside():
+    """``conform`` skips ``outside`` for a value of a plain type (``plain_types``): that
+    is only right if ``outside`` would pass every such value. Checked over every type a
+    column may have and values at the edges (huge and negative ints, NaN, infinities,
+    float32's limits, booleans, which are not plain)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ackflow.core.schema import outside, plain_types
+
+    values = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from([0.5, 1e-46, 3.5e38, -0.0, 2.0**64]),
+    )
+
+    @settings(max_examples=2000, deadline=None, derandomize=True)
+    @given(value=values, t=st.sampled_from(TYPES))
+    def check(value, t):
+        if type(value) in plain_types(t):
+            assert outside(value, t, "x") is None, (value, t)
+
+    check()
+    assert bool not in plain_types(pa.int64()) and float not in plain_types(pa.float32())

@@ -281,6 +281,19 @@ def _checked(t: pa.DataType) -> bool:
     )
 
 
+def plain_types(t: pa.DataType) -> frozenset[type]:
+    """The exact Python types whose values :func:`outside` always passes for ``t`` (so a
+    caller may skip it for them): None anywhere, ``int`` in an integer column, ``int``
+    and ``float`` in a float64 one. Per value, a look-up instead of a dozen type
+    questions (measured: ``outside`` was a third of the Python workers' time on rows of
+    plain numbers). ``bool`` is never plain (it is not ``int`` by exact type)."""
+    if pa.types.is_integer(t):
+        return frozenset({type(None), int})
+    if pa.types.is_float64(t):
+        return frozenset({type(None), int, float})
+    return frozenset({type(None)})
+
+
 def checked_columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
     """The columns whose values need a look before Arrow converts them (a struct field
     may be new; a list, number or time may be changed silently: :func:`_leaf_misfit`)."""

@@ -32,6 +32,7 @@ from ackflow.core.schema import (
     merge_schemas,
     miss_error,
     outside,
+    plain_types,
     split_rescued,
     to_text,
 )
@@ -255,7 +256,7 @@ def conform(
     ``mode=None`` (``schema=`` given: the user chose the columns): fields outside them
     are left out."""
     names = set(data_schema.names)
-    checked = checked_columns(data_schema)
+    checked = [(name, t, plain_types(t)) for name, t in checked_columns(data_schema)]
     pending: list[int] = []  # rows that need more columns (mode evolve), typed together
     unfit: dict[str, bool] = {}  # new field name -> it cannot become a column (rows share them)
     folded = {fold(c) for c in data_schema.names}
@@ -300,8 +301,11 @@ def conform(
                 continue
         why = None  # bad is a new field; else why its value does not fit
         if bad is None:
-            for name, t in checked:
-                found = outside(r.get(name), t, name)
+            for name, t, plain in checked:
+                value = r.get(name)
+                if type(value) in plain:  # outside() would pass it
+                    continue
+                found = outside(value, t, name)
                 if found is not None and (mode is not None or found[1] is not None):
                     bad, why = found
                     break
