@@ -342,7 +342,10 @@ def test_ackflow_dead_letters_round_trip(url, kind, route, capsys):
     assert report.dead_lettered == 3
     assert cli(["dlq", "peek", dead, "--url", url, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert [d["message_id"] for d in shown] == ["o0", "o1", "o2"]
+    # in the order they were given up, which retries may shuffle (seen in CI: o2 first
+    # on a quorum queue); the dead-letter queue keeps that order from here on
+    order = [d["message_id"] for d in shown]
+    assert sorted(order) == ["o0", "o1", "o2"]
     if route == "ackflow-dlx":
         assert shown[0]["step"] == "check" and "no customer" in shown[0]["error"]
         assert shown[0]["deliveries"] == 2
@@ -353,7 +356,7 @@ def test_ackflow_dead_letters_round_trip(url, kind, route, capsys):
     report, _ = run(2)  # still broken: the replayed one is retried in full, then dead again
     assert report.dead_lettered == 1
     again = dlq.peek(url, dead, 10)
-    assert [d.message_id for d in again] == ["o1", "o2", "o0"]
+    assert [d.message_id for d in again] == [*order[1:], order[0]]  # the replayed one at the back
     if route == "ackflow-dlx":
         assert again[2].deliveries == 2  # not 1: no redelivered flag or count came along
     FIXED.append(True)
