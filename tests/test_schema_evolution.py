@@ -519,6 +519,9 @@ TYPES = [
     pa.int8(), pa.int64(), pa.uint8(), pa.uint64(), pa.float16(), pa.float32(), pa.float64(),
     pa.null(), pa.date32(), pa.timestamp("us"), pa.time64("us"), pa.string(), pa.bool_(),
     pa.struct([("a", pa.int64())]), pa.list_(pa.int64()), pa.map_(pa.string(), pa.int64()),
+    pa.int16(), pa.int32(), pa.uint32(), pa.date64(), pa.time32("s"), pa.timestamp("ms", "UTC"),
+    pa.duration("s"), pa.large_list(pa.float32()), pa.decimal128(10, 2), pa.binary(),
+    pa.dictionary(pa.int32(), pa.string()),
 ]  # fmt: skip
 
 
