@@ -52,10 +52,12 @@ def _quick_jit() -> None:
     children the crash tests kill and restart), where the optimising compiler's work
     never pays back on 2 cores. Measured: a child's start to its first jobs 7.4 s ->
     5.3 s; the session's own driver ran the Spark model test equally fast either way.
-    Only speed depends on it; ``SPARK_SUBMIT_OPTS`` naming a tier keeps its own."""
-    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
-    if "TieredStopAtLevel" not in opts:
-        os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -XX:TieredStopAtLevel=1".strip()
+    Only speed depends on it; ``SPARK_SUBMIT_OPTS`` naming a tier keeps its own. The
+    library's own choice (``session.quick_jit``), asked for on any number of cores."""
+    from ackflow.spark.session import quick_jit
+
+    os.environ.setdefault("ACKFLOW_JIT", "quick")
+    quick_jit()
 
 
 @pytest.fixture(scope="session")

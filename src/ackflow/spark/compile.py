@@ -86,6 +86,9 @@ class CompiledFlow(Plan):
         # a local master's workers read a batch's messages from a file (see spark/feed.py)
         local = (spark.sparkContext.master or "").startswith("local")
         self._feeds = Feeds() if local and not rows_input and feed_enabled(spark) else None
+        # what Spark hands a mapInArrow function at a time: the feed gives the same pieces
+        pieces = int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch") or 10_000)
+        self._pieces = pieces if pieces > 0 else 10_000
         # local masters too: their Python workers may lack a module the driver has (another
         # interpreter, another sys.path), and then every message would fail as if poison
         check_executors_can_load(spark, self.shipped)
@@ -136,8 +139,7 @@ class CompiledFlow(Plan):
             except OSError as e:  # a full or unwritable temporary folder: the other way
                 log.warning("cannot write the batch's input file (%s); it goes through the JVM", e)
             else:
-                pieces = int(self.spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch") or 10_000)
-                feed = functools.partial(fed, path, max_rows=pieces if pieces > 0 else 10_000)
+                feed = functools.partial(fed, path, max_rows=self._pieces)
                 return self.spark.range(0, parts, 1, parts), [], ID, feed
         df = self.spark.createDataFrame(inputs)
         if self.rows_input:  # rows from grouped_within: data columns and __af_ids

@@ -11,8 +11,8 @@ batch from the file itself. The bytes never enter the JVM; what comes out of tha
 function is the same as before, so nothing after it changes.
 
 A file lives as long as its batch's job (:meth:`Feeds.release`); the directory is the
-process's own (named by its pid), and the directories of processes that died without
-cleaning up (SIGKILL) are removed by the next one to start.
+process's own (it holds a lock file the process keeps locked), and the directories of
+processes that died without cleaning up (SIGKILL) are removed by the next one to start.
 """
 
 from __future__ import annotations
