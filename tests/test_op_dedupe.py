@@ -343,3 +343,72 @@ def test_dedupe_after_grouped_within_and_a_remember_of_nothing_are_refused():
         flow.dedupe("order", within="1h").to(KeyedSink()).validate()
     with pytest.raises(ConfigError, match="remember must be a positive duration"):
         Flow(ListSource(msgs(("o1", 0, 1)))).dedupe("order", within="1h", remember=0)
+
+
+SHARED_CLAIMS = """
+import json, sys, time
+import ackflow
+from ackflow import windows as w
+from ackflow.core.policy import RetryPolicy
+from ackflow.flow import Flow
+from ackflow.sinks import Postgres
+from ackflow.testing import ListSource
+
+dsn, schema, table, who, state_dir, start = sys.argv[1:7]
+bodies = [json.dumps({"order": f"o{i % 10}", "t": i, "n": f"{who}{i}"}) for i in range(40)]
+policy = RetryPolicy(max_deliveries=20, backoff_s=0.05)
+src = ListSource(bodies, keys=[f"{who}-m{i}" for i in range(40)], policy=policy)
+state = w.PostgresState(dsn, schema=schema)
+flow = Flow(src).dedupe("order", within="1h", time="t", state=state, name="orders")
+flow = flow.to(Postgres(dsn, table, create=True))
+time.sleep(max(0.0, float(start) - time.time()))  # both start their claims together
+ackflow.run(flow, executor="local", state_dir=state_dir, batch_size=2, until_idle=1.0)
+print(json.dumps(src.final()))
+"""
+
+
+def test_two_processes_sharing_postgresql_claims_write_one_row_per_key(postgres, pg_table, tmp_path):
+    """Two processes (two runs, each its own messages of the same ten orders) dedupe
+    against one PostgreSQL state and write one table: one row per order in all, every
+    message acked in both, every claim committed. Schema, state tables and the sink's
+    table are created by both at once."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    import psycopg
+
+    schema = f"dd_{uuid.uuid4().hex[:8]}"
+    start = time.time() + 4
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SHARED_CLAIMS,
+                postgres.dsn,
+                schema,
+                pg_table,
+                who,
+                str(tmp_path / who),
+                str(start),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for who in ("a", "b")
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert set(json.loads(out.splitlines()[-1]).values()) == {"acked"}, out
+    with psycopg.connect(postgres.dsn) as c:
+        rows = sorted(c.execute(f'SELECT "order", n FROM "{pg_table}"').fetchall())
+        held = c.execute(
+            f'SELECT count(*), sum(done) FROM "{schema}".dedupe WHERE op = %s', ("orders",)
+        ).fetchone()
+    assert [o for o, _ in rows] == [f"o{i}" for i in range(10)], rows  # one row each, from either process
+    assert all(int(n[1:]) % 10 == int(o[1:]) for o, n in rows)
+    assert held == (10, 10)

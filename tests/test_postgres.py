@@ -304,3 +304,38 @@ def test_an_error_sink_in_postgres_creates_its_table_and_holds_the_dead_letters(
         ).fetchall()
     assert [(m, s) for m, s, _ in got] == [("m0", "check"), ("m3", "check"), ("m6", "check")]
     assert "bad 3" in got[1][2]
+
+
+def test_processes_creating_one_table_at_once_all_succeed(postgres, pg_table):
+    """Several sinks (processes of one pipeline) prepare the same new table at once:
+    "IF NOT EXISTS" alone collides on PostgreSQL's catalog (a unique violation on
+    pg_type); each must find the table made, none fail."""
+    import threading
+
+    import pyarrow as pa
+
+    schema = pa.schema([("order", pa.int64()), ("sku", pa.string())])
+    for round_ in range(5):
+        name = f"{pg_table[:40]}_{round_}"
+        execute(postgres.dsn, sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
+        sinks = [Postgres(postgres.dsn, name, create=True) for _ in range(6)]
+        for s in sinks:
+            s.open()
+        errors: list[BaseException] = []
+        gate = threading.Barrier(len(sinks))
+
+        def prepare(sink, gate=gate, errors=errors):
+            gate.wait()
+            try:
+                sink.prepare(schema)
+            except BaseException as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(e)
+
+        threads = [threading.Thread(target=prepare, args=(s,)) for s in sinks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in sinks:
+            s.close()
+        assert not errors, errors

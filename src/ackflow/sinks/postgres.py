@@ -344,6 +344,9 @@ class PostgresSink(Sink):
                         sql.SQL(", ").join(map(sql.Identifier, self.conflict_key))
                     )
                 )
+                # two processes creating one table at once collide on PostgreSQL's
+                # catalog ("IF NOT EXISTS" is checked before the insert): one at a time
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"ackflow-ddl:{self.table}",))
                 conn.execute(
                     sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(ident, sql.SQL(", ").join(defs))
                 )

@@ -88,7 +88,10 @@ class PostgresState:
         if not isinstance(self.schema, str) or not self.schema:
             raise ConfigError("PostgresState: schema must be a name")
 
-    def connect(self) -> Any:
+    def connect(self, create: bool = False) -> Any:
+        """A connection (autocommit) whose search path is the schema; ``create``: the
+        schema made first if missing (under an advisory lock: two processes creating
+        it at once would otherwise collide on PostgreSQL's catalog)."""
         import psycopg
         from psycopg import sql
 
@@ -98,7 +101,10 @@ class PostgresState:
             raise FlowError(
                 "window state", f"cannot connect to PostgreSQL at {redact(self.dsn)}: {redact(str(e))}"
             ) from None
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema)))
+        if create:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"ackflow-ddl:{self.schema}",))
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema)))
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
         return conn
 
@@ -106,11 +112,15 @@ class PostgresState:
 def connect_store(state: PostgresState, create: bool = True) -> _Conn:
     """A connection to the state's schema that takes the SQLite store's statements
     (``create``: the tables created if missing; the driver's, once: DDL takes locks
-    that would queue the tasks' transactions)."""
-    conn = state.connect()
-    for stmt in _DDL.split(";") if create else ():
-        if stmt.strip():
-            conn.execute(stmt)
+    that would queue the tasks' transactions). Several processes may create them at
+    once: the statements run in one transaction under the schema's DDL lock."""
+    conn = state.connect(create=create)
+    if create:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"ackflow-ddl:{state.schema}",))
+            for stmt in _DDL.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
     return _Conn(conn)
 
 
