@@ -82,6 +82,17 @@ class SystemicFailure(FlowError):
         self.detail = detail
 
 
+class StoreAway(ConnectionError):
+    """A durable store a step depends on (a window's or dedupe's state in PostgreSQL)
+    did not answer mid-run: not the data's fault. The batch fails as a whole (given
+    back, never dead-lettered, a systemic failure that stops the run only if it
+    persists); the store reconnects when asked again."""
+
+    def __init__(self, step: str, why: str) -> None:
+        super().__init__(f"step {step!r}: {why}")
+        self.step = step
+
+
 class SourceGone(AckflowError):
     """A source's queue or stream was deleted (or its consumer cancelled by the broker)
     and did not come back within the source's ``gone_timeout_s``: the run stops. What was

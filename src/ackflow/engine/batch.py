@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow import faults
-from ackflow.core.errors import FlowError, describe
+from ackflow.core.errors import FlowError, StoreAway, describe
 from ackflow.core.groups import Group
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
@@ -49,6 +49,9 @@ class BatchResult:
     #: Spark sent one), for a systemic failure's last words
     details: dict[tuple[str, str], str] = field(default_factory=dict)
     full_errors: dict[str, str] = field(default_factory=dict)  # job error -> its cause's text
+    #: the windows hold their watermark for this batch until the engine lets go
+    #: (``Settling._let_go``): it failed as a whole, and its messages may come back
+    kept: bool = False
 
 
 def execute(
@@ -109,6 +112,11 @@ def execute(
             phase("job")
         try:
             job = run_job(compiled, ds, bid)
+        except StoreAway as e:  # not the data's: the batch fails as a whole (given back)
+            log.error("batch %s: %s", bid, e)
+            abort_all(compiled, bid, {})
+            fail_all(ds, Failure(e.step, str(e), whole=True))
+            return None
         except JobFailed as e:
             text = str(e)
             last_error.append(text)
@@ -319,14 +327,26 @@ def execute(
             fail_all(rest, failure)
             result.untested.update(d.lineage_id for d in rest)
 
-    holding = [s for s in compiled.sinks if hasattr(s, "hold")]
-    for s in holding:  # a window keeps the batch's place while its jobs (halves, probes) run
-        s.hold(batch_id)  # type: ignore[attr-defined]
+    holding = []
     try:
+        for s in compiled.sinks:  # a window keeps the batch's place while its jobs (halves, probes) run
+            if hasattr(s, "hold"):
+                s.hold(batch_id)
+                holding.append(s)
+    except StoreAway as e:  # its state's database is away: the batch fails as a whole
+        log.error("batch %s: %s", batch_id, e)
+        fail_all(deliveries, Failure(e.step, str(e), whole=True))
+    else:
         attempt(deliveries, batch_id)
     finally:
+        # failed as a whole: its messages may be given back (the engine decides); the
+        # windows hold their watermark for them until the engine lets go
+        result.kept = bool(holding) and any(f.whole for f in result.outcomes.failed.values())
         for s in holding:
-            s.unhold(batch_id)  # type: ignore[attr-defined]
+            try:
+                s.keep(batch_id) if result.kept else s.unhold(batch_id)  # type: ignore[attr-defined]
+            except StoreAway as e:  # the watermark moves with a later batch
+                log.warning("batch %s: %s", batch_id, e)
     return result
 
 

@@ -186,6 +186,8 @@ class Engine(Settling):
         self.inflight: dict[int, Delivery] = {}
         self._live: dict[str, int] = {}  # identity -> lineage id of its delivery in flight
         self._dupes: dict[int, list[Delivery]] = {}  # that lineage id -> repeats held back
+        self._back: dict[str, tuple[float, set[str]]] = {}  # windows hold for these (settle.py)
+        self._back_now: list[str] | None = None
         self._next_id = 1
         self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery] | None]] = queue.Queue()
         self._running: dict[str, tuple[Future[BatchResult], list[Delivery]]] = {}
@@ -494,6 +496,8 @@ class Engine(Settling):
                     pending.extend(again)
                     last_message = time.monotonic()
             self._drop_lost()
+            if self._back:
+                self._expire_back()
             now = time.monotonic()
             if self._stop.is_set():  # stop receiving now: what comes while draining
                 self._release(pending, ending=True)  # would be given back (a spent delivery)

@@ -12,10 +12,11 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.errors import SystemicFailure
+from ackflow.core.errors import SystemicFailure, describe
 from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
 from ackflow.core.secrets import redact
@@ -35,6 +36,11 @@ log = logging.getLogger("ackflow.engine")
 #: runs again (a dedupe's repeat of an unsettled first)
 PARK_S = 1.0
 
+#: how long the windows hold their watermark for messages given back (a batch failed
+#: as a whole: a database away, a sink down) that have not come back and settled: a
+#: message another process took, or a source that keeps it longer, lets go then
+BACK_HOLD_S = 600.0
+
 
 class Settling:
     """The engine's settling methods; the state they share is the engine's (set in
@@ -53,6 +59,10 @@ class Settling:
     batch_seconds: deque[float]
     _live: dict[str, int]
     _dupes: dict[int, list[Delivery]]
+    #: batch id -> (since, identities given back not yet settled): windows hold their
+    #: watermark for them (:meth:`_let_go`)
+    _back: dict[str, tuple[float, set[str]]]
+    _back_now: list[str] | None
     _next_id: int
     _gw_index: int
     _pause_until: float
@@ -152,6 +162,8 @@ class Settling:
                 followers.append((d, dupes))
         if self.groups is not None:
             self.groups.discard(waiting)
+        if self._back:
+            self._came_back([d for d in done if d.state in (Settlement.ACKED, Settlement.DEAD_LETTERED)])
         self.window.give_back(len(done))
         for first, dupes in followers:
             self._settle_duplicates(first, dupes)
@@ -183,7 +195,16 @@ class Settling:
         acked = [by_id[i] for i in result.outcomes.acked if i not in held and i in by_id]
         self._ack(acked)
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
-        failures = self._give_back_systemic(result, failures, acked=bool(acked))
+        self._back_now = [] if result.kept else None
+        try:
+            failures = self._give_back_systemic(result, failures, acked=bool(acked))
+        finally:
+            if result.kept:  # the windows hold for what was given back, else let go now
+                if self._back_now:
+                    self._back[result.batch_id] = (time.monotonic(), set(self._back_now))
+                else:
+                    self._let_go(result.batch_id)
+            self._back_now = None
         waiting = [(d, f) for d, f in failures if f.waits]
         if waiting:  # not their failure: another message's row settles first (a dedupe)
             self._park(waiting)
@@ -535,9 +556,42 @@ class Settling:
             return
         for d in back:
             d.settle(Settlement.RELEASED)
+        if self._back_now is not None:
+            self._back_now.extend(d.identity for d in back)
         self.flow.source.release(back)
         self.report.released += len(back)
         self.metrics.released.inc(len(back))
+
+    def _came_back(self, deliveries: Sequence[Delivery]) -> None:
+        """These settled for good (acked, dead-lettered): a window held for them no more."""
+        for bid, (_, ids) in list(self._back.items()):
+            ids.difference_update(d.identity for d in deliveries)
+            if not ids:
+                self._let_go(bid)
+
+    def _let_go(self, batch_id: str) -> None:
+        """The windows' watermark may move past the messages of ``batch_id``."""
+        self._back.pop(batch_id, None)
+        for sink in self.flow.sinks:
+            if hasattr(sink, "let_go"):
+                try:
+                    sink.let_go(batch_id)
+                except Exception as e:  # noqa: BLE001 - the watermark moves with a later batch
+                    log.warning("window %r: %s", sink.name, describe(e))
+
+    def _expire_back(self) -> None:
+        """Let go of batches whose given-back messages did not come back in BACK_HOLD_S."""
+        now = time.monotonic()
+        for bid, (since, ids) in list(self._back.items()):
+            if now - since >= BACK_HOLD_S:
+                log.warning(
+                    "batch %s: %d messages given back have not come back in %.0f s; "
+                    "the windows' watermark moves on without them (they may be late)",
+                    bid,
+                    len(ids),
+                    BACK_HOLD_S,
+                )
+                self._let_go(bid)
 
     def _window_metrics(self) -> None:
         w = self.window

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ackflow.core.errors import FlowError
+from ackflow.core.errors import FlowError, StoreAway
 from ackflow.core.settlement import Delivery
 from ackflow.spark.plan import Plan
 
@@ -48,8 +48,10 @@ def _run(compiled: Plan, inputs: pa.Table, batch_id: str) -> JobResult:
                 begin(batch_id)
                 begun.append(sink)
         table = compiled.job(inputs, batch_id).toArrow()
-    except FlowError:
-        for sink in begun:  # the run stops; the window forgets the job (its rows wait for no one)
+    except (FlowError, StoreAway):
+        # the run stops, or the batch fails as a whole (a store away): the window
+        # forgets the job (its rows wait for no one)
+        for sink in begun:
             sink.abort(batch_id, [])
         raise
     except Exception as e:  # Py4J, PythonException, SparkRuntimeException: the whole job

@@ -219,6 +219,16 @@ class DedupeSink(Sink):
         if hasattr(self.inner, "unhold"):
             self.inner.unhold(batch_id)
 
+    def keep(self, batch_id: str) -> None:
+        if hasattr(self.inner, "keep"):
+            self.inner.keep(batch_id)
+        else:
+            self.unhold(batch_id)
+
+    def let_go(self, batch_id: str) -> None:
+        if hasattr(self.inner, "let_go"):
+            self.inner.let_go(batch_id)
+
     def facts(self) -> dict[str, Any]:
         return dict(self.inner.facts()) if hasattr(self.inner, "facts") else {}
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ackflow.core.errors import ConfigError, FlowError
+from ackflow.core.errors import ConfigError, FlowError, StoreAway, describe
 from ackflow.core.secrets import redact
 from ackflow.state.store import SCHEMA
 
@@ -57,17 +57,53 @@ def translate(query: str) -> str:
 
 
 class _Conn:
-    """A psycopg connection that takes the SQLite store's statements."""
+    """A psycopg connection that takes the SQLite store's statements. ``reopen``: after
+    the server went away (a restart), the next statement outside a transaction opens a
+    new connection with it; statements while it is away raise :class:`StoreAway` (a
+    transaction cut short is rolled back by the server: its ``ROLLBACK`` is a no-op)."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, reopen: Any = None) -> None:
         self.conn = conn
+        self._reopen = reopen
+        self._in_tx = False
+
+    def _ready(self, query: str) -> Any:
+        conn = self.conn
+        if (conn.closed or conn.broken) and self._reopen is not None and not self._in_tx:
+            try:
+                conn.close()
+            finally:
+                self.conn = conn = self._reopen()
+        return conn
 
     def execute(self, query: str, params: Sequence[Any] = ()) -> Any:
-        return self.conn.execute(translate(query), params)
+        import psycopg
+
+        query = translate(query)
+        verb = query.lstrip()[:8].upper()
+        if verb.startswith("ROLLBACK") and (self.conn.closed or self.conn.broken):
+            self._in_tx = False  # the server ended the transaction with the connection
+            return None
+        if verb.startswith("BEGIN"):
+            self._in_tx = False  # a BEGIN starts afresh (on a new connection if need be)
+        try:
+            cur = self._ready(query).execute(query, params)
+        except psycopg.OperationalError as e:
+            raise StoreAway("window state", f"PostgreSQL did not answer: {redact(describe(e))}") from None
+        if verb.startswith("BEGIN"):
+            self._in_tx = True
+        elif verb.startswith(("COMMIT", "ROLLBACK")):
+            self._in_tx = False
+        return cur
 
     def executemany(self, query: str, rows: Sequence[Sequence[Any]]) -> Any:
-        cur = self.conn.cursor()
-        cur.executemany(translate(query), rows)
+        import psycopg
+
+        try:
+            cur = self._ready(query).cursor()
+            cur.executemany(translate(query), rows)
+        except psycopg.OperationalError as e:
+            raise StoreAway("window state", f"PostgreSQL did not answer: {redact(describe(e))}") from None
         return cur
 
     def close(self) -> None:
@@ -98,9 +134,12 @@ class PostgresState:
         try:
             conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=int(self.connect_timeout))
         except psycopg.Error as e:
-            raise FlowError(
-                "window state", f"cannot connect to PostgreSQL at {redact(self.dsn)}: {redact(str(e))}"
-            ) from None
+            why = f"cannot connect to PostgreSQL at {redact(self.dsn)}: {redact(str(e))}"
+            if create:  # at start: the run cannot begin (one line, what to fix)
+                raise FlowError("window state", why) from None
+            # mid-run: an outage fails the batch as a whole (given back, never a dead
+            # letter) and the run goes on once the database answers
+            raise StoreAway("window state", why) from None
         if create:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"ackflow-ddl:{self.schema}",))
@@ -126,31 +165,35 @@ def connect_store(state: PostgresState, create: bool = True) -> _Conn:
 
 def open_store(state: PostgresState, op: str) -> Any:
     """The driver's store in PostgreSQL (a :class:`WindowStore` on a psycopg connection),
-    holding the window's advisory lock for the run."""
+    holding the window's advisory lock for the run (taken again on a new connection
+    after the server went away: if another process took it meanwhile, the run stops)."""
     from ackflow.state.store import WindowStore
 
-    conn = connect_store(state).conn
-    got = conn.execute(
-        "SELECT pg_try_advisory_lock(hashtext(%s))", (f"ackflow-window:{state.schema}:{op}",)
-    ).fetchone()[0]
-    if not got:
-        conn.close()
-        raise FlowError(
-            op,
-            f"another process drives this window's state in PostgreSQL (schema {state.schema!r}); "
-            "stop it first",
-        )
+    def locked(conn: Any) -> Any:
+        got = conn.execute(
+            "SELECT pg_try_advisory_lock(hashtext(%s))", (f"ackflow-window:{state.schema}:{op}",)
+        ).fetchone()[0]
+        if not got:
+            conn.close()
+            raise FlowError(
+                op,
+                f"another process drives this window's state in PostgreSQL (schema {state.schema!r}); "
+                "stop it first",
+            )
+        return conn
+
+    wrapped = _Conn(locked(connect_store(state).conn), reopen=lambda: locked(state.connect()))
 
     def size() -> int:
         return int(
-            conn.execute(
+            wrapped.execute(
                 "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
                 "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
                 (state.schema,),
             ).fetchone()[0]
         )
 
-    return WindowStore(f"postgresql:{state.schema}", conn=_Conn(conn), size=size)
+    return WindowStore(f"postgresql:{state.schema}", conn=wrapped, size=size)
 
 
 def read_view(

@@ -109,6 +109,11 @@ class Gate:
         self.running.pop(batch, None)
         return out
 
+    def rename(self, batch: str, to: str) -> None:
+        """``batch``'s place (its order and watermark) goes on as ``to``."""
+        if batch in self.running:
+            self.running[to] = self.running.pop(batch)
+
     def bound(self, watermark: int | None) -> int | None:
         """The watermark windows may close by: held back by every running batch's."""
         for _, started in self.running.values():

@@ -183,6 +183,24 @@ class WindowSink(Sink):
             with store.lock:
                 store.move(self.spec, self._gate.end(f"hold:{batch_id}", None))
 
+    def keep(self, batch_id: str) -> None:
+        """Instead of :meth:`unhold`: the batch failed as a whole and its messages may be
+        given back (a database away, a sink down). Its place holds the watermark (and
+        the idle close) until :meth:`let_go`, so that they are not late when they come
+        back for a failure that was not theirs."""
+        store = self._store
+        if store is not None:
+            with store.lock:
+                self._gate.rename(f"hold:{batch_id}", f"back:{batch_id}")
+
+    def let_go(self, batch_id: str) -> None:
+        """The messages :meth:`keep` waited for came back and settled (or were not given
+        back, or waited too long): the watermark may move on."""
+        store = self._store
+        if store is not None:
+            with store.lock:
+                store.move(self.spec, self._gate.end(f"back:{batch_id}", None))
+
     # -- task side -------------------------------------------------------------------
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
