@@ -318,7 +318,8 @@ def test_processes_creating_one_table_at_once_all_succeed(postgres, pg_table):
     for round_ in range(5):
         name = f"{pg_table[:40]}_{round_}"
         execute(postgres.dsn, sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
-        sinks = [Postgres(postgres.dsn, name, create=True) for _ in range(6)]
+        # the same table named with and without its schema
+        sinks = [Postgres(postgres.dsn, name if i % 2 else f"public.{name}", create=True) for i in range(6)]
         for s in sinks:
             s.open()
         errors: list[BaseException] = []

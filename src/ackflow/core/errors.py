@@ -90,7 +90,7 @@ class StoreAway(ConnectionError):
 
     def __init__(self, step: str, why: str) -> None:
         super().__init__(f"step {step!r}: {why}")
-        self.step = step
+        self.step, self.why = step, why
 
 
 class SourceGone(AckflowError):

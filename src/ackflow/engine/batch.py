@@ -115,7 +115,7 @@ def execute(
         except StoreAway as e:  # not the data's: the batch fails as a whole (given back)
             log.error("batch %s: %s", bid, e)
             abort_all(compiled, bid, {})
-            fail_all(ds, Failure(e.step, str(e), whole=True))
+            fail_all(ds, Failure(e.step, e.why, whole=True))
             return None
         except JobFailed as e:
             text = str(e)
@@ -335,7 +335,7 @@ def execute(
                 holding.append(s)
     except StoreAway as e:  # its state's database is away: the batch fails as a whole
         log.error("batch %s: %s", batch_id, e)
-        fail_all(deliveries, Failure(e.step, str(e), whole=True))
+        fail_all(deliveries, Failure(s.name, e.why, whole=True))
     else:
         attempt(deliveries, batch_id)
     finally:

@@ -29,6 +29,7 @@ from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
 from ackflow.observe.status import StatusBoard
 from ackflow.sinks.base import ROW_KEY
+from ackflow.sources.rabbitmq_keys import UNNAMED
 
 log = logging.getLogger("ackflow.engine")
 
@@ -556,8 +557,8 @@ class Settling:
             return
         for d in back:
             d.settle(Settlement.RELEASED)
-        if self._back_now is not None:
-            self._back_now.extend(d.identity for d in back)
+        if self._back_now is not None:  # (a key unique to one delivery never comes back)
+            self._back_now.extend(d.identity for d in back if not d.identity.startswith(UNNAMED))
         self.flow.source.release(back)
         self.report.released += len(back)
         self.metrics.released.inc(len(back))

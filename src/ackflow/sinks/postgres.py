@@ -346,7 +346,12 @@ class PostgresSink(Sink):
                 )
                 # two processes creating one table at once collide on PostgreSQL's
                 # catalog ("IF NOT EXISTS" is checked before the insert): one at a time
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"ackflow-ddl:{self.table}",))
+                space, _, bare = self.table.rpartition(".")  # "t" and "public.t": one lock
+                conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtext('ackflow-ddl:' || coalesce(%s, current_schema()) "
+                    "|| '.' || %s))",
+                    (space or None, bare),
+                )
                 conn.execute(
                     sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(ident, sql.SQL(", ").join(defs))
                 )

@@ -45,7 +45,10 @@ def _run(compiled: Plan, inputs: pa.Table, batch_id: str) -> JobResult:
         for sink in compiled.sinks:  # a window notes the watermark its tasks will read
             begin = getattr(sink, "begin_job", None)
             if begin is not None:
-                begin(batch_id)
+                try:
+                    begin(batch_id)
+                except StoreAway as e:  # named after the step whose state is away
+                    raise StoreAway(sink.name, e.why) from None
                 begun.append(sink)
         table = compiled.job(inputs, batch_id).toArrow()
     except (FlowError, StoreAway):

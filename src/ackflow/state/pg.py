@@ -12,8 +12,10 @@ partition, which is not built.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,54 +62,65 @@ class _Conn:
     """A psycopg connection that takes the SQLite store's statements. ``reopen``: after
     the server went away (a restart), the next statement outside a transaction opens a
     new connection with it; statements while it is away raise :class:`StoreAway` (a
-    transaction cut short is rolled back by the server: its ``ROLLBACK`` is a no-op)."""
+    transaction cut short is rolled back by the server: its ``ROLLBACK`` is a no-op).
+    Thread-safe (the ticker reads sizes while a batch commits)."""
 
     def __init__(self, conn: Any, reopen: Any = None) -> None:
         self.conn = conn
         self._reopen = reopen
         self._in_tx = False
+        self._lock = threading.RLock()
 
-    def _ready(self, query: str) -> Any:
+    def _ready(self) -> Any:
         conn = self.conn
         if (conn.closed or conn.broken) and self._reopen is not None and not self._in_tx:
-            try:
-                conn.close()
-            finally:
-                self.conn = conn = self._reopen()
+            conn.close()
+            self.conn = conn = self._reopen()
         return conn
 
     def execute(self, query: str, params: Sequence[Any] = ()) -> Any:
-        import psycopg
-
         query = translate(query)
         verb = query.lstrip()[:8].upper()
-        if verb.startswith("ROLLBACK") and (self.conn.closed or self.conn.broken):
-            self._in_tx = False  # the server ended the transaction with the connection
-            return None
-        if verb.startswith("BEGIN"):
-            self._in_tx = False  # a BEGIN starts afresh (on a new connection if need be)
-        try:
-            cur = self._ready(query).execute(query, params)
-        except psycopg.OperationalError as e:
-            raise StoreAway("window state", f"PostgreSQL did not answer: {redact(describe(e))}") from None
-        if verb.startswith("BEGIN"):
-            self._in_tx = True
-        elif verb.startswith(("COMMIT", "ROLLBACK")):
-            self._in_tx = False
-        return cur
+        with self._lock:
+            if verb.startswith("ROLLBACK") and (self.conn.closed or self.conn.broken):
+                self._in_tx = False  # the server ended the transaction with the connection
+                return None
+            if verb.startswith("BEGIN"):
+                self._in_tx = False  # a BEGIN starts afresh (on a new connection if need be)
+            try:
+                with _away():
+                    cur = self._ready().execute(query, params)
+            finally:
+                if verb.startswith(("COMMIT", "ROLLBACK")):
+                    self._in_tx = False
+            if verb.startswith("BEGIN"):
+                self._in_tx = True
+            return cur
 
     def executemany(self, query: str, rows: Sequence[Sequence[Any]]) -> Any:
-        import psycopg
-
-        try:
-            cur = self._ready(query).cursor()
+        with self._lock, _away():
+            cur = self._ready().cursor()
             cur.executemany(translate(query), rows)
-        except psycopg.OperationalError as e:
-            raise StoreAway("window state", f"PostgreSQL did not answer: {redact(describe(e))}") from None
-        return cur
+            return cur
 
     def close(self) -> None:
-        self.conn.close()
+        with self._lock:
+            self._reopen = None  # closed on purpose: never opened again
+            self.conn.close()
+
+
+@contextlib.contextmanager
+def _away() -> Iterator[None]:
+    """A lost or refused connection as :class:`StoreAway` (other errors pass as they are)."""
+    import psycopg
+
+    try:
+        yield
+    except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+        sqlstate = getattr(e, "sqlstate", None)
+        if sqlstate is not None and not sqlstate.startswith(("08", "57")):
+            raise  # a statement's own trouble (a timeout, a limit), not the server away
+        raise StoreAway("window state", f"PostgreSQL did not answer: {redact(describe(e))}") from None
 
 
 @dataclass(frozen=True)
@@ -169,10 +182,17 @@ def open_store(state: PostgresState, op: str) -> Any:
     after the server went away: if another process took it meanwhile, the run stops)."""
     from ackflow.state.store import WindowStore
 
+    before: list[int] = []  # the backend that held the lock (this process's)
+
     def locked(conn: Any) -> Any:
         got = conn.execute(
             "SELECT pg_try_advisory_lock(hashtext(%s))", (f"ackflow-window:{state.schema}:{op}",)
         ).fetchone()[0]
+        if not got and before:
+            stale = conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (before[-1],)).fetchone()
+            if stale is not None:  # our old session, cut off, not yet ended by the server
+                conn.close()
+                raise StoreAway(op, "the previous session still holds the window's lock; tried again later")
         if not got:
             conn.close()
             raise FlowError(
@@ -180,6 +200,7 @@ def open_store(state: PostgresState, op: str) -> Any:
                 f"another process drives this window's state in PostgreSQL (schema {state.schema!r}); "
                 "stop it first",
             )
+        before.append(conn.info.backend_pid)
         return conn
 
     wrapped = _Conn(locked(connect_store(state).conn), reopen=lambda: locked(state.connect()))

@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 
 from ackflow import faults
-from ackflow.core.errors import FlowError, describe
+from ackflow.core.errors import FlowError, StoreAway, describe
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
 from ackflow.state.partials import Partials, contribute, show_us
 from ackflow.state.spec import WindowSpec, check_columns
@@ -55,6 +55,7 @@ class WindowSink(Sink):
         self.key = spec.columns  # the columns it reads reach it even while all null
         self.path: str | None = None  # the store's file (bind_state)
         self._store: Any = None
+        self._held_mark: int | None = None  # the watermark a batch's hold last read
         self._gate: Any = None  # the running batches and the watermark's order (store.Gate)
         self._ticker: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -175,7 +176,11 @@ class WindowSink(Sink):
         store = self._store
         if store is not None:
             with store.lock:
-                self._gate.begin(f"hold:{batch_id}", store.mark(self.name)["watermark"])
+                try:
+                    self._held_mark = store.mark(self.name)["watermark"]
+                except StoreAway:  # the batch will fail as a whole: hold its place anyway
+                    pass  # (the last watermark read: never above the store's)
+                self._gate.begin(f"hold:{batch_id}", self._held_mark)
 
     def unhold(self, batch_id: str) -> None:
         store = self._store
