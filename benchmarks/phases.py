@@ -177,7 +177,8 @@ def phase_kafka_limit(bootstrap: str, topic: str, n: int, broker: int | None = N
     )
     t0 = time.perf_counter()
     c0, b0 = cpu_s(), tree_cpu(broker)
-    c.subscribe([topic])
+    joined: list[float] = []
+    c.subscribe([topic], on_assign=lambda *_: joined.append(time.perf_counter()))
     done = 0
     idle_since = None
     while done < n:
@@ -194,14 +195,34 @@ def phase_kafka_limit(bootstrap: str, topic: str, n: int, broker: int | None = N
     secs = time.perf_counter() - t0
     cpu, broker_cpu = cpu_s() - c0, tree_cpu(broker) - b0
     c.close()
+    join = joined[0] - t0 if joined else 0.0
     return {
         "messages": done,
         "seconds": secs,
         "rate": done / secs,
+        "join_s": join,
+        "rate_after_join": done / (secs - join),
         "rss_mb": rss_mb(),
         "driver_cpu_us": cpu / max(1, done) * 1e6,
         **({"broker_cpu_us": broker_cpu / max(1, done) * 1e6} if broker else {}),
     }
+
+
+#: when the measured ackflow run's Kafka source was first assigned partitions
+JOINED: list[float] = []
+
+
+def _Joined(*args: Any, **kw: Any) -> Any:
+    """ackflow's Kafka source, noting when the group first assigned it partitions."""
+    from ackflow.sources import Kafka
+
+    class Joined(Kafka):  # type: ignore[misc,valid-type]
+        def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+            if not JOINED:
+                JOINED.append(time.monotonic())
+            super()._on_assign(consumer, partitions)
+
+    return Joined(*args, **kw)
 
 
 def body(i: int) -> bytes:
@@ -457,7 +478,7 @@ def phase_ackflow(
     import ackflow
     from ackflow.engine import Engine
     from ackflow.sinks import Delta, Iceberg, MemorySink, Parquet, Postgres, Sink
-    from ackflow.sources import EmbeddedQueue, Files, Kafka, RabbitMQ
+    from ackflow.sources import EmbeddedQueue, Files, RabbitMQ
 
     spark = ackflow.session("local[*]")
 
@@ -473,7 +494,7 @@ def phase_ackflow(
         else:
             sink = Parquet(path)
         if kafka is not None:  # a log needs a place for dead letters (there are none)
-            source: Any = Kafka(
+            source: Any = _Joined(
                 kafka,
                 queue,
                 f"ackflow-{queue}",
@@ -520,6 +541,8 @@ def phase_ackflow(
 
     jvm = jvm_pid()
     c0, s0, j0, b0 = cpu_s(), tree_cpu(jvm), own_cpu(jvm), tree_cpu(broker)
+    JOINED.clear()
+    t0 = time.monotonic()
     report = Engine(
         flow(queue, out, files),
         spark=spark,
@@ -532,6 +555,11 @@ def phase_ackflow(
     cpu, spark_cpu, jvm_cpu = cpu_s() - c0, tree_cpu(jvm) - s0, own_cpu(jvm) - j0
     broker_cpu = tree_cpu(broker) - b0
     secs = report.elapsed_s - IDLE_S  # the idle wait at the end is not work
+    # a Kafka run: the group join (the broker's wait for members) apart, as in kafka_limit
+    join = {}
+    if JOINED:
+        after = time.monotonic() - IDLE_S - JOINED[0]
+        join = {"join_s": JOINED[0] - t0, "rate_after_join": report.acked / after}
     if report.acked != n:
         raise SystemExit(
             f"ackflow acked {report.acked} of {n} messages (pulled "
@@ -555,6 +583,7 @@ def phase_ackflow(
         jobs=report.jobs,
         schema_versions=sum(report.schema_versions.values()),
         **({"broker_cpu_us": broker_cpu / max(1, report.acked) * 1e6} if broker else {}),
+        **join,
     )
 
 

@@ -385,6 +385,10 @@ def main() -> None:
             for a_name, b_name in RATIOS:
                 if a_name in results and b_name in results:
                     ratios[f"{a_name}_vs_{b_name}"] = results[a_name]["rate"] / results[b_name]["rate"]
+                    if "rate_after_join" in results[a_name] and "rate_after_join" in results[b_name]:
+                        ratios[f"{a_name}_vs_{b_name}_after_join"] = (
+                            results[a_name]["rate_after_join"] / results[b_name]["rate_after_join"]
+                        )
             results["ratios"] = ratios
             print_table(phases, results)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
