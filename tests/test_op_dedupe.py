@@ -463,3 +463,20 @@ def test_postgresql_state_away_mid_run_dead_letters_nothing_and_ends_one_row_per
     with psycopg.connect(postgres.dsn) as c:
         held = c.execute(f'SELECT count(*), sum(done) FROM "{state.schema}".dedupe').fetchone()
     assert held == (30, 30)
+
+
+def test_a_nested_key_is_refused_with_the_way_to_it_and_deduped_through_a_column(spark, tmp_path):
+    """A key inside a struct (``c.id``) is refused at the first batch with the fix in the
+    message (nothing acked); given a column of its own it dedupes: one row per id,
+    the repeats acked."""
+    bodies = [json.dumps({"c": {"id": i % 3, "name": f"n{i}"}, "n": i}) for i in range(9)]
+    src = ListSource(bodies)
+    with pytest.raises(FlowError, match=r"with_columns\(c_id='c.id'\)"):
+        run(Flow(src).dedupe("c.id", within="1h").to(KeyedSink("out")), tmp_path / "a")
+    assert "acked" not in set(src.final().values())
+    src = ListSource(bodies)
+    out = KeyedSink("out")
+    flow = Flow(src).with_columns(c_id="c.id").dedupe("c_id", within="1h").to(out)
+    ackflow.run(flow, spark=spark, state_dir=str(tmp_path / "b"), batch_size=3, until_idle=1.0)
+    assert set(src.final().values()) == {"acked"}
+    assert sorted(r["c_id"] for r in out.rows.values()) == [0, 1, 2]

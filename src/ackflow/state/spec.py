@@ -53,7 +53,13 @@ def check_columns(op: str, schema: Any, columns: list[str], keys: tuple[str, ...
 
     missing = [c for c in columns if c not in schema.names]
     if missing:
-        raise FlowError(op, f"column(s) {missing} are not among the flow's columns {list(schema.names)}")
+        nested = next((c for c in missing if "." in c and c.split(".", 1)[0] in schema.names), None)
+        hint = ""
+        if nested is not None:  # a field inside a struct: give it a column of its own first
+            name = nested.replace(".", "_")
+            hint = f"; a nested field needs a column of its own first: .with_columns({name}={nested!r})"
+        have = list(schema.names)
+        raise FlowError(op, f"column(s) {missing} are not among the flow's columns {have}{hint}")
     for k in keys:
         t = schema.field(k).type
         if pa.types.is_nested(t):
