@@ -275,3 +275,18 @@ def test_configuration_errors_name_the_window():
         src.window(tumbling("1s"), time="t", by="count", aggs=[count()])
     with pytest.raises(ConfigError, match=r"aggregates from ackflow\.windows"):
         src.window(tumbling("1s"), time="t", aggs=["sum(v)"])
+
+
+def test_keys_holding_nul_or_any_text_are_applied_whole_and_refused_twice(store):
+    """The applied keys go in as one JSON array (SQLite); a key holding NUL (which
+    SQLite's JSON functions would cut there, making "x\\0a" and "x\\0b" one key) goes row
+    by row: each key is its own, and each is refused a second time."""
+    sp = spec(tumbling("10s"))
+    keys = ["x\x00a", "x\x00b", 'q"uote', "ünï"]
+    p, _, _ = fold(sp, rows(*[(1.0, "a", 1)] * len(keys)), keys)
+    assert store.apply(sp, [p]) == len(keys)
+    assert read_view(store.path, "w", [*keys, "x"])[1] == set(keys)
+    for k in keys:
+        again, _, _ = fold(sp, rows((2.0, "a", 1)), [k])
+        with pytest.raises(StateError, match="applied already"):
+            store.apply(sp, [again])

@@ -249,16 +249,16 @@ class WindowStore:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
             try:
-                self._check_fresh(spec.name, keys)
+                lite = isinstance(db, sqlite3.Connection)
+                if not lite:  # (SQLite: the applied table's key refuses a second below)
+                    self._check_fresh(spec.name, keys)
                 if isinstance(spec.kind, Count):
                     self._merge_counts(spec, parts)
                 elif isinstance(spec.kind, Session):
                     self._merge_sessions(spec, parts)
                 else:
                     self._merge_fixed(spec, parts)
-                db.executemany(
-                    "INSERT INTO applied (key, op, at) VALUES (?, ?, ?)", [(k, spec.name, now) for k in keys]
-                )
+                self._applied(spec.name, keys, now, lite)
                 self._move(spec, max_t, late, len(keys), now if keys else None)
                 faults.point("state.before_commit")
                 db.execute("COMMIT")
@@ -268,6 +268,24 @@ class WindowStore:
         faults.point("state.after_commit")
         return len(keys)
 
+    def _applied(self, op: str, keys: list[str], now: float, lite: bool) -> None:
+        """Record ``keys`` applied; one already is: StateError (the batch is not applied).
+        SQLite: one statement over a sorted JSON array (as :func:`insert_keys`; a key
+        holding NUL, which SQLite's JSON would cut, goes row by row)."""
+        text = json.dumps(sorted(keys), ensure_ascii=False) if lite else ""
+        try:
+            if lite and "\\u0000" not in text:
+                self.db.execute(
+                    "INSERT INTO applied (key, op, at) SELECT value, ?, ? FROM json_each(?)", (op, now, text)
+                )
+            else:
+                self.db.executemany(
+                    "INSERT INTO applied (key, op, at) VALUES (?, ?, ?)", [(k, op, now) for k in keys]
+                )
+        except sqlite3.IntegrityError:  # the statement is undone, the transaction goes on
+            self._check_fresh(op, keys)  # names the key (the caller rolls back)
+            raise StateError("a row key is applied twice; the batch is not applied") from None
+
     def _check_fresh(self, op: str, keys: list[str]) -> None:
         query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks}) LIMIT 1"
         hit = next(rows_in(self.db, query, [op], keys), None)
@@ -276,12 +294,6 @@ class WindowStore:
                 f"row key {hit[0]!r} is applied already (two batches held one message's rows); "
                 "the batch is not applied and its messages are not acked"
             )
-
-    def _load(self, op: str, gk: str, start: int) -> tuple[int, list[Any]] | None:
-        row = self.db.execute(
-            "SELECT nrows, state FROM windows WHERE op = ? AND gk = ? AND start = ?", (op, gk, start)
-        ).fetchone()
-        return None if row is None else (row[0], pickle.loads(row[1])[1])
 
     def _put(
         self,
@@ -301,20 +313,37 @@ class WindowStore:
 
     def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
         merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
+        texts: dict[tuple[Any, ...], str] = {}  # a key's text once a batch (its partitions share keys)
         for p in parts:
             for (values, start, end), (rows, accs) in p.parts.items():
-                slot = (gk_text(values), start)
+                gk = texts.get(values)
+                if gk is None:
+                    gk = texts[values] = gk_text(values)
+                slot = (gk, start)
                 held = merged.get(slot)
                 if held is not None:
                     accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, held[3], accs, strict=True)]
                     rows += held[2]
                 merged[slot] = (values, end, rows, accs)
+        # the stored windows of these keys: one query per chunk of keys, not one a window
+        stored: dict[tuple[str, int], tuple[int, bytes]] = {}
+        query = "SELECT gk, start, nrows, state FROM windows WHERE op = ? AND gk IN ({marks})"
+        for gk, start, nrows, state in rows_in(self.db, query, [spec.name], sorted({g for g, _ in merged})):
+            stored[(gk, int(start))] = (int(nrows), state)
+        out = []
         for (gk, start), (values, end, rows, accs) in merged.items():
-            old = self._load(spec.name, gk, start)
+            old = stored.get((gk, start))
             if old is not None:
-                accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, old[1], accs, strict=True)]
+                accs = [
+                    a.merge(x, y) for a, x, y in zip(spec.aggs, pickle.loads(old[1])[1], accs, strict=True)
+                ]
                 rows += old[0]
-            self._put(spec.name, values, start, end, rows, accs)
+            out.append((spec.name, gk, start, end, rows, 0, pickle.dumps((values, accs))))
+        self.db.executemany(
+            'INSERT OR REPLACE INTO windows (op, gk, start, "end", nrows, filled, dirty, state) '
+            "VALUES (?, ?, ?, ?, ?, ?, 1, ?)",
+            out,
+        )
 
     def _merge_sessions(self, spec: WindowSpec, parts: list[Partials]) -> None:
         """A key's sessions: the stored ones and the new partials, overlapping ones merged
