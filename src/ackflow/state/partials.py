@@ -18,6 +18,7 @@ token; the driver merges them into the store in one transaction (:mod:`.store`).
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,8 @@ class Partials:
     #: count windows: (key values, (event time, row key), accumulators), one per row
     rows: list[tuple[tuple[Any, ...], tuple[int, str], list[Any]]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)  # contributing row keys
+    #: each key's text in the store (``store.gk_text``), made in the task, off the driver
+    texts: dict[tuple[Any, ...], str] = field(default_factory=dict)
     max_t: int | None = None
     late: int = 0
     applied: int = 0
@@ -164,7 +167,13 @@ def contribute(
                 accs = [a.merge(acc, one) for a, acc, one in zip(spec.aggs, accs, single, strict=True)]
                 count += 1
             out.parts[(gk, start, end)] = (count, accs)
+    out.texts = {values: gk_text(values) for values, _, _ in out.parts}
     return out, failed, late
+
+
+def gk_text(values: Sequence[Any]) -> str:
+    """A group's key values as the store's key text (stable across runs)."""
+    return json.dumps(list(values), default=str, separators=(",", ":"))
 
 
 def _value(inputs: list[list[Any] | None], j: int, i: int) -> Any:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ackflow import faults
-from ackflow.state.partials import Partials
+from ackflow.state.partials import Partials, gk_text
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Count, Session
 
@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS windows (
     nrows INTEGER NOT NULL, filled INTEGER NOT NULL DEFAULT 0, dirty INTEGER NOT NULL DEFAULT 1,
     state BLOB NOT NULL, error TEXT, PRIMARY KEY (op, gk, start));
 CREATE INDEX IF NOT EXISTS windows_end ON windows (op, "end");
+CREATE INDEX IF NOT EXISTS windows_refused ON windows (op) WHERE error IS NOT NULL;
 CREATE TABLE IF NOT EXISTS marks (
     op TEXT PRIMARY KEY, watermark INTEGER, max_event INTEGER, data_at REAL,
     late INTEGER NOT NULL DEFAULT 0, written INTEGER NOT NULL DEFAULT 0,
@@ -133,11 +134,6 @@ def rows_in(db: Any, query: str, args: Sequence[Any], values: Sequence[Any]) -> 
 
 class StateError(RuntimeError):
     """The state store refused a batch (a contribution it already holds: a bug)."""
-
-
-def gk_text(values: Sequence[Any]) -> str:
-    """A group's key values as the store's key text (stable across runs)."""
-    return json.dumps(list(values), default=str, separators=(",", ":"))
 
 
 def connect(path: str, readonly: bool = False) -> sqlite3.Connection:
@@ -313,12 +309,11 @@ class WindowStore:
 
     def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
         merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
-        texts: dict[tuple[Any, ...], str] = {}  # a key's text once a batch (its partitions share keys)
         for p in parts:
             for (values, start, end), (rows, accs) in p.parts.items():
-                gk = texts.get(values)
-                if gk is None:
-                    gk = texts[values] = gk_text(values)
+                gk = p.texts.get(values)
+                if gk is None:  # (a NaN in the key: its own tuple, the same text)
+                    gk = gk_text(values)
                 slot = (gk, start)
                 held = merged.get(slot)
                 if held is not None:
@@ -539,8 +534,11 @@ class WindowStore:
         """Open windows, those the output refused, and the file's size (bytes; with its
         write-ahead log)."""
         with self.lock:
+            # (counted on the indexes: reading ``error`` row by row walks every state blob)
             windows, refused = self.db.execute(
-                "SELECT count(*), count(error) FROM windows WHERE op = ?", (op,)
+                "SELECT (SELECT count(*) FROM windows WHERE op = ?), "
+                "(SELECT count(*) FROM windows WHERE op = ? AND error IS NOT NULL)",
+                (op, op),
             ).fetchone()
         if self._size is not None:
             size = self._size()
