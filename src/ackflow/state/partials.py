@@ -137,10 +137,16 @@ def contribute(
             continue
         if isinstance(kind, (Tumbling, Hopping)):
             merged = []
+            starts = kind.starts(t)
             try:  # a value that cannot join the others (a struct's max) fails its row only
-                for start in kind.starts(t):
+                for start in starts:
                     slot = (gk, start, start + kind.size_us)
-                    held = out.parts.get(slot, (0, [a.init() for a in spec.aggs]))
+                    held = out.parts.get(slot)
+                    if held is None and len(starts) == 1:  # a tumbling window's first row: its
+                        merged.append((slot, (1, single)))  # own accumulators, shared by no slot
+                        continue
+                    if held is None:
+                        held = (0, [a.init() for a in spec.aggs])
                     accs = [a.merge(acc, one) for a, acc, one in zip(spec.aggs, held[1], single, strict=True)]
                     merged.append((slot, (held[0] + 1, accs)))
             except Exception as e:  # noqa: BLE001 - the row's own data
