@@ -290,3 +290,16 @@ def test_keys_holding_nul_or_any_text_are_applied_whole_and_refused_twice(store)
         again, _, _ = fold(sp, rows((2.0, "a", 1)), [k])
         with pytest.raises(StateError, match="applied already"):
             store.apply(sp, [again])
+
+
+def test_a_float_key_of_zero_and_minus_zero_keeps_each_windows_own_text(store):
+    """0.0 and -0.0 are one Python dict key but two key texts in the store: each window
+    keeps the text its own rows gave it, as when the driver made them (a text made per
+    key value in the task once split window 0 into two results)."""
+    sp = spec(tumbling("10s"))
+    first, _, _ = fold(sp, rows((1.0, 0.0, 1)), ["r1"])
+    store.apply(sp, [first])
+    second, _, _ = fold(sp, rows((2.0, 0.0, 1), (12.0, -0.0, 1)), ["r2", "r3"])
+    store.apply(sp, [second])
+    held = store.db.execute("SELECT gk, start, nrows FROM windows ORDER BY start").fetchall()
+    assert held == [("[0.0]", 0, 2), ("[-0.0]", 10 * S, 1)]

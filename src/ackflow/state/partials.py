@@ -72,8 +72,8 @@ class Partials:
     #: count windows: (key values, (event time, row key), accumulators), one per row
     rows: list[tuple[tuple[Any, ...], tuple[int, str], list[Any]]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)  # contributing row keys
-    #: each key's text in the store (``store.gk_text``), made in the task, off the driver
-    texts: dict[tuple[Any, ...], str] = field(default_factory=dict)
+    #: each slot's key text in the store (``gk_text``), made in the task, off the driver
+    texts: dict[tuple[tuple[Any, ...], int, int], str] = field(default_factory=dict)
     max_t: int | None = None
     late: int = 0
     applied: int = 0
@@ -173,7 +173,8 @@ def contribute(
                 accs = [a.merge(acc, one) for a, acc, one in zip(spec.aggs, accs, single, strict=True)]
                 count += 1
             out.parts[(gk, start, end)] = (count, accs)
-    out.texts = {values: gk_text(values) for values, _, _ in out.parts}
+    # by slot, not by values: 0.0 and -0.0 are one dict key but two texts
+    out.texts = {slot: gk_text(slot[0]) for slot in out.parts}
     return out, failed, late
 
 

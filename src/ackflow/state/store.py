@@ -275,6 +275,8 @@ class WindowStore:
                     "INSERT INTO applied (key, op, at) SELECT value, ?, ? FROM json_each(?)", (op, now, text)
                 )
             else:
+                if lite:  # (row by row: checked first, so that the error names the right key)
+                    self._check_fresh(op, keys)
                 self.db.executemany(
                     "INSERT INTO applied (key, op, at) VALUES (?, ?, ?)", [(k, op, now) for k in keys]
                 )
@@ -310,8 +312,9 @@ class WindowStore:
     def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
         merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
         for p in parts:
+            texts = getattr(p, "texts", {})  # (an executor of an older version: none)
             for (values, start, end), (rows, accs) in p.parts.items():
-                gk = p.texts.get(values)
+                gk = texts.get((values, start, end))
                 if gk is None:  # (a NaN in the key: its own tuple, the same text)
                     gk = gk_text(values)
                 slot = (gk, start)
