@@ -92,6 +92,52 @@ def test_the_file_and_the_dataframe_give_each_message_the_same_outcome(
     assert outcome(spark, tmp, bodies, True, monkeypatch) == outcome(spark, tmp, bodies, False, monkeypatch)
 
 
+def crash(r):
+    if r.get("qty") == 13:
+        os._exit(7)  # the Python worker dies: the whole job fails, bisection finds the message
+    return r
+
+
+@pytest.mark.spark
+def test_a_message_that_kills_the_worker_is_found_alike_through_the_file_and_the_dataframe(
+    spark, tmp_path, monkeypatch
+):
+    """A job that fails as a whole (a message that kills its Python worker) is bisected
+    down to that message on either path: the same rows written and the same message
+    dead-lettered at the same step, and every job's file gone (the halves' too)."""
+    bodies = [json.dumps({"qty": q, "n": i}).encode() for i, q in enumerate([1, 2, 13, 4])]
+
+    def run(on):
+        db = str(tmp_path / f"crash-{on}.db")
+        EmbeddedQueue(db).publish("in", bodies)
+        sink, dead = MemorySink(), MemorySink(name="dead")
+        feeds = []
+        real = Feeds.write
+        monkeypatch.setattr(Feeds, "write", lambda self, t, b: feeds.append(self) or real(self, t, b))
+        spark.conf.set("spark.ackflow.feed", "true" if on else "false")
+        try:
+            ackflow.run(
+                ackflow.Flow(EmbeddedQueueSource(db, "in", policy=POLICY))
+                .map(crash, name="crash")
+                .to(sink)
+                .on_error(dead),
+                spark=spark,
+                **{**FAST, "until_idle": 0.5, "systemic_stop_after_s": 30},
+            )
+        finally:
+            spark.conf.unset("spark.ackflow.feed")
+        assert bool(feeds) == on
+        for f in feeds:
+            assert os.listdir(f.dir) == [feed.LOCK]
+        rows = sorted(r["n"] for r in sink.rows)
+        letters = [(r["body"], r["step"], r["error"].split(":", 1)[0]) for r in dead.rows]
+        return rows, letters
+
+    on, off = run(True), run(False)
+    assert on == off
+    assert on[0] == [0, 1, 3] and [(b, s) for b, s, _ in on[1]] == [(bodies[2], "crash")], on
+
+
 def test_a_file_lives_as_long_as_its_batch_and_holds_one_record_batch_per_partition(tmp_path):
     feeds = Feeds()
     table = pa.table({"n": list(range(10))})
