@@ -325,8 +325,15 @@ class WindowStore:
                 merged[slot] = (values, end, rows, accs)
         # the stored windows of these keys: one query per chunk of keys, not one a window
         stored: dict[tuple[str, int], tuple[int, bytes]] = {}
-        query = "SELECT gk, start, nrows, state FROM windows WHERE op = ? AND gk IN ({marks})"
-        for gk, start, nrows, state in rows_in(self.db, query, [spec.name], sorted({g for g, _ in merged})):
+        if not merged:
+            return
+        starts = [start for _, start in merged]
+        query = (
+            "SELECT gk, start, nrows, state FROM windows "
+            "WHERE op = ? AND start BETWEEN ? AND ? AND gk IN ({marks})"
+        )
+        args = [spec.name, min(starts), max(starts)]  # (not a key's other open windows)
+        for gk, start, nrows, state in rows_in(self.db, query, args, sorted({g for g, _ in merged})):
             stored[(gk, int(start))] = (int(nrows), state)
         out = []
         for (gk, start), (values, end, rows, accs) in merged.items():
