@@ -23,3 +23,43 @@ def bodies(rows: list[dict[str, Any]]) -> list[bytes]:
 
 
 FAST = {"batch_size": 50, "max_inflight": 200, "until_idle": 0.3, "batch_timeout_s": 0.2}
+
+
+class Outage:
+    """Stop ``postgres`` (a PostgresServer) for ``seconds`` once ``count_sql`` (a count
+    query) reaches ``at_least``, in a thread: ``with Outage(...) as o: run()``; after,
+    ``o.happened`` says whether it did, and the server is running again."""
+
+    def __init__(
+        self, postgres: Any, count_sql: str, at_least: int, seconds: float = 3.0, wait_s: float = 60.0
+    ) -> None:
+        import threading
+
+        self.postgres, self.sql, self.at_least, self.seconds = postgres, count_sql, at_least, seconds
+        self.happened, self.wait_s = False, wait_s
+        self._thread = threading.Thread(target=self._away, daemon=True)
+
+    def _reached(self) -> bool:
+        import psycopg
+
+        try:
+            with psycopg.connect(self.postgres.dsn, connect_timeout=2) as c:
+                return bool(c.execute(self.sql).fetchone()[0] >= self.at_least)
+        except psycopg.Error:
+            return False
+
+    def _away(self) -> None:
+        if wait_until(self._reached, timeout=self.wait_s, every=0.02):
+            self.postgres.stop()
+            time.sleep(self.seconds)
+            self.postgres.start()
+            self.happened = True
+
+    def __enter__(self) -> Outage:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(timeout=self.wait_s + self.seconds + 30)
+        if not self.postgres.running:
+            self.postgres.start()

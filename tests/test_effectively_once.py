@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psycopg
@@ -19,7 +18,7 @@ from psycopg import sql
 import ackflow
 from ackflow.core.policy import RetryPolicy
 from ackflow.embedded import EmbeddedQueue
-from helpers import wait_until
+from helpers import Outage, wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -174,31 +173,9 @@ def test_database_away_mid_run_nacks_retries_and_ends_exact(spark, postgres, pg_
         str(tmp_path / "pq"),
         policy=RetryPolicy(max_deliveries=60, backoff_s=0.2, max_backoff_s=1.0),
     )
-    outage = {}
-
-    def take_it_away():
-        def some_rows():
-            try:
-                return len(table_rows(postgres.dsn, pg_table)) > 0
-            except psycopg.Error:
-                return False
-
-        if wait_until(some_rows, timeout=120, every=0.05):
-            postgres.stop()
-            outage["stopped"] = time.monotonic()
-            time.sleep(5)
-            postgres.start()
-            outage["started"] = time.monotonic()
-
-    t = threading.Thread(target=take_it_away, daemon=True)
-    t.start()
-    try:
+    with Outage(postgres, f'SELECT count(*) FROM "{pg_table}"', at_least=1, seconds=5, wait_s=120) as outage:
         report = ackflow.run(flow, spark=spark, batch_size=300, max_inflight=900, until_idle=4.0)
-    finally:
-        t.join(timeout=150)
-        if not postgres.running:
-            postgres.start()
-    assert "started" in outage, "the database was never stopped"
+    assert outage.happened, "the database was never stopped"
     # rows failed while it was away: a systemic failure (every write failed alike), so
     # given back (never dead-lettered), or nacked while fewer than three had shown it
     assert report.nacked + report.given_back_systemic > 0

@@ -418,45 +418,20 @@ def test_postgresql_state_away_mid_run_dead_letters_nothing_and_ends_one_row_per
     """The claims' database stops for a few seconds mid-run: every claim fails alike (a
     systemic failure: given back or retried, never dead-lettered); once it is back the
     run ends with every message acked, one row per key, every claim committed."""
-    import threading
-    import time
     import uuid
 
     import psycopg
 
-    from helpers import wait_until
+    from helpers import Outage
 
     state = w.PostgresState(postgres.dsn, schema=f"dd_{uuid.uuid4().hex[:8]}", connect_timeout=2)
     recs = [(f"o{i % 30}", i, i) for i in range(240)]
     src = ListSource(msgs(*recs), policy=RetryPolicy(max_deliveries=40, backoff_s=0.2, max_backoff_s=1.0))
     out = KeyedSink("out")
     flow = Flow(src).dedupe("order", within="1h", time="t", state=state, name="orders").to(out)
-    outage: dict[str, float] = {}
-
-    def claims_made() -> bool:
-        try:
-            with psycopg.connect(postgres.dsn, connect_timeout=2) as c:
-                return c.execute(f'SELECT count(*) FROM "{state.schema}".dedupe').fetchone()[0] >= 5
-        except psycopg.Error:
-            return False
-
-    def take_it_away() -> None:
-        if wait_until(claims_made, timeout=60, every=0.02):
-            postgres.stop()
-            outage["stopped"] = time.monotonic()
-            time.sleep(3)
-            postgres.start()
-            outage["started"] = time.monotonic()
-
-    t = threading.Thread(target=take_it_away, daemon=True)
-    t.start()
-    try:
+    with Outage(postgres, f'SELECT count(*) FROM "{state.schema}".dedupe', at_least=5) as outage:
         report = run(flow, tmp_path, batch_size=4, until_idle=3.0)
-    finally:
-        t.join(timeout=90)
-        if not postgres.running:
-            postgres.start()
-    assert "started" in outage, "the database was never stopped"
+    assert outage.happened, "the database was never stopped"
     assert report.dead_lettered == 0 and set(src.final().values()) == {"acked"}, src.failures
     assert report.nacked + report.given_back_systemic > 0  # it did see the outage
     assert sorted(r["order"] for r in out.rows.values()) == sorted(f"o{i}" for i in range(30))

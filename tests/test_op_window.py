@@ -247,46 +247,19 @@ def test_state_in_postgresql_away_mid_run_loses_and_doubles_nothing(postgres, tm
     """The state's database stops for a few seconds mid-run: batches fail as a whole
     (given back or retried, never dead-lettered), and once it answers the run ends with
     every message acked and every window's count exact (none missing, none twice)."""
-    import threading
-    import time
     import uuid
     from collections import Counter
 
-    import psycopg
-
-    from helpers import wait_until
+    from helpers import Outage
 
     state = w.PostgresState(postgres.dsn, schema=f"win_{uuid.uuid4().hex[:8]}", connect_timeout=2)
     recs = [(0.05 * i, "abc"[i % 3], 1) for i in range(300)]
     src = ListSource(msgs(*recs), policy=RetryPolicy(max_deliveries=40, backoff_s=0.2, max_backoff_s=1.0))
     out = KeyedSink("out")
     flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.5, state=state).to(out)
-    outage: dict[str, float] = {}
-
-    def applied() -> bool:
-        try:
-            with psycopg.connect(postgres.dsn, connect_timeout=2) as c:
-                return c.execute(f'SELECT count(*) FROM "{state.schema}".applied').fetchone()[0] >= 20
-        except psycopg.Error:
-            return False
-
-    def take_it_away() -> None:
-        if wait_until(applied, timeout=60, every=0.02):
-            postgres.stop()
-            outage["stopped"] = time.monotonic()
-            time.sleep(3)
-            postgres.start()
-            outage["started"] = time.monotonic()
-
-    t = threading.Thread(target=take_it_away, daemon=True)
-    t.start()
-    try:
+    with Outage(postgres, f'SELECT count(*) FROM "{state.schema}".applied', at_least=20) as outage:
         report = run(flow, tmp_path, batch_size=5, until_idle=3.0)
-    finally:
-        t.join(timeout=90)
-        if not postgres.running:
-            postgres.start()
-    assert "started" in outage, "the database was never stopped"
+    assert outage.happened, "the database was never stopped"
     assert report.dead_lettered == 0 and set(src.final().values()) == {"acked"}, src.failures
     assert report.nacked + report.given_back_systemic > 0  # it did see the outage
     expected = Counter((k, int(t)) for t, k, _ in recs)
