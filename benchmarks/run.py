@@ -72,7 +72,6 @@ from benchmarks.phases import (
     QUEUE,
     body,
     phase_ackflow,
-    phase_kafka_limit,
     phase_latency,
     phase_limit,
     phase_peer,
@@ -80,13 +79,13 @@ from benchmarks.phases import (
     phase_rmq_limit,
     phase_ss_files,
     publish,
-    publish_kafka,
     publish_rmq,
     rmq_queue,
     shaped,
     tree_cpu,
     write_files,
 )
+from benchmarks.phases_kafka import phase_kafka_limit, publish_kafka
 
 PHASES = (
     "limit",
