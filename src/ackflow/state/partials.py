@@ -85,10 +85,19 @@ def contribute(
     row_keys: Sequence[str],
     watermark: int | None,
     applied: set[str],
+    *,
+    arrow: bool = True,
 ) -> tuple[Partials, dict[int, str], list[int]]:
     """Fold a partition's rows (an Arrow table) into partials.
 
-    Returns the partials, the failed rows (index -> reason) and the late rows' indexes."""
+    Returns the partials, the failed rows (index -> reason) and the late rows' indexes.
+    ``arrow``: the common case folds in Arrow (:mod:`.fold`); False, row by row only."""
+    if arrow:
+        from ackflow.state.fold import fold
+
+        done = fold(spec, rows, row_keys, watermark, applied)
+        if done is not None:
+            return done
     out = Partials(watermark)
     failed: dict[int, str] = {}
     late: list[int] = []
