@@ -68,6 +68,13 @@ CREATE INDEX IF NOT EXISTS dedupe_at ON dedupe (op, at);
 """
 
 
+#: a window's row, new or changed: an upsert (a third cheaper than INSERT OR REPLACE's
+#: delete and insert); a changed window is tried again if its sink had refused it
+PUT_WINDOW = (
+    'INSERT INTO windows (op, gk, start, "end", nrows, filled, dirty, state) VALUES (?, ?, ?, ?, ?, ?, 1, ?) '
+    'ON CONFLICT (op, gk, start) DO UPDATE SET "end" = excluded."end", nrows = excluded.nrows, '
+    "filled = excluded.filled, dirty = 1, state = excluded.state, error = NULL"
+)
 OWN = object()  # apply(): the watermark follows the batch's own largest event time
 
 
@@ -303,11 +310,7 @@ class WindowStore:
         accs: list[Any],
         filled: int = 0,
     ) -> None:
-        self.db.execute(
-            'INSERT OR REPLACE INTO windows (op, gk, start, "end", nrows, filled, dirty, state) '
-            "VALUES (?, ?, ?, ?, ?, ?, 1, ?)",
-            (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs))),
-        )
+        self.db.execute(PUT_WINDOW, (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs))))
 
     def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
         merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
@@ -344,11 +347,7 @@ class WindowStore:
                 ]
                 rows += old[0]
             out.append((spec.name, gk, start, end, rows, 0, pickle.dumps((values, accs))))
-        self.db.executemany(
-            'INSERT OR REPLACE INTO windows (op, gk, start, "end", nrows, filled, dirty, state) '
-            "VALUES (?, ?, ?, ?, ?, ?, 1, ?)",
-            out,
-        )
+        self.db.executemany(PUT_WINDOW, out)
 
     def _merge_sessions(self, spec: WindowSpec, parts: list[Partials]) -> None:
         """A key's sessions: the stored ones and the new partials, overlapping ones merged
