@@ -303,3 +303,62 @@ def test_a_float_key_of_zero_and_minus_zero_keeps_each_windows_own_text(store):
     store.apply(sp, [second])
     held = store.db.execute("SELECT gk, start, nrows FROM windows ORDER BY start").fetchall()
     assert held == [("[0.0]", 0, 2), ("[-0.0]", 10 * S, 1)]
+
+
+def test_the_open_windows_held_in_memory_follow_every_write(store, monkeypatch):
+    """The driver holds an operator's open windows between batches. Another handle's
+    write (another process), a commit that failed, and a window written and deleted
+    each make it read the store again; past HOLD_MAX it reads per batch. Every count
+    stays exact, through tokens pickled as tasks send them."""
+    import ackflow.state.store as store_mod
+
+    sp = spec(tumbling("10s"))
+
+    def put(target, t, key):
+        p, _, _ = fold(sp, rows((t, "a", 1)), [key])
+        target.apply(sp, [pickle.loads(pickle.dumps(p))])
+
+    def counts():
+        return [(d.start, d.accs[0]) for d in store.due(sp, bound=100 * S)]
+
+    put(store, 1.0, "k1")
+    other = WindowStore(store.path)
+    try:
+        put(other, 2.0, "k2")  # another writer of the same operator
+    finally:
+        other.close()
+    put(store, 3.0, "k3")
+    assert counts() == [(0, 3)]
+    faults.arm("state.before_commit", "raise")
+    with pytest.raises(faults.InjectedFault):
+        put(store, 4.0, "k4")
+    put(store, 4.0, "k4")
+    assert counts() == [(0, 4)]
+
+    class LostReply:  # the server committed, and the connection broke before it said so
+        def __init__(self, db):
+            self.db = db
+
+        def execute(self, query, *args):
+            out = self.db.execute(query, *args)
+            if query == "COMMIT":
+                raise ConnectionError("the reply to COMMIT was lost")
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.db, name)
+
+    real, store.db = store.db, LostReply(store.db)
+    with pytest.raises((ConnectionError, sqlite3.OperationalError)):  # (and no transaction to roll back)
+        put(store, 4.5, "k4.5")
+    store.db = real
+    put(store, 4.7, "k4.7")
+    assert counts() == [(0, 6)]
+    store.done(sp, store.due(sp, bound=100 * S))  # written and deleted
+    put(store, 5.0, "k5")
+    assert counts() == [(0, 1)]
+    monkeypatch.setattr(store_mod, "HOLD_MAX", 0)
+    put(store, 6.0, "k6")
+    put(store, 7.0, "k7")
+    assert counts() == [(0, 3)]
+    assert store._open["w"] is None  # (read per batch now)

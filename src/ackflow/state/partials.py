@@ -18,8 +18,9 @@ token; the driver merges them into the store in one transaction (:mod:`.store`).
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,43 @@ class Partials:
     max_t: int | None = None
     late: int = 0
     applied: int = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled by columns: a task's token holds thousands of slots, and a list of
+        plain values loads several times faster than as many small tuples (the driver
+        loads every task's token)."""
+        state = dict(self.__dict__)
+        parts, texts = state.pop("parts"), state.pop("texts")
+        slots, held = list(parts), list(parts.values())
+        width = len(slots[0][0]) if slots else 0
+        naggs = len(held[0][1]) if held else 0
+        state["_cols"] = (
+            len(slots),
+            [list(c) for c in zip(*(s[0] for s in slots), strict=True)] if width else [],
+            [s[1] for s in slots],
+            [s[2] for s in slots],
+            [h[0] for h in held],
+            [list(c) for c in zip(*(h[1] for h in held), strict=True)] if naggs else [],
+            [texts.get(s) for s in slots],
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled, the slots stay in columns: ``parts`` and ``texts`` are not rebuilt
+        (read them with :meth:`slots`)."""
+        self.__dict__.update(state)
+
+    def slots(self) -> Iterator[tuple[tuple[Any, ...], int, int, int, list[Any], str | None]]:
+        """Each slot as (key values, start, end, rows, accumulators, key text or None)."""
+        cols = self.__dict__.get("_cols")
+        if cols is None:
+            for slot, (rows, accs) in self.parts.items():
+                yield (*slot, rows, accs, self.texts.get(slot))
+            return
+        n, keys, starts, ends, nrows, accs, texts = cols
+        values = zip(*keys, strict=True) if keys else itertools.repeat((), n)
+        lists = map(list, zip(*accs, strict=True)) if accs else ([] for _ in range(n))
+        yield from zip(values, starts, ends, nrows, lists, texts, strict=True)
 
 
 def contribute(

@@ -56,6 +56,7 @@ CREATE TABLE IF NOT EXISTS marks (
 CREATE TABLE IF NOT EXISTS applied (op TEXT NOT NULL, key TEXT NOT NULL, at REAL NOT NULL,
     PRIMARY KEY (op, key));
 CREATE INDEX IF NOT EXISTS applied_at ON applied (op, at);
+CREATE TABLE IF NOT EXISTS writes (op TEXT PRIMARY KEY, n INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, watermark INTEGER,
     PRIMARY KEY (op, batch));
 CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next INTEGER NOT NULL,
@@ -75,6 +76,9 @@ PUT_WINDOW = (
     'ON CONFLICT (op, gk, start) DO UPDATE SET "end" = excluded."end", nrows = excluded.nrows, '
     "filled = excluded.filled, dirty = 1, state = excluded.state, error = NULL"
 )
+#: open tumbling and hopping windows the driver keeps in memory per operator (as
+#: stored: rows and pickled state); an operator with more is read from the store per batch
+HOLD_MAX = 100_000
 OWN = object()  # apply(): the watermark follows the batch's own largest event time
 
 
@@ -194,6 +198,11 @@ class WindowStore:
         self.path = path
         self.lock = threading.RLock()
         self._size = size
+        # op -> its open windows as stored, (gk, start) -> (rows, state); None: too many
+        self._open: dict[str, dict[tuple[str, int], tuple[int, bytes]] | None] = {}
+        self._staged: dict[tuple[str, int], tuple[int, bytes]] = {}
+        self._version: dict[str, int] = {}  # op -> the count of writes ``_open`` is in step with
+        self._counted: str | None = None  # the op whose write the open transaction counted
         if conn is not None:
             self.db = self.scratch = conn
             return
@@ -266,8 +275,10 @@ class WindowStore:
                 faults.point("state.before_commit")
                 db.execute("COMMIT")
             except BaseException:
+                self._forget_held(spec.name)  # (a commit that failed may still have been made)
                 db.execute("ROLLBACK")
                 raise
+            self._in_step(spec.name, self._staged, ())
         faults.point("state.after_commit")
         return len(keys)
 
@@ -291,6 +302,52 @@ class WindowStore:
             self._check_fresh(op, keys)  # names the key (the caller rolls back)
             raise StateError("a row key is applied twice; the batch is not applied") from None
 
+    def _held(self, op: str) -> dict[tuple[str, int], tuple[int, bytes]] | None:
+        """Inside a transaction: the operator's open windows as stored, read once and
+        then kept in step with each commit; read again whenever the store's count of
+        writes to them is not the one this handle made (another process, a commit that
+        failed); None if there are more than :data:`HOLD_MAX`."""
+        in_step, version = self._count_write(op)
+        if not in_step:
+            n = self.db.execute("SELECT count(*) FROM windows WHERE op = ?", (op,)).fetchone()[0]
+            held = None
+            if n <= HOLD_MAX:
+                rows = self.db.execute("SELECT gk, start, nrows, state FROM windows WHERE op = ?", (op,))
+                held = {(g, int(s)): (int(r), bytes(b)) for g, s, r, b in rows}
+            self._open[op], self._version[op] = held, version
+        return self._open[op]
+
+    def _count_write(self, op: str) -> tuple[bool, int]:
+        """Inside a transaction that writes ``op``'s windows: count the write. Returns
+        whether what this handle holds of them was in step before it, and the count."""
+        row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
+        version = int(row[0]) if row else 0
+        self.db.execute(
+            "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1", (op,)
+        )
+        self._counted = op
+        return op in self._open and self._version.get(op) == version, version
+
+    def _in_step(self, op: str, put: dict[tuple[str, int], tuple[int, bytes]], gone: Any) -> None:
+        """After a commit that wrote ``op``'s windows (and counted one write)."""
+        held = self._open.get(op)
+        counted, self._counted = self._counted, None
+        self._staged = {}
+        if held is None or counted != op:
+            return
+        held.update(put)
+        for slot in gone:
+            held.pop(slot, None)
+        self._version[op] += 1
+        if len(held) > HOLD_MAX:
+            self._open[op] = None
+
+    def _forget_held(self, op: str) -> None:
+        """What is held of ``op``'s windows may differ from the store: read it again."""
+        self._open.pop(op, None)
+        self._version.pop(op, None)
+        self._staged, self._counted = {}, None
+
     def _check_fresh(self, op: str, keys: list[str]) -> None:
         query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks}) LIMIT 1"
         hit = next(rows_in(self.db, query, [op], keys), None)
@@ -310,34 +367,37 @@ class WindowStore:
         accs: list[Any],
         filled: int = 0,
     ) -> None:
-        self.db.execute(PUT_WINDOW, (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs))))
+        self.db.execute(
+            PUT_WINDOW, (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs)))
+        )
 
     def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
         merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
         for p in parts:
-            texts = getattr(p, "texts", {})  # (an executor of an older version: none)
-            for (values, start, end), (rows, accs) in p.parts.items():
-                gk = texts.get((values, start, end))
+            for values, start, end, rows, accs, gk in p.slots():
                 if gk is None:  # (a NaN in the key: its own tuple, the same text)
                     gk = gk_text(values)
                 slot = (gk, start)
-                held = merged.get(slot)
-                if held is not None:
-                    accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, held[3], accs, strict=True)]
-                    rows += held[2]
+                other = merged.get(slot)
+                if other is not None:
+                    accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, other[3], accs, strict=True)]
+                    rows += other[2]
                 merged[slot] = (values, end, rows, accs)
-        # the stored windows of these keys: one query per chunk of keys, not one a window
-        stored: dict[tuple[str, int], tuple[int, bytes]] = {}
         if not merged:
             return
-        starts = [start for _, start in merged]
-        query = (
-            "SELECT gk, start, nrows, state FROM windows "
-            "WHERE op = ? AND start BETWEEN ? AND ? AND gk IN ({marks})"
-        )
-        args = [spec.name, min(starts), max(starts)]  # (not a key's other open windows)
-        for gk, start, nrows, state in rows_in(self.db, query, args, sorted({g for g, _ in merged})):
-            stored[(gk, int(start))] = (int(nrows), state)
+        held = self._held(spec.name)
+        stored: dict[tuple[str, int], tuple[int, bytes]] = {}
+        if held is not None:
+            stored = {slot: held[slot] for slot in merged if slot in held}
+        else:  # the stored windows of these keys: one query per chunk of keys
+            starts = [start for _, start in merged]
+            query = (
+                "SELECT gk, start, nrows, state FROM windows "
+                "WHERE op = ? AND start BETWEEN ? AND ? AND gk IN ({marks})"
+            )
+            args = [spec.name, min(starts), max(starts)]  # (not a key's other open windows)
+            for gk, start, nrows, state in rows_in(self.db, query, args, sorted({g for g, _ in merged})):
+                stored[(gk, int(start))] = (int(nrows), state)
         out = []
         for (gk, start), (values, end, rows, accs) in merged.items():
             old = stored.get((gk, start))
@@ -348,13 +408,15 @@ class WindowStore:
                 rows += old[0]
             out.append((spec.name, gk, start, end, rows, 0, pickle.dumps((values, accs))))
         self.db.executemany(PUT_WINDOW, out)
+        if held is not None:  # held once the transaction commits (see apply)
+            self._staged = {(r[1], r[2]): (r[4], r[6]) for r in out}
 
     def _merge_sessions(self, spec: WindowSpec, parts: list[Partials]) -> None:
         """A key's sessions: the stored ones and the new partials, overlapping ones merged
         (a partial may bridge two stored sessions: all three become one)."""
         per: dict[str, list[tuple[int, int, int, list[Any], tuple[Any, ...]]]] = {}
         for p in parts:
-            for (values, start, end), (rows, accs) in p.parts.items():
+            for values, start, end, rows, accs, _ in p.slots():
                 per.setdefault(gk_text(values), []).append((start, end, rows, accs, values))
         for gk, new in per.items():
             old = self.db.execute(
@@ -508,10 +570,14 @@ class WindowStore:
                     "UPDATE marks SET written = written + ? WHERE op = ?",
                     (sum(1 for d in written if d.close), spec.name),
                 )
+                if not self._count_write(spec.name)[0]:
+                    self._forget_held(spec.name)
                 db.execute("COMMIT")
             except BaseException:
+                self._forget_held(spec.name)
                 db.execute("ROLLBACK")
                 raise
+            self._in_step(spec.name, {}, [(d.gk, d.start) for d in written if d.close])
 
     def fail(self, spec: WindowSpec, due: Due, why: str) -> None:
         """The output refused ``due``'s row (or it could not be made): it stays in the
