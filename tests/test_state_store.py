@@ -335,22 +335,18 @@ def test_the_open_windows_held_in_memory_follow_every_write(store, monkeypatch):
     put(store, 4.0, "k4")
     assert counts() == [(0, 4)]
 
-    class LostReply:  # the server committed, and the connection broke before it said so
-        def __init__(self, db):
-            self.db = db
-
+    class LostReply(sqlite3.Connection):  # the server committed, and the reply was lost
         def execute(self, query, *args):
-            out = self.db.execute(query, *args)
+            out = super().execute(query, *args)
             if query == "COMMIT":
                 raise ConnectionError("the reply to COMMIT was lost")
             return out
 
-        def __getattr__(self, name):
-            return getattr(self.db, name)
-
-    real, store.db = store.db, LostReply(store.db)
+    real = store.db
+    store.db = sqlite3.connect(store.path, factory=LostReply, isolation_level=None, check_same_thread=False)
     with pytest.raises((ConnectionError, sqlite3.OperationalError)):  # (and no transaction to roll back)
         put(store, 4.5, "k4.5")
+    store.db.close()
     store.db = real
     put(store, 4.7, "k4.7")
     assert counts() == [(0, 6)]

@@ -226,10 +226,12 @@ def read_view(
         row = conn.execute("SELECT watermark FROM begun WHERE op = %s AND batch = %s", (op, batch)).fetchone()
         if row is None:
             row = conn.execute("SELECT watermark FROM marks WHERE op = %s", (op,)).fetchone()
-        applied = {
-            r[0]
-            for r in conn.execute("SELECT key FROM applied WHERE op = %s AND key = ANY(%s)", (op, list(keys)))
-        }
+        from ackflow.state.runs import applied_of
+
+        applied, whole = applied_of(conn, op, keys, lite=False)
+        if whole:
+            query = "SELECT key FROM applied WHERE op = %s AND key = ANY(%s)"
+            applied |= {r[0] for r in conn.execute(query, (op, whole))}
         return (row[0] if row else None), applied
     finally:
         conn.close()

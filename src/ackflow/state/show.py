@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sqlite3
@@ -53,6 +54,9 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
                 "SELECT count(*), count(error) FROM windows WHERE op = ?", (op,)
             ).fetchone()
             remembered = db.execute("SELECT count(*) FROM applied WHERE op = ?", (op,)).fetchone()[0]
+            with contextlib.suppress(sqlite3.OperationalError):  # (a store no newer version opened)
+                runs = "SELECT coalesce(sum(hi - lo + 1), 0) FROM applied_runs WHERE op = ?"
+                remembered += db.execute(runs, (op,)).fetchone()[0]
             rows = db.execute(
                 'SELECT start, "end", nrows, dirty, state, error FROM windows WHERE op = ? '
                 'ORDER BY error IS NULL, "end", gk LIMIT ?',

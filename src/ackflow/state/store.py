@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ackflow import faults
+from ackflow.state import runs
 from ackflow.state.partials import Partials, gk_text
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Count, Session
@@ -56,6 +57,9 @@ CREATE TABLE IF NOT EXISTS marks (
 CREATE TABLE IF NOT EXISTS applied (op TEXT NOT NULL, key TEXT NOT NULL, at REAL NOT NULL,
     PRIMARY KEY (op, key));
 CREATE INDEX IF NOT EXISTS applied_at ON applied (op, at);
+CREATE TABLE IF NOT EXISTS applied_runs (op TEXT NOT NULL, stem TEXT NOT NULL, lo INTEGER NOT NULL,
+    hi INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (op, stem, lo));
+CREATE INDEX IF NOT EXISTS applied_runs_at ON applied_runs (op, at);
 CREATE TABLE IF NOT EXISTS writes (op TEXT PRIMARY KEY, n INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, watermark INTEGER,
     PRIMARY KEY (op, batch));
@@ -170,8 +174,9 @@ def read_view(
         row = db.execute("SELECT watermark FROM begun WHERE op = ? AND batch = ?", (op, batch)).fetchone()
         if row is None:
             row = db.execute("SELECT watermark FROM marks WHERE op = ?", (op,)).fetchone()
+        applied, whole = runs.applied_of(db, op, keys, lite=True)
         query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks})"
-        applied = {r[0] for r in rows_in(db, query, [op], keys)}
+        applied |= {r[0] for r in rows_in(db, query, [op], whole)}
         return (row[0] if row else None), applied
     finally:
         db.close()
@@ -205,11 +210,26 @@ class WindowStore:
         self._counted: str | None = None  # the op whose write the open transaction counted
         if conn is not None:
             self.db = self.scratch = conn
-            return
-        self.db = connect(path)
-        # a batch's starting watermark needs no fsync: a crash ends the batch with it
-        self.scratch = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-        self.scratch.execute("PRAGMA synchronous=OFF")
+        else:
+            self.db = connect(path)
+            # a batch's starting watermark needs no fsync: a crash ends the batch with it
+            self.scratch = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+            self.scratch.execute("PRAGMA synchronous=OFF")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Row keys an older version kept whole that now make runs move into runs."""
+        with self.lock:
+            db = self.db
+            if db.execute("SELECT 1 FROM applied LIMIT 1").fetchone() is None:
+                return
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                runs.migrate(db, isinstance(db, sqlite3.Connection))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
 
     def close(self) -> None:
         with self.lock:
@@ -262,8 +282,6 @@ class WindowStore:
             db.execute("BEGIN IMMEDIATE")
             try:
                 lite = isinstance(db, sqlite3.Connection)
-                if not lite:  # (SQLite: the applied table's key refuses a second below)
-                    self._check_fresh(spec.name, keys)
                 if isinstance(spec.kind, Count):
                     self._merge_counts(spec, parts)
                 elif isinstance(spec.kind, Session):
@@ -284,8 +302,21 @@ class WindowStore:
 
     def _applied(self, op: str, keys: list[str], now: float, lite: bool) -> None:
         """Record ``keys`` applied; one already is: StateError (the batch is not applied).
-        SQLite: one statement over a sorted JSON array (as :func:`insert_keys`; a key
-        holding NUL, which SQLite's JSON would cut, goes row by row)."""
+        Most as runs (:mod:`.runs`); the keys kept whole, in SQLite, in one statement over
+        a sorted JSON array (as :func:`insert_keys`; a key holding NUL, which SQLite's JSON
+        would cut, goes row by row)."""
+        spans, keys, twice = runs.make_runs(keys)
+        if twice is not None:
+            raise StateError(f"row key {twice!r} is in the batch twice; the batch is not applied")
+        hit = runs.clash(self.db, op, spans, lite)
+        if hit is not None:
+            raise StateError(
+                f"row key {hit!r} is applied already (two batches held one message's rows); "
+                "the batch is not applied and its messages are not acked"
+            )
+        runs.put(self.db, op, spans, now, lite)
+        if not lite:  # (SQLite: the applied table's key refuses a second below)
+            self._check_fresh(op, keys)
         text = json.dumps(sorted(keys), ensure_ascii=False) if lite else ""
         try:
             if lite and "\\u0000" not in text:
@@ -600,10 +631,12 @@ class WindowStore:
         """Forget applied row keys older than the operator's ``remember``."""
         now = time.time() if now is None else now
         with self.lock:
-            cur = self.db.execute(
-                "DELETE FROM applied WHERE op = ? AND at < ?", (spec.name, now - spec.remember_us / 1e6)
+            args = (spec.name, now - spec.remember_us / 1e6)
+            cur = self.db.execute("DELETE FROM applied WHERE op = ? AND at < ?", args)
+            gone = cur.rowcount
+            return int(
+                gone + self.db.execute("DELETE FROM applied_runs WHERE op = ? AND at < ?", args).rowcount
             )
-            return cur.rowcount
 
     def stats(self, op: str) -> dict[str, Any]:
         """Open windows, those the output refused, and the file's size (bytes; with its

@@ -1,0 +1,99 @@
+"""Applied row keys kept as runs (state/runs.py): a key splits one way, in Python and in
+Arrow alike; a batch's runs hold exactly its keys; a task finds exactly the applied ones;
+a run that meets a stored one is refused; keys an older version kept whole move over."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ackflow.state import runs
+from ackflow.state.store import StateError, WindowStore, read_view
+
+KEYS = st.one_of(
+    st.text(max_size=8),
+    st.builds(
+        lambda stem, n: f"{stem}{n}",
+        st.sampled_from(["f@a:", "t/0@", "s@", "x", "", "9", "日本", "a\n", "n\x00"]),
+        st.integers(0, 40),
+    ),
+    st.sampled_from(["x:007", "1" * 19, "k" + "2" * 18, "00", "0"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(KEYS, max_size=40))
+def test_a_key_splits_one_way_and_runs_hold_exactly_the_keys(keys):
+    stems, ns = runs.split_many(keys)
+    assert [runs.split(k) for k in keys] == [
+        None if s is None else (s, n) for s, n in zip(stems.to_pylist(), ns.tolist(), strict=True)
+    ]
+    made, whole, twice = runs.make_runs(keys)
+    if twice is not None:
+        assert keys.count(twice) > 1
+        return
+    assert len(set(keys)) == len(keys)
+    held = [f"{s}{n}" for s, lo, hi in made for n in range(lo, hi + 1)]
+    assert sorted(held + whole) == sorted(keys)
+    assert all(runs.split(k) is None for k in whole)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(KEYS, unique=True, max_size=30), st.lists(KEYS, max_size=30))
+def test_a_task_finds_exactly_the_applied_keys(tmp_path_factory, applied, asked):
+    store = WindowStore(str(tmp_path_factory.mktemp("runs") / "windows.db"))
+    try:
+        with store.lock:
+            store.db.execute("BEGIN IMMEDIATE")
+            store._applied("w", applied, 1.0, lite=True)
+            store.db.execute("COMMIT")
+        assert read_view(store.path, "w", asked)[1] == set(asked) & set(applied)
+    finally:
+        store.close()
+
+
+def test_a_run_meeting_a_stored_one_is_refused_and_names_the_key(tmp_path):
+    store = WindowStore(str(tmp_path / "windows.db"))
+    with store.lock:
+        store.db.execute("BEGIN IMMEDIATE")
+        store._applied("w", [f"f@a:{i}" for i in range(10, 20)], 1.0, lite=True)
+        store.db.execute("COMMIT")
+    for keys, named in (([f"f@a:{i}" for i in range(5, 11)], "f@a:10"), (["f@a:19", "f@a:20"], "f@a:19")):
+        with store.lock, pytest.raises(StateError, match=f"row key '{named}' is applied already"):
+            store.db.execute("BEGIN IMMEDIATE")
+            try:
+                store._applied("w", keys, 2.0, lite=True)
+            finally:
+                store.db.execute("ROLLBACK")
+    with store.lock, pytest.raises(StateError, match="'g:3' is in the batch twice"):
+        store._applied("w", ["g:3", "g:4", "g:3"], 2.0, lite=True)
+    store.db.execute("BEGIN IMMEDIATE")
+    store._applied("w", [f"f@a:{i}" for i in range(20, 30)], 2.0, lite=True)  # adjoining: fine
+    store.db.execute("COMMIT")
+    stored = store.db.execute("SELECT stem, lo, hi FROM applied_runs ORDER BY lo").fetchall()
+    assert stored == [("f@a:", 10, 19), ("f@a:", 20, 29)]  # a row per batch, not per key
+    store.close()
+
+
+def test_keys_an_older_version_kept_whole_move_into_runs(tmp_path):
+    path = str(tmp_path / "windows.db")
+    WindowStore(path).close()
+    db = sqlite3.connect(path)
+    db.executemany(
+        "INSERT INTO applied (op, key, at) VALUES (?, ?, ?)",
+        [("w", f"f@a:{i}", 5.0) for i in range(100)] + [("w", "uuid-x", 5.0)],
+    )
+    db.commit()
+    db.close()
+    store = WindowStore(path)  # (opened by this version)
+    try:
+        assert read_view(path, "w", ["f@a:7", "f@a:100", "uuid-x"])[1] == {"f@a:7", "uuid-x"}
+        assert store.db.execute("SELECT count(*) FROM applied").fetchone()[0] == 1
+        assert store.db.execute("SELECT op, stem, lo, hi, at FROM applied_runs").fetchall() == [
+            ("w", "f@a:", 0, 99, 5.0)
+        ]
+    finally:
+        store.close()
