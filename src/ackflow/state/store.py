@@ -83,6 +83,13 @@ PUT_WINDOW = (
 #: open tumbling and hopping windows the driver keeps in memory per operator (as
 #: stored: rows and pickled state); an operator with more is read from the store per batch
 HOLD_MAX = 100_000
+#: a tumbling or hopping window's row after a batch: its end never changes, nor is it
+#: ever filled (leaving them out of the update saves a fifth of its time)
+MERGE_WINDOW = (
+    'INSERT INTO windows (op, gk, start, "end", nrows, filled, dirty, state) VALUES (?, ?, ?, ?, ?, ?, 1, ?) '
+    "ON CONFLICT (op, gk, start) DO UPDATE SET nrows = excluded.nrows, dirty = 1, state = excluded.state, "
+    "error = NULL"
+)
 OWN = object()  # apply(): the watermark follows the batch's own largest event time
 
 
@@ -438,7 +445,7 @@ class WindowStore:
                 ]
                 rows += old[0]
             out.append((spec.name, gk, start, end, rows, 0, pickle.dumps((values, accs))))
-        self.db.executemany(PUT_WINDOW, out)
+        self.db.executemany(MERGE_WINDOW, out)
         if held is not None:  # held once the transaction commits (see apply)
             self._staged = {(r[1], r[2]): (r[4], r[6]) for r in out}
 
