@@ -78,6 +78,34 @@ def test_a_crash_between_writing_results_and_deleting_them_rewrites_the_same_row
     assert not out.conflicts and max(out.writes.values()) == 2  # written again, same row
 
 
+def test_an_output_down_for_a_while_holds_results_not_messages(tmp_path):
+    """The window's output raises for a while: the messages are acked at the state
+    commit all the same (none given back, none dead-lettered), the results wait in the
+    store, and once the output answers each is written exactly once."""
+    import time
+
+    down_until = time.monotonic() + 1.5
+    src = ListSource(msgs(*[(0.1 * i, "ab"[i % 2], i) for i in range(30)]))
+    out = KeyedSink("out", raise_if=lambda row: time.monotonic() < down_until)
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1).to(out)
+    window = flow.sinks[0]
+    report = run(flow, tmp_path, until_idle=3.0)
+    assert report.acked == 30 and report.dead_lettered == 0 and report.nacked == 0
+    assert window.emit_failures > 0  # it was down when results came due
+    want = sorted(
+        (
+            k,
+            s,
+            sum(1 for i in range(30) if "ab"[i % 2] == k and int(0.1 * i) == s),
+            sum(i for i in range(30) if "ab"[i % 2] == k and int(0.1 * i) == s),
+        )
+        for k in "ab"
+        for s in range(3)
+    )
+    assert results(out) == want
+    assert not out.conflicts and set(out.writes.values()) == {1}
+
+
 def test_late_rows_fail_their_message_with_the_reason_or_go_to_on_late(tmp_path):
     recs = [(10.0, "a", 1), (10.5, "a", 1), (1.0, "a", 7)]  # the third is 9 s behind
     src = ListSource(msgs(*recs[:2]) + msgs(recs[2]))
