@@ -189,6 +189,8 @@ def migrate(db: Any, lite: bool) -> int:
     (once, when a store is opened): a redelivery after an upgrade is still found.
     Returns how many moved."""
     moved = 0
+    if db.execute("SELECT 1 FROM applied LIMIT 1").fetchone() is None:
+        return 0
     rows = db.execute("SELECT op, key, at FROM applied").fetchall()
     groups: dict[tuple[str, float], list[str]] = {}
     for op, key, at in rows:

@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS applied_runs (op TEXT NOT NULL, stem TEXT NOT NULL, l
     hi INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (op, stem, lo));
 CREATE INDEX IF NOT EXISTS applied_runs_at ON applied_runs (op, at);
 CREATE TABLE IF NOT EXISTS writes (op TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS upgrades (step TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, watermark INTEGER,
     PRIMARY KEY (op, batch));
 CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next INTEGER NOT NULL,
@@ -225,14 +226,16 @@ class WindowStore:
         self._migrate()
 
     def _migrate(self) -> None:
-        """Row keys an older version kept whole that now make runs move into runs."""
+        """Row keys an older version kept whole that now make runs move into runs (once
+        per store: ``upgrades`` remembers it)."""
         with self.lock:
             db = self.db
-            if db.execute("SELECT 1 FROM applied LIMIT 1").fetchone() is None:
+            if db.execute("SELECT 1 FROM upgrades WHERE step = 'runs'").fetchone() is not None:
                 return
             db.execute("BEGIN IMMEDIATE")
             try:
                 runs.migrate(db, isinstance(db, sqlite3.Connection))
+                db.execute("INSERT INTO upgrades (step) VALUES ('runs') ON CONFLICT DO NOTHING")
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
