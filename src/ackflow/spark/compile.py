@@ -111,11 +111,12 @@ class CompiledFlow(Plan):
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
         df, data_cols, lineage, feed = self._start(inputs, batch_id)
+        last: list[tuple[Fn, pa.Schema]] | None = None if self.branches else []
         df, data_cols, lineage, alive = self._chain(
-            self.segments, (), df, data_cols, lineage, decode=not self.rows_input, feed=feed
+            self.segments, (), df, data_cols, lineage, decode=not self.rows_input, feed=feed, last=last
         )
         if not self.branches:
-            return self._write(self.sink, df, data_cols, lineage, batch_id)
+            return self._write(self.sink, df, data_cols, lineage, batch_id, last[0] if last else None)
         # Sub-flows: the shared part is cached for the batch, each branch continues from
         # it and writes its receipts; one job returns them all (see release()).
         shared = df.persist()
@@ -192,10 +193,13 @@ class CompiledFlow(Plan):
         lineage: str,
         decode: bool,
         feed: Feed = None,
+        last: list[tuple[Fn, pa.Schema]] | None = None,
     ) -> tuple[DataFrame, list[str], str, bool]:
         """Apply segments; returns the DataFrame, its data columns, its lineage column,
         and False if a segment let no live row through (later steps were skipped).
-        ``feed``: wraps the first segment's functions (they read the messages)."""
+        ``feed``: wraps the first segment's functions (they read the messages).
+        ``last``: if the segments end in Python, that segment's function and output
+        schema are put there instead of applied (the writer runs it in its own pass)."""
         for index, seg in enumerate(segs):
             if seg.python:
                 data_in = None if decode and index == 0 else data_cols
@@ -221,8 +225,12 @@ class CompiledFlow(Plan):
                     mode=self._inferred.get((*key, index)),
                     segment=self.segment_name((*key, index), seg),
                 )
-                df = df.mapInArrow(first(fn) if first else fn, from_arrow_schema(out_schema))
+                fn = first(fn) if first else fn
                 data_cols = list(schema.names)
+                if last is not None and index == len(segs) - 1:
+                    last.append((fn, out_schema))
+                    return df, data_cols, lineage, not dead_end
+                df = df.mapInArrow(fn, from_arrow_schema(out_schema))
                 if dead_end:
                     return df, data_cols, lineage, False  # no rows, no columns for later steps
                 continue
@@ -234,20 +242,34 @@ class CompiledFlow(Plan):
         return df, data_cols, lineage, True
 
     def _write(
-        self, sink: Sink, df: DataFrame, data_cols: list[str], lineage: str, batch_id: str
+        self,
+        sink: Sink,
+        df: DataFrame,
+        data_cols: list[str],
+        lineage: str,
+        batch_id: str,
+        last: tuple[Fn, pa.Schema] | None = None,
     ) -> DataFrame:
-        df = df.select(*[quoted(c) for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
-        if type(sink).prepare is not Sink.prepare:  # resolving the schema costs a JVM call
-            fields = {f.name: f for f in df.schema.fields}
+        """The writer's pass; with ``last`` (a Python segment's function and schema, see
+        :meth:`_chain`), the segment and the writer in one pass: its rows go from the
+        steps to the sink in the same Python worker, without becoming JVM rows between."""
+        cols = [*data_cols, lineage, KEY, STATUS, STEP, ERR]
+        if last is None:
+            df = df.select(*[quoted(c) for c in data_cols], lineage, KEY, STATUS, STEP, ERR)
+        fields = {}
+        if type(sink).prepare is not Sink.prepare or last is not None:  # (a JVM call without last)
+            fields = {f.name: f for f in (from_arrow_schema(last[1]) if last else df.schema).fields}
+        refused = {}
+        if type(sink).prepare is not Sink.prepare:
             schema = to_arrow_schema(StructType([fields[c] for c in data_cols]), timezone=self.timezone)
             held = held_columns(schema, data_cols, getattr(sink, "key", None) or [])
             refused = self.prepare_sink(sink, pa.schema([schema.field(c) for c in held]))
-        else:
-            refused = {}
-        return df.mapInArrow(
-            make_writer(sink, batch_id, data_cols, lineage, self.step_order, self.tally, refused),
-            from_arrow_schema(TASK_RECEIPTS),
-        )
+        writer = make_writer(sink, batch_id, data_cols, lineage, self.step_order, self.tally, refused)
+        if last is not None:
+            # the types Spark would have handed the writer after a pass of its own
+            seen = to_arrow_schema(StructType([fields[c] for c in cols]), timezone=self.timezone)
+            writer = functools.partial(_fused, last[0], writer, seen)
+        return df.mapInArrow(writer, from_arrow_schema(TASK_RECEIPTS))
 
     def _apply(
         self, step: Step, df: DataFrame, data_cols: list[str], lineage: str
@@ -438,6 +460,19 @@ class CompiledFlow(Plan):
             )
             .drop("__af_rep")
         )
+
+
+def _fused(
+    segment: Fn, writer: Fn, schema: pa.Schema, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """A Python segment and the writer in one pass (see :meth:`CompiledFlow._write`)."""
+
+    def shaped() -> Iterator[pa.RecordBatch]:
+        for batch in segment(batches):
+            batch = batch.select(schema.names)
+            yield batch if batch.schema.equals(schema) else batch.cast(schema)
+
+    return writer(shaped())
 
 
 def quoted(name: str) -> Column:

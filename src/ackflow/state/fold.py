@@ -4,7 +4,7 @@ without a Python step per row.
 Taken when every row's outcome is certain to match the row-by-row fold: tumbling or
 hopping windows, the built-in ``count``, ``sum``, ``min``, ``max`` and ``avg`` over
 integer or float64 columns, keys that are text or integers, and an event time that is
-a number (epoch seconds) or a microsecond timestamp. Anything else (a NaN, a time out of
+a number (epoch seconds) or a microsecond timestamp. Anything else (a NaN or a -0.0, a time out of
 range, an integer sum that could pass 2**63, a float key) returns None and the
 row-by-row fold runs, which knows how to fail one row. The results are the same values
 (a property test holds the two folds to each other): Arrow sums a group's values in row
@@ -27,6 +27,7 @@ from ackflow.windows import Hopping, Tumbling
 #: the aggregates this fold computes
 FNS = frozenset({"count", "sum", "min", "max", "avg"})
 LIMIT_S = 253_402_300_799  # as in partials (year 9999 in epoch seconds)
+YEAR_1_S = -62_135_596_800  # the earliest time a Python datetime holds
 #: text a JSON string keeps as it is (printable ASCII but the quote and the backslash)
 PLAIN_TEXT = r"^[ !#-\[\]-~]*$"
 
@@ -97,6 +98,8 @@ def fold(
             picks.append(idx[inside])
             begins.append(s[inside])
         members, starts = np.concatenate(picks), np.concatenate(begins)
+        order = np.argsort(members, kind="stable")  # a window's rows in row order: its sums too
+        members, starts = members[order], starts[order]
     for col in inputs:  # an integer sum in Arrow is int64: it must not wrap
         if col is not None and pa.types.is_integer(col.type) and _may_wrap(col, len(members)):
             return None
@@ -114,8 +117,8 @@ def fold(
             aggs += [(f"v{j}", "sum", None), (f"v{j}", "count", pc.CountOptions("only_valid"))]
         else:
             aggs.append((f"v{j}", a.fn, None))
-    if any(pa.types.is_floating(c.type) and pc.any(pc.is_nan(c)).as_py() for c in table.values()):
-        return None  # (a NaN's min or max depends on where it stands)
+    if any(pa.types.is_floating(c.type) and _odd_floats(c) for c in table.values()):
+        return None
     keys = [f"k{j}" for j in range(len(spec.by))]
     grouped = pa.table(table).group_by([*keys, "__s"], use_threads=False).aggregate(aggs)
     got = {name: grouped.column(name).to_pylist() for name in grouped.column_names}
@@ -159,6 +162,13 @@ def _number(col: pa.ChunkedArray) -> pa.ChunkedArray | None:
     return None
 
 
+def _odd_floats(col: pa.ChunkedArray) -> bool:
+    """A NaN (its min or max depends on where it stands) or a -0.0 (Arrow's sum starts at
+    0.0, the row fold at the first value; min and max keep the first of 0.0 and -0.0)."""
+    values = col.fill_null(1.0).to_numpy()
+    return bool(np.isnan(values).any() or (np.signbit(values) & (values == 0)).any())
+
+
 def _may_wrap(col: pa.ChunkedArray, n: int) -> bool:
     bounds = pc.min_max(col).as_py()
     if bounds["min"] is None:
@@ -177,7 +187,9 @@ def _micros(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
             return None
         us = col.cast(pa.int64())
         bounds = pc.min_max(us).as_py()
-        if bounds["min"] is not None and max(abs(bounds["min"]), abs(bounds["max"])) > LIMIT_S * 1_000_000:
+        if bounds["min"] is not None and (
+            bounds["min"] < YEAR_1_S * 1_000_000 or bounds["max"] > LIMIT_S * 1_000_000
+        ):
             return None
         return us.fill_null(0).to_numpy(), null
     if pa.types.is_integer(t) or pa.types.is_floating(t):

@@ -84,6 +84,8 @@ class Partials:
         plain values loads several times faster than as many small tuples (the driver
         loads every task's token)."""
         state = dict(self.__dict__)
+        if "_cols" in state:  # (unpickled: in columns already)
+            return state
         parts, texts = state.pop("parts"), state.pop("texts")
         slots, held = list(parts), list(parts.values())
         width = len(slots[0][0]) if slots else 0
@@ -108,8 +110,9 @@ class Partials:
         """Each slot as (key values, start, end, rows, accumulators, key text or None)."""
         cols = self.__dict__.get("_cols")
         if cols is None:
+            texts = getattr(self, "texts", {})  # (an executor of an older version: none)
             for slot, (rows, accs) in self.parts.items():
-                yield (*slot, rows, accs, self.texts.get(slot))
+                yield (*slot, rows, accs, texts.get(slot))
             return
         n, keys, starts, ends, nrows, accs, texts = cols
         values = zip(*keys, strict=True) if keys else itertools.repeat((), n)
