@@ -18,6 +18,7 @@ from ackflow.embedded import EmbeddedQueue
 from ackflow.sinks import MemorySink
 from ackflow.sources import EmbeddedQueueSource
 from ackflow.spark import feed
+from ackflow.spark.compile import CompiledFlow
 from ackflow.spark.feed import Feeds, fed, sweep_dead
 from ackflow.spark.session import quick_jit
 from helpers import FAST
@@ -32,9 +33,10 @@ def check(r):
     return r
 
 
-def outcome(spark, tmp_path, bodies, on, monkeypatch):
-    """(rows by message, dead letters by message) of one run with the feed on or off."""
-    db = str(tmp_path / f"q-{on}.db")
+def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True):
+    """(rows by message, dead letters by message) of one run with the feed on or off,
+    and the map and the writer in one pass or in two."""
+    db = str(tmp_path / f"q-{on}-{fuse}.db")
     EmbeddedQueue(db).publish("in", bodies, headers=[{"n": str(i)} for i in range(len(bodies))])
     src = EmbeddedQueueSource(db, "in", policy=POLICY)
     src.headers_field = "meta"
@@ -44,7 +46,15 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch):
     monkeypatch.setattr(
         Feeds, "write", lambda self, t, b: writes.append(b) or feeds.append(self) or real(self, t, b)
     )
+    one_pass = []
+    real_write = CompiledFlow._write
+    monkeypatch.setattr(
+        CompiledFlow,
+        "_write",
+        lambda self, *a, **kw: one_pass.append(len(a) > 5 and a[5] is not None) or real_write(self, *a, **kw),
+    )
     spark.conf.set("spark.ackflow.feed", "true" if on else "false")
+    spark.conf.set("spark.ackflow.fuse", "true" if fuse else "false")
     try:
         ackflow.run(
             ackflow.Flow(src).map(check, name="check").to(sink).on_error(dead),
@@ -53,7 +63,8 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch):
         )
     finally:
         spark.conf.unset("spark.ackflow.feed")
-    assert bool(writes) == on  # the path under test was the one taken
+        spark.conf.unset("spark.ackflow.fuse")
+    assert bool(writes) == on and set(one_pass) == {fuse}  # the paths under test were the ones taken
     for f in feeds:  # every job's file gone with it (bisections and locate too)
         assert os.listdir(f.dir) == [feed.LOCK]
     rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in sink.rows)
@@ -87,9 +98,12 @@ def test_the_file_and_the_dataframe_give_each_message_the_same_outcome(
 ):
     """Hostile bodies (the fuzz's known cases and drawn ones), headers, a poison step:
     every row written and every dead letter (body, step, reason) are the same whether
-    the messages went through the file or through ``createDataFrame``."""
+    the messages went through the file or through ``createDataFrame``, and whether the
+    map and the writer ran in one pass or in two (JVM rows between them)."""
     tmp = tmp_path_factory.mktemp("feed")
-    assert outcome(spark, tmp, bodies, True, monkeypatch) == outcome(spark, tmp, bodies, False, monkeypatch)
+    fused = outcome(spark, tmp, bodies, True, monkeypatch)
+    assert fused == outcome(spark, tmp, bodies, False, monkeypatch)
+    assert fused == outcome(spark, tmp, bodies, True, monkeypatch, fuse=False)
 
 
 def crash(r):

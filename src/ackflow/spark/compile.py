@@ -92,6 +92,9 @@ class CompiledFlow(Plan):
         # local masters too: their Python workers may lack a module the driver has (another
         # interpreter, another sys.path), and then every message would fail as if poison
         check_executors_can_load(spark, self.shipped)
+        # a Python segment and the writer in one pass (see _write); the session's
+        # spark.ackflow.fuse=false keeps two (tests compare the two, message by message)
+        self._fuse = str(spark.conf.get("spark.ackflow.fuse", "true")).lower() != "false"
 
     def bind_thread(self, batch_id: str) -> None:
         self.spark.sparkContext.setJobGroup(batch_id, f"ackflow {batch_id}", interruptOnCancel=True)
@@ -111,7 +114,8 @@ class CompiledFlow(Plan):
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
         df, data_cols, lineage, feed = self._start(inputs, batch_id)
-        last: list[tuple[Fn, pa.Schema]] | None = None if self.branches else []
+        one_pass = not self.branches and self._fuse
+        last: list[tuple[Fn, pa.Schema]] | None = [] if one_pass else None
         df, data_cols, lineage, alive = self._chain(
             self.segments, (), df, data_cols, lineage, decode=not self.rows_input, feed=feed, last=last
         )
