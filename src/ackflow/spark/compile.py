@@ -95,6 +95,8 @@ class CompiledFlow(Plan):
         # a Python segment and the writer in one pass (see _write); the session's
         # spark.ackflow.fuse=false keeps two (tests compare the two, message by message)
         self._fuse = str(spark.conf.get("spark.ackflow.fuse", "true")).lower() != "false"
+        large = spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")
+        self._large = str(large).lower() == "true"  # (Spark hands Python large_string then)
 
     def bind_thread(self, batch_id: str) -> None:
         self.spark.sparkContext.setJobGroup(batch_id, f"ackflow {batch_id}", interruptOnCancel=True)
@@ -270,8 +272,12 @@ class CompiledFlow(Plan):
             refused = self.prepare_sink(sink, pa.schema([schema.field(c) for c in held]))
         writer = make_writer(sink, batch_id, data_cols, lineage, self.step_order, self.tally, refused)
         if last is not None:
-            # the types Spark would have handed the writer after a pass of its own
-            seen = to_arrow_schema(StructType([fields[c] for c in cols]), timezone=self.timezone)
+            # the types Spark would have handed the writer after a pass of its own (data
+            # columns nullable: a filtered or failed row holds nulls even in a NOT NULL one)
+            seen = to_arrow_schema(
+                StructType([fields[c] for c in cols]), timezone=self.timezone, prefers_large_types=self._large
+            )
+            seen = pa.schema([f.with_nullable(True) if f.name in data_cols else f for f in seen])
             writer = functools.partial(_fused, last[0], writer, seen)
         return df.mapInArrow(writer, from_arrow_schema(TASK_RECEIPTS))
 
