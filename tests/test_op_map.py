@@ -42,6 +42,33 @@ def test_a_raising_row_fails_only_its_message_with_step_id_and_cause(spark):
     assert report.dead_lettered_by_step == {"parse": len(bad)}
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_not_null_column_holds_the_good_rows_and_fails_only_the_bad(spark, fuse):
+    """schema= with NOT NULL, one pass or two (spark.ackflow.fuse): the failed and the
+    filtered messages' rows hold nulls there, and they must not fail the others."""
+
+    def parse(r):
+        if r["n"] % 10 == 0:
+            raise ValueError("poison")
+        return r
+
+    src = ListSource(bodies([{"n": i} for i in range(60)]))
+    sink = MemorySink()
+    spark.conf.set("spark.ackflow.fuse", str(fuse).lower())
+    try:
+        flow = (
+            ackflow.Flow(src)
+            .filter(lambda r: r["n"] % 7 != 0, name="keep")  # every seventh filtered
+            .map(parse, name="parse", schema="n BIGINT NOT NULL")
+            .to(sink)
+        )
+        report = ackflow.run(flow, spark=spark, **FAST)
+    finally:
+        spark.conf.unset("spark.ackflow.fuse")
+    assert sorted(r["n"] for r in sink.rows) == [i for i in range(60) if i % 10 and i % 7]
+    assert report.dead_lettered == 6 and set(report.dead_lettered_by_step) == {"parse"}
+
+
 def test_failed_messages_are_retried_by_policy_before_dead_lettering(spark):
     calls = {"n": 0}
 
