@@ -24,7 +24,7 @@ KEYS = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(KEYS, max_size=40))
 def test_a_key_splits_one_way_and_runs_hold_exactly_the_keys(keys):
     stems, ns = runs.split_many(keys)
@@ -41,7 +41,7 @@ def test_a_key_splits_one_way_and_runs_hold_exactly_the_keys(keys):
     assert all(runs.split(k) is None for k in whole)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(KEYS, unique=True, max_size=30), st.lists(KEYS, max_size=30))
 def test_a_task_finds_exactly_the_applied_keys(tmp_path_factory, applied, asked):
     store = WindowStore(str(tmp_path_factory.mktemp("runs") / "windows.db"))

@@ -65,7 +65,7 @@ def tables(draw):
     return pa.table(cols), keys
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     tables(),
     st.sampled_from(KINDS),

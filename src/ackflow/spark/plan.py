@@ -253,7 +253,11 @@ class Plan:
         except Exception as e:
             raise FlowError(step.name, f"bad schema=: {e}") from e
         check_names(step.name, schema.names, "schema=")
-        return schema
+        # every column nullable: a filtered or failed message's row holds nulls in each
+        # (a NOT NULL one made Spark's pass between the steps and the writer fail the
+        # whole job, and bisection dead-lettered good messages); a sink's own NOT NULL
+        # columns still refuse a row without the value
+        return pa.schema([_nullable(f) for f in schema])
 
     def segment_name(self, index: tuple[int, ...], seg: Segment) -> str:
         """The name of a segment's columns in the schema store: its place and last step
@@ -602,3 +606,17 @@ def _headers(field: str | None, headers: dict[str, str]) -> str | None:
     import json
 
     return None if field is None else json.dumps({field: headers})
+
+
+def _nullable(field: pa.Field) -> pa.Field:
+    """``field`` nullable, and every field inside it (structs, lists, maps)."""
+    t = field.type
+    if pa.types.is_struct(t):
+        t = pa.struct([_nullable(t.field(i)) for i in range(t.num_fields)])
+    elif pa.types.is_large_list(t):
+        t = pa.large_list(_nullable(t.value_field))
+    elif pa.types.is_list(t):
+        t = pa.list_(_nullable(t.value_field))
+    elif pa.types.is_map(t):
+        t = pa.map_(t.key_field.type, _nullable(t.item_field))
+    return field.with_type(t).with_nullable(True)
