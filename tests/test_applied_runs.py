@@ -104,3 +104,71 @@ def test_keys_an_older_version_kept_whole_move_into_runs(tmp_path):
     WindowStore(path).close()
     assert db.execute("SELECT count(*) FROM applied").fetchone()[0] == 2
     db.close()
+
+
+def test_two_processes_opening_one_older_postgresql_store_move_its_keys_once(postgres, monkeypatch):
+    """Two drivers (two window operators of one schema) open a PostgreSQL store an older
+    version wrote, at once: the second waits for the first's move and does not move the
+    keys again (it failed at start on a duplicate run before)."""
+    import threading
+    import uuid
+
+    import psycopg
+
+    from ackflow import windows as w
+    from ackflow.state import pg
+
+    state = w.PostgresState(postgres.dsn, schema=f"up_{uuid.uuid4().hex[:8]}")
+    conn = pg.connect_store(state)
+    conn.execute(
+        "INSERT INTO applied (op, key, at) SELECT 'w', 'f@a:' || i, 5.0 FROM generate_series(0, 99) i"
+    )
+    conn.close()
+    moving, release = threading.Event(), threading.Event()
+    real = runs.migrate
+
+    def slow(db, lite):  # the first mover holds its transaction open until released
+        moved = real(db, lite)
+        if not moving.is_set():
+            moving.set()
+            assert release.wait(30)
+        return moved
+
+    monkeypatch.setattr(runs, "migrate", slow)
+    errors: list[BaseException] = []
+
+    # both connected (their tables' DDL done) before either opens its store: the DDL
+    # would otherwise wait for the first's move by chance and hide the race
+    conns = [pg.connect_store(state), pg.connect_store(state)]
+
+    def open_one(conn) -> None:
+        try:
+            WindowStore("pg", conn=conn).close()
+        except BaseException as e:  # noqa: BLE001 (the test reports it below)
+            errors.append(e)
+
+    first = threading.Thread(target=open_one, args=(conns[0],))
+    first.start()
+    assert moving.wait(30)
+    second = threading.Thread(target=open_one, args=(conns[1],))
+    second.start()
+    with psycopg.connect(postgres.dsn, autocommit=True) as watch:  # the second is waiting
+        for _ in range(300):
+            waiting = watch.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database()"
+            ).fetchone()[0]
+            if waiting:
+                break
+            threading.Event().wait(0.05)
+        assert waiting == 1
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert errors == []
+    check = pg.connect_store(state, create=False)
+    assert check.execute("SELECT op, stem, lo, hi, at FROM applied_runs").fetchall() == [
+        ("w", "f@a:", 0, 99, 5.0)
+    ]
+    assert check.execute("SELECT count(*) FROM applied").fetchone()[0] == 0
+    check.close()

@@ -191,14 +191,16 @@ def migrate(db: Any, lite: bool) -> int:
     moved = 0
     if db.execute("SELECT 1 FROM applied LIMIT 1").fetchone() is None:
         return 0
-    rows = db.execute("SELECT op, key, at FROM applied").fetchall()
     groups: dict[tuple[str, float], list[str]] = {}
-    for op, key, at in rows:
-        if split(key) is not None:
-            groups.setdefault((op, at), []).append(key)
+    for op, key, at in db.execute("SELECT op, key, at FROM applied").fetchall():
+        groups.setdefault((op, at), []).append(key)
     for (op, at), keys in groups.items():
-        runs, _, _ = make_runs(keys)
+        runs, whole, _ = make_runs(keys)
+        if not runs:
+            continue
         put(db, op, runs, at, lite)
-        db.executemany("DELETE FROM applied WHERE op = ? AND key = ?", [(op, k) for k in keys])
-        moved += len(keys)
+        kept = set(whole)
+        gone = [(op, k) for k in keys if k not in kept]
+        db.executemany("DELETE FROM applied WHERE op = ? AND key = ?", gone)
+        moved += len(gone)
     return moved

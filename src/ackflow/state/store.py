@@ -227,15 +227,22 @@ class WindowStore:
 
     def _migrate(self) -> None:
         """Row keys an older version kept whole that now make runs move into runs (once
-        per store: ``upgrades`` remembers it)."""
+        per store: ``upgrades`` remembers it). Several processes may open one PostgreSQL
+        store at once: the one that takes the schema's DDL lock first moves them, the
+        others find ``upgrades`` done once it is theirs."""
+        done = "SELECT 1 FROM upgrades WHERE step = 'runs'"
         with self.lock:
             db = self.db
-            if db.execute("SELECT 1 FROM upgrades WHERE step = 'runs'").fetchone() is not None:
+            if db.execute(done).fetchone() is not None:
                 return
+            lite = isinstance(db, sqlite3.Connection)
             db.execute("BEGIN IMMEDIATE")
             try:
-                runs.migrate(db, isinstance(db, sqlite3.Connection))
-                db.execute("INSERT INTO upgrades (step) VALUES ('runs') ON CONFLICT DO NOTHING")
+                if not lite:  # (the lock connect_store's DDL takes: pg.py)
+                    db.execute("SELECT pg_advisory_xact_lock(hashtext('ackflow-ddl:' || current_schema()))")
+                if db.execute(done).fetchone() is None:
+                    runs.migrate(db, lite)
+                    db.execute("INSERT INTO upgrades (step) VALUES ('runs') ON CONFLICT DO NOTHING")
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
