@@ -1,7 +1,9 @@
-"""The picture of a benchmark run for the docs: messages per second of each ackflow phase
-beside the limit or peer it is measured against, as a plain SVG (no plotting library).
+"""The picture of a benchmark run: messages per second of each phase beside the limit or
+peer it is measured against, and the CPU each message cost (the driver, Spark's JVM, Spark's
+Python workers, the broker), as a plain SVG (no plotting library). ``benchmarks.run``
+draws one beside its JSON; by hand:
 
-    python -m benchmarks.chart benchmarks/measured/run5-full.json docs/img/benchmark-latest.svg
+    python -m benchmarks.chart benchmarks/measured/run6-full.json docs/img/benchmark-latest.svg
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import json
 from html import escape
 from pathlib import Path
+from typing import Any
 
 # (group, [(phase, label)]): the reference phases first, ackflow's last
 GROUPS = [
@@ -30,13 +33,33 @@ GROUPS = [
         "RabbitMQ quorum queue → Parquet",
         [("rmq_limit_quorum", "raw pika consume + ack"), ("ackflow_rmq_quorum", "ackflow")],
     ),
+    (
+        "Kafka → Parquet",
+        [("kafka_limit", "raw confluent-kafka consume + commit"), ("ackflow_kafka", "ackflow")],
+    ),
     ("files → Parquet", [("ss_files", "Structured Streaming"), ("ackflow_files", "ackflow")]),
     (
         "embedded queue → lakehouse",
         [("ackflow_delta", "ackflow → Delta Lake"), ("ackflow_iceberg", "ackflow → Iceberg")],
     ),
+    (
+        "files → 1-minute windows, 10 000 keys",
+        [
+            ("ss_windows", "Structured Streaming, watermark"),
+            ("ackflow_windows_base", "ackflow, the same flow without the window"),
+            ("ackflow_windows", "ackflow, window in its state store"),
+        ],
+    ),
 ]
-WIDTH, LABEL_W, BAR_H, GAP, TOP = 860, 300, 16, 4, 44
+#: the parts of a message's CPU, stacked in this order: (name, legend, colour)
+PARTS = [
+    ("driver", "driver", "#3f51b5"),
+    ("jvm", "Spark JVM", "#ff9800"),
+    ("python", "Spark Python workers", "#4caf50"),
+    ("broker", "broker", "#9e9e9e"),
+]
+LABEL_W, RATE_W, CPU_W, BAR_H, GAP, TOP = 300, 300, 320, 16, 4, 80
+WIDTH = LABEL_W + RATE_W + 40 + CPU_W + 80
 
 
 def num(n: float) -> str:
@@ -44,23 +67,56 @@ def num(n: float) -> str:
     return f"{n:,.0f}".replace(",", " ")
 
 
-def svg(run: dict, title: str) -> str:
-    rates = {p: run[p]["rate"] for _, phases in GROUPS for p, _ in phases if p in run}
-    top = max(rates.values())
-    scale = (WIDTH - LABEL_W - 90) / top
-    out, y = [], TOP
-    for group, phases in GROUPS:
+def cpu_parts(r: dict[str, Any]) -> dict[str, float]:
+    """A phase's CPU per message in µs by part (the parts it measured)."""
+    out = {"driver": r.get("driver_cpu_us"), "jvm": r.get("jvm_cpu_us"), "broker": r.get("broker_cpu_us")}
+    if r.get("spark_cpu_us") is not None and r.get("jvm_cpu_us") is not None:
+        out["python"] = r["spark_cpu_us"] - r["jvm_cpu_us"]
+    return {k: max(0.0, float(v)) for k, v in out.items() if v is not None}
+
+
+def svg(run: dict[str, Any], title: str) -> str:
+    shown = [(g, [(p, lab) for p, lab in phases if p in run]) for g, phases in GROUPS]
+    shown = [(g, phases) for g, phases in shown if phases]
+    rates = {p: run[p]["rate"] for _, phases in shown for p, _ in phases}
+    cpus = {p: cpu_parts(run[p]) for p in rates}
+    rate_scale = (RATE_W - 80) / max(rates.values())
+    cpu_scale = (CPU_W - 50) / max(1.0, max(sum(c.values()) for c in cpus.values()))
+    x_cpu = LABEL_W + RATE_W + 40
+    out = [
+        f'<text x="{LABEL_W}" y="{TOP - 30}" class="g">messages per second</text>',
+        f'<text x="{x_cpu}" y="{TOP - 30}" class="g">CPU µs per message</text>',
+    ]
+    lx = x_cpu
+    for _, legend, colour in PARTS:  # the legend, above the CPU bars
+        out.append(f'<rect x="{lx}" y="{TOP - 19}" width="10" height="10" fill="{colour}"/>')
+        out.append(f'<text x="{lx + 13}" y="{TOP - 10}" class="k">{escape(legend)}</text>')
+        lx += 22 + 6 * len(legend)
+    y = TOP
+    for group, phases in shown:
         out.append(f'<text x="8" y="{y + 12}" class="g">{escape(group)}</text>')
         y += BAR_H + GAP
         for phase, label in phases:
-            if phase not in rates:
-                continue
             rate = rates[phase]
             cls = "a" if phase.startswith("ackflow") else "r"
-            w = max(1.0, rate * scale)
+            w = max(1.0, rate * rate_scale)
             out.append(f'<text x="{LABEL_W - 8}" y="{y + 12}" class="l">{escape(label)}</text>')
             out.append(f'<rect x="{LABEL_W}" y="{y}" width="{w:.1f}" height="{BAR_H}" class="{cls}"/>')
             out.append(f'<text x="{LABEL_W + w + 6:.1f}" y="{y + 12}" class="v">{num(rate)}/s</text>')
+            x = float(x_cpu)
+            for name, _, colour in PARTS:
+                us = cpus[phase].get(name)
+                if not us:
+                    continue
+                part_w = us * cpu_scale
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y}" width="{part_w:.1f}" height="{BAR_H}" fill="{colour}" '
+                    f'data-part="{name}" data-us="{us:.1f}"><title>{escape(name)} {us:.1f} µs</title></rect>'
+                )
+                x += part_w
+            total = sum(cpus[phase].values())
+            if total:
+                out.append(f'<text x="{x + 6:.1f}" y="{y + 12}" class="v">{total:.1f}</text>')
             y += BAR_H + GAP
         y += GAP * 3
     height = y + 10
@@ -69,7 +125,7 @@ def svg(run: dict, title: str) -> str:
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
             f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="{escape(title)}">',
             "<style>text{font:12px sans-serif;fill:#333}.g{font-weight:bold}.l{text-anchor:end}"
-            ".v{fill:#555}.a{fill:#3f51b5}.r{fill:#b0b7c9}</style>",
+            ".v{fill:#555}.k{font-size:11px}.a{fill:#3f51b5}.r{fill:#b0b7c9}</style>",
             f'<rect width="{WIDTH}" height="{height}" fill="#fff"/>',
             f'<text x="8" y="22" class="g">{escape(title)}</text>',
             *out,
@@ -79,19 +135,24 @@ def svg(run: dict, title: str) -> str:
     )
 
 
+def title_of(run: dict[str, Any], name: str) -> str:
+    machine = run.get("machine", {})
+    return f"{num(run['settings']['messages'])} messages, {machine.get('cpus', '?')} cores ({name})"
+
+
+def draw(run_path: str | Path, out: str | Path) -> None:
+    """The picture of the run at ``run_path``, written to ``out``."""
+    run = json.loads(Path(run_path).read_text())
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(svg(run, title_of(run, Path(run_path).name)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.chart", description=__doc__)
     p.add_argument("run", help="a run's JSON (benchmarks/measured/*.json)")
     p.add_argument("out", help="the SVG to write")
     args = p.parse_args(argv)
-    run = json.loads(Path(args.run).read_text())
-    machine = run.get("machine", {})
-    title = (
-        f"messages per second, {num(run['settings']['messages'])} messages, "
-        f"{machine.get('cpus', '?')} cores ({Path(args.run).name})"
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(svg(run, title))
+    draw(args.run, args.out)
     return 0
 
 

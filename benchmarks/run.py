@@ -394,6 +394,12 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {a.out}")
+    if not a.rss and not a.sweep:  # the run's picture beside it
+        from benchmarks import chart
+
+        picture = os.path.splitext(a.out)[0] + ".svg"
+        chart.draw(a.out, picture)
+        print(f"wrote {picture}")
 
 
 def workers_cpu(r: dict[str, Any]) -> float | None:

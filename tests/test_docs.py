@@ -218,10 +218,38 @@ def test_docs_command_says_what_to_install(monkeypatch, capsys):
 def test_the_performance_picture_is_drawn_from_the_latest_run(tmp_path):
     from benchmarks import chart
 
+    picture = ROOT / "docs/img/benchmark-latest.svg"
+    run = re.search(r"\((\S+\.json)\)</text>", picture.read_text())
+    assert run is not None, "the picture names its run in its title"
     out = tmp_path / "latest.svg"
-    assert chart.main([str(ROOT / "benchmarks/measured/run5-full.json"), str(out)]) == 0
-    assert out.read_text() == (ROOT / "docs/img/benchmark-latest.svg").read_text()
+    assert chart.main([str(ROOT / "benchmarks/measured" / run.group(1)), str(out)]) == 0
+    assert out.read_text() == picture.read_text()
+    assert "docs/img/benchmark-latest.svg" in (ROOT / "README.md").read_text()
     assert "img/benchmark-latest.svg" in (ROOT / "docs/performance.md").read_text()
+
+
+def test_the_picture_stacks_each_phases_cpu_and_skips_what_was_not_run():
+    from benchmarks import chart
+
+    run = {
+        "settings": {"messages": 1000},
+        "peer": {"rate": 2000.0, "driver_cpu_us": 5.0, "spark_cpu_us": 30.0, "jvm_cpu_us": 20.0},
+        "ackflow": {"rate": 1000.0, "driver_cpu_us": 10.0, "spark_cpu_us": 40.0, "jvm_cpu_us": 30.0},
+        "rmq_limit": {"rate": 4000.0, "driver_cpu_us": 2.0, "broker_cpu_us": 8.0},
+    }
+    text = chart.svg(run, "t")
+    parts = re.findall(
+        r'width="([0-9.]+)" height="16" fill="[^"]+" data-part="(\w+)" data-us="([0-9.]+)"', text
+    )
+    assert [(p, float(us)) for _, p, us in parts] == [
+        ("driver", 5.0), ("jvm", 20.0), ("python", 10.0),
+        ("driver", 10.0), ("jvm", 30.0), ("python", 10.0),
+        ("driver", 2.0), ("broker", 8.0),
+    ]  # fmt: skip
+    per_us = {round(float(w) / float(us), 3) for w, _, us in parts}
+    assert len(per_us) == 1  # one scale for every part of every phase
+    assert "2 000/s" in text and "1 000/s" in text and ">50.0<" in text  # ackflow's CPU in all
+    assert "RabbitMQ quorum" not in text and "Structured Streaming" not in text
 
 
 @pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in PAGES])
