@@ -271,6 +271,89 @@ def test_state_in_postgresql_counts_once_after_a_crash_and_has_one_driver(postgr
         held.close()
 
 
+class _TakenElsewhere(ListSource):
+    """A source whose given-back messages another consumer takes: they never return."""
+
+    def release(self, deliveries):
+        for d in deliveries:
+            self._record(d, "released")
+
+
+@pytest.mark.parametrize("hold_s", [0.3, 600.0])
+def test_messages_given_back_that_never_return_hold_the_watermark_for_back_hold_s(
+    tmp_path, monkeypatch, caplog, hold_s
+):
+    """A batch fails as a whole (its state commit) and its messages, given back, are
+    taken by another consumer. The watermark waits for them (their windows are not
+    closed behind their back) for BACK_HOLD_S, then moves on with a warning: a later
+    key's window is written. Held longer than the run, it is not written in the run."""
+    from ackflow.engine import settle
+
+    monkeypatch.setattr(settle, "BACK_HOLD_S", hold_s)
+    src = _TakenElsewhere(
+        msgs(*[(0.1 * i, "a", 1) for i in range(1, 5)], *[(5 + 0.1 * i, "b", 1) for i in range(4)])
+    )
+    out = KeyedSink("out")
+    flow = Flow(src).window(w.tumbling("1s"), by="k", time="t", aggs=AGGS, idle=0.1).to(out)
+    faults.arm("state.before_commit", "raise")
+    try:
+        with caplog.at_level("WARNING", logger="ackflow.engine"):
+            report = run(flow, tmp_path, until_idle=2.5)
+    finally:
+        faults.disarm()
+    assert report.given_back_systemic == 4 and report.dead_lettered == 0
+    final = src.final()
+    gone = {k for k, v in final.items() if v == "released"}  # the batch whose commit failed
+    a, b = {f"m{i}" for i in range(4)}, {f"m{i}" for i in range(4, 8)}
+    assert gone in (a, b) and all(final[k] == "acked" for k in (a | b) - gone), final
+    other = ("b", 5, 4, 4) if gone == a else ("a", 0, 4, 4)  # the window the hold is about
+    expired = "given back have not come back in" in caplog.text
+    if hold_s < 1:
+        assert expired and results(out) == [other]
+    else:
+        assert not expired and results(out) == []
+
+
+def test_state_in_postgresql_reconnects_only_once_its_own_old_session_has_ended(postgres):
+    """After the server cut the driver's connection, it reconnects and takes the window's
+    lock again. While its own old session still holds the lock (the server has not
+    ended it yet), the reconnect is "away" (the batch is given back and tried later), not
+    a second driver; once the old session ends, the lock is the new session's."""
+    import time
+    import uuid
+
+    import psycopg
+
+    from ackflow.core.errors import StoreAway
+    from ackflow.state import pg
+
+    state = w.PostgresState(postgres.dsn, schema=f"win_{uuid.uuid4().hex[:8]}")
+    store = pg.open_store(state, "window_1")
+    try:
+        old = store.db.conn.info.backend_pid
+        with pytest.raises(StoreAway, match="the previous session still holds the window's lock"):
+            store.db._reopen()
+        with psycopg.connect(postgres.dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (old,))
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    new = store.db._reopen()
+                    break
+                except StoreAway:  # (the server ends the old session in its own time)
+                    assert time.monotonic() < deadline, "the old session never ended"
+                    time.sleep(0.05)
+            holder = admin.execute(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND objid = hashtext(%s)::oid",
+                (f"ackflow-window:{state.schema}:window_1",),
+            ).fetchall()
+            assert holder == [(new.info.backend_pid,)] and new.info.backend_pid != old
+            new.close()
+    finally:
+        store.close()
+
+
 def test_state_in_postgresql_away_mid_run_loses_and_doubles_nothing(postgres, tmp_path):
     """The state's database stops for a few seconds mid-run: batches fail as a whole
     (given back or retried, never dead-lettered), and once it answers the run ends with
