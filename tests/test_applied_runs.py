@@ -172,3 +172,29 @@ def test_two_processes_opening_one_older_postgresql_store_move_its_keys_once(pos
     ]
     assert check.execute("SELECT count(*) FROM applied").fetchone()[0] == 0
     check.close()
+
+
+def test_a_task_finds_exactly_the_applied_keys_in_postgresql(postgres):
+    """The task's view over the network: keys in runs and keys kept whole (no digits at
+    the end, a NUL, a leading zero) found, others not."""
+    import uuid
+
+    from ackflow import windows as w
+    from ackflow.state import pg
+
+    state = w.PostgresState(postgres.dsn, schema=f"view_{uuid.uuid4().hex[:8]}")
+    store = WindowStore("pg", conn=pg.connect_store(state))
+    try:
+        applied = ["f@a:1", "f@a:2", "f@a:7", "uuid-x", "x:007", "日本"]
+        spans, whole, _ = runs.make_runs(applied)
+        store.db.execute("BEGIN")
+        runs.put(store.db, "w", spans, 1.0, lite=False)
+        store.db.executemany(
+            "INSERT INTO applied (op, key, at) VALUES (?, ?, 1.0)", [("w", k) for k in whole]
+        )
+        store.db.executemany("INSERT INTO applied (op, key, at) VALUES (?, ?, 1.0)", [("other", "uuid-y")])
+        store.db.execute("COMMIT")
+        asked = [*applied, "f@a:3", "f@a:70", "uuid-y", "x:07", "日", "f@b:1"]
+        assert pg.read_view(state, "w", asked, None) == (None, set(applied))
+    finally:
+        store.close()

@@ -221,17 +221,10 @@ def read_view(
     state: PostgresState, op: str, keys: Sequence[str], batch: str | None
 ) -> tuple[int | None, set[str]]:
     """A task's view (as :func:`ackflow.state.store.read_view`), over the network."""
+    from ackflow.state.store import view_of
+
     conn = state.connect()
     try:
-        row = conn.execute("SELECT watermark FROM begun WHERE op = %s AND batch = %s", (op, batch)).fetchone()
-        if row is None:
-            row = conn.execute("SELECT watermark FROM marks WHERE op = %s", (op,)).fetchone()
-        from ackflow.state.runs import applied_of
-
-        applied, whole = applied_of(conn, op, keys, lite=False)
-        if whole:
-            query = "SELECT key FROM applied WHERE op = %s AND key = ANY(%s)"
-            applied |= {r[0] for r in conn.execute(query, (op, whole))}
-        return (row[0] if row else None), applied
+        return view_of(conn, op, keys, batch, lite=False)
     finally:
         conn.close()

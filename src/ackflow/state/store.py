@@ -179,15 +179,31 @@ def read_view(
     which of ``keys`` are applied."""
     db = connect(path, readonly=True)
     try:
-        row = db.execute("SELECT watermark FROM begun WHERE op = ? AND batch = ?", (op, batch)).fetchone()
-        if row is None:
-            row = db.execute("SELECT watermark FROM marks WHERE op = ?", (op,)).fetchone()
-        applied, whole = runs.applied_of(db, op, keys, lite=True)
-        query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks})"
-        applied |= {r[0] for r in rows_in(db, query, [op], whole)}
-        return (row[0] if row else None), applied
+        return view_of(db, op, keys, batch, lite=True)
     finally:
         db.close()
+
+
+def view_of(
+    db: Any, op: str, keys: Sequence[str], batch: str | None, lite: bool
+) -> tuple[int | None, set[str]]:
+    """:func:`read_view` on an open connection: SQLite's, or (``lite`` False) a psycopg
+    one (:func:`ackflow.state.pg.read_view`)."""
+    mark = "?" if lite else "%s"
+    row = db.execute(
+        f"SELECT watermark FROM begun WHERE op = {mark} AND batch = {mark}", (op, batch)
+    ).fetchone()
+    if row is None:
+        row = db.execute(f"SELECT watermark FROM marks WHERE op = {mark}", (op,)).fetchone()
+    applied, whole = runs.applied_of(db, op, keys, lite=lite)
+    if whole and lite:
+        query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks})"
+        applied |= {r[0] for r in rows_in(db, query, [op], whole)}
+    elif whole:
+        applied |= {
+            r[0] for r in db.execute("SELECT key FROM applied WHERE op = %s AND key = ANY(%s)", (op, whole))
+        }
+    return (row[0] if row else None), applied
 
 
 @dataclass
@@ -213,7 +229,6 @@ class WindowStore:
         self._size = size
         # op -> its open windows as stored, (gk, start) -> (rows, state); None: too many
         self._open: dict[str, dict[tuple[str, int], tuple[int, bytes]] | None] = {}
-        self._staged: dict[tuple[str, int], tuple[int, bytes]] = {}
         self._version: dict[str, int] = {}  # op -> the count of writes ``_open`` is in step with
         self._counted: str | None = None  # the op whose write the open transaction counted
         if conn is not None:
@@ -299,12 +314,13 @@ class WindowStore:
             db.execute("BEGIN IMMEDIATE")
             try:
                 lite = isinstance(db, sqlite3.Connection)
+                staged: dict[tuple[str, int], tuple[int, bytes]] = {}  # held once committed
                 if isinstance(spec.kind, Count):
                     self._merge_counts(spec, parts)
                 elif isinstance(spec.kind, Session):
                     self._merge_sessions(spec, parts)
                 else:
-                    self._merge_fixed(spec, parts)
+                    staged = self._merge_fixed(spec, parts)
                 self._applied(spec.name, keys, now, lite)
                 self._move(spec, max_t, late, len(keys), now if keys else None)
                 faults.point("state.before_commit")
@@ -313,7 +329,7 @@ class WindowStore:
                 self._forget_held(spec.name)  # (a commit that failed may still have been made)
                 db.execute("ROLLBACK")
                 raise
-            self._in_step(spec.name, self._staged, ())
+            self._in_step(spec.name, staged, ())
         faults.point("state.after_commit")
         return len(keys)
 
@@ -356,12 +372,11 @@ class WindowStore:
         writes to them is not the one this handle made (another process, a commit that
         failed); None if there are more than :data:`HOLD_MAX`."""
         in_step, version = self._count_write(op)
-        if not in_step:
-            n = self.db.execute("SELECT count(*) FROM windows WHERE op = ?", (op,)).fetchone()[0]
-            held = None
-            if n <= HOLD_MAX:
-                rows = self.db.execute("SELECT gk, start, nrows, state FROM windows WHERE op = ?", (op,))
-                held = {(g, int(s)): (int(r), bytes(b)) for g, s, r, b in rows}
+        if not in_step:  # (one read: one row past HOLD_MAX says there are too many)
+            rows = self.db.execute(
+                "SELECT gk, start, nrows, state FROM windows WHERE op = ? LIMIT ?", (op, HOLD_MAX + 1)
+            ).fetchall()
+            held = None if len(rows) > HOLD_MAX else {(g, int(s)): (int(r), bytes(b)) for g, s, r, b in rows}
             self._open[op], self._version[op] = held, version
         return self._open[op]
 
@@ -380,7 +395,6 @@ class WindowStore:
         """After a commit that wrote ``op``'s windows (and counted one write)."""
         held = self._open.get(op)
         counted, self._counted = self._counted, None
-        self._staged = {}
         if held is None or counted != op:
             return
         held.update(put)
@@ -394,7 +408,7 @@ class WindowStore:
         """What is held of ``op``'s windows may differ from the store: read it again."""
         self._open.pop(op, None)
         self._version.pop(op, None)
-        self._staged, self._counted = {}, None
+        self._counted = None
 
     def _check_fresh(self, op: str, keys: list[str]) -> None:
         query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks}) LIMIT 1"
@@ -419,7 +433,11 @@ class WindowStore:
             PUT_WINDOW, (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs)))
         )
 
-    def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> None:
+    def _merge_fixed(
+        self, spec: WindowSpec, parts: list[Partials]
+    ) -> dict[tuple[str, int], tuple[int, bytes]]:
+        """Merge the partials into the stored windows; return what the handle holds of
+        them once the transaction commits (nothing when it does not hold them)."""
         merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
         for p in parts:
             for values, start, end, rows, accs, gk in p.slots():
@@ -432,7 +450,7 @@ class WindowStore:
                     rows += other[2]
                 merged[slot] = (values, end, rows, accs)
         if not merged:
-            return
+            return {}
         held = self._held(spec.name)
         stored: dict[tuple[str, int], tuple[int, bytes]] = {}
         if held is not None:
@@ -456,8 +474,7 @@ class WindowStore:
                 rows += old[0]
             out.append((spec.name, gk, start, end, rows, 0, pickle.dumps((values, accs))))
         self.db.executemany(MERGE_WINDOW, out)
-        if held is not None:  # held once the transaction commits (see apply)
-            self._staged = {(r[1], r[2]): (r[4], r[6]) for r in out}
+        return {(r[1], r[2]): (r[4], r[6]) for r in out} if held is not None else {}
 
     def _merge_sessions(self, spec: WindowSpec, parts: list[Partials]) -> None:
         """A key's sessions: the stored ones and the new partials, overlapping ones merged
