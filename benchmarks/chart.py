@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -140,11 +141,15 @@ def title_of(run: dict[str, Any], name: str) -> str:
     return f"{num(run['settings']['messages'])} messages, {machine.get('cpus', '?')} cores ({name})"
 
 
-def draw(run_path: str | Path, out: str | Path) -> None:
-    """The picture of the run at ``run_path``, written to ``out``."""
+def draw(run_path: str | Path, out: str | Path) -> bool:
+    """The picture of the run at ``run_path``, written to ``out``; False (nothing
+    written) when none of its phases is one the picture shows (``--phases latency``)."""
     run = json.loads(Path(run_path).read_text())
+    if not any(p in run for _, phases in GROUPS for p, _ in phases):
+        return False
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(svg(run, title_of(run, Path(run_path).name)))
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", help="a run's JSON (benchmarks/measured/*.json)")
     p.add_argument("out", help="the SVG to write")
     args = p.parse_args(argv)
-    draw(args.run, args.out)
+    if not draw(args.run, args.out):
+        print(f"{args.run} has no phase the picture shows; nothing drawn", file=sys.stderr)
+        return 1
     return 0
 
 

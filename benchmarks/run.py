@@ -398,8 +398,8 @@ def main() -> None:
         from benchmarks import chart
 
         picture = os.path.splitext(a.out)[0] + ".svg"
-        chart.draw(a.out, picture)
-        print(f"wrote {picture}")
+        if chart.draw(a.out, picture):
+            print(f"wrote {picture}")
 
 
 def workers_cpu(r: dict[str, Any]) -> float | None:

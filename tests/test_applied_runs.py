@@ -198,3 +198,23 @@ def test_a_task_finds_exactly_the_applied_keys_in_postgresql(postgres):
         assert pg.read_view(state, "w", asked, None) == (None, set(applied))
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("dsn", "schema", "says"),
+    [
+        ("", "s", "give a DSN"),
+        ("postgresql://u@127.0.0.1/db", "", "schema must be a name"),
+        ("postgresql://u@127.0.0.1/db", "s" * 64, "longer than PostgreSQL's 63 bytes"),
+        ("postgresql://u@127.0.0.1/db", "é" * 32, "longer than PostgreSQL's 63 bytes"),
+    ],
+)
+def test_a_postgresql_state_with_a_bad_dsn_or_schema_fails_at_start(dsn, schema, says):
+    """A schema PostgreSQL would cut at 63 bytes would make the DDL lock's key (the name
+    as given) differ from the schema's own: refused at start, saying what to fix."""
+    from ackflow import windows as w
+    from ackflow.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        w.PostgresState(dsn, schema=schema)
+    w.PostgresState("postgresql://u@127.0.0.1/db", schema="s" * 63)  # (63 bytes are fine)

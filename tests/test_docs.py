@@ -10,6 +10,7 @@ with this checkout's ``src`` first on the path. See docs/contributing.md.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -228,7 +229,7 @@ def test_the_performance_picture_is_drawn_from_the_latest_run(tmp_path):
     assert "img/benchmark-latest.svg" in (ROOT / "docs/performance.md").read_text()
 
 
-def test_the_picture_stacks_each_phases_cpu_and_skips_what_was_not_run():
+def test_the_picture_stacks_each_phases_cpu_and_skips_what_was_not_run(tmp_path):
     from benchmarks import chart
 
     run = {
@@ -250,6 +251,9 @@ def test_the_picture_stacks_each_phases_cpu_and_skips_what_was_not_run():
     assert len(per_us) == 1  # one scale for every part of every phase
     assert "2 000/s" in text and "1 000/s" in text and ">50.0<" in text  # ackflow's CPU in all
     assert "RabbitMQ quorum" not in text and "Structured Streaming" not in text
+    path = tmp_path / "latency.json"  # a run with no phase the picture shows: none drawn
+    path.write_text(json.dumps({"settings": {"messages": 1}, "latency": {"rate": 5.0}}))
+    assert chart.draw(path, tmp_path / "latency.svg") is False and not (tmp_path / "latency.svg").exists()
 
 
 @pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in PAGES])

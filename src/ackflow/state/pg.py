@@ -136,6 +136,11 @@ class PostgresState:
             raise ConfigError("PostgresState: give a DSN (postgresql://user:pass@host/db)")
         if not isinstance(self.schema, str) or not self.schema:
             raise ConfigError("PostgresState: schema must be a name")
+        if len(self.schema.encode()) > 63 or "\x00" in self.schema:  # (PostgreSQL would cut it)
+            raise ConfigError(
+                f"PostgresState: schema {self.schema[:70]!r} is longer than PostgreSQL's 63 bytes "
+                "or holds a NUL; choose a shorter name"
+            )
 
     def connect(self, create: bool = False) -> Any:
         """A connection (autocommit) whose search path is the schema; ``create``: the
@@ -185,14 +190,20 @@ def open_store(state: PostgresState, op: str) -> Any:
     before: list[int] = []  # the backend that held the lock (this process's)
 
     def locked(conn: Any) -> Any:
-        got = conn.execute(
-            "SELECT pg_try_advisory_lock(hashtext(%s))", (f"ackflow-window:{state.schema}:{op}",)
-        ).fetchone()[0]
+        def take() -> bool:
+            return bool(
+                conn.execute(
+                    "SELECT pg_try_advisory_lock(hashtext(%s))", (f"ackflow-window:{state.schema}:{op}",)
+                ).fetchone()[0]
+            )
+
+        got = take()
         if not got and before:
             stale = conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (before[-1],)).fetchone()
             if stale is not None:  # our old session, cut off, not yet ended by the server
                 conn.close()
                 raise StoreAway(op, "the previous session still holds the window's lock; tried again later")
+            got = take()  # (it may have ended between the two statements)
         if not got:
             conn.close()
             raise FlowError(
