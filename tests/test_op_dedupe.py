@@ -455,3 +455,42 @@ def test_a_nested_key_is_refused_with_the_way_to_it_and_deduped_through_a_column
     ackflow.run(flow, spark=spark, state_dir=str(tmp_path / "b"), batch_size=3, until_idle=1.0)
     assert set(src.final().values()) == {"acked"}
     assert sorted(r["c_id"] for r in out.rows.values()) == [0, 1, 2]
+
+
+def test_a_repeat_waiting_when_the_run_stops_is_given_back_and_the_next_run_writes_one_row(tmp_path):
+    """The run is stopped while a repeat waits for its first (whose write keeps failing):
+    the repeat is given back (no delivery spent), neither acked as the repeat of a row
+    that does not exist nor dead-lettered; the next run writes the key's row once."""
+    import time
+
+    from ackflow.engine import Engine
+
+    src = ListSource(msgs(("o1", 0, 1), ("o1", 1, 2)), policy=RetryPolicy(max_deliveries=50, backoff_s=0.2))
+    out = KeyedSink("out", raise_if=lambda r: r["n"] == 1)  # m0's write fails: its claim stays open
+    flow = Flow(src).dedupe("order", within="1h", time="t").to(out)
+    saw = []
+    deadline = time.monotonic() + 20
+
+    def stop_when_parked(report, window):
+        if engine.parked:
+            saw.append(len(engine.parked))
+        if saw or time.monotonic() > deadline:
+            engine.request_stop()
+
+    engine = Engine(
+        flow,
+        executor="local",
+        state_dir=str(tmp_path),
+        batch_size=1,
+        max_concurrent_batches=1,
+        handle_signals=False,
+        progress=stop_when_parked,
+    )
+    engine.run()
+    assert saw, "the repeat never waited"
+    assert src.settled["m1"][-1] == "released" and "acked" not in src.settled["m1"], src.settled
+    assert not src.dead_letters and written(out) == []
+    again = KeyedSink("out")
+    report = run(Flow(src).dedupe("order", within="1h", time="t").to(again), tmp_path, until_idle=2.0)
+    assert src.final() == {"m0": "acked", "m1": "acked"} and report.dead_lettered == 0
+    assert written(again) == [("o1", 1)] and not again.conflicts
