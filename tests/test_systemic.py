@@ -157,6 +157,40 @@ def test_a_sink_that_raises_for_every_message_never_makes_a_dead_letter(spark):
     assert all(n <= 1 for n in src.deliveries.values()), src.deliveries
 
 
+def test_an_episode_whose_messages_never_come_back_still_stops_the_run_when_it_lasts():
+    """The messages given back for a systemic failure are taken by another consumer:
+    nothing is in flight and nothing settles, yet the episode (not idle) ends the run
+    with SystemicFailure after systemic_stop_after_s instead of keeping it for ever."""
+
+    class TakenElsewhere(ListSource):
+        def release(self, deliveries):
+            for d in deliveries:
+                self._record(d, "released")
+
+    src = TakenElsewhere(bodies([{"n": i} for i in range(6)]))
+    flow = ackflow.Flow(src).to(FailingSink(raise_if=lambda r: True, name="broken"))
+    engine = Engine(
+        flow, executor="local", handle_signals=False, systemic_stop_after_s=1.0, batch_size=6, until_idle=0.3
+    )
+    outcome: dict[str, object] = {}
+
+    def go():
+        try:
+            engine.run()
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            outcome["error"] = e
+
+    runner = threading.Thread(target=go, daemon=True)
+    runner.start()
+    runner.join(30)
+    if runner.is_alive():
+        engine.request_stop()
+        runner.join(10)
+        pytest.fail("the run never ended: the open episode kept it from being idle")
+    assert isinstance(outcome.get("error"), SystemicFailure), outcome
+    assert only_released(src) and engine.report.given_back_systemic == 6
+
+
 @pytest.mark.spark
 def test_a_column_that_fails_every_row_is_probed_not_bisected_to_the_end(spark):
     """``cast('x' as int)`` fails every job with one error: after one split and three

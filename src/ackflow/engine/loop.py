@@ -547,6 +547,8 @@ class Engine(Settling):
                 # reconnecting, a systemic (or suspect) failure gave messages back, or
                 # failed messages wait for their retry at the source: not idle
                 last_message = time.monotonic()
+                if not pending and not self._running:  # (no batch will settle to check it)
+                    self._stop_if_overdue()
             now = time.monotonic()
             if (
                 pending

@@ -385,17 +385,25 @@ class Settling:
             pause,
             max(left, 0),
         )
-        if detector.overdue():
-            if episode.detail:
-                log.error("the systemic failure in full:\n%s", episode.detail)
-            raise SystemicFailure(
-                episode.step,
-                episode.error,
-                messages=episode.messages,
-                seconds=detector.stop_after_s,
-                detail=episode.detail,
-            )
+        self._stop_if_overdue()
         return rest
+
+    def _stop_if_overdue(self) -> None:
+        """Raise :class:`SystemicFailure` once the systemic episode has lasted
+        ``systemic_stop_after_s``: when a batch settles, and while nothing is in flight
+        (the messages given back may never come back: another consumer took them)."""
+        detector, episode = self.systemic, self.systemic.episode
+        if episode is None or not detector.overdue():
+            return
+        if episode.detail:
+            log.error("the systemic failure in full:\n%s", episode.detail)
+        raise SystemicFailure(
+            episode.step,
+            episode.error,
+            messages=episode.messages,
+            seconds=detector.stop_after_s,
+            detail=episode.detail,
+        )
 
     def _count_job(self, bisection: bool) -> None:
         """A Spark job started (a worker thread calls this): live counts for the page."""
