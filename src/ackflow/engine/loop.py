@@ -547,7 +547,9 @@ class Engine(Settling):
                 # reconnecting, a systemic (or suspect) failure gave messages back, or
                 # failed messages wait for their retry at the source: not idle
                 last_message = time.monotonic()
-                if not pending and not self._running:  # (no batch will settle to check it)
+                if not pending and not self._running and time.monotonic() >= self._pause_until:
+                    # the pause is over and the source gave nothing: no batch will settle
+                    # to check the episode (its messages went elsewhere)
                     self._stop_if_overdue()
             now = time.monotonic()
             if (
