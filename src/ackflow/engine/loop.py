@@ -547,9 +547,15 @@ class Engine(Settling):
                 # reconnecting, a systemic (or suspect) failure gave messages back, or
                 # failed messages wait for their retry at the source: not idle
                 last_message = time.monotonic()
-                if not pending and not self._running and time.monotonic() >= self._pause_until:
-                    # the pause is over and the source gave nothing: no batch will settle
-                    # to check the episode (its messages went elsewhere)
+                if (
+                    want > 0
+                    and not pulled
+                    and connected
+                    and not source.retries_waiting
+                    and not self._busy_inside(pending)
+                ):
+                    # the pause is over, the source gave nothing and nothing is in flight:
+                    # no batch will settle to check the episode (its messages went elsewhere)
                     self._stop_if_overdue()
             now = time.monotonic()
             if (
@@ -574,11 +580,7 @@ class Engine(Settling):
             )
             if (
                 self.until_idle is not None
-                and not pending
-                and not self._running
-                and not self.held
-                and not self.parked
-                and not (self.groups and len(self.groups))
+                and not self._busy_inside(pending)
                 and now - last_message >= self.until_idle
             ):
                 self._idle_since = last_message
@@ -595,6 +597,13 @@ class Engine(Settling):
             if want <= 0 or (pending and len(self._running) >= self.max_concurrent):
                 if self._complete(0.05):  # nothing to pull for now: wait for a completion
                     last_message = time.monotonic()
+
+    def _busy_inside(self, pending: list[Delivery]) -> bool:
+        """Messages in the engine still to settle: batched, running, held for grouping,
+        parked, or rows waiting in groups."""
+        return bool(
+            pending or self._running or self.held or self.parked or (self.groups and len(self.groups))
+        )
 
     def _shutdown(self, pool: ThreadPoolExecutor) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
