@@ -68,11 +68,21 @@ def num(n: float) -> str:
     return f"{n:,.0f}".replace(",", " ")
 
 
+def workers_cpu(r: dict[str, Any]) -> float | None:
+    """CPU per message of Spark's Python workers: the JVM's tree without the JVM."""
+    if r.get("spark_cpu_us") is None or r.get("jvm_cpu_us") is None:
+        return None
+    return float(r["spark_cpu_us"] - r["jvm_cpu_us"])
+
+
 def cpu_parts(r: dict[str, Any]) -> dict[str, float]:
     """A phase's CPU per message in µs by part (the parts it measured)."""
-    out = {"driver": r.get("driver_cpu_us"), "jvm": r.get("jvm_cpu_us"), "broker": r.get("broker_cpu_us")}
-    if r.get("spark_cpu_us") is not None and r.get("jvm_cpu_us") is not None:
-        out["python"] = r["spark_cpu_us"] - r["jvm_cpu_us"]
+    out = {
+        "driver": r.get("driver_cpu_us"),
+        "jvm": r.get("jvm_cpu_us"),
+        "python": workers_cpu(r),
+        "broker": r.get("broker_cpu_us"),
+    }
     return {k: max(0.0, float(v)) for k, v in out.items() if v is not None}
 
 

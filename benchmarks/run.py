@@ -68,6 +68,7 @@ import uuid
 from typing import Any
 
 from benchmarks import windows
+from benchmarks.chart import workers_cpu
 from benchmarks.phases import (
     QUEUE,
     body,
@@ -400,13 +401,6 @@ def main() -> None:
         picture = os.path.splitext(a.out)[0] + ".svg"
         if chart.draw(a.out, picture):
             print(f"wrote {picture}")
-
-
-def workers_cpu(r: dict[str, Any]) -> float | None:
-    """CPU per message of Spark's Python workers: the JVM's tree without the JVM."""
-    if r.get("spark_cpu_us") is None or r.get("jvm_cpu_us") is None:
-        return None
-    return float(r["spark_cpu_us"] - r["jvm_cpu_us"])
 
 
 def print_table(phases: list[str], results: dict[str, Any]) -> None:
