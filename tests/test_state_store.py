@@ -16,6 +16,7 @@ from ackflow.flow import Flow
 from ackflow.state.partials import contribute, to_us
 from ackflow.state.spec import window_flow
 from ackflow.state.store import StateError, WindowStore, read_view
+from ackflow.state.winlog import folded
 from ackflow.testing import ListSource
 from ackflow.windows import (
     avg,
@@ -261,8 +262,13 @@ def test_state_is_committed_durably(store):
     sp = spec(tumbling("10s"))
     p, _, _ = fold(sp, rows((1.0, "a", 1)), ["x"])
     store.apply(sp, [p])
+    assert db.execute("SELECT count(*) FROM windows").fetchone()[0] == 0  # (one row in the log)
+    [(_, _, _, rows_in, _, state, error)] = folded(db, "w")  # another reader: the log replayed
+    assert (pickle.loads(state), rows_in, error) == ((("a",), [1, 1]), 1, None)
+    store.close()  # the log folded into the table
     values, accs = pickle.loads(db.execute("SELECT state FROM windows").fetchone()[0])
     assert (values, accs) == (("a",), [1, 1])
+    assert folded(db, "w") is None
 
 
 def test_configuration_errors_name_the_window():
@@ -301,7 +307,7 @@ def test_a_float_key_of_zero_and_minus_zero_keeps_each_windows_own_text(store):
     store.apply(sp, [first])
     second, _, _ = fold(sp, rows((2.0, 0.0, 1), (12.0, -0.0, 1)), ["r2", "r3"])
     store.apply(sp, [second])
-    held = store.db.execute("SELECT gk, start, nrows FROM windows ORDER BY start").fetchall()
+    held = sorted(((w[0], w[1], w[3]) for w in folded(store.db, "w")), key=lambda w: w[1])
     assert held == [("[0.0]", 0, 2), ("[-0.0]", 10 * S, 1)]
 
 
@@ -310,7 +316,7 @@ def test_the_open_windows_held_in_memory_follow_every_write(store, monkeypatch):
     write (another process), a commit that failed, and a window written and deleted
     each make it read the store again; past HOLD_MAX it reads per batch. Every count
     stays exact, through tokens pickled as tasks send them."""
-    import ackflow.state.store as store_mod
+    import ackflow.state.held as store_mod
 
     sp = spec(tumbling("10s"))
 

@@ -2,7 +2,8 @@
 shipped by the vega_datasets package) through tumbling, hopping and session windows on
 Spark, the pipeline SIGKILLed at a random moment and killed at the state store's
 boundaries (after a batch's state commit, before it, between writing results and
-deleting them; a dedupe's after its claims and after its sink's commit), then run to
+deleting them, inside a fold of the change log; a dedupe's after its claims and after
+its sink's commit), then run to
 the end; every window's result equals pandas computing the same windows over the same
 records: none missing, none twice, none wrong; and the dedupe wrote exactly one record
 per weather kind and month."""
@@ -159,6 +160,7 @@ def test_windows_equal_pandas_after_sigkills_and_crashes_at_each_state_boundary(
     # executor runs the same code without a JVM's start each time)
     local = [sys.executable, PIPELINE]
     for point in (
+        f"state.compact=exit@{rng.randint(1, 2)}",
         f"dedupe.after_claim=exit@{rng.randint(1, 8)}",
         "dedupe.after_output=exit@1",
         f"state.after_commit=exit@{rng.randint(1, 4)}",

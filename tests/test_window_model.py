@@ -12,9 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ackflow.flow import Flow
+from ackflow.state import winlog
+from ackflow.state.gate import Gate
 from ackflow.state.partials import contribute
 from ackflow.state.spec import window_flow
-from ackflow.state.store import Gate, WindowStore, read_view
+from ackflow.state.store import WindowStore, read_view
 from ackflow.testing import ListSource
 from ackflow.windows import count, hopping, max_, session, sum_, tumbling
 
@@ -57,7 +59,9 @@ class Run:
     """The engine's protocol around one window, with the sink's emission rule."""
 
     def __init__(self, spec, store, view):
-        self.spec, self.store, self.view = spec, store, view
+        self.spec, self.view = spec, view
+        self.opener = store  # opens a handle on the store (again after a crash)
+        self.store = store()
         self.gate = Gate()  # the running batches, as the window sink keeps them
         self.written = {}  # (gk, start) -> accumulators written (count of writes too)
         self.writes = {}
@@ -74,8 +78,12 @@ class Run:
         self.store.move(self.spec, self.gate.end(f"hold:{bid}", None))
 
     def restart(self):
-        """The process died: running batches are gone, a new process starts."""
+        """The process died: running batches are gone, a new process starts with a
+        handle of its own (the old one dropped without closing: its change log unfolded)."""
         self.gate = Gate()
+        self.store.db.close()
+        self.store.scratch.close()
+        self.store = self.opener()
         self.store.end(self.spec.name)
 
     def tasks(self, bid, rows, ids, parts):
@@ -117,6 +125,7 @@ class Run:
             self.writes[key] = self.writes.get(key, 0) + 1
             self.written[key] = (d.end, [a.finish(x) for a, x in zip(self.spec.aggs, d.accs, strict=True)])
         self.store.done(self.spec, due)
+        self.store.settle(self.spec)  # (the change log folded in every few batches)
 
 
 def expected(spec, rows, counted_rows):
@@ -153,7 +162,8 @@ def expected(spec, rows, counted_rows):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sc=scenarios())
 def test_every_row_has_one_fate_and_every_window_is_written_once_and_right(tmp_path_factory, sc):
-    check(sc, WindowStore(str(tmp_path_factory.mktemp("w") / "windows.db")), lambda keys, w: None)
+    path = str(tmp_path_factory.mktemp("w") / "windows.db")
+    check(sc, lambda: WindowStore(path), lambda keys, w: None)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -166,13 +176,20 @@ def test_the_same_in_postgresql(postgres, sc):
     from ackflow.state import pg
 
     state = pg.PostgresState(postgres.dsn, schema=f"w_{uuid.uuid4().hex[:10]}")
-    store = pg.open_store(state, "w")
-    check(sc, store, lambda keys, bid: pg.read_view(state, "w", keys, bid))
+    check(sc, lambda: pg.open_store(state, "w"), lambda keys, bid: pg.read_view(state, "w", keys, bid))
 
 
 def check(sc, store, view):
-    """Run scenario ``sc`` against ``store``; ``view(keys, batch)``: the tasks' read (None:
-    the SQLite file's)."""
+    """Run scenario ``sc`` against the store ``store()`` opens; ``view(keys, batch)``: the
+    tasks' read (None: the SQLite file's). The change log is folded every two rows."""
+    every, winlog.COMPACT_EVERY = winlog.COMPACT_EVERY, 2
+    try:
+        _check(sc, store, view)
+    finally:
+        winlog.COMPACT_EVERY = every
+
+
+def _check(sc, opener, view):
     flow = Flow(ListSource([]))
     spec = window_flow(
         flow,
@@ -183,7 +200,7 @@ def check(sc, store, view):
         aggs=[count(), sum_("v"), max_("v")],
         name="w",
     ).spec
-    run = Run(spec, store, view)
+    run = Run(spec, opener, view)
     rows = sc["rows"]
     ids = [f"r{i}" for i in range(len(rows))]
     queue = list(range(len(rows)))  # row indexes in arrival order
@@ -244,11 +261,11 @@ def check(sc, store, view):
             run.unhold(hbid)
         held = []
         if quiet:
-            store.close_open(spec)
+            run.store.close_open(spec)
             run.emit()
-    store.close_open(spec)
+    run.store.close_open(spec)
     run.emit()
-    store.close()
+    run.store.close()
     everyone = set(ids)
     final_late = {r for r in run.late if r not in run.counted}
     assert run.counted | final_late == everyone

@@ -82,6 +82,8 @@ POINTS: dict[str, str] = {
     "state.before_commit": "window state: a batch's partials, applied keys and watermark are "
     "in the transaction; COMMIT not sent",
     "state.after_commit": "window state: a batch's contribution is committed; nothing acked yet",
+    "state.compact": "window state: the change log folded into the windows table, not yet "
+    "emptied (inside the compaction's transaction)",
     "state.after_output": "window results: written and committed in the output sink; not yet "
     "deleted from the state store",
     "source.reconnect": "a source is about to reconnect to its broker",

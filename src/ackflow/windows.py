@@ -32,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import operator
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +244,32 @@ class Aggregate:
         if fn in ("first", "last"):
             return None if acc is None else acc[1]
         return acc
+
+
+def merger(aggs: Sequence[Aggregate]) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """One function that merges two windows' accumulators (a list per window, one per
+    aggregate of ``aggs``), as each aggregate's :meth:`Aggregate.merge` does, without
+    its dispatch on ``fn`` per call (the driver merges every window a batch touched)."""
+    fns = [_merge_fn(a) for a in aggs]
+    if len(fns) == 1:
+        (f0,) = fns
+        return lambda x, y: [f0(x[0], y[0])]
+    if len(fns) == 2:
+        f0, f1 = fns
+        return lambda x, y: [f0(x[0], y[0]), f1(x[1], y[1])]
+    return lambda x, y: [f(a, b) for f, a, b in zip(fns, x, y, strict=True)]
+
+
+def _merge_fn(agg: Aggregate) -> Callable[[Any, Any], Any]:
+    if agg.fn == "count":
+        return operator.add
+    if agg.fn == "sum":
+        return lambda a, b: b if a is None else a if b is None else a + b
+    if agg.fn == "min":
+        return lambda a, b: b if a is None else a if b is None else b if b < a else a
+    if agg.fn == "max":
+        return lambda a, b: b if a is None else a if b is None else b if b > a else a
+    return agg.merge
 
 
 def _agg(fn: str, column: Any, name: str | None) -> Aggregate:

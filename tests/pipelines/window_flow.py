@@ -23,6 +23,10 @@ from ackflow.core.policy import RetryPolicy
 from ackflow.flow import branch
 from ackflow.sinks import Parquet
 from ackflow.sources import EmbeddedQueue
+from ackflow.state import winlog
+
+# the open windows' change log folded every two rows, so that a crash can meet a fold
+winlog.COMPACT_EVERY = 2
 
 KINDS = {
     "tumbling": w.tumbling("30 days"),

@@ -11,6 +11,7 @@ from typing import Any
 from ackflow.core.errors import ConfigError
 from ackflow.state.partials import show_us
 from ackflow.state.store import STORE_FILE
+from ackflow.state.winlog import folded
 
 
 def _when(us: int | None) -> str | None:
@@ -50,18 +51,26 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
         for op, w, top, late, done, applied_rows in marks:
             if window is not None and op != window:
                 continue
-            n_open, refused = db.execute(
-                "SELECT count(*), count(error) FROM windows WHERE op = ?", (op,)
-            ).fetchone()
+            logged = folded(db, op)  # (the change log replayed over the table, if it holds any)
+            if logged is None:
+                n_open, refused = db.execute(
+                    "SELECT count(*), count(error) FROM windows WHERE op = ?", (op,)
+                ).fetchone()
+            else:
+                n_open, refused = len(logged), sum(1 for w in logged if w[6] is not None)
             remembered = db.execute("SELECT count(*) FROM applied WHERE op = ?", (op,)).fetchone()[0]
             with contextlib.suppress(sqlite3.OperationalError):  # (a store no newer version opened)
                 runs = "SELECT coalesce(sum(hi - lo + 1), 0) FROM applied_runs WHERE op = ?"
                 remembered += db.execute(runs, (op,)).fetchone()[0]
-            rows = db.execute(
-                'SELECT start, "end", nrows, dirty, state, error FROM windows WHERE op = ? '
-                'ORDER BY error IS NULL, "end", gk LIMIT ?',
-                (op, limit),
-            ).fetchall()
+            if logged is None:
+                rows = db.execute(
+                    'SELECT start, "end", nrows, dirty, state, error FROM windows WHERE op = ? '
+                    'ORDER BY error IS NULL, "end", gk LIMIT ?',
+                    (op, limit),
+                ).fetchall()
+            else:
+                logged.sort(key=lambda w: (w[6] is None, w[2], w[0]))
+                rows = [w[1:] for w in logged[:limit]]
             out.append(
                 {
                     "window": op,

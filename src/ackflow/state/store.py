@@ -7,6 +7,8 @@ returns. Tables:
 * ``windows``: one row per open window (operator, key values, start), its end, its row
   count and its accumulators (pickled: this file is ackflow's own, never outside
   bytes); ``dirty`` marks windows changed since they were last written (``update``).
+* ``window_log``: tumbling and hopping windows written once change by a row per batch
+  here, folded into ``windows`` now and then (:mod:`.winlog`).
 * ``marks``: per operator the watermark, the largest event time seen, when data last
   came (wall clock, for the idle advance), late rows, and windows written.
 * ``dedupe``: a dedupe operator's claims, one per first of a key value (:mod:`.dedupe`).
@@ -31,14 +33,14 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ackflow import faults
-from ackflow.state import runs
+from ackflow.state import runs, winlog
+from ackflow.state.held import PUT_WINDOW, Due, Held, HeldWindows, Slot
 from ackflow.state.partials import Partials, gk_text
 from ackflow.state.spec import WindowSpec
-from ackflow.windows import Count, Session
+from ackflow.windows import Count, Session, merger
 
 STORE_FILE = "windows.db"
 CHUNK = 900  # SQLite's bound on host parameters, with room
@@ -62,6 +64,8 @@ CREATE TABLE IF NOT EXISTS applied_runs (op TEXT NOT NULL, stem TEXT NOT NULL, l
 CREATE INDEX IF NOT EXISTS applied_runs_at ON applied_runs (op, at);
 CREATE TABLE IF NOT EXISTS writes (op TEXT PRIMARY KEY, n INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS upgrades (step TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS window_log (op TEXT NOT NULL, seq INTEGER NOT NULL, changes BLOB NOT NULL,
+    PRIMARY KEY (op, seq));
 CREATE TABLE IF NOT EXISTS begun (op TEXT NOT NULL, batch TEXT NOT NULL, watermark INTEGER,
     PRIMARY KEY (op, batch));
 CREATE TABLE IF NOT EXISTS count_next (op TEXT NOT NULL, gk TEXT NOT NULL, next INTEGER NOT NULL,
@@ -74,16 +78,6 @@ CREATE INDEX IF NOT EXISTS dedupe_at ON dedupe (op, at);
 """
 
 
-#: a window's row, new or changed: an upsert (a third cheaper than INSERT OR REPLACE's
-#: delete and insert); a changed window is tried again if its sink had refused it
-PUT_WINDOW = (
-    'INSERT INTO windows (op, gk, start, "end", nrows, filled, dirty, state) VALUES (?, ?, ?, ?, ?, ?, 1, ?) '
-    'ON CONFLICT (op, gk, start) DO UPDATE SET "end" = excluded."end", nrows = excluded.nrows, '
-    "filled = excluded.filled, dirty = 1, state = excluded.state, error = NULL"
-)
-#: open tumbling and hopping windows the driver keeps in memory per operator (as
-#: stored: rows and pickled state); an operator with more is read from the store per batch
-HOLD_MAX = 100_000
 #: a tumbling or hopping window's row after a batch: its end never changes, nor is it
 #: ever filled (leaving them out of the update saves a fifth of its time)
 MERGE_WINDOW = (
@@ -92,59 +86,6 @@ MERGE_WINDOW = (
     "error = NULL"
 )
 OWN = object()  # apply(): the watermark follows the batch's own largest event time
-
-
-class Gate:
-    """Which batches may move the watermark: a batch's largest event time counts once
-    every batch that began before it has ended (committed or failed); until then it
-    waits. Otherwise a younger batch that commits first moves the watermark past rows
-    of an older one that then fails, or dies in a crash, and comes again: late for no
-    fault of theirs. A crash forgets what waits: the watermark is then lower, never
-    past a row still to come. The batch's own tasks judge lateness by the watermark it
-    began with. Not thread-safe: the window sink calls it under the store's lock."""
-
-    def __init__(self) -> None:
-        self._seq = 0
-        self.running: dict[str, tuple[int, int | None]] = {}  # batch -> (order, watermark)
-        self._waiting: list[tuple[int, int]] = []  # (order, largest event time)
-
-    def begin(self, batch: str, watermark: int | None) -> None:
-        self._seq += 1
-        self.running[batch] = (self._seq, watermark)
-
-    def _split(self, batch: str, event_max: int | None) -> tuple[int | None, list[tuple[int, int]]]:
-        seq = self.running.get(batch, (None, None))[0]
-        waiting = list(self._waiting)
-        if seq is not None and event_max is not None:
-            waiting.append((seq, event_max))
-        others = [s for b, (s, _) in self.running.items() if b != batch]
-        oldest = min(others, default=None)
-        ready = [t for s, t in waiting if oldest is None or s < oldest]
-        keep = [(s, t) for s, t in waiting if not (oldest is None or s < oldest)]
-        return max(ready, default=None), keep
-
-    def ready(self, batch: str, event_max: int | None) -> int | None:
-        """The event time the watermark may follow if ``batch`` ends now with ``event_max``."""
-        return self._split(batch, event_max)[0]
-
-    def end(self, batch: str, event_max: int | None) -> int | None:
-        """``batch`` ended (``event_max``: None if it failed); what may count now."""
-        out, self._waiting = self._split(batch, event_max)
-        self.running.pop(batch, None)
-        return out
-
-    def rename(self, batch: str, to: str) -> None:
-        """``batch``'s place (its order and watermark) goes on as ``to``."""
-        if batch in self.running:
-            self.running[to] = self.running.pop(batch)
-
-    def bound(self, watermark: int | None) -> int | None:
-        """The watermark windows may close by: held back by every running batch's."""
-        for _, started in self.running.values():
-            if watermark is None or started is None:
-                return None
-            watermark = min(watermark, started)
-        return watermark
 
 
 def rows_in(db: Any, query: str, args: Sequence[Any], values: Sequence[Any]) -> Iterator[Any]:
@@ -206,19 +147,7 @@ def view_of(
     return (row[0] if row else None), applied
 
 
-@dataclass
-class Due:
-    """A window ready to be written: its row and what to do after."""
-
-    gk: str
-    start: int
-    end: int
-    values: tuple[Any, ...]
-    accs: list[Any]
-    close: bool  # delete after writing (final), else only clear ``dirty``
-
-
-class WindowStore:
+class WindowStore(HeldWindows):
     """The driver's handle on the store (thread-safe: one lock around each transaction)."""
 
     def __init__(self, path: str, *, conn: Any = None, size: Any = None) -> None:
@@ -227,8 +156,12 @@ class WindowStore:
         self.path = path
         self.lock = threading.RLock()
         self._size = size
-        # op -> its open windows as stored, (gk, start) -> (rows, state); None: too many
-        self._open: dict[str, dict[tuple[str, int], tuple[int, bytes]] | None] = {}
+        # op -> its open windows, (gk, start) -> (end, rows, values, accs); None: too many
+        self._open: dict[str, dict[Slot, Held] | None] = {}
+        self._refused: dict[str, set[Slot]] = {}  # op -> held windows its output refused
+        self._logged: dict[str, list[int]] = {}  # op -> rows and changes in its log since folded
+        self._touched: dict[str, set[Slot]] = {}  # op -> held windows changed since folded
+        self._tabled: dict[str, set[Slot]] = {}  # op -> held windows the table has a row of
         self._version: dict[str, int] = {}  # op -> the count of writes ``_open`` is in step with
         self._counted: str | None = None  # the op whose write the open transaction counted
         if conn is not None:
@@ -264,9 +197,16 @@ class WindowStore:
                 raise
 
     def close(self) -> None:
+        """The change logs folded in (the table alone is the state for the next reader),
+        then the connections closed."""
         with self.lock:
-            self.db.close()
-            self.scratch.close()
+            try:
+                for op, (rows, _) in list(self._logged.items()):
+                    if rows:
+                        self._write(lambda op=op: self._fold(op))
+            finally:
+                self.db.close()
+                self.scratch.close()
 
     def begin(self, op: str, batch: str) -> int | None:
         """A batch begins: its tasks judge lateness by the watermark as of now (a later
@@ -300,7 +240,7 @@ class WindowStore:
     ) -> int:
         """Merge a batch's partials, record their row keys and move the watermark: one
         transaction. Returns the rows contributed. ``event_max``: the event time the
-        watermark may follow now (a :class:`Gate` decides; None: it stays); by default
+        watermark may follow now (a :class:`~ackflow.state.gate.Gate` decides; None: it stays); by default
         the batch's own largest."""
         now = time.time() if now is None else now
         parts = list(parts)
@@ -314,13 +254,14 @@ class WindowStore:
             db.execute("BEGIN IMMEDIATE")
             try:
                 lite = isinstance(db, sqlite3.Connection)
-                staged: dict[tuple[str, int], tuple[int, bytes]] = {}  # held once committed
+                staged: dict[Slot, Held] = {}  # held once committed
+                logged = 0  # changes written to the change log
                 if isinstance(spec.kind, Count):
                     self._merge_counts(spec, parts)
                 elif isinstance(spec.kind, Session):
                     self._merge_sessions(spec, parts)
                 else:
-                    staged = self._merge_fixed(spec, parts)
+                    staged, logged = self._merge_fixed(spec, parts)
                 self._applied(spec.name, keys, now, lite)
                 self._move(spec, max_t, late, len(keys), now if keys else None)
                 faults.point("state.before_commit")
@@ -329,7 +270,7 @@ class WindowStore:
                 self._forget_held(spec.name)  # (a commit that failed may still have been made)
                 db.execute("ROLLBACK")
                 raise
-            self._in_step(spec.name, staged, ())
+            self._in_step(spec.name, staged, (), logged)
         faults.point("state.after_commit")
         return len(keys)
 
@@ -366,50 +307,6 @@ class WindowStore:
             self._check_fresh(op, keys)  # names the key (the caller rolls back)
             raise StateError("a row key is applied twice; the batch is not applied") from None
 
-    def _held(self, op: str) -> dict[tuple[str, int], tuple[int, bytes]] | None:
-        """Inside a transaction: the operator's open windows as stored, read once and
-        then kept in step with each commit; read again whenever the store's count of
-        writes to them is not the one this handle made (another process, a commit that
-        failed); None if there are more than :data:`HOLD_MAX`."""
-        in_step, version = self._count_write(op)
-        if not in_step:  # (one read: one row past HOLD_MAX says there are too many)
-            rows = self.db.execute(
-                "SELECT gk, start, nrows, state FROM windows WHERE op = ? LIMIT ?", (op, HOLD_MAX + 1)
-            ).fetchall()
-            held = None if len(rows) > HOLD_MAX else {(g, int(s)): (int(r), bytes(b)) for g, s, r, b in rows}
-            self._open[op], self._version[op] = held, version
-        return self._open[op]
-
-    def _count_write(self, op: str) -> tuple[bool, int]:
-        """Inside a transaction that writes ``op``'s windows: count the write. Returns
-        whether what this handle holds of them was in step before it, and the count."""
-        row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
-        version = int(row[0]) if row else 0
-        self.db.execute(
-            "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1", (op,)
-        )
-        self._counted = op
-        return op in self._open and self._version.get(op) == version, version
-
-    def _in_step(self, op: str, put: dict[tuple[str, int], tuple[int, bytes]], gone: Any) -> None:
-        """After a commit that wrote ``op``'s windows (and counted one write)."""
-        held = self._open.get(op)
-        counted, self._counted = self._counted, None
-        if held is None or counted != op:
-            return
-        held.update(put)
-        for slot in gone:
-            held.pop(slot, None)
-        self._version[op] += 1
-        if len(held) > HOLD_MAX:
-            self._open[op] = None
-
-    def _forget_held(self, op: str) -> None:
-        """What is held of ``op``'s windows may differ from the store: read it again."""
-        self._open.pop(op, None)
-        self._version.pop(op, None)
-        self._counted = None
-
     def _check_fresh(self, op: str, keys: list[str]) -> None:
         query = "SELECT key FROM applied WHERE op = ? AND key IN ({marks}) LIMIT 1"
         hit = next(rows_in(self.db, query, [op], keys), None)
@@ -433,48 +330,69 @@ class WindowStore:
             PUT_WINDOW, (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs)))
         )
 
-    def _merge_fixed(
-        self, spec: WindowSpec, parts: list[Partials]
-    ) -> dict[tuple[str, int], tuple[int, bytes]]:
+    def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> tuple[dict[Slot, Held], int]:
         """Merge the partials into the stored windows; return what the handle holds of
-        them once the transaction commits (nothing when it does not hold them)."""
-        merged: dict[tuple[str, int], tuple[tuple[Any, ...], int, int, list[Any]]] = {}
+        them once the transaction commits (nothing when it does not hold them), and the
+        changes it wrote to the change log (0: none, the table was written). Each task's
+        partial of a window merges into the window as it stands (held, or already merged
+        with an earlier task's), in the tasks' order."""
+        merge = merger(spec.aggs)
+        held = self._held(spec.name)
+        staged: dict[Slot, Held] = {}
+        source: dict[Slot, Held] = {} if held is None else held
         for p in parts:
             for values, start, end, rows, accs, gk in p.slots():
                 if gk is None:  # (a NaN in the key: its own tuple, the same text)
                     gk = gk_text(values)
                 slot = (gk, start)
-                other = merged.get(slot)
-                if other is not None:
-                    accs = [a.merge(x, y) for a, x, y in zip(spec.aggs, other[3], accs, strict=True)]
-                    rows += other[2]
-                merged[slot] = (values, end, rows, accs)
-        if not merged:
-            return {}
-        held = self._held(spec.name)
-        stored: dict[tuple[str, int], tuple[int, bytes]] = {}
-        if held is not None:
-            stored = {slot: held[slot] for slot in merged if slot in held}
-        else:  # the stored windows of these keys: one query per chunk of keys
-            starts = [start for _, start in merged]
-            query = (
-                "SELECT gk, start, nrows, state FROM windows "
-                "WHERE op = ? AND start BETWEEN ? AND ? AND gk IN ({marks})"
-            )
-            args = [spec.name, min(starts), max(starts)]  # (not a key's other open windows)
-            for gk, start, nrows, state in rows_in(self.db, query, args, sorted({g for g, _ in merged})):
-                stored[(gk, int(start))] = (int(nrows), state)
+                cur = staged.get(slot) or source.get(slot)
+                if cur is not None:
+                    accs = merge(cur[3], accs)
+                    rows += cur[1]
+                staged[slot] = (end, rows, values, accs)
+        if not staged:
+            return {}, 0
+        if held is None:
+            return self._merge_stored(spec, staged, merge), 0
+        if self._logs(spec):
+            changes = [
+                (gk, start, end, rows, values, accs)
+                for (gk, start), (end, rows, values, accs) in staged.items()
+            ]
+            winlog.append(self.db, spec.name, changes, ())
+            return staged, len(changes)
+        self.db.executemany(
+            MERGE_WINDOW,
+            [
+                (spec.name, gk, start, end, rows, 0, pickle.dumps((values, accs)))
+                for (gk, start), (end, rows, values, accs) in staged.items()
+            ],
+        )
+        return staged, 0
+
+    def _merge_stored(self, spec: WindowSpec, merged: dict[Slot, Held], merge: Any) -> dict[Slot, Held]:
+        """:meth:`_merge_fixed` when the handle does not hold the windows (more than
+        :data:`~.held.HOLD_MAX`): the stored windows of these keys read, one query per chunk."""
+        self._fold(spec.name)
+        starts = [start for _, start in merged]
+        query = (
+            "SELECT gk, start, nrows, state FROM windows "
+            "WHERE op = ? AND start BETWEEN ? AND ? AND gk IN ({marks})"
+        )
+        args = [spec.name, min(starts), max(starts)]  # (not a key's other open windows)
+        stored = {
+            (gk, int(start)): (int(nrows), state)
+            for gk, start, nrows, state in rows_in(self.db, query, args, sorted({g for g, _ in merged}))
+        }
         out = []
-        for (gk, start), (values, end, rows, accs) in merged.items():
+        for (gk, start), (end, rows, values, accs) in merged.items():
             old = stored.get((gk, start))
             if old is not None:
-                accs = [
-                    a.merge(x, y) for a, x, y in zip(spec.aggs, pickle.loads(old[1])[1], accs, strict=True)
-                ]
+                accs = merge(pickle.loads(old[1])[1], accs)
                 rows += old[0]
             out.append((spec.name, gk, start, end, rows, 0, pickle.dumps((values, accs))))
         self.db.executemany(MERGE_WINDOW, out)
-        return {(r[1], r[2]): (r[4], r[6]) for r in out} if held is not None else {}
+        return {}
 
     def _merge_sessions(self, spec: WindowSpec, parts: list[Partials]) -> None:
         """A key's sessions: the stored ones and the new partials, overlapping ones merged
@@ -581,7 +499,14 @@ class WindowStore:
         so that every window holding data closes (a row that comes later for one of
         them is late). Returns the new watermark if it moved."""
         with self.lock:
-            top = self.db.execute('SELECT max("end") FROM windows WHERE op = ?', (spec.name,)).fetchone()[0]
+            held = self._memory(spec.name)
+            if held is not None:
+                top = max((w[0] for w in held.values()), default=None)
+            else:
+                self._folded(spec.name)
+                top = self.db.execute('SELECT max("end") FROM windows WHERE op = ?', (spec.name,)).fetchone()[
+                    0
+                ]
             w = self.mark(spec.name)["watermark"]
             if top is None or (w is not None and top <= w):
                 return None
@@ -606,6 +531,10 @@ class WindowStore:
         where = closed if spec.output == "final" else f"({closed}) OR dirty = 1"
         where = f"({where}) AND error IS NULL"  # a window its sink refused waits (see fail)
         with self.lock:
+            held = self._memory(spec.name) if self._logs(spec) else None
+            if held is not None:
+                return self._due_held(spec, held, bound, limit)
+            self._folded(spec.name)
             rows = self.db.execute(
                 f'SELECT gk, start, "end", state, ({closed}) FROM windows WHERE op = ? AND ({where}) '
                 f'ORDER BY "end", gk LIMIT {int(limit)}',
@@ -619,30 +548,34 @@ class WindowStore:
 
     def done(self, spec: WindowSpec, written: Sequence[Due]) -> None:
         """``written`` are in the sink: closed ones deleted, the others made clean."""
+        gone = [(d.gk, d.start) for d in written if d.close]
         with self.lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany(
-                    "DELETE FROM windows WHERE op = ? AND gk = ? AND start = ?",
-                    [(spec.name, d.gk, d.start) for d in written if d.close],
-                )
+                in_step = self._count_write(spec.name)[0]
+                if not in_step:
+                    self._forget_held(spec.name)
+                logged = in_step and self._logs(spec) and self._open.get(spec.name) is not None
+                if logged:  # (a window only in the log is deleted by its own row)
+                    winlog.append(db, spec.name, (), gone)
+                else:
+                    self._fold(spec.name)
+                    db.executemany(
+                        "DELETE FROM windows WHERE op = ? AND gk = ? AND start = ?",
+                        [(spec.name, gk, start) for gk, start in gone],
+                    )
                 db.executemany(
                     "UPDATE windows SET dirty = 0 WHERE op = ? AND gk = ? AND start = ?",
                     [(spec.name, d.gk, d.start) for d in written if not d.close],
                 )
-                db.execute(
-                    "UPDATE marks SET written = written + ? WHERE op = ?",
-                    (sum(1 for d in written if d.close), spec.name),
-                )
-                if not self._count_write(spec.name)[0]:
-                    self._forget_held(spec.name)
+                db.execute("UPDATE marks SET written = written + ? WHERE op = ?", (len(gone), spec.name))
                 db.execute("COMMIT")
             except BaseException:
                 self._forget_held(spec.name)
                 db.execute("ROLLBACK")
                 raise
-            self._in_step(spec.name, {}, [(d.gk, d.start) for d in written if d.close])
+            self._in_step(spec.name, {}, gone, len(gone) if logged else 0)
 
     def fail(self, spec: WindowSpec, due: Due, why: str) -> None:
         """The output refused ``due``'s row (or it could not be made): it stays in the
@@ -650,13 +583,16 @@ class WindowStore:
         in this run (each start clears the reasons: :meth:`retry_failed`), so it never
         holds back the windows after it."""
         with self.lock:
+            self._folded(spec.name)  # (the window may be only in the change log)
             self.db.execute(
                 "UPDATE windows SET error = ? WHERE op = ? AND gk = ? AND start = ?",
                 (why[:2000], spec.name, due.gk, due.start),
             )
+            self._refused.setdefault(spec.name, set()).add((due.gk, due.start))
 
     def retry_failed(self, spec: WindowSpec) -> int:
         with self.lock:
+            self._refused.pop(spec.name, None)
             return self.db.execute(
                 "UPDATE windows SET error = NULL WHERE op = ? AND error IS NOT NULL", (spec.name,)
             ).rowcount
@@ -676,14 +612,24 @@ class WindowStore:
         """Open windows, those the output refused, and the file's size (bytes; with its
         write-ahead log)."""
         with self.lock:
+            held = self._memory(op)
+            if held is not None:
+                windows, refused = len(held), len(self._refused.get(op, ()))
+            else:
+                windows, refused = self._counted_windows(op)
+        if self._size is not None:
+            size = self._size()
+        else:
+            size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
+        return {"open_windows": windows, "refused_windows": refused, "bytes": size}
+
+    def _counted_windows(self, op: str) -> tuple[int, int]:
+        with self.lock:
+            self._folded(op)
             # (counted on the indexes: reading ``error`` row by row walks every state blob)
             windows, refused = self.db.execute(
                 "SELECT (SELECT count(*) FROM windows WHERE op = ?), "
                 "(SELECT count(*) FROM windows WHERE op = ? AND error IS NOT NULL)",
                 (op, op),
             ).fetchone()
-        if self._size is not None:
-            size = self._size()
-        else:
-            size = sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
-        return {"open_windows": windows, "refused_windows": refused, "bytes": size}
+        return int(windows), int(refused)

@@ -56,7 +56,7 @@ class WindowSink(Sink):
         self.path: str | None = None  # the store's file (bind_state)
         self._store: Any = None
         self._held_mark: int | None = None  # the watermark a batch's hold last read
-        self._gate: Any = None  # the running batches and the watermark's order (store.Gate)
+        self._gate: Any = None  # the running batches and the watermark's order (gate.Gate)
         self._ticker: threading.Thread | None = None
         self._stopped = threading.Event()
         self._seq = 0
@@ -113,7 +113,8 @@ class WindowSink(Sink):
     # -- driver: life cycle ----------------------------------------------------------
 
     def open(self) -> None:
-        from ackflow.state.store import Gate, WindowStore
+        from ackflow.state.gate import Gate
+        from ackflow.state.store import WindowStore
 
         if self.path is None and self.spec.state is None:
             raise FlowError(
@@ -297,6 +298,7 @@ class WindowSink(Sink):
             while True:
                 due = store.due(self.spec, self.bound())
                 if not due:
+                    store.settle(self.spec)  # (the change log folded in, now and then)
                     return total
                 table, due = self._table_or_refuse(due)
                 if not due:

@@ -1,0 +1,218 @@
+"""What the driver holds of a window operator's open windows, and their change log.
+
+Tumbling and hopping windows are held in memory between batches (:class:`HeldWindows`,
+a part of :class:`~ackflow.state.store.WindowStore`): a batch merges into them without
+reading the store, and is kept in step with it by a count of writes (another handle's
+write, or a commit that failed, makes it read the store again). With ``output="final"``
+a batch's changes go to the store as one row of the change log (:mod:`.winlog`), folded
+into the windows table now and then; the due windows are found in memory.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from ackflow.state import winlog
+from ackflow.state.spec import WindowSpec
+from ackflow.windows import Hopping, Tumbling
+
+#: a window's row, new or changed: an upsert (a third cheaper than INSERT OR REPLACE's
+#: delete and insert); a changed window is tried again if its sink had refused it
+PUT_WINDOW = (
+    'INSERT INTO windows (op, gk, start, "end", nrows, filled, dirty, state) VALUES (?, ?, ?, ?, ?, ?, 1, ?) '
+    'ON CONFLICT (op, gk, start) DO UPDATE SET "end" = excluded."end", nrows = excluded.nrows, '
+    "filled = excluded.filled, dirty = 1, state = excluded.state, error = NULL"
+)
+#: open tumbling and hopping windows the driver keeps in memory per operator (their end,
+#: rows, key values and accumulators); an operator with more is read from the store per batch
+HOLD_MAX = 100_000
+Slot = tuple[str, int]  # a window: (key text, start)
+Held = tuple[int, int, tuple[Any, ...], list[Any]]  # an open window: (end, rows, values, accs)
+
+
+@dataclass
+class Due:
+    """A window ready to be written: its row and what to do after."""
+
+    gk: str
+    start: int
+    end: int
+    values: tuple[Any, ...]
+    accs: list[Any]
+    close: bool  # delete after writing (final), else only clear ``dirty``
+
+
+class HeldWindows:
+    """The held windows' part of the store's handle (its connection ``db``, ``lock``)."""
+
+    db: Any
+    lock: Any
+    _open: dict[str, dict[Slot, Held] | None]
+    _version: dict[str, int]
+    _counted: str | None
+    _refused: dict[str, set[Slot]]
+    _logged: dict[str, list[int]]
+    _touched: dict[str, set[Slot]]
+    _tabled: dict[str, set[Slot]]
+
+    def _held(self, op: str) -> dict[Slot, Held] | None:
+        """Inside a transaction: the operator's open windows, read once (the change log
+        folded in first) and then kept in step with each commit; read again whenever the
+        store's count of writes to them is not the one this handle made (another
+        process, a commit that failed); None if there are more than :data:`HOLD_MAX`."""
+        in_step, version = self._count_write(op)
+        if not in_step:  # (one read: one row past HOLD_MAX says there are too many)
+            self._forget_held(op)
+            self._counted = op  # (forgetting cleared it: this transaction counted the write)
+            self._fold(op)
+            rows = self.db.execute(
+                'SELECT gk, start, "end", nrows, state, error IS NOT NULL FROM windows WHERE op = ? LIMIT ?',
+                (op, HOLD_MAX + 1),
+            ).fetchall()
+            held: dict[Slot, Held] | None = None
+            if len(rows) <= HOLD_MAX:
+                held = {}
+                for g, st, e, r, b, _ in rows:
+                    values, accs = pickle.loads(bytes(b))
+                    held[(g, int(st))] = (int(e), int(r), tuple(values), accs)
+            self._refused[op] = {(g, int(st)) for g, st, _, _, _, bad in rows if bad}
+            self._open[op], self._version[op] = held, version
+            if held is not None:  # (what a fold from memory writes and deletes)
+                self._touched[op], self._tabled[op] = set(), set(held)
+        return self._open[op]
+
+    def _fold(self, op: str) -> None:
+        """Inside a write transaction: the change log folded into the windows table:
+        from memory when the handle holds the windows in step with the store (the ones
+        changed since the last fold), else by replaying the log."""
+        held, touched, tabled = self._open.get(op), self._touched.get(op), self._tabled.get(op)
+        row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
+        if (
+            held is not None
+            and touched is not None
+            and tabled is not None
+            and (int(row[0]) if row else 0) == self._version.get(op)
+        ):
+            puts = [(gk, st, *held[(gk, st)]) for gk, st in touched if (gk, st) in held]
+            gone = [slot for slot in touched if slot not in held and slot in tabled]
+            winlog.write(self.db, op, PUT_WINDOW, puts, gone)
+        else:
+            net = winlog.compact(self.db, op, PUT_WINDOW)
+            puts = [c for c in net.values() if c is not None]
+            gone = [slot for slot, c in net.items() if c is None]
+            tabled = self._tabled.get(op)
+            if tabled is None:
+                self._logged[op] = [0, 0]
+                return
+        tabled.difference_update(gone)
+        tabled.update((c[0], c[1]) for c in puts)
+        self._touched[op] = set()
+        self._logged[op] = [0, 0]
+
+    def _folded(self, op: str) -> None:
+        """Outside a transaction: the log folded in, if it holds anything (before a
+        statement that reads or changes the windows table itself)."""
+        with self.lock:
+            if self.db.execute("SELECT 1 FROM window_log WHERE op = ? LIMIT 1", (op,)).fetchone() is None:
+                return
+            self._write(lambda: self._fold(op))
+
+    def _write(self, work: Any) -> Any:
+        """``work()`` in one write transaction."""
+        with self.lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                out = work()
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            return out
+
+    def settle(self, spec: WindowSpec) -> bool:
+        """Fold the operator's change log into the windows table once it holds
+        :data:`~.winlog.COMPACT_EVERY` rows or :data:`~.winlog.COMPACT_CHANGES` changes
+        (the window sink calls it after writing results). Returns whether it did."""
+        rows, changes = self._logged.get(spec.name, (0, 0))
+        if rows < winlog.COMPACT_EVERY and changes < winlog.COMPACT_CHANGES:
+            return False
+        self._write(lambda: self._fold(spec.name))
+        return True
+
+    def _memory(self, op: str) -> dict[Slot, Held] | None:
+        """The operator's open windows as this handle holds them, if they are in step
+        with the store (its count of writes); else None (read the store)."""
+        held = self._open.get(op)
+        if held is None:
+            return None
+        row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
+        if (int(row[0]) if row else 0) != self._version.get(op):
+            self._forget_held(op)
+            return None
+        return held
+
+    @staticmethod
+    def _logs(spec: WindowSpec) -> bool:
+        """Whether the operator's changes go into the change log (:mod:`.winlog`)."""
+        return isinstance(spec.kind, (Tumbling, Hopping)) and spec.output == "final"
+
+    def _count_write(self, op: str) -> tuple[bool, int]:
+        """Inside a transaction that writes ``op``'s windows: count the write. Returns
+        whether what this handle holds of them was in step before it, and the count."""
+        row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
+        version = int(row[0]) if row else 0
+        self.db.execute(
+            "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1", (op,)
+        )
+        self._counted = op
+        return op in self._open and self._version.get(op) == version, version
+
+    def _in_step(self, op: str, put: dict[Slot, Held], gone: Any, logged: int = 0) -> None:
+        """After a commit that wrote ``op``'s windows (and counted one write); ``logged``:
+        the changes it wrote to the change log (in one row), if any."""
+        held = self._open.get(op)
+        counted, self._counted = self._counted, None
+        if logged:
+            tally = self._logged.setdefault(op, [0, 0])
+            tally[0] += 1
+            tally[1] += logged
+        if held is None or counted != op:
+            return
+        touched = self._touched.get(op)
+        if touched is not None and logged:
+            touched.update(put)
+            touched.update(gone)
+        held.update(put)
+        refused = self._refused.setdefault(op, set())
+        refused.difference_update(put)  # (a window changed is tried again, as in the table)
+        for slot in gone:
+            held.pop(slot, None)
+            refused.discard(slot)
+        self._version[op] += 1
+        if len(held) > HOLD_MAX:
+            self._open[op] = None
+
+    def _forget_held(self, op: str) -> None:
+        """What is held of ``op``'s windows may differ from the store: read it again."""
+        self._open.pop(op, None)
+        self._version.pop(op, None)
+        self._refused.pop(op, None)
+        self._touched.pop(op, None)
+        self._tabled.pop(op, None)
+        self._counted = None
+
+    def _due_held(self, spec: WindowSpec, held: dict[Slot, Held], bound: int | None, limit: int) -> list[Due]:
+        """:meth:`due` from the windows the handle holds (tumbling and hopping, final)."""
+        if bound is None:
+            return []
+        refused = self._refused.get(spec.name, set())
+        ready = sorted(
+            (end, gk, start)
+            for (gk, start), (end, _, _, _) in held.items()
+            if end <= bound and (gk, start) not in refused
+        )[:limit]
+        return [
+            Due(gk, start, end, held[(gk, start)][2], held[(gk, start)][3], True) for end, gk, start in ready
+        ]
