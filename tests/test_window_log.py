@@ -172,11 +172,16 @@ def test_a_refused_window_only_in_the_log_is_kept_and_tried_again_next_start(pat
     store.done(sp, [other])
     (shown,) = describe(path)
     assert [w.get("refused") for w in shown["open"]] == ["out: refused"]
+    apply(store, sp, (12.0, "c", 3), keys=["r3"])
+    assert [d.gk for d in store.due(sp, bound=20 * S)] == ['["c"]']  # (a's refused: c's the earliest)
+    assert store.retry_failed(sp) == 1  # in the same handle: a's window is due again, the earliest
+    assert [d.gk for d in store.due(sp, bound=15 * S)] == ['["a"]']
+    store.fail(sp, refused, "out: refused")
     crash(store)
     again = WindowStore(path)
-    assert due_of(again, sp) == []  # still refused until the next run's start retries it
+    assert [d.gk for d in again.due(sp, bound=20 * S)] == ['["c"]']  # refused until a start retries
     assert again.retry_failed(sp) == 1
-    assert due_of(again, sp) == [('["a"]', 0, [1, 1])]
+    assert due_of(again, sp) == [('["a"]', 0, [1, 1]), ('["c"]', 10 * S, [1, 3])]
     again.close()
 
 

@@ -56,6 +56,7 @@ class HeldWindows:
     _logged: dict[str, list[int]]
     _touched: dict[str, set[Slot]]
     _tabled: dict[str, set[Slot]]
+    _first_end: dict[str, int]  # op -> at most the earliest end of a held window not refused
 
     def _held(self, op: str) -> dict[Slot, Held] | None:
         """Inside a transaction: the operator's open windows, read once (the change log
@@ -185,6 +186,8 @@ class HeldWindows:
             touched.update(put)
             touched.update(gone)
         held.update(put)
+        if put and op in self._first_end:
+            self._first_end[op] = min(self._first_end[op], min(w[0] for w in put.values()))
         refused = self._refused.setdefault(op, set())
         refused.difference_update(put)  # (a window changed is tried again, as in the table)
         for slot in gone:
@@ -201,18 +204,26 @@ class HeldWindows:
         self._refused.pop(op, None)
         self._touched.pop(op, None)
         self._tabled.pop(op, None)
+        self._first_end.pop(op, None)
         self._counted = None
 
     def _due_held(self, spec: WindowSpec, held: dict[Slot, Held], bound: int | None, limit: int) -> list[Due]:
         """:meth:`due` from the windows the handle holds (tumbling and hopping, final)."""
-        if bound is None:
-            return []
+        first = self._first_end.get(spec.name)
+        if bound is None or (first is not None and bound < first):
+            return []  # (most calls: nothing closed since the last; no walk over every window)
         refused = self._refused.get(spec.name, set())
-        ready = sorted(
-            (end, gk, start)
-            for (gk, start), (end, _, _, _) in held.items()
-            if end <= bound and (gk, start) not in refused
-        )[:limit]
+        ready, earliest = [], None
+        for (gk, start), (end, _, _, _) in held.items():
+            if (gk, start) in refused:
+                continue
+            if end <= bound:
+                ready.append((end, gk, start))
+            if earliest is None or end < earliest:
+                earliest = end
+        if earliest is not None:
+            self._first_end[spec.name] = earliest
+        ready = sorted(ready)[:limit]
         return [
             Due(gk, start, end, held[(gk, start)][2], held[(gk, start)][3], True) for end, gk, start in ready
         ]

@@ -162,6 +162,7 @@ class WindowStore(HeldWindows):
         self._logged: dict[str, list[int]] = {}  # op -> rows and changes in its log since folded
         self._touched: dict[str, set[Slot]] = {}  # op -> held windows changed since folded
         self._tabled: dict[str, set[Slot]] = {}  # op -> held windows the table has a row of
+        self._first_end: dict[str, int] = {}  # op -> at most the earliest end held (not refused)
         self._version: dict[str, int] = {}  # op -> the count of writes ``_open`` is in step with
         self._counted: str | None = None  # the op whose write the open transaction counted
         if conn is not None:
@@ -593,6 +594,7 @@ class WindowStore(HeldWindows):
     def retry_failed(self, spec: WindowSpec) -> int:
         with self.lock:
             self._refused.pop(spec.name, None)
+            self._first_end.pop(spec.name, None)  # (a window refused until now is due again)
             return self.db.execute(
                 "UPDATE windows SET error = NULL WHERE op = ? AND error IS NOT NULL", (spec.name,)
             ).rowcount

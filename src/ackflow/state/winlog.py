@@ -28,9 +28,9 @@ from typing import Any
 from ackflow import faults
 
 #: fold the log into the windows table after this many rows ...
-COMPACT_EVERY = 16
+COMPACT_EVERY = 32
 #: ... or once its rows hold this many changed windows
-COMPACT_CHANGES = 200_000
+COMPACT_CHANGES = 400_000
 
 #: a window's change: (key text, start, end, rows, key values, accumulators)
 Change = tuple[str, int, int, int, tuple[Any, ...], list[Any]]
