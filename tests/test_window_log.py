@@ -110,18 +110,21 @@ def test_a_fold_cut_short_is_rolled_back_whole(path, monkeypatch):
         ('["b"]', 0, 1),
         ('["b"]', 5 * S, 1),
     ]
+    # it forgot what it held: the store is read again, the log replayed into the table
     assert due_of(store, sp) == before
-    apply(store, sp, (8.0, "b", 4), keys=["r4"])
-    assert store.settle(sp)  # tried again at the next: three rows folded at once
     assert db.execute("SELECT count(*) FROM window_log").fetchone()[0] == 0
     assert len(table_rows(path)) == 5
+    apply(store, sp, (8.0, "b", 4), keys=["r4"])
+    apply(store, sp, (9.0, "a", 5), keys=["r5"])
+    assert store.settle(sp)  # two rows since: folded from memory again
+    assert db.execute("SELECT count(*) FROM window_log").fetchone()[0] == 0
     crash(store)
     again = WindowStore(path)
     assert due_of(again, sp) == sorted(
         [
             ('["a"]', -5 * S, [1, 1]),
-            ('["a"]', 0, [2, 4]),
-            ('["a"]', 5 * S, [1, 3]),
+            ('["a"]', 0, [3, 9]),
+            ('["a"]', 5 * S, [2, 8]),
             ('["b"]', 0, [2, 6]),
             ('["b"]', 5 * S, [2, 6]),
         ]
@@ -205,3 +208,63 @@ def test_state_show_reads_a_store_from_before_the_log(path):
     sp = spec()
     assert due_of(store, sp) == [('["a"]', 0, [1, 1])]
     store.close()
+
+
+def test_a_fold_by_another_handle_makes_this_one_read_the_windows_again(path):
+    """A second handle (another run on the same state, ``state show`` does not write)
+    folds the log: what the first knew of the table is stale, and a fold counts a write,
+    so the first reads them again; the window it then writes out is deleted from the
+    table, not brought back at the next start."""
+    sp = spec()
+    a = WindowStore(path)
+    apply(a, sp, (1.0, "x", 1), keys=["r1"])  # only in the log
+    b = WindowStore(path)
+    assert b.stats("w")["open_windows"] == 1  # (b does not hold them: it folds, then counts)
+    b.close()
+    assert [r[0] for r in table_rows(path)] == ['["x"]']
+    (w,) = a.due(sp, bound=10 * S)
+    a.done(sp, [w])
+    a.close()
+    assert table_rows(path) == []
+    again = WindowStore(path)
+    assert due_of(again, sp) == []
+    again.close()
+
+
+def test_a_fold_whose_commit_failed_is_folded_again_by_replay(path, monkeypatch):
+    """The fold's COMMIT fails (PostgreSQL away, a disk error): the log stays, and the
+    handle forgets what it held, so the next fold replays the whole log instead of
+    writing only the windows changed since (which would drop the others)."""
+    monkeypatch.setattr(winlog, "COMPACT_EVERY", 2)
+
+    class Flaky(sqlite3.Connection):
+        fail_commit = False
+
+        def execute(self, query, *args):
+            if Flaky.fail_commit and query == "COMMIT":
+                Flaky.fail_commit = False
+                super().execute("ROLLBACK")
+                raise sqlite3.OperationalError("disk I/O error")
+            return super().execute(query, *args)
+
+    sp = spec()
+    store = WindowStore(path)
+    store.db.close()
+    store.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, factory=Flaky)
+    apply(store, sp, (1.0, "x", 1), keys=["r1"])
+    apply(store, sp, (2.0, "y", 1), keys=["r2"])
+    Flaky.fail_commit = True
+    with pytest.raises(sqlite3.OperationalError):
+        store.settle(sp)
+    apply(store, sp, (13.0, "z", 1), keys=["r3"])
+    apply(store, sp, (14.0, "z", 1), keys=["r4"])
+    assert store.settle(sp)
+    assert [(r[0], r[1], r[3]) for r in table_rows(path)] == [
+        ('["x"]', 0, 1),
+        ('["y"]', 0, 1),
+        ('["z"]', 10 * S, 2),
+    ]
+    crash(store)
+    again = WindowStore(path)
+    assert due_of(again, sp) == [('["x"]', 0, [1, 1]), ('["y"]', 0, [1, 1]), ('["z"]', 10 * S, [2, 2])]
+    again.close()

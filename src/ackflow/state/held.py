@@ -67,7 +67,8 @@ class HeldWindows:
         if not in_step:  # (one read: one row past HOLD_MAX says there are too many)
             self._forget_held(op)
             self._counted = op  # (forgetting cleared it: this transaction counted the write)
-            self._fold(op)
+            if self._fold(op)[0]:  # (the fold counted a write of its own)
+                version += 1
             rows = self.db.execute(
                 'SELECT gk, start, "end", nrows, state, error IS NOT NULL FROM windows WHERE op = ? LIMIT ?',
                 (op, HOLD_MAX + 1),
@@ -84,33 +85,51 @@ class HeldWindows:
                 self._touched[op], self._tabled[op] = set(), set(held)
         return self._open[op]
 
-    def _fold(self, op: str) -> None:
+    def _fold(self, op: str) -> tuple[bool, bool]:
         """Inside a write transaction: the change log folded into the windows table:
         from memory when the handle holds the windows in step with the store (the ones
-        changed since the last fold), else by replaying the log."""
+        changed since the last fold), else by replaying the log. A fold that changed
+        anything counts a write: another handle that holds these windows must read them
+        again (what it knows of the table's rows is stale). Returns whether it folded
+        anything, and whether the handle was in step. The transaction that holds it
+        forgets what the handle holds if it fails (what it knows of the table changed)."""
         held, touched, tabled = self._open.get(op), self._touched.get(op), self._tabled.get(op)
         row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
-        if (
-            held is not None
-            and touched is not None
-            and tabled is not None
-            and (int(row[0]) if row else 0) == self._version.get(op)
-        ):
+        in_step = (int(row[0]) if row else 0) == self._version.get(op)
+        self._logged[op] = [0, 0]
+        if held is not None and touched is not None and tabled is not None and in_step:
             puts = [(gk, st, *held[(gk, st)]) for gk, st in touched if (gk, st) in held]
             gone = [slot for slot in touched if slot not in held and slot in tabled]
             winlog.write(self.db, op, PUT_WINDOW, puts, gone)
+            self._touched[op] = set()
         else:
             net = winlog.compact(self.db, op, PUT_WINDOW)
+            if not net:
+                return False, in_step
             puts = [c for c in net.values() if c is not None]
             gone = [slot for slot, c in net.items() if c is None]
-            tabled = self._tabled.get(op)
-            if tabled is None:
-                self._logged[op] = [0, 0]
-                return
-        tabled.difference_update(gone)
-        tabled.update((c[0], c[1]) for c in puts)
-        self._touched[op] = set()
-        self._logged[op] = [0, 0]
+            self._touched.pop(op, None)  # (not in step: it reads them again before folding from memory)
+            self._tabled.pop(op, None)
+        if tabled is not None:
+            tabled.difference_update(gone)
+            tabled.update((c[0], c[1]) for c in puts)
+        self.db.execute(
+            "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1", (op,)
+        )
+        return True, in_step
+
+    def _fold_now(self, op: str) -> None:
+        """Outside a transaction: the log folded in, in a transaction of its own."""
+        with self.lock:
+            logged = self._logged.get(op, [0, 0])
+            try:
+                folded, in_step = self._write(lambda: self._fold(op))
+            except BaseException:
+                self._forget_held(op)  # (what it knows of the table may be wrong now)
+                self._logged[op] = logged  # (the log is still there: folded at the next settle)
+                raise
+            if folded and in_step and op in self._version:
+                self._version[op] += 1  # (its own write)
 
     def _folded(self, op: str) -> None:
         """Outside a transaction: the log folded in, if it holds anything (before a
@@ -118,7 +137,7 @@ class HeldWindows:
         with self.lock:
             if self.db.execute("SELECT 1 FROM window_log WHERE op = ? LIMIT 1", (op,)).fetchone() is None:
                 return
-            self._write(lambda: self._fold(op))
+            self._fold_now(op)
 
     def _write(self, work: Any) -> Any:
         """``work()`` in one write transaction."""
@@ -139,7 +158,7 @@ class HeldWindows:
         rows, changes = self._logged.get(spec.name, (0, 0))
         if rows < winlog.COMPACT_EVERY and changes < winlog.COMPACT_CHANGES:
             return False
-        self._write(lambda: self._fold(spec.name))
+        self._fold_now(spec.name)
         return True
 
     def _memory(self, op: str) -> dict[Slot, Held] | None:

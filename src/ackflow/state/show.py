@@ -39,7 +39,8 @@ def describe(where: str, window: str | None = None, limit: int = 20) -> list[dic
             f"no windows state store at {where!r} (expected a state directory or its {STORE_FILE})"
         )
     try:
-        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True, isolation_level=None)
+        db.execute("BEGIN")  # one snapshot for every read (a fold and a write may commit between two)
         ops = db.execute(
             "SELECT op, watermark, max_event, late, written, applied_rows FROM marks ORDER BY op"
         )

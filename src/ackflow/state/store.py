@@ -204,7 +204,7 @@ class WindowStore(HeldWindows):
             try:
                 for op, (rows, _) in list(self._logged.items()):
                     if rows:
-                        self._write(lambda op=op: self._fold(op))
+                        self._fold_now(op)
             finally:
                 self.db.close()
                 self.scratch.close()

@@ -149,7 +149,10 @@ class WindowSink(Sink):
                 self.tick()  # windows that came due while stopping
             except Exception as e:  # noqa: BLE001 - logged; they are written next run
                 log.warning("window %r: writing due windows at close failed: %s", self.name, describe(e))
-            self._store.close()
+            try:
+                self._store.close()  # (the change log folded in first)
+            except Exception as e:  # noqa: BLE001 - logged; the next start replays the log
+                log.warning("window %r: closing its state store failed: %s", self.name, describe(e))
             self._store = None
         self.output.close()
         if self.on_late is not None:
