@@ -268,3 +268,68 @@ def test_a_fold_whose_commit_failed_is_folded_again_by_replay(path, monkeypatch)
     again = WindowStore(path)
     assert due_of(again, sp) == [('["x"]', 0, [1, 1]), ('["y"]', 0, [1, 1]), ('["z"]', 10 * S, [2, 2])]
     again.close()
+
+
+def test_a_refusal_the_store_cannot_keep_drops_what_the_output_staged(tmp_path, monkeypatch):
+    """The output refuses a result; keeping the refusal in the store fails (a fold's
+    COMMIT, PostgreSQL away): the output's staged batch is aborted, never left half
+    done, and the window is still due at the next try."""
+    from ackflow.sinks.base import PartitionResult, Sink
+    from ackflow.state.window_sink import WindowSink
+
+    class Refusing(Sink):
+        def __init__(self):
+            super().__init__("out")
+            self.calls = []
+
+        def write_partition(self, batch_id, partition, rows):
+            return PartitionResult(failed={0: "no"}, token=b"staged")
+
+        def commit(self, batch_id, tokens):
+            self.calls.append(("commit", list(tokens)))
+
+        def abort(self, batch_id, tokens):
+            self.calls.append(("abort", list(tokens)))
+
+    sp = spec()
+    out = Refusing()
+    sink = WindowSink(sp, out)
+    sink.bind_state(str(tmp_path / "windows.db"))
+    sink.open()
+    sink._stopped.set()  # (its timer would emit too)
+    sink._ticker.join()
+    try:
+        apply(sink._store, sp, (1.0, "a", 1), keys=["r1"])
+        sink._store.close_open(sp)
+
+        def away(*_args):
+            raise sqlite3.OperationalError("the store went away")
+
+        monkeypatch.setattr(sink._store, "fail", away)
+        with pytest.raises(sqlite3.OperationalError):
+            sink.emit()
+        assert out.calls == [("abort", [b"staged"])]
+        assert [d.gk for d in sink._store.due(sp, sink.bound())] == ['["a"]']
+    finally:
+        monkeypatch.undo()
+        sink.close()
+
+
+def test_a_refusal_kept_by_another_handle_holds_the_window_back_in_this_one(path, monkeypatch):
+    """Keeping a refusal (and clearing them at a start) counts a write: a handle that
+    holds the windows reads them again, and neither offers the refused window nor counts
+    it as not refused."""
+    monkeypatch.setattr(winlog, "COMPACT_EVERY", 1)
+    sp = spec()
+    b = WindowStore(path)
+    apply(b, sp, (1.0, "x", 1), (2.0, "y", 1), keys=["r1", "r2"])
+    assert b.settle(sp)  # folded: b holds the windows, in step
+    a = WindowStore(path)
+    refused = next(d for d in a.due(sp, bound=10 * S) if d.gk == '["x"]')
+    a.fail(sp, refused, "out: refused")
+    assert [d.gk for d in b.due(sp, bound=10 * S)] == ['["y"]']
+    assert b.stats("w")["refused_windows"] == 1
+    assert a.retry_failed(sp) == 1
+    assert [d.gk for d in b.due(sp, bound=10 * S)] == ['["x"]', '["y"]']
+    a.close()
+    b.close()

@@ -28,6 +28,8 @@ PUT_WINDOW = (
 #: open tumbling and hopping windows the driver keeps in memory per operator (their end,
 #: rows, key values and accumulators); an operator with more is read from the store per batch
 HOLD_MAX = 100_000
+#: one more write of an operator's windows (a handle that counted fewer reads them again)
+COUNT_WRITE = "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1"
 Slot = tuple[str, int]  # a window: (key text, start)
 Held = tuple[int, int, tuple[Any, ...], list[Any]]  # an open window: (end, rows, values, accs)
 
@@ -96,7 +98,6 @@ class HeldWindows:
         held, touched, tabled = self._open.get(op), self._touched.get(op), self._tabled.get(op)
         row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
         in_step = (int(row[0]) if row else 0) == self._version.get(op)
-        self._logged[op] = [0, 0]
         if held is not None and touched is not None and tabled is not None and in_step:
             puts = [(gk, st, *held[(gk, st)]) for gk, st in touched if (gk, st) in held]
             gone = [slot for slot in touched if slot not in held and slot in tabled]
@@ -113,23 +114,41 @@ class HeldWindows:
         if tabled is not None:
             tabled.difference_update(gone)
             tabled.update((c[0], c[1]) for c in puts)
-        self.db.execute(
-            "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1", (op,)
-        )
+        self.db.execute(COUNT_WRITE, (op,))
         return True, in_step
 
     def _fold_now(self, op: str) -> None:
         """Outside a transaction: the log folded in, in a transaction of its own."""
         with self.lock:
-            logged = self._logged.get(op, [0, 0])
             try:
                 folded, in_step = self._write(lambda: self._fold(op))
             except BaseException:
                 self._forget_held(op)  # (what it knows of the table may be wrong now)
-                self._logged[op] = logged  # (the log is still there: folded at the next settle)
                 raise
+            self._logged[op] = [0, 0]
             if folded and in_step and op in self._version:
                 self._version[op] += 1  # (its own write)
+
+    def _write_counted(self, op: str, work: Any) -> Any:
+        """``work()`` in one write transaction that counts a write of ``op``'s windows
+        (another handle that holds them reads them again); this handle stays in step if
+        it was, and forgets what it holds if the transaction fails."""
+        with self.lock:
+            in_step = self._memory(op) is not None
+
+            def counted() -> Any:
+                out = work()
+                self.db.execute(COUNT_WRITE, (op,))
+                return out
+
+            try:
+                out = self._write(counted)
+            except BaseException:
+                self._forget_held(op)
+                raise
+            if in_step:
+                self._version[op] += 1
+            return out
 
     def _folded(self, op: str) -> None:
         """Outside a transaction: the log folded in, if it holds anything (before a
@@ -183,9 +202,7 @@ class HeldWindows:
         whether what this handle holds of them was in step before it, and the count."""
         row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
         version = int(row[0]) if row else 0
-        self.db.execute(
-            "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1", (op,)
-        )
+        self.db.execute(COUNT_WRITE, (op,))
         self._counted = op
         return op in self._open and self._version.get(op) == version, version
 

@@ -162,6 +162,7 @@ class WindowStore(HeldWindows):
         self._logged: dict[str, list[int]] = {}  # op -> rows and changes in its log since folded
         self._touched: dict[str, set[Slot]] = {}  # op -> held windows changed since folded
         self._tabled: dict[str, set[Slot]] = {}  # op -> held windows the table has a row of
+        self._closed = False
         self._first_end: dict[str, int] = {}  # op -> at most the earliest end held (not refused)
         self._version: dict[str, int] = {}  # op -> the count of writes ``_open`` is in step with
         self._counted: str | None = None  # the op whose write the open transaction counted
@@ -199,12 +200,14 @@ class WindowStore(HeldWindows):
 
     def close(self) -> None:
         """The change logs folded in (the table alone is the state for the next reader),
-        then the connections closed."""
+        then the connections closed (again: nothing)."""
         with self.lock:
+            if self._closed:
+                return
+            self._closed = True
             try:
-                for op, (rows, _) in list(self._logged.items()):
-                    if rows:
-                        self._fold_now(op)
+                for op in sorted(set(self._logged) | set(self._open)):
+                    self._folded(op)  # (if its log holds anything)
             finally:
                 self.db.close()
                 self.scratch.close()
@@ -585,19 +588,29 @@ class WindowStore(HeldWindows):
         holds back the windows after it."""
         with self.lock:
             self._folded(spec.name)  # (the window may be only in the change log)
-            self.db.execute(
-                "UPDATE windows SET error = ? WHERE op = ? AND gk = ? AND start = ?",
-                (why[:2000], spec.name, due.gk, due.start),
+            self._write_counted(
+                spec.name,
+                lambda: self.db.execute(
+                    "UPDATE windows SET error = ? WHERE op = ? AND gk = ? AND start = ?",
+                    (why[:2000], spec.name, due.gk, due.start),
+                ),
             )
             self._refused.setdefault(spec.name, set()).add((due.gk, due.start))
 
     def retry_failed(self, spec: WindowSpec) -> int:
         with self.lock:
+            self._folded(spec.name)
+            out = self._write_counted(
+                spec.name,
+                lambda: (
+                    self.db.execute(
+                        "UPDATE windows SET error = NULL WHERE op = ? AND error IS NOT NULL", (spec.name,)
+                    ).rowcount
+                ),
+            )
             self._refused.pop(spec.name, None)
             self._first_end.pop(spec.name, None)  # (a window refused until now is due again)
-            return self.db.execute(
-                "UPDATE windows SET error = NULL WHERE op = ? AND error IS NOT NULL", (spec.name,)
-            ).rowcount
+            return int(out)
 
     def forget(self, spec: WindowSpec, now: float | None = None) -> int:
         """Forget applied row keys older than the operator's ``remember``."""

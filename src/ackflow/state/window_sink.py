@@ -316,17 +316,23 @@ class WindowSink(Sink):
                 except Exception:
                     self.output.abort(bid, [])
                     raise
-                for i, why in res.failed.items():
-                    store.fail(
-                        self.spec, due[i], f"{self.output.name}: {why[1] if isinstance(why, tuple) else why}"
-                    )
-                    log.error(
-                        "window %r: %r refused a result (kept in the state store): %s",
-                        self.name,
-                        self.output.name,
-                        why,
-                    )
                 tokens = [res.token] if res.token is not None else []
+                try:  # (a refusal is kept in the store: a write there that fails drops what was staged)
+                    for i, why in res.failed.items():
+                        store.fail(
+                            self.spec,
+                            due[i],
+                            f"{self.output.name}: {why[1] if isinstance(why, tuple) else why}",
+                        )
+                        log.error(
+                            "window %r: %r refused a result (kept in the state store): %s",
+                            self.name,
+                            self.output.name,
+                            why,
+                        )
+                except Exception:
+                    self.output.abort(bid, tokens)
+                    raise
                 try:
                     self.output.commit(bid, tokens)
                 except Exception:
