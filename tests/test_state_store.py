@@ -98,8 +98,8 @@ def test_rows_fold_into_partials_and_each_row_has_one_fate():
     assert "is null" in failed[3] and "ISO 8601" in failed[4]
     assert late == [5] and parts.late == 1 and parts.applied == 1
     assert parts.keys == ["m0", "m1", "m2"]
-    assert parts.parts[(("a",), 0, 10 * S)] == (2, [2, 5])
-    assert parts.parts[(("b",), 10 * S, 20 * S)] == (1, [1, None])  # a null sums to nothing
+    assert parts.as_parts()[0][(("a",), 0, 10 * S)] == (2, [2, 5])
+    assert parts.as_parts()[0][(("b",), 10 * S, 20 * S)] == (1, [1, None])  # a null sums to nothing
     assert parts.max_t == 12 * S
 
 
@@ -121,7 +121,7 @@ def test_aggregates_match_their_definitions():
     table = rows(*[(float(i), "a", v) for i, v in enumerate(values)])
     parts, failed, _ = fold(sp, table, [f"r{i}" for i in range(5)])
     assert not failed
-    (accs_rows,) = parts.parts.values()
+    (accs_rows,) = parts.as_parts()[0].values()
     out = {a.name: a.finish(acc) for a, acc in zip(sp.aggs, accs_rows[1], strict=True)}
     assert out == {
         "count": 5,
@@ -182,14 +182,14 @@ def test_batches_merge_and_a_key_applied_twice_is_refused(store):
 def test_sessions_merge_across_batches_and_a_bridge_joins_two(store):
     sp = spec(session("5s"))
     p1, _, _ = fold(sp, rows((0.0, "a", 1), (2.0, "a", 1), (20.0, "a", 1)), ["a", "b", "c"])
-    assert sorted((s, e) for (_, s, e) in p1.parts) == [(0, 7 * S), (20 * S, 25 * S)]
+    assert sorted((s, e) for (_, s, e) in p1.as_parts()[0]) == [(0, 7 * S), (20 * S, 25 * S)]
     store.apply(sp, [p1])
     p2, _, _ = fold(sp, rows((10.0, "a", 1)), ["d"])  # 10+5 < 20: still apart
     store.apply(sp, [p2])
     assert len(store.due(sp, bound=100 * S)) == 3
     # 6 joins [0, 7) and [10, 15); 13 and 17 are one partial that reaches [20, 25)
     p3, _, _ = fold(sp, rows((6.0, "a", 1), (13.0, "a", 1), (17.0, "a", 1)), ["e", "f", "g"])
-    assert sorted((s, e) for (_, s, e) in p3.parts) == [(6 * S, 11 * S), (13 * S, 22 * S)]
+    assert sorted((s, e) for (_, s, e) in p3.as_parts()[0]) == [(6 * S, 11 * S), (13 * S, 22 * S)]
     store.apply(sp, [p3])
     (one,) = store.due(sp, bound=100 * S)
     assert (one.start, one.end, one.accs[0]) == (0, 25 * S, 7)

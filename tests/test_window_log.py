@@ -31,9 +31,9 @@ def spec(kind=None, **kw):
     ).spec
 
 
-def apply(store, sp, *recs, keys):
+def apply(store, sp, *recs, keys, arrow=True):
     table = pa.Table.from_pylist([{"t": t, "k": k, "v": v} for t, k, v in recs])
-    part, failed, late = contribute(sp, table, keys, None, set())
+    part, failed, late = contribute(sp, table, keys, None, set(), arrow=arrow)
     assert not failed and not late
     store.apply(sp, [pickle.loads(pickle.dumps(part))])  # (as a task's token travels)
 

@@ -121,24 +121,25 @@ def fold(
         return None
     keys = [f"k{j}" for j in range(len(spec.by))]
     grouped = pa.table(table).group_by([*keys, "__s"], use_threads=False).aggregate(aggs)
-    got = {name: grouped.column(name).to_pylist() for name in grouped.column_names}
-    key_vals = [got[k] for k in keys]
-    values = list(zip(*key_vals, strict=True)) if keys else [()] * grouped.num_rows
-    texts = _texts([grouped.column(k) for k in keys], values)
-    accs_cols: list[list[Any]] = []
+    starts = grouped.column("__s")
+    cols = {
+        "gk": _texts([grouped.column(k) for k in keys], grouped.num_rows).cast(pa.string()),
+        "start": starts,
+        "end": pc.add(starts, pa.scalar(kind.size_us, pa.int64())),
+        "nrows": grouped.column("__s_count"),
+    }
+    for k in keys:
+        cols[k] = grouped.column(k)
     for j, a in enumerate(spec.aggs):
         if inputs[j] is None:  # count(): the rows
-            accs_cols.append(got["__s_count"])
-        elif a.fn == "avg":
-            sums = [0 if s is None else s for s in got[f"v{j}_sum"]]
-            accs_cols.append(list(zip(sums, got[f"v{j}_count"], strict=True)))
+            cols[f"a{j}"] = grouped.column("__s_count")
+        elif a.fn == "avg":  # (sum, count); the sum of no values is 0, as the row fold's
+            total = grouped.column(f"v{j}_sum")
+            cols[f"a{j}s"] = total.fill_null(pa.scalar(0, total.type))
+            cols[f"a{j}c"] = grouped.column(f"v{j}_count")
         else:
-            accs_cols.append(got[f"v{j}_{a.fn}"])
-    ends = (np.array(got["__s"], dtype=np.int64) + kind.size_us).tolist()
-    slots = list(zip(values, got["__s"], ends, strict=True))
-    accs = map(list, zip(*accs_cols, strict=True))
-    out.parts = dict(zip(slots, zip(got["__s_count"], accs, strict=True), strict=True))
-    out.texts = dict(zip(slots, texts, strict=True))
+            cols[f"a{j}"] = grouped.column(f"v{j}_{a.fn}")
+    out.table = pa.table(cols)
     out.keys = [row_keys[i] for i in idx.tolist()] if len(idx) < n else list(row_keys)
     out.max_t = int(tt.max())
     return out, failed, late
@@ -206,7 +207,7 @@ def _micros(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
     return None
 
 
-def _texts(cols: list[pa.ChunkedArray], values: list[tuple[Any, ...]]) -> list[str]:
+def _texts(cols: list[pa.ChunkedArray], n: int) -> pa.ChunkedArray | pa.Array:
     """Each group's key text, as ``gk_text`` makes it: built in Arrow when every key is
     an integer or text JSON keeps as it is, else ``gk_text`` per group."""
     from ackflow.state.partials import gk_text
@@ -217,10 +218,11 @@ def _texts(cols: list[pa.ChunkedArray], values: list[tuple[Any, ...]]) -> list[s
             parts.append(pc.fill_null(col.cast(pa.string()), "null"))
             continue
         if pc.all(pc.match_substring_regex(col, PLAIN_TEXT)).as_py() is False:
-            return [gk_text(v) for v in values]
+            values = zip(*(c.to_pylist() for c in cols), strict=True)
+            return pa.array([gk_text(v) for v in values], pa.string())
         quoted = pc.binary_join_element_wise('"', col, '"', "")
         parts.append(pc.fill_null(quoted, "null"))
     if not parts:
-        return ["[]"] * len(values)
+        return pa.array(["[]"] * n, pa.string())
     joined = pc.binary_join_element_wise(*parts, ",") if len(parts) > 1 else parts[0]
-    return pc.binary_join_element_wise("[", joined, "]", "").to_pylist()
+    return pc.binary_join_element_wise("[", joined, "]", "")

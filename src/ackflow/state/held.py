@@ -14,7 +14,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from ackflow.state import winlog
+from ackflow.state import columns, winlog
+from ackflow.state.columns import Columns
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Hopping, Tumbling
 
@@ -32,6 +33,8 @@ HOLD_MAX = 100_000
 COUNT_WRITE = "INSERT INTO writes (op, n) VALUES (?, 1) ON CONFLICT (op) DO UPDATE SET n = writes.n + 1"
 Slot = tuple[str, int]  # a window: (key text, start)
 Held = tuple[int, int, tuple[Any, ...], list[Any]]  # an open window: (end, rows, values, accs)
+#: batches to merge in Python before trying Arrow columns again (after a batch they could not take)
+COLUMNS_AGAIN = 32
 
 
 @dataclass
@@ -51,7 +54,8 @@ class HeldWindows:
 
     db: Any
     lock: Any
-    _open: dict[str, dict[Slot, Held] | None]
+    _open: dict[str, dict[Slot, Held] | Columns | None]
+    _no_columns: dict[str, int]  # op -> batches left before holding its windows in columns again
     _version: dict[str, int]
     _counted: str | None
     _refused: dict[str, set[Slot]]
@@ -60,7 +64,7 @@ class HeldWindows:
     _tabled: dict[str, set[Slot]]
     _first_end: dict[str, int]  # op -> at most the earliest end of a held window not refused
 
-    def _held(self, op: str) -> dict[Slot, Held] | None:
+    def _held(self, op: str) -> dict[Slot, Held] | Columns | None:
         """Inside a transaction: the operator's open windows, read once (the change log
         folded in first) and then kept in step with each commit; read again whenever the
         store's count of writes to them is not the one this handle made (another
@@ -98,7 +102,12 @@ class HeldWindows:
         held, touched, tabled = self._open.get(op), self._touched.get(op), self._tabled.get(op)
         row = self.db.execute("SELECT n FROM writes WHERE op = ?", (op,)).fetchone()
         in_step = (int(row[0]) if row else 0) == self._version.get(op)
-        if held is not None and touched is not None and tabled is not None and in_step:
+        if isinstance(held, Columns) and in_step:  # (its flags say what changed)
+            winlog.write(self.db, op, PUT_WINDOW, held.dirty(), held.gone_now())
+            held.folded()
+            self.db.execute(COUNT_WRITE, (op,))
+            return True, in_step
+        if isinstance(held, dict) and touched is not None and tabled is not None and in_step:
             puts = [(gk, st, *held[(gk, st)]) for gk, st in touched if (gk, st) in held]
             gone = [slot for slot in touched if slot not in held and slot in tabled]
             winlog.write(self.db, op, PUT_WINDOW, puts, gone)
@@ -180,7 +189,7 @@ class HeldWindows:
         self._fold_now(spec.name)
         return True
 
-    def _memory(self, op: str) -> dict[Slot, Held] | None:
+    def _memory(self, op: str) -> dict[Slot, Held] | Columns | None:
         """The operator's open windows as this handle holds them, if they are in step
         with the store (its count of writes); else None (read the store)."""
         held = self._open.get(op)
@@ -206,7 +215,7 @@ class HeldWindows:
         self._counted = op
         return op in self._open and self._version.get(op) == version, version
 
-    def _in_step(self, op: str, put: dict[Slot, Held], gone: Any, logged: int = 0) -> None:
+    def _in_step(self, op: str, put: dict[Slot, Held] | Columns, gone: Any, logged: int = 0) -> None:
         """After a commit that wrote ``op``'s windows (and counted one write); ``logged``:
         the changes it wrote to the change log (in one row), if any."""
         held = self._open.get(op)
@@ -217,6 +226,10 @@ class HeldWindows:
             tally[1] += logged
         if held is None or counted != op:
             return
+        if isinstance(held, Columns) or isinstance(put, Columns):
+            self._in_step_columns(op, held, put, gone)
+            return
+        assert isinstance(put, dict)
         touched = self._touched.get(op)
         if touched is not None and logged:
             touched.update(put)
@@ -233,6 +246,68 @@ class HeldWindows:
         if len(held) > HOLD_MAX:
             self._open[op] = None
 
+    def _in_step_columns(
+        self, op: str, held: dict[Slot, Held] | Columns, put: dict[Slot, Held] | Columns, gone: Any
+    ) -> None:
+        """:meth:`_in_step` for windows held in columns: a merge's new columns replace
+        them; written windows are dropped."""
+        refused = self._refused.setdefault(op, set())
+        if isinstance(put, Columns):
+            changed, put.changed = put.changed, None
+            if refused and changed is not None:
+                refused.difference_update(
+                    zip(changed.column("gk").to_pylist(), changed.column("start").to_pylist(), strict=True)
+                )
+            self._open[op] = held = put
+            self._touched.pop(op, None)  # (its flags hold them now)
+            self._tabled.pop(op, None)
+        else:
+            assert isinstance(held, Columns)
+            assert not put, "a dict merged into windows held in columns"
+            held.drop(list(gone))
+            refused.difference_update(gone)
+        self._version[op] += 1
+        if len(held) > HOLD_MAX:
+            self._open[op] = None
+
+    def _merge_columns(
+        self, spec: WindowSpec, held: dict[Slot, Held] | Columns, parts: list[Any]
+    ) -> Columns | None:
+        """The batch's partials merged into the held windows in Arrow columns (the
+        result is held once the batch commits; :mod:`.columns`); None: merge in Python
+        (a task folded row by row, types that differ, ...), the windows held as a dict."""
+        op = spec.name
+        tables = [p.table for p in parts if p.table is not None]
+        wait = self._no_columns.get(op, 0)
+        if not columns.ENABLED or not tables or len(tables) < sum(1 for p in parts if p.has_slots()):
+            return None
+        if isinstance(held, dict):
+            if wait > 0:
+                self._no_columns[op] = wait - 1
+                return None
+            touched, tabled = self._touched.get(op), self._tabled.get(op)
+            made = None
+            if touched is not None and tabled is not None:
+                made = Columns.from_dict(held, tables[0].schema, touched, tabled)
+            if made is None:
+                self._no_columns[op] = COLUMNS_AGAIN
+                return None
+            held = made
+        return held.merge(tables, [a.fn for a in spec.aggs])
+
+    def _as_dict(self, op: str) -> dict[Slot, Held] | None:
+        """The operator's held windows as a dict (from columns, if they were: its
+        touched and tabled windows from their flags)."""
+        held = self._open.get(op)
+        if not isinstance(held, Columns):
+            return held
+        self._touched[op] = held.slots("__d") | set(held.gone)
+        self._tabled[op] = held.slots("__t") | set(held.gone)
+        self._first_end.pop(op, None)
+        self._no_columns[op] = COLUMNS_AGAIN
+        self._open[op] = out = held.to_dict()
+        return out
+
     def _forget_held(self, op: str) -> None:
         """What is held of ``op``'s windows may differ from the store: read it again."""
         self._open.pop(op, None)
@@ -241,10 +316,27 @@ class HeldWindows:
         self._touched.pop(op, None)
         self._tabled.pop(op, None)
         self._first_end.pop(op, None)
+        self._no_columns.pop(op, None)
         self._counted = None
 
-    def _due_held(self, spec: WindowSpec, held: dict[Slot, Held], bound: int | None, limit: int) -> list[Due]:
+    def _due_columns(self, spec: WindowSpec, held: Columns, bound: int | None, limit: int) -> list[Due]:
+        """:meth:`_due_held` from windows held in columns: their ends filtered in Arrow."""
+        if bound is None:
+            return []
+        refused = self._refused.get(spec.name, set())
+        ready = sorted(
+            (end, gk, start, values, accs)
+            for gk, start, end, _, values, accs in held.ready(bound)
+            if (gk, start) not in refused
+        )
+        return [Due(gk, start, end, values, accs, True) for end, gk, start, values, accs in ready[:limit]]
+
+    def _due_held(
+        self, spec: WindowSpec, held: dict[Slot, Held] | Columns, bound: int | None, limit: int
+    ) -> list[Due]:
         """:meth:`due` from the windows the handle holds (tumbling and hopping, final)."""
+        if isinstance(held, Columns):
+            return self._due_columns(spec, held, bound, limit)
         first = self._first_end.get(spec.name)
         if bound is None or (first is not None and bound < first):
             return []  # (most calls: nothing closed since the last; no walk over every window)

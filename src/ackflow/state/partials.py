@@ -78,6 +78,8 @@ class Partials:
     max_t: int | None = None
     late: int = 0
     applied: int = 0
+    #: the Arrow fold's partials as one table (:mod:`.columns`), in place of ``parts``
+    table: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled by columns: a task's token holds thousands of slots, and a list of
@@ -101,6 +103,19 @@ class Partials:
         )
         return state
 
+    def has_slots(self) -> bool:
+        """Whether it holds any window's partial."""
+        cols = self.__dict__.get("_cols")
+        return self.table is not None or bool(cols[0] if cols is not None else self.parts)
+
+    def as_parts(self) -> tuple[dict[Any, tuple[int, list[Any]]], dict[Any, str | None]]:
+        """The slots as ``parts`` and ``texts`` hold them (whichever fold made them)."""
+        parts, texts = {}, {}
+        for values, start, end, rows, accs, gk in self.slots():
+            parts[(values, start, end)] = (rows, accs)
+            texts[(values, start, end)] = gk
+        return parts, texts
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled, the slots stay in columns: ``parts`` and ``texts`` are not rebuilt
         (read them with :meth:`slots`)."""
@@ -108,6 +123,13 @@ class Partials:
 
     def slots(self) -> Iterator[tuple[tuple[Any, ...], int, int, int, list[Any], str | None]]:
         """Each slot as (key values, start, end, rows, accumulators, key text or None)."""
+        table = self.__dict__.get("table")
+        if table is not None:
+            from ackflow.state.columns import rows_of
+
+            for gk, start, end, n, vals, acc in rows_of(table):
+                yield vals, start, end, n, acc, gk
+            return
         cols = self.__dict__.get("_cols")
         if cols is None:
             texts = getattr(self, "texts", {})  # (an executor of an older version: none)

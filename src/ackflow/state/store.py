@@ -37,6 +37,7 @@ from typing import Any
 
 from ackflow import faults
 from ackflow.state import runs, winlog
+from ackflow.state.columns import Columns
 from ackflow.state.held import PUT_WINDOW, Due, Held, HeldWindows, Slot
 from ackflow.state.partials import Partials, gk_text
 from ackflow.state.spec import WindowSpec
@@ -157,13 +158,14 @@ class WindowStore(HeldWindows):
         self.lock = threading.RLock()
         self._size = size
         # op -> its open windows, (gk, start) -> (end, rows, values, accs); None: too many
-        self._open: dict[str, dict[Slot, Held] | None] = {}
+        self._open: dict[str, dict[Slot, Held] | Columns | None] = {}
         self._refused: dict[str, set[Slot]] = {}  # op -> held windows its output refused
         self._logged: dict[str, list[int]] = {}  # op -> rows and changes in its log since folded
         self._touched: dict[str, set[Slot]] = {}  # op -> held windows changed since folded
         self._tabled: dict[str, set[Slot]] = {}  # op -> held windows the table has a row of
         self._closed = False
         self._first_end: dict[str, int] = {}  # op -> at most the earliest end held (not refused)
+        self._no_columns: dict[str, int] = {}  # op -> batches before holding it in columns again
         self._version: dict[str, int] = {}  # op -> the count of writes ``_open`` is in step with
         self._counted: str | None = None  # the op whose write the open transaction counted
         if conn is not None:
@@ -258,7 +260,7 @@ class WindowStore(HeldWindows):
             db.execute("BEGIN IMMEDIATE")
             try:
                 lite = isinstance(db, sqlite3.Connection)
-                staged: dict[Slot, Held] = {}  # held once committed
+                staged: dict[Slot, Held] | Columns = {}  # held once committed
                 logged = 0  # changes written to the change log
                 if isinstance(spec.kind, Count):
                     self._merge_counts(spec, parts)
@@ -334,14 +336,22 @@ class WindowStore(HeldWindows):
             PUT_WINDOW, (op, gk_text(values), start, end, rows, filled, pickle.dumps((values, accs)))
         )
 
-    def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> tuple[dict[Slot, Held], int]:
+    def _merge_fixed(self, spec: WindowSpec, parts: list[Partials]) -> tuple[dict[Slot, Held] | Columns, int]:
         """Merge the partials into the stored windows; return what the handle holds of
         them once the transaction commits (nothing when it does not hold them), and the
         changes it wrote to the change log (0: none, the table was written). Each task's
         partial of a window merges into the window as it stands (held, or already merged
         with an earlier task's), in the tasks' order."""
         merge = merger(spec.aggs)
-        held = self._held(spec.name)
+        if not any(p.has_slots() for p in parts):
+            return {}, 0
+        holds = self._held(spec.name)
+        if holds is not None and self._logs(spec):
+            cols = self._merge_columns(spec, holds, parts)
+            if cols is not None and cols.changed is not None:  # (the log row: the windows changed)
+                winlog.append(self.db, spec.name, cols.changed, ())
+                return cols, cols.changed.num_rows
+        held = self._as_dict(spec.name) if isinstance(holds, Columns) else holds
         staged: dict[Slot, Held] = {}
         source: dict[Slot, Held] = {} if held is None else held
         for p in parts:
@@ -504,7 +514,9 @@ class WindowStore(HeldWindows):
         them is late). Returns the new watermark if it moved."""
         with self.lock:
             held = self._memory(spec.name)
-            if held is not None:
+            if isinstance(held, Columns):
+                top = held.max_end()
+            elif held is not None:
                 top = max((w[0] for w in held.values()), default=None)
             else:
                 self._folded(spec.name)

@@ -41,7 +41,8 @@ def append(db: Any, op: str, puts: Sequence[Change], gone: Sequence[Slot]) -> No
     """Inside a transaction: one row holding ``puts`` (windows as they are now) and
     ``gone`` (windows written out and deleted)."""
     seq = db.execute("SELECT coalesce(max(seq), 0) + 1 FROM window_log WHERE op = ?", (op,)).fetchone()[0]
-    blob = pickle.dumps((list(puts), list(gone)), protocol=pickle.HIGHEST_PROTOCOL)
+    changes = puts if hasattr(puts, "num_rows") else list(puts)  # (an Arrow table: :mod:`.columns`)
+    blob = pickle.dumps((changes, list(gone)), protocol=pickle.HIGHEST_PROTOCOL)
     db.execute("INSERT INTO window_log (op, seq, changes) VALUES (?, ?, ?)", (op, int(seq), blob))
 
 
@@ -52,6 +53,10 @@ def replay(db: Any, op: str) -> dict[Slot, Change | None]:
     rows = db.execute("SELECT changes FROM window_log WHERE op = ? ORDER BY seq", (op,)).fetchall()
     for (blob,) in rows:
         puts, gone = pickle.loads(bytes(blob))
+        if hasattr(puts, "num_rows"):  # the windows held in Arrow columns changed
+            from ackflow.state.columns import rows_of
+
+            puts = rows_of(puts)
         for change in puts:
             net[(change[0], change[1])] = tuple(change)  # type: ignore[assignment]
         for gk, start in gone:
