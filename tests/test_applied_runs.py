@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,9 @@ def test_a_key_splits_one_way_and_runs_hold_exactly_the_keys(keys):
     assert [runs.split(k) for k in keys] == [
         None if s is None else (s, n) for s, n in zip(stems.to_pylist(), ns.tolist(), strict=True)
     ]
+    # a slice of an Arrow array (the keys' bytes begin past others', maybe a NUL's)
+    sliced = runs.split_many(pa.array(["a\x0012", *keys], pa.string()).slice(1))
+    assert (sliced[0].to_pylist(), sliced[1].tolist()) == (stems.to_pylist(), ns.tolist())
     made, whole, twice = runs.make_runs(keys)
     if twice is not None:
         assert keys.count(twice) > 1

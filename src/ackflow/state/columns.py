@@ -143,10 +143,16 @@ class Columns:
 
     # -- reading and removing ----------------------------------------------------------
 
-    def ready(self, bound: int) -> list[Change]:
-        """The windows whose end is at most ``bound``."""
+    def ready(self, bound: int, limit: int, refused: set[Slot]) -> list[Change]:
+        """The first ``limit`` windows whose end is at most ``bound``, by (end, key text,
+        start), leaving out ``refused``."""
         table = self.table.filter(pc.less_equal(self.table.column("end"), bound))
-        return list(rows_of(self.data(table))) if table.num_rows else []
+        if not table.num_rows:
+            return []
+        table = table.sort_by([("end", "ascending"), ("gk", "ascending"), ("start", "ascending")])
+        table = table.slice(0, limit + len(refused))  # (UTF-8's byte order is the text's order)
+        rows = [r for r in rows_of(self.data(table)) if (r[0], r[1]) not in refused]
+        return rows[:limit]
 
     def drop(self, gone: Sequence[Slot]) -> None:
         """``gone`` written out: their rows removed (those the windows table has a row

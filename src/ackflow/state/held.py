@@ -323,13 +323,8 @@ class HeldWindows:
         """:meth:`_due_held` from windows held in columns: their ends filtered in Arrow."""
         if bound is None:
             return []
-        refused = self._refused.get(spec.name, set())
-        ready = sorted(
-            (end, gk, start, values, accs)
-            for gk, start, end, _, values, accs in held.ready(bound)
-            if (gk, start) not in refused
-        )
-        return [Due(gk, start, end, values, accs, True) for end, gk, start, values, accs in ready[:limit]]
+        ready = held.ready(bound, limit, self._refused.get(spec.name, set()))
+        return [Due(gk, start, end, values, accs, True) for gk, start, end, _, values, accs in ready]
 
     def _due_held(
         self, spec: WindowSpec, held: dict[Slot, Held] | Columns, bound: int | None, limit: int

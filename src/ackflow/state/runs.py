@@ -65,23 +65,40 @@ def split(key: str) -> tuple[str, int] | None:
     return stem, int(digits)
 
 
-#: ``split`` in RE2 (``(?s)``: a newline is a character like any other)
-_SPLIT = r"(?s)^(?P<stem>(?:.*[^0-9])?)(?P<n>[0-9]{1,18})$"
-
-
 def split_many(keys: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
-    """:func:`split` over many keys at once, in Arrow: each key's stem (null: kept
-    whole) and its n (0 where kept whole)."""
+    """:func:`split` over many keys at once: each key's stem (null: kept whole) and its
+    n (0 where kept whole). The stem is the key with its trailing digits trimmed (in
+    Arrow); the digits are read from the keys' bytes (in numpy: a regular expression
+    over every key cost eight times as much)."""
     arr = keys if isinstance(keys, (pa.Array, pa.ChunkedArray)) else pa.array(keys, pa.string())
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
-    parts = pc.extract_regex(arr, _SPLIT)
-    stem, digits = pc.struct_field(parts, "stem"), pc.struct_field(parts, "n")
-    zero_led = pc.and_(pc.starts_with(digits, "0"), pc.greater(pc.utf8_length(digits), 1))
-    ok = pc.fill_null(pc.invert(pc.or_(zero_led, pc.match_substring(stem, "\x00"))), False)
-    stems = pc.if_else(ok, stem, pa.scalar(None, pa.string()))
-    ns = pc.if_else(ok, digits, "0").cast(pa.int64()).to_numpy(zero_copy_only=False)
-    return stems, ns
+    if not pa.types.is_string(arr.type):
+        arr = arr.cast(pa.string())
+    stem = pc.utf8_rtrim(arr, characters=DIGITS)
+    nd = pc.binary_length(arr).to_numpy(zero_copy_only=False) - pc.binary_length(stem).to_numpy(
+        zero_copy_only=False
+    )
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
+    data = arr.buffers()[2]
+    raw = np.frombuffer(data, dtype=np.uint8) if data is not None and data.size else np.zeros(1, np.uint8)
+    first = offsets[1:].astype(np.int64) - nd  # where each key's digits begin
+    ok = (nd >= 1) & (nd <= 18)
+    lead = np.where(ok, raw[np.clip(first, 0, len(raw) - 1)], 0)
+    ok &= ~((lead == ord("0")) & (nd > 1))  # (a leading zero: kept whole)
+    if arr.null_count:
+        ok &= arr.is_valid().to_numpy(zero_copy_only=False)
+    if (raw == 0).any():  # (a NUL somewhere: the keys whose stem holds one are kept whole)
+        ok &= ~pc.fill_null(pc.match_substring(stem, "\x00"), True).to_numpy(zero_copy_only=False)
+    n = np.zeros(len(arr), dtype=np.int64)
+    for j in range(18):
+        take = ok & (nd > j)
+        if not take.any():
+            break
+        digit = raw[np.where(take, first + j, 0)].astype(np.int64) - ord("0")
+        n = np.where(take, n * 10 + digit, n)
+    stems = pc.if_else(pa.array(ok), stem, pa.scalar(None, pa.string()))
+    return stems, np.where(ok, n, 0)
 
 
 def make_runs(keys: Sequence[str]) -> tuple[list[tuple[str, int, int]], list[str], str | None]:

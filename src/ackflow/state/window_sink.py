@@ -38,6 +38,8 @@ from ackflow.state.spec import WindowSpec, check_columns
 from ackflow.windows import Count
 
 log = logging.getLogger("ackflow.window")
+#: applied row keys older than ``remember`` are forgotten at most this often (each is a commit)
+FORGET_EVERY_S = 10.0
 
 
 class WindowSink(Sink):
@@ -61,6 +63,7 @@ class WindowSink(Sink):
         self._stopped = threading.Event()
         self._seq = 0
         self._active = 0.0
+        self._forgot = -FORGET_EVERY_S  # (monotonic) when applied row keys were last forgotten
         self.emit_failures = 0
         self._prepared: pa.Schema | None = None
         self._metrics: Any = None
@@ -341,7 +344,9 @@ class WindowSink(Sink):
                 faults.point("state.after_output")
                 store.done(self.spec, [d for i, d in enumerate(due) if i not in res.failed])
                 total += len(due) - len(res.failed)
-                store.forget(self.spec)
+                if time.monotonic() - self._forgot >= min(FORGET_EVERY_S, self.spec.remember_us / 2e6):
+                    store.forget(self.spec)  # (each is a commit: not after every write)
+                    self._forgot = time.monotonic()
 
     def _table_or_refuse(self, due: list[Any]) -> tuple[pa.Table, list[Any]]:
         """The rows of ``due``; if they cannot be made together, each alone, and those
