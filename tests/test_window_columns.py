@@ -1,0 +1,143 @@
+"""Open windows held in Arrow columns (state/columns.py) against the same windows held
+as a Python dict: random batches split over tasks (floats of every magnitude, integer and
+text keys, nulls, a NaN or a -0.0 that sends a task to the row-by-row fold, a column
+whose type changes between batches), results written as the watermark passes, folds,
+and a restart. Every result is the same to the bit, and so is the store. Without Spark."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import sqlite3
+
+import pyarrow as pa
+import pytest
+
+from ackflow.flow import Flow
+from ackflow.state import columns, held, winlog
+from ackflow.state.partials import contribute
+from ackflow.state.spec import window_flow
+from ackflow.state.store import WindowStore
+from ackflow.testing import ListSource
+from ackflow.windows import avg, count, hopping, max_, min_, sum_, tumbling
+
+S = 1_000_000
+AGGS = [count(), count("v").alias("n_v"), sum_("v"), min_("v"), max_("v"), avg("v")]
+
+
+def spec(kind):
+    return window_flow(Flow(ListSource([])), kind, aggs=AGGS, by=["k", "j"], time="t", name="w").spec
+
+
+def exact(value):
+    """Floats as their hex text (== then sees every bit, and 1 is not 1.0)."""
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, (list, tuple)):
+        return type(value)(exact(v) for v in value)
+    return value
+
+
+def value(rnd, kind):
+    if rnd.random() < 0.15:
+        return None
+    if kind == "int":
+        return rnd.choice([1, -3, 7, 10**15, -(10**15), 0])
+    return rnd.choice([0.1, 0.2, 0.3, 1e16, -1e16, 1.0, 3.3e-5, -2.5, 7e12]) * rnd.random()
+
+
+def batches(seed):
+    """A run's batches: each a list of tasks' rows (t, k, j, v)."""
+    rnd = random.Random(seed)
+    t, out = 100.0, []
+    for _ in range(rnd.randint(8, 16)):
+        kind = "int" if rnd.random() < 0.15 else "float"  # (the column's type in this batch)
+        tasks = []
+        for _ in range(rnd.randint(1, 3)):
+            rows = []
+            odd = kind == "float" and rnd.random() < 0.06  # (this task folds row by row)
+            for i in range(rnd.randint(1, 12)):
+                v = rnd.choice([float("nan"), -0.0]) if odd and i == 0 else value(rnd, kind)
+                rows.append((t + rnd.random() * 15, rnd.choice(["a", "b", None]), rnd.choice([1, 2]), v))
+            tasks.append(rows)
+        t += rnd.random() * 8
+        out.append(tasks)
+    return out
+
+
+def run(path, sp, plan, seed):
+    """The results written, in order, and the windows table at the end."""
+    rnd = random.Random(seed)
+    store = WindowStore(path)
+    written, n = [], 0
+    for b, tasks in enumerate(plan):
+        parts = []
+        for rows in tasks:
+            table = pa.Table.from_pylist([{"t": t, "k": k, "j": j, "v": v} for t, k, j, v in rows])
+            keys = [f"r{n + i}" for i in range(len(rows))]
+            n += len(rows)
+            part, failed, _ = contribute(sp, table, keys, None, set())
+            assert not failed
+            parts.append(pickle.loads(pickle.dumps(part)))  # (as a task's token travels)
+        store.apply(sp, parts, event_max=max(int(r[0] * S) for rows in tasks for r in rows))
+        due = store.due(sp, store.mark("w")["watermark"])
+        written += [(d.gk, d.start, d.end, exact(list(d.values)), exact(d.accs)) for d in due]
+        store.done(sp, due)
+        if rnd.random() < 0.3:
+            store.settle(sp)
+        if b == len(plan) // 2:  # a restart halfway: the log is read back
+            store.db.close()
+            store.scratch.close()
+            store = WindowStore(path)
+    store.close_open(sp)
+    due = store.due(sp, store.mark("w")["watermark"])
+    written += [(d.gk, d.start, d.end, exact(list(d.values)), exact(d.accs)) for d in due]
+    store.close()
+    db = sqlite3.connect(path)
+    try:
+        rows = db.execute('SELECT gk, start, "end", nrows, state FROM windows ORDER BY gk, start').fetchall()
+    finally:
+        db.close()
+    return written, [(*r[:4], exact(list(pickle.loads(r[4])[1]))) for r in rows]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_columns_and_dict_hold_the_same_windows_to_the_bit(tmp_path, monkeypatch, seed):
+    monkeypatch.setattr(winlog, "COMPACT_EVERY", 3)
+    monkeypatch.setattr(held, "COLUMNS_AGAIN", 2)
+    sp = spec(hopping("20s", every="5s") if seed % 2 else tumbling("10s"))
+    plan = batches(seed)
+    got = {}
+    for mode in (True, False):
+        monkeypatch.setattr(columns, "ENABLED", mode)
+        got[mode] = run(str(tmp_path / f"{mode}.db"), sp, plan, seed)
+    assert got[True][0], "no window was written"
+    assert got[True] == got[False]
+
+
+def test_a_batch_the_columns_cannot_take_turns_them_into_a_dict_and_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(held, "COLUMNS_AGAIN", 1)
+    sp = spec(tumbling("10s"))
+    store = WindowStore(str(tmp_path / "w.db"))
+
+    def apply(rows, n):
+        table = pa.Table.from_pylist([{"t": t, "k": "a", "j": 1, "v": v} for t, v in rows])
+        part, _, _ = contribute(sp, table, [f"r{n}-{i}" for i in range(len(rows))], None, set())
+        store.apply(sp, [pickle.loads(pickle.dumps(part))], event_max=0)
+
+    apply([(1.0, 1.5)], 0)
+    assert isinstance(store._open["w"], columns.Columns)
+    apply([(2.0, float("nan"))], 1)  # (a NaN: folded row by row)
+    assert isinstance(store._open["w"], dict)
+    apply([(3.0, 2.5)], 2)  # (one batch in Python: COLUMNS_AGAIN)
+    assert isinstance(store._open["w"], dict)
+    apply([(4.0, 2.5)], 3)  # the NaN's window holds a NaN: it cannot be columns
+    assert isinstance(store._open["w"], dict)
+    apply([(14.0, 2.5)], 4)
+    store.done(sp, store.due(sp, 10 * S))  # written: the NaN's window is gone
+    apply([(15.0, 1.0)], 5)
+    apply([(16.0, 1.0)], 6)
+    assert isinstance(store._open["w"], columns.Columns)
+    (due,) = store.due(sp, 20 * S)
+    assert (due.start, due.accs[:3]) == (10 * S, [3, 3, 4.5])
+    store.close()
