@@ -11,8 +11,7 @@ into the windows table now and then; the due windows are found in memory.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ackflow.state import columns, winlog
 from ackflow.state.columns import Columns
@@ -37,9 +36,9 @@ Held = tuple[int, int, tuple[Any, ...], list[Any]]  # an open window: (end, rows
 COLUMNS_AGAIN = 32
 
 
-@dataclass
-class Due:
-    """A window ready to be written: its row and what to do after."""
+class Due(NamedTuple):
+    """A window ready to be written: its row and what to do after (a tuple: a batch
+    closes thousands of windows, and a tuple is made several times faster)."""
 
     gk: str
     start: int
@@ -324,7 +323,7 @@ class HeldWindows:
         if bound is None:
             return []
         ready = held.ready(bound, limit, self._refused.get(spec.name, set()))
-        return [Due(gk, start, end, values, accs, True) for gk, start, end, _, values, accs in ready]
+        return [Due(r[0], r[1], r[2], r[4], r[5], True) for r in ready]
 
     def _due_held(
         self, spec: WindowSpec, held: dict[Slot, Held] | Columns, bound: int | None, limit: int
