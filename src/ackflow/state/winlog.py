@@ -37,13 +37,25 @@ Change = tuple[str, int, int, int, tuple[Any, ...], list[Any]]
 Slot = tuple[str, int]
 
 
-def append(db: Any, op: str, puts: Sequence[Change], gone: Sequence[Slot]) -> None:
-    """Inside a transaction: one row holding ``puts`` (windows as they are now) and
-    ``gone`` (windows written out and deleted)."""
+def append(db: Any, op: str, puts: Sequence[Change] | Any, gone: Sequence[Slot]) -> None:
+    """Inside a transaction: one row holding ``puts`` (windows as they are now: changes,
+    or an Arrow table of them, :mod:`.columns`) and ``gone`` (windows written out and
+    deleted)."""
     seq = db.execute("SELECT coalesce(max(seq), 0) + 1 FROM window_log WHERE op = ?", (op,)).fetchone()[0]
-    changes = puts if hasattr(puts, "num_rows") else list(puts)  # (an Arrow table: :mod:`.columns`)
+    changes: Any = list(puts) if not hasattr(puts, "num_rows") else {"arrow": _ipc(puts)}
     blob = pickle.dumps((changes, list(gone)), protocol=pickle.HIGHEST_PROTOCOL)
     db.execute("INSERT INTO window_log (op, seq, changes) VALUES (?, ?, ?)", (op, int(seq), blob))
+
+
+def _ipc(table: Any) -> bytes:
+    """A table as Arrow's IPC stream (a format that outlives a pyarrow version; a pickled
+    table may not)."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
 
 
 def replay(db: Any, op: str) -> dict[Slot, Change | None]:
@@ -53,10 +65,12 @@ def replay(db: Any, op: str) -> dict[Slot, Change | None]:
     rows = db.execute("SELECT changes FROM window_log WHERE op = ? ORDER BY seq", (op,)).fetchall()
     for (blob,) in rows:
         puts, gone = pickle.loads(bytes(blob))
-        if hasattr(puts, "num_rows"):  # the windows held in Arrow columns changed
+        if isinstance(puts, dict):  # the windows held in Arrow columns changed: a table
+            import pyarrow as pa
+
             from ackflow.state.columns import rows_of
 
-            puts = rows_of(puts)
+            puts = rows_of(pa.ipc.open_stream(puts["arrow"]).read_all())
         for change in puts:
             net[(change[0], change[1])] = tuple(change)  # type: ignore[assignment]
         for gk, start in gone:
