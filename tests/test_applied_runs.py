@@ -45,6 +45,11 @@ def test_a_key_splits_one_way_and_runs_hold_exactly_the_keys(keys):
     assert all(runs.split(k) is None for k in whole)
 
 
+def test_a_null_key_is_kept_whole():  # (found by review: the split raised on a null)
+    stems, ns = runs.split_many(pa.array(["a1", None, "b22"], pa.string()))
+    assert (stems.to_pylist(), ns.tolist()) == (["a", None, "b"], [1, 0, 22])
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(KEYS, unique=True, max_size=30), st.lists(KEYS, max_size=30))
 def test_a_task_finds_exactly_the_applied_keys(tmp_path_factory, applied, asked):

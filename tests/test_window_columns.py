@@ -42,7 +42,7 @@ def value(rnd, kind):
     if rnd.random() < 0.15:
         return None
     if kind == "int":
-        return rnd.choice([1, -3, 7, 10**15, -(10**15), 0])
+        return rnd.choice([1, -3, 7, 10**15, -(10**15), 0, 2**53 - 1])  # (sums past 2**53: no float)
     return rnd.choice([0.1, 0.2, 0.3, 1e16, -1e16, 1.0, 3.3e-5, -2.5, 7e12]) * rnd.random()
 
 
@@ -140,4 +140,29 @@ def test_a_batch_the_columns_cannot_take_turns_them_into_a_dict_and_back(tmp_pat
     assert isinstance(store._open["w"], columns.Columns)
     (due,) = store.due(sp, 20 * S)
     assert (due.start, due.accs[:3]) == (10 * S, [3, 3, 4.5])
+    store.close()
+
+
+def test_integer_sums_no_float_holds_merge_in_columns_and_survive_a_restart(tmp_path):
+    # found by review: the guard against a sum past 2**63 cast the integers to floats
+    # with a safe cast, which refused 2**53 + 1: every later batch failed, for any key
+    sp = spec(tumbling("10s"))
+    path = str(tmp_path / "w.db")
+    store = WindowStore(path)
+
+    def apply(n, *rows):
+        table = pa.Table.from_pylist([{"t": t, "k": k, "j": 1, "v": v} for t, k, v in rows])
+        part, _, _ = contribute(sp, table, [f"r{n}-{i}" for i in range(len(rows))], None, set())
+        store.apply(sp, [pickle.loads(pickle.dumps(part))], event_max=0)
+
+    apply(0, (1.0, "a", 2**53 - 1))
+    apply(1, (2.0, "a", 2))
+    apply(2, (3.0, "b", 1))
+    assert isinstance(store._open["w"], columns.Columns)
+    store.db.close()
+    store.scratch.close()
+    store = WindowStore(path)
+    apply(3, (4.0, "c", 1), (5.0, "a", 10**16 + 1))
+    got = {d.values[0]: d.accs[2] for d in store.due(sp, 10 * S)}
+    assert got == {"a": 2**53 + 1 + 10**16 + 1, "b": 1, "c": 1}
     store.close()

@@ -251,7 +251,8 @@ def _may_wrap(col: pa.ChunkedArray) -> bool:
     """Whether an integer column's sum could pass 2**63 (its values' magnitudes added in floats)."""
     if col.null_count == len(col):
         return False
-    return bool(pc.sum(pc.abs(col.cast(pa.float64()))).as_py() >= 2.0**62)
+    magnitudes = pc.abs(col.cast(pa.float64(), safe=False))  # (rounded: 2**53 + 1 is no float)
+    return bool(pc.sum(magnitudes).as_py() >= 2.0**62)
 
 
 def _zero(t: pa.DataType) -> Any:

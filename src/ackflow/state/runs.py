@@ -76,9 +76,8 @@ def split_many(keys: Sequence[str] | pa.Array | pa.ChunkedArray) -> tuple[pa.Arr
     if not pa.types.is_string(arr.type):
         arr = arr.cast(pa.string())
     stem = pc.utf8_rtrim(arr, characters=DIGITS)
-    nd = pc.binary_length(arr).to_numpy(zero_copy_only=False) - pc.binary_length(stem).to_numpy(
-        zero_copy_only=False
-    )
+    lengths = [pc.binary_length(a).fill_null(0).to_numpy(zero_copy_only=False) for a in (arr, stem)]
+    nd = lengths[0] - lengths[1]  # (a null: no digits, kept whole)
     offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
     data = arr.buffers()[2]
     raw = np.frombuffer(data, dtype=np.uint8) if data is not None and data.size else np.zeros(1, np.uint8)
