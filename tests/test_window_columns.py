@@ -1,8 +1,11 @@
 """Open windows held in Arrow columns (state/columns.py) against the same windows held
 as a Python dict: random batches split over tasks (floats of every magnitude, integer and
 text keys, nulls, a NaN or a -0.0 that sends a task to the row-by-row fold, a column
-whose type changes between batches), results written as the watermark passes, folds,
-and a restart. Every result is the same to the bit, and so is the store. Without Spark."""
+whose type changes between batches, keys with quotes and non-ASCII text, infinities, a
+window reopened after it was written), results written as the watermark passes, a result
+refused and tried again, folds, another handle folding, restarts. Every result is the
+same to the bit, and so is the store, after each batch as a reader sees it. Without Spark.
+(Made richer from a reviewer's fuzz.)"""
 
 from __future__ import annotations
 
@@ -32,22 +35,27 @@ def spec(kind):
 def exact(value):
     """Floats as their hex text (== then sees every bit, and 1 is not 1.0)."""
     if isinstance(value, float):
-        return ("float", value.hex())
+        return ("float", value.hex(), repr(value))
     if isinstance(value, (list, tuple)):
         return type(value)(exact(v) for v in value)
     return value
 
 
+KEYS = ["a", "b", None, "é", 'q"t', "back\\s", "€x", "", "1"]
+OPS = ("settle", "restart", "other", "fail", "retry", "cut")
+
+
 def value(rnd, kind):
     if rnd.random() < 0.15:
         return None
-    if kind == "int":
-        return rnd.choice([1, -3, 7, 10**15, -(10**15), 0, 2**53 - 1])  # (sums past 2**53: no float)
-    return rnd.choice([0.1, 0.2, 0.3, 1e16, -1e16, 1.0, 3.3e-5, -2.5, 7e12]) * rnd.random()
+    if kind == "int":  # (sums past 2**53: no float holds them)
+        return rnd.choice([1, -3, 7, 10**15, -(10**15), 0, 2**53 - 1])
+    big = [0.1, 0.2, 0.3, 1e16, -1e16, 1.0, 3.3e-5, -2.5, 7e12, float("inf"), -float("inf"), 1e308]
+    return rnd.choice(big) * rnd.choice([1, rnd.random()])
 
 
 def batches(seed):
-    """A run's batches: each a list of tasks' rows (t, k, j, v)."""
+    """A run's batches: each the tasks' rows (t, k, j, v) and what happens after it."""
     rnd = random.Random(seed)
     t, out = 100.0, []
     for _ in range(rnd.randint(8, 16)):
@@ -58,19 +66,34 @@ def batches(seed):
             odd = kind == "float" and rnd.random() < 0.06  # (this task folds row by row)
             for i in range(rnd.randint(1, 12)):
                 v = rnd.choice([float("nan"), -0.0]) if odd and i == 0 else value(rnd, kind)
-                rows.append((t + rnd.random() * 15, rnd.choice(["a", "b", None]), rnd.choice([1, 2]), v))
+                at = t + rnd.random() * 15 if rnd.random() > 0.1 else t - 30 + rnd.random() * 30
+                rows.append((at, rnd.choice(KEYS), rnd.choice([1, 2, -5]), v))  # (at: a window reopened)
             tasks.append(rows)
         t += rnd.random() * 8
-        out.append(tasks)
+        out.append((tasks, [op for op in OPS if rnd.random() < 0.2]))
     return out
 
 
-def run(path, sp, plan, seed):
-    """The results written, in order, and the windows table at the end."""
-    rnd = random.Random(seed)
+def shown(path):
+    """What ``ackflow state show`` reads: the windows table with the log replayed."""
+    db = sqlite3.connect(path)
+    try:
+        rows = winlog.folded(db, "w")
+        if rows is None:
+            rows = db.execute(
+                'SELECT gk, start, "end", nrows, dirty, state, error FROM windows WHERE op = ?', ("w",)
+            ).fetchall()
+        return sorted((r[0], r[1], r[2], r[3], exact(pickle.loads(r[5]))) for r in rows)
+    finally:
+        db.close()
+
+
+def run(path, sp, plan):
+    """The results written, in order, what a reader saw after each batch, and the
+    windows table at the end."""
     store = WindowStore(path)
-    written, n = [], 0
-    for b, tasks in enumerate(plan):
+    written, seen, n = [], [], 0
+    for tasks, ops in plan:
         parts = []
         for rows in tasks:
             table = pa.Table.from_pylist([{"t": t, "k": k, "j": j, "v": v} for t, k, j, v in rows])
@@ -80,25 +103,39 @@ def run(path, sp, plan, seed):
             assert not failed
             parts.append(pickle.loads(pickle.dumps(part)))  # (as a task's token travels)
         store.apply(sp, parts, event_max=max(int(r[0] * S) for rows in tasks for r in rows))
-        due = store.due(sp, store.mark("w")["watermark"])
+        due = store.due(sp, store.mark("w")["watermark"], limit=3 if "cut" in ops else 5000)
+        if "fail" in ops and due:  # the output refused one
+            store.fail(sp, due[0], "refused")
+            due = due[1:]
         written += [(d.gk, d.start, d.end, exact(list(d.values)), exact(d.accs)) for d in due]
         store.done(sp, due)
-        if rnd.random() < 0.3:
+        if "retry" in ops:
+            store.retry_failed(sp)
+        if "settle" in ops:
             store.settle(sp)
-        if b == len(plan) // 2:  # a restart halfway: the log is read back
+        seen.append(shown(path))
+        if "other" in ops:  # another handle folds the log
+            other = WindowStore(path)
+            other.stats("w")
+            other.close()
+        if "restart" in ops:  # killed: nothing folded
             store.db.close()
             store.scratch.close()
             store = WindowStore(path)
+    store.retry_failed(sp)
     store.close_open(sp)
     due = store.due(sp, store.mark("w")["watermark"])
     written += [(d.gk, d.start, d.end, exact(list(d.values)), exact(d.accs)) for d in due]
+    store.done(sp, due)
     store.close()
     db = sqlite3.connect(path)
     try:
-        rows = db.execute('SELECT gk, start, "end", nrows, state FROM windows ORDER BY gk, start').fetchall()
+        rows = db.execute(
+            'SELECT gk, start, "end", nrows, error, state FROM windows ORDER BY gk, start'
+        ).fetchall()
     finally:
         db.close()
-    return written, [(*r[:4], exact(list(pickle.loads(r[4])[1]))) for r in rows]
+    return written, seen, [(*r[:5], exact(list(pickle.loads(r[5])[1]))) for r in rows]
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -110,7 +147,7 @@ def test_columns_and_dict_hold_the_same_windows_to_the_bit(tmp_path, monkeypatch
     got = {}
     for mode in (True, False):
         monkeypatch.setattr(columns, "ENABLED", mode)
-        got[mode] = run(str(tmp_path / f"{mode}.db"), sp, plan, seed)
+        got[mode] = run(str(tmp_path / f"{mode}.db"), sp, plan)
     assert got[True][0], "no window was written"
     assert got[True] == got[False]
 
