@@ -76,6 +76,11 @@ def rows_of(table: pa.Table) -> Iterator[Change]:
     )
 
 
+def slots_of(table: pa.Table) -> list[Slot]:
+    """The windows (key text, start) of a table's rows, in order."""
+    return list(zip(table.column("gk").to_pylist(), table.column("start").to_pylist(), strict=True))
+
+
 class Columns:
     """An operator's open windows as one Arrow table (see the module's docstring)."""
 
@@ -112,8 +117,8 @@ class Columns:
             return None
         keys, accs = layout(schema.names)
         n_old = held.num_rows
-        whole = pa.concat_tables([held.select(schema.names), *tables]) if n_old else pa.concat_tables(tables)
-        summed = ["nrows"] + [n for j, names in enumerate(accs) for n in names if _summed(fns[j], n)]
+        whole = pa.concat_tables([held, *tables] if n_old else tables)
+        summed = ["nrows"] + [n for j, names in enumerate(accs) for n in names if _summed(fns[j])]
         for name in summed:
             col = whole.column(name)
             if pa.types.is_integer(col.type) and _may_wrap(col):
@@ -129,7 +134,7 @@ class Columns:
         plan: list[tuple[str, str]] = [("end", "max"), ("nrows", "sum")]
         plan += [(k, "min") for k in keys]
         for j, names in enumerate(accs):
-            plan += [(n, "sum" if _summed(fns[j], n) else fns[j]) for n in names]
+            plan += [(n, "sum" if _summed(fns[j]) else fns[j]) for n in names]
         plan += [("__c", "max"), ("__d", "max"), ("__t", "max")]
         grouped = whole.group_by(["gk", "start"], use_threads=False).aggregate(plan)
         out = {"gk": grouped.column("gk"), "start": grouped.column("start")}
@@ -165,7 +170,7 @@ class Columns:
         mask = pc.is_in(ids, value_set=pa.array([f"{g}\x1f{s}" for g, s in gone], pa.string()))
         out = self.table.filter(mask)
         tabled = out.filter(pc.equal(out.column("__t"), 1))
-        self.gone += zip(tabled.column("gk").to_pylist(), tabled.column("start").to_pylist(), strict=True)
+        self.gone += slots_of(tabled)
         self.table = self.table.filter(pc.invert(mask))
 
     def gone_now(self) -> list[Slot]:
@@ -173,9 +178,7 @@ class Columns:
         not opened again since (a row that came later for it: its row is written)."""
         if not self.gone:
             return []
-        held = set(
-            zip(self.table.column("gk").to_pylist(), self.table.column("start").to_pylist(), strict=True)
-        )
+        held = set(slots_of(self.table))
         return [s for s in dict.fromkeys(self.gone) if s not in held]
 
     def dirty(self) -> list[Change]:
@@ -193,8 +196,7 @@ class Columns:
 
     def slots(self, where: str) -> set[Slot]:
         """The windows whose flag ``where`` is set."""
-        table = self.table.filter(pc.equal(self.table.column(where), 1))
-        return set(zip(table.column("gk").to_pylist(), table.column("start").to_pylist(), strict=True))
+        return set(slots_of(self.table.filter(pc.equal(self.table.column(where), 1))))
 
     def to_dict(self) -> dict[Slot, tuple[int, int, tuple[Any, ...], list[Any]]]:
         """The windows as the Python merge holds them: (key text, start) -> (end, rows,
@@ -242,7 +244,7 @@ class Columns:
         return Columns(table, [s for s in touched if s not in held and s in tabled])
 
 
-def _summed(fn: str, column: str) -> bool:
+def _summed(fn: str) -> bool:
     """Whether an accumulator column merges by summing (a count, a sum, an average's two)."""
     return fn in ("count", "sum", "avg")
 

@@ -14,7 +14,7 @@ import pickle
 from typing import Any, NamedTuple
 
 from ackflow.state import columns, winlog
-from ackflow.state.columns import Columns
+from ackflow.state.columns import Columns, slots_of
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Hopping, Tumbling
 
@@ -254,9 +254,7 @@ class HeldWindows:
         if isinstance(put, Columns):
             changed, put.changed = put.changed, None
             if refused and changed is not None:
-                refused.difference_update(
-                    zip(changed.column("gk").to_pylist(), changed.column("start").to_pylist(), strict=True)
-                )
+                refused.difference_update(slots_of(changed))
             self._open[op] = held = put
             self._touched.pop(op, None)  # (its flags hold them now)
             self._tabled.pop(op, None)
