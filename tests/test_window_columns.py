@@ -21,7 +21,8 @@ from ackflow.state import columns, held, winlog
 from ackflow.state.partials import contribute
 from ackflow.state.spec import window_flow
 from ackflow.state.store import WindowStore
-from ackflow.testing import ListSource
+from ackflow.state.window_sink import WindowSink
+from ackflow.testing import KeyedSink, ListSource
 from ackflow.windows import avg, count, hopping, max_, min_, sum_, tumbling
 
 S = 1_000_000
@@ -88,6 +89,27 @@ def shown(path):
         db.close()
 
 
+IN_ARROW: list[bool] = []  # per due windows held in columns: made in Arrow (not in Python)
+
+
+def made(sp, due):
+    """The output rows of ``due`` as the window sink makes them (from the columns'
+    table where it has one; windows whose values differ in type go one at a time),
+    each row's values exact and its columns' types (but a null's: a column of nulls
+    only, typed from a dict's values, has the null type)."""
+    if isinstance(due, held.DueTable):
+        IN_ARROW.append(columns.results(due.table, sp.by, [(a.name, a.fn) for a in sp.aggs]) is not None)
+    sink, out = WindowSink(sp, KeyedSink("out")), []
+    while due:
+        table, rows = sink._table_or_refuse(due)
+        assert rows and list(rows) == list(due[: len(rows)])  # (none refused: the first ones)
+        types = {f.name: str(f.type) for f in table.schema}
+        for row in table.to_pylist():
+            out.append([(k, exact(v), None if v is None else types[k]) for k, v in row.items()])
+        due = due[len(rows) :]
+    return out
+
+
 def run(path, sp, plan):
     """The results written, in order, what a reader saw after each batch, and the
     windows table at the end."""
@@ -107,6 +129,8 @@ def run(path, sp, plan):
         if "fail" in ops and due:  # the output refused one
             store.fail(sp, due[0], "refused")
             due = due[1:]
+        if due:
+            written.append(made(sp, due))
         written += [(d.gk, d.start, d.end, exact(list(d.values)), exact(d.accs)) for d in due]
         store.done(sp, due)
         if "retry" in ops:
@@ -125,6 +149,7 @@ def run(path, sp, plan):
     store.retry_failed(sp)
     store.close_open(sp)
     due = store.due(sp, store.mark("w")["watermark"])
+    written.append(made(sp, due) if due else None)
     written += [(d.gk, d.start, d.end, exact(list(d.values)), exact(d.accs)) for d in due]
     store.done(sp, due)
     store.close()
@@ -145,10 +170,12 @@ def test_columns_and_dict_hold_the_same_windows_to_the_bit(tmp_path, monkeypatch
     sp = spec(hopping("20s", every="5s") if seed % 2 else tumbling("10s"))
     plan = batches(seed)
     got = {}
+    IN_ARROW.clear()
     for mode in (True, False):
         monkeypatch.setattr(columns, "ENABLED", mode)
         got[mode] = run(str(tmp_path / f"{mode}.db"), sp, plan)
     assert got[True][0], "no window was written"
+    assert all(IN_ARROW), "due windows held in columns were made in Python"
     assert got[True] == got[False]
 
 
@@ -175,8 +202,26 @@ def test_a_batch_the_columns_cannot_take_turns_them_into_a_dict_and_back(tmp_pat
     apply([(15.0, 1.0)], 5)
     apply([(16.0, 1.0)], 6)
     assert isinstance(store._open["w"], columns.Columns)
-    (due,) = store.due(sp, 20 * S)
-    assert (due.start, due.accs[:3]) == (10 * S, [3, 3, 4.5])
+    due = store.due(sp, 20 * S)
+    assert isinstance(due, held.DueTable)
+    (one,) = due
+    assert (one.start, one.accs[:3]) == (10 * S, [3, 3, 4.5])
+    table = columns.results(due.table, sp.by, [(a.name, a.fn) for a in sp.aggs])  # (made in Arrow)
+    assert table.to_pylist() == [
+        {
+            "k": "a",
+            "j": 1,
+            "window_start": table.column("window_start")[0].as_py(),
+            "window_end": table.column("window_end")[0].as_py(),
+            "count": 3,
+            "n_v": 3,
+            "sum_v": 4.5,
+            "min_v": 1.0,
+            "max_v": 2.5,
+            "avg_v": 1.5,
+        }
+    ]
+    assert table.column("window_start")[0].value == 10 * S
     store.close()
 
 
@@ -200,6 +245,13 @@ def test_integer_sums_no_float_holds_merge_in_columns_and_survive_a_restart(tmp_
     store.scratch.close()
     store = WindowStore(path)
     apply(3, (4.0, "c", 1), (5.0, "a", 10**16 + 1))
-    got = {d.values[0]: d.accs[2] for d in store.due(sp, 10 * S)}
+    due = store.due(sp, 10 * S)
+    got = {d.values[0]: d.accs[2] for d in due}
     assert got == {"a": 2**53 + 1 + 10**16 + 1, "b": 1, "c": 1}
+    # an average of integers no float holds: made in Python (exact division), not in Arrow
+    assert isinstance(due, held.DueTable)
+    assert columns.results(due.table, sp.by, [(a.name, a.fn) for a in sp.aggs]) is None
+    table, _ = WindowSink(sp, KeyedSink("out"))._table_or_refuse(due)
+    avg_of = {r["k"]: r["avg_v"] for r in table.to_pylist()}
+    assert avg_of == {"a": (2**53 + 1 + 10**16 + 1) / 3, "b": 1.0, "c": 1.0}
     store.close()

@@ -148,16 +148,17 @@ class Columns:
 
     # -- reading and removing ----------------------------------------------------------
 
-    def ready(self, bound: int, limit: int, refused: set[Slot]) -> list[Change]:
+    def ready(self, bound: int, limit: int, refused: set[Slot]) -> pa.Table:
         """The first ``limit`` windows whose end is at most ``bound``, by (end, key text,
-        start), leaving out ``refused``."""
+        start), leaving out ``refused`` (the rows without the flags)."""
         table = self.table.filter(pc.less_equal(self.table.column("end"), bound))
         if not table.num_rows:
-            return []
+            return self.data(table)
         table = table.sort_by([("end", "ascending"), ("gk", "ascending"), ("start", "ascending")])
         table = table.slice(0, limit + len(refused))  # (UTF-8's byte order is the text's order)
-        rows = [r for r in rows_of(self.data(table)) if (r[0], r[1]) not in refused]
-        return rows[:limit]
+        if refused:
+            table = table.filter(pa.array([s not in refused for s in slots_of(table)], pa.bool_()))
+        return self.data(table.slice(0, limit))
 
     def drop(self, gone: Sequence[Slot]) -> None:
         """``gone`` written out: their rows removed (those the windows table has a row
@@ -242,6 +243,35 @@ class Columns:
         table = table.append_column("__d", pa.array([1 if s in touched else 0 for s in slots], pa.int8()))
         table = table.append_column("__t", pa.array([1 if s in tabled else 0 for s in slots], pa.int8()))
         return Columns(table, [s for s in touched if s not in held and s in tabled])
+
+
+def results(table: pa.Table, by: Sequence[str], aggs: Sequence[tuple[str, str]]) -> pa.Table | None:
+    """Due windows' output rows (``by``'s key columns, ``window_start``, ``window_end``,
+    an aggregate's result per (name, fn) of ``aggs``) made from their table (from
+    :meth:`Columns.ready`) as :meth:`Aggregate.finish` makes them from Python values:
+    the same values, the types Python's values have (int64, float64, string). None
+    where Arrow would not give the same value: an average of integers past 2**53 (a
+    float holds no such sum, Python divides exactly)."""
+    keys, accs = layout(table.column_names)
+    out: dict[str, Any] = {}
+    for name, k in zip(by, keys, strict=True):
+        col = table.column(k)
+        out[name] = col.cast(pa.int64() if pa.types.is_integer(col.type) else pa.string())
+    ts = pa.timestamp("us", tz="UTC")
+    out["window_start"] = table.column("start").cast(ts)
+    out["window_end"] = table.column("end").cast(ts)
+    for (name, fn), names in zip(aggs, accs, strict=True):
+        if fn != "avg":
+            out[name] = table.column(names[0])
+            continue
+        total, n = (table.column(c) for c in names)
+        if pa.types.is_integer(total.type):
+            bounds = pc.min_max(total).as_py()
+            if bounds["min"] is not None and max(-bounds["min"], bounds["max"]) > 2**53:
+                return None
+        quotient = pc.divide(total.cast(pa.float64()), n.cast(pa.float64()))
+        out[name] = pc.if_else(pc.greater(n, 0), quotient, pa.scalar(None, pa.float64()))
+    return pa.table(out)
 
 
 def _summed(fn: str) -> bool:

@@ -11,10 +11,13 @@ into the windows table now and then; the due windows are found in memory.
 from __future__ import annotations
 
 import pickle
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, overload
+
+import pyarrow as pa
 
 from ackflow.state import columns, winlog
-from ackflow.state.columns import Columns, slots_of
+from ackflow.state.columns import Columns, rows_of, slots_of
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Hopping, Tumbling
 
@@ -46,6 +49,37 @@ class Due(NamedTuple):
     values: tuple[Any, ...]
     accs: list[Any]
     close: bool  # delete after writing (final), else only clear ``dirty``
+
+
+class DueTable(Sequence[Due]):
+    """Due windows held in columns: their rows as an Arrow table (:attr:`table`, from
+    which the output's rows are made without a Python value per cell), each a
+    :class:`Due` (closing) only when asked for."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self._rows: list[Due] | None = None
+
+    def __len__(self) -> int:
+        return int(self.table.num_rows)
+
+    @overload
+    def __getitem__(self, i: int) -> Due: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Due]: ...
+    def __getitem__(self, i: int | slice) -> Due | list[Due]:
+        return self.rows()[i]
+
+    def __iter__(self) -> Iterator[Due]:
+        return iter(self.rows())
+
+    def rows(self) -> list[Due]:
+        if self._rows is None:
+            self._rows = [Due(r[0], r[1], r[2], r[4], r[5], True) for r in rows_of(self.table)]
+        return self._rows
+
+    def slots(self) -> list[Slot]:
+        return slots_of(self.table)
 
 
 class HeldWindows:
@@ -316,16 +350,15 @@ class HeldWindows:
         self._no_columns.pop(op, None)
         self._counted = None
 
-    def _due_columns(self, spec: WindowSpec, held: Columns, bound: int | None, limit: int) -> list[Due]:
+    def _due_columns(self, spec: WindowSpec, held: Columns, bound: int | None, limit: int) -> Sequence[Due]:
         """:meth:`_due_held` from windows held in columns: their ends filtered in Arrow."""
         if bound is None:
             return []
-        ready = held.ready(bound, limit, self._refused.get(spec.name, set()))
-        return [Due(r[0], r[1], r[2], r[4], r[5], True) for r in ready]
+        return DueTable(held.ready(bound, limit, self._refused.get(spec.name, set())))
 
     def _due_held(
         self, spec: WindowSpec, held: dict[Slot, Held] | Columns, bound: int | None, limit: int
-    ) -> list[Due]:
+    ) -> Sequence[Due]:
         """:meth:`due` from the windows the handle holds (tumbling and hopping, final)."""
         if isinstance(held, Columns):
             return self._due_columns(spec, held, bound, limit)

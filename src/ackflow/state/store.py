@@ -38,7 +38,7 @@ from typing import Any
 from ackflow import faults
 from ackflow.state import runs, winlog
 from ackflow.state.columns import Columns
-from ackflow.state.held import PUT_WINDOW, Due, Held, HeldWindows, Slot
+from ackflow.state.held import PUT_WINDOW, Due, DueTable, Held, HeldWindows, Slot
 from ackflow.state.partials import Partials, gk_text
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Count, Session, merger
@@ -534,7 +534,7 @@ class WindowStore(HeldWindows):
         faults.point("state.watermark")
         return int(top)
 
-    def due(self, spec: WindowSpec, bound: int | None, limit: int = 5000) -> list[Due]:
+    def due(self, spec: WindowSpec, bound: int | None, limit: int = 5000) -> Sequence[Due]:
         """Windows to write now: closed ones (end <= ``bound``, or full count windows),
         and with ``output="update"`` every window changed since it was last written."""
         args: list[Any] = []
@@ -564,7 +564,10 @@ class WindowStore(HeldWindows):
 
     def done(self, spec: WindowSpec, written: Sequence[Due]) -> None:
         """``written`` are in the sink: closed ones deleted, the others made clean."""
-        gone = [(d.gk, d.start) for d in written if d.close]
+        if isinstance(written, DueTable):  # (all closing)
+            gone = written.slots()
+        else:
+            gone = [(d.gk, d.start) for d in written if d.close]
         with self.lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
@@ -581,10 +584,11 @@ class WindowStore(HeldWindows):
                         "DELETE FROM windows WHERE op = ? AND gk = ? AND start = ?",
                         [(spec.name, gk, start) for gk, start in gone],
                     )
-                db.executemany(
-                    "UPDATE windows SET dirty = 0 WHERE op = ? AND gk = ? AND start = ?",
-                    [(spec.name, d.gk, d.start) for d in written if not d.close],
-                )
+                if not isinstance(written, DueTable):
+                    db.executemany(
+                        "UPDATE windows SET dirty = 0 WHERE op = ? AND gk = ? AND start = ?",
+                        [(spec.name, d.gk, d.start) for d in written if not d.close],
+                    )
                 db.execute("UPDATE marks SET written = written + ? WHERE op = ?", (len(gone), spec.name))
                 db.execute("COMMIT")
             except BaseException:

@@ -33,6 +33,8 @@ import pyarrow as pa
 from ackflow import faults
 from ackflow.core.errors import FlowError, StoreAway, describe
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
+from ackflow.state.columns import results
+from ackflow.state.held import DueTable
 from ackflow.state.partials import Partials, contribute, show_us
 from ackflow.state.spec import WindowSpec, check_columns
 from ackflow.windows import Count
@@ -342,16 +344,22 @@ class WindowSink(Sink):
                     self.output.abort(bid, tokens)  # what it staged; the windows stay, tried again
                     raise
                 faults.point("state.after_output")
-                store.done(self.spec, [d for i, d in enumerate(due) if i not in res.failed])
+                store.done(
+                    self.spec, [d for i, d in enumerate(due) if i not in res.failed] if res.failed else due
+                )
                 total += len(due) - len(res.failed)
                 if time.monotonic() - self._forgot >= min(FORGET_EVERY_S, self.spec.remember_us / 2e6):
                     store.forget(self.spec)  # (each is a commit: not after every write)
                     self._forgot = time.monotonic()
 
-    def _table_or_refuse(self, due: list[Any]) -> tuple[pa.Table, list[Any]]:
+    def _table_or_refuse(self, due: Sequence[Any]) -> tuple[pa.Table, Sequence[Any]]:
         """The rows of ``due``; if they cannot be made together, each alone, and those
         that cannot be made at all (a Python aggregator that raises, a sum too large
         for a column) are set aside with the reason."""
+        if isinstance(due, DueTable):  # held in columns: made in Arrow
+            made = self._columns_table(due)
+            if made is not None:
+                return made, due
         try:
             return self._table(due), due
         except Exception:  # noqa: BLE001 - find the windows at fault
@@ -373,7 +381,7 @@ class WindowSink(Sink):
         except Exception:  # noqa: BLE001 - each is fine alone, not together: one at a time
             return self._table(good[:1]), good[:1]
 
-    def _table(self, due: list[Any]) -> pa.Table:
+    def _table(self, due: Sequence[Any]) -> pa.Table:
         spec = self.spec
         cols: dict[str, list[Any]] = {k: [d.values[i] for d in due] for i, k in enumerate(spec.by)}
         if isinstance(spec.kind, Count):
@@ -388,8 +396,19 @@ class WindowSink(Sink):
             ts = pa.timestamp("us", tz="UTC")
             for c in ("window_start", "window_end"):
                 table = table.set_column(table.schema.get_field_index(c), c, table.column(c).cast(ts))
-        keys = [_window_key(self.name, d.gk, d.start) for d in due]
+        keys = _window_keys(self.name, [(d.gk, d.start) for d in due])
         return table.append_column(ROW_KEY, pa.array(keys, pa.string()))
+
+    def _columns_table(self, due: DueTable) -> pa.Table | None:
+        """:meth:`_table` of windows held in columns, from their Arrow table (the same
+        rows); None where that cannot be sure of them (they are made in Python then)."""
+        try:
+            table = results(due.table, self.spec.by, [(a.name, a.fn) for a in self.spec.aggs])
+        except Exception:  # noqa: BLE001 - the Python way makes them, or finds the one at fault
+            return None
+        if table is None:
+            return None
+        return table.append_column(ROW_KEY, pa.array(_window_keys(self.name, due.slots()), pa.string()))
 
     def _emit_failed(self, e: BaseException) -> None:
         self.emit_failures += 1
@@ -429,6 +448,7 @@ class WindowSink(Sink):
                 self._emit_failed(e)
 
 
-def _window_key(op: str, gk: str, start: int) -> str:
-    digest = hashlib.sha256(f"{op}\x00{gk}\x00{start}".encode()).hexdigest()[:32]
-    return f"w:{op}:{digest}"
+def _window_keys(op: str, slots: Sequence[tuple[str, int]]) -> list[str]:
+    """Each window's row key: (operator, key text, start) hashed, the same in every run."""
+    sha, head, tag = hashlib.sha256, f"{op}\x00", f"w:{op}:"
+    return [tag + sha(f"{head}{gk}\x00{start}".encode()).hexdigest()[:32] for gk, start in slots]
