@@ -28,7 +28,7 @@ from typing import Any
 from ackflow import faults
 
 #: fold the log into the windows table after this many rows ...
-COMPACT_EVERY = 32
+COMPACT_EVERY = 128
 #: ... or once its rows hold this many changed windows
 COMPACT_CHANGES = 400_000
 
