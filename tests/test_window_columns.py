@@ -292,3 +292,18 @@ def test_results_a_sink_refuses_from_windows_held_in_columns_wait_and_are_writte
     assert {r["k"] for r in out.rows.values()} == set("abcde")
     assert store.stats("w")["open_windows"] == 0
     sink.close()
+
+
+def test_result_row_keys_sort_by_window_start_and_tell_windows_apart():
+    # (sorted by start, a sink's key manifest takes them side by side: window_sink._window_keys)
+    from ackflow.state.window_sink import _window_keys
+
+    starts = (-(10**15), -1, 0, 1, 59_999_999, 60_000_000, 2**62)
+    slots = [(gk, start) for gk in ('["a"]', '["b"]', "[1]", '["a\\u0000"]') for start in starts]
+    keys = _window_keys("w", slots)
+    assert len(set(keys)) == len(keys)
+    assert keys == _window_keys("w", list(slots))  # the same in every run
+    in_key_order = [start for _, (_, start) in sorted(zip(keys, slots, strict=True))]
+    assert in_key_order == sorted(in_key_order)
+    assert all(k.startswith("w:w:") for k in keys)
+    assert not set(_window_keys("v", slots)) & set(keys)  # another operator's windows

@@ -449,6 +449,13 @@ class WindowSink(Sink):
 
 
 def _window_keys(op: str, slots: Sequence[tuple[str, int]]) -> list[str]:
-    """Each window's row key: (operator, key text, start) hashed, the same in every run."""
-    sha, head, tag = hashlib.sha256, f"{op}\x00", f"w:{op}:"
-    return [tag + sha(f"{head}{gk}\x00{start}".encode()).hexdigest()[:32] for gk, start in slots]
+    """Each window's row key, the same in every run: the operator, the window's start
+    (as 16 hex digits of start + 2**63, so that keys sort by start) and a digest of
+    (operator, key text, start). Keys that sort by start go into a sink's key manifest
+    (a B-tree) side by side, where random ones would touch every page of it on each
+    write (measured: the Parquet sink's commit of results, half the CPU)."""
+    sha, head, tag, nul = hashlib.sha256, f"{op}\x00", f"w:{op}:", "\x00"
+    return [
+        f"{tag}{start + 2**63:016x}:{sha(f'{head}{gk}{nul}{start}'.encode()).hexdigest()[:32]}"
+        for gk, start in slots
+    ]
