@@ -62,6 +62,8 @@ def test_window_starts():
     assert duration_us("1.5 min", "x") == 90 * S
     with pytest.raises(ConfigError, match="not a duration"):
         duration_us("soon", "x")
+    with pytest.raises(ConfigError, match="longer than 31 000 years"):  # (a window's end: an int64)
+        tumbling("300000000 days")
 
 
 def test_event_times_in_every_shape_and_refusals():

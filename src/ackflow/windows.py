@@ -82,6 +82,8 @@ def duration_us(value: object, what: str) -> int:
         raise ConfigError(f"{what}: expected a duration, got {type(value).__name__}")
     if us < 0:
         raise ConfigError(f"{what}: {value!r} is not a duration >= 0")
+    if us > 10**18:  # (as a number of seconds is bounded: a window's end stays an int64)
+        raise ConfigError(f"{what}: {value!r} is longer than 31 000 years")
     return us
 
 

@@ -396,7 +396,7 @@ class WindowSink(Sink):
             ts = pa.timestamp("us", tz="UTC")
             for c in ("window_start", "window_end"):
                 table = table.set_column(table.schema.get_field_index(c), c, table.column(c).cast(ts))
-        keys = _window_keys(self.name, [(d.gk, d.start) for d in due])
+        keys = _window_keys(self.name, [(d.gk, d.start) for d in due], self.spec.output == "final")
         return table.append_column(ROW_KEY, pa.array(keys, pa.string()))
 
     def _columns_table(self, due: DueTable) -> pa.Table | None:
@@ -408,7 +408,8 @@ class WindowSink(Sink):
             return None
         if table is None:
             return None
-        return table.append_column(ROW_KEY, pa.array(_window_keys(self.name, due.slots()), pa.string()))
+        keys = _window_keys(self.name, due.slots(), self.spec.output == "final")
+        return table.append_column(ROW_KEY, pa.array(keys, pa.string()))
 
     def _emit_failed(self, e: BaseException) -> None:
         self.emit_failures += 1
@@ -448,14 +449,18 @@ class WindowSink(Sink):
                 self._emit_failed(e)
 
 
-def _window_keys(op: str, slots: Sequence[tuple[str, int]]) -> list[str]:
+def _window_keys(op: str, slots: Sequence[tuple[str, int]], by_start: bool = True) -> list[str]:
     """Each window's row key, the same in every run: the operator, the window's start
     (as 16 hex digits of start + 2**63, so that keys sort by start) and a digest of
     (operator, key text, start). Keys that sort by start go into a sink's key manifest
     (a B-tree) side by side, where random ones would touch every page of it on each
-    write (measured: the Parquet sink's commit of results, half the CPU)."""
-    sha, head, tag, nul = hashlib.sha256, f"{op}\x00", f"w:{op}:", "\x00"
+    write (measured: the Parquet sink's commit of results, half the CPU). Without
+    ``by_start`` (``output="update"``, whose open windows have rows in the output under
+    the keys of before 0.6.7, upserted again after an upgrade): ``w:<op>:<digest>``."""
+    sha, head, nul = hashlib.sha256, f"{op}\x00", "\x00"
+    if not by_start:
+        return [f"w:{op}:{sha(f'{head}{gk}{nul}{start}'.encode()).hexdigest()[:32]}" for gk, start in slots]
     return [
-        f"{tag}{start + 2**63:016x}:{sha(f'{head}{gk}{nul}{start}'.encode()).hexdigest()[:32]}"
+        f"w:{op}:{start + 2**63:016x}:{sha(f'{head}{gk}{nul}{start}'.encode()).hexdigest()[:32]}"
         for gk, start in slots
     ]
