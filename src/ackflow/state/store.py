@@ -564,10 +564,11 @@ class WindowStore(HeldWindows):
 
     def done(self, spec: WindowSpec, written: Sequence[Due]) -> None:
         """``written`` are in the sink: closed ones deleted, the others made clean."""
-        if isinstance(written, DueTable):  # (all closing)
-            gone = written.slots()
+        if isinstance(written, DueTable):  # (all closing: no Due made per window)
+            gone, clean = written.slots(), []
         else:
             gone = [(d.gk, d.start) for d in written if d.close]
+            clean = [(d.gk, d.start) for d in written if not d.close]
         with self.lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
@@ -584,11 +585,10 @@ class WindowStore(HeldWindows):
                         "DELETE FROM windows WHERE op = ? AND gk = ? AND start = ?",
                         [(spec.name, gk, start) for gk, start in gone],
                     )
-                if not isinstance(written, DueTable):
-                    db.executemany(
-                        "UPDATE windows SET dirty = 0 WHERE op = ? AND gk = ? AND start = ?",
-                        [(spec.name, d.gk, d.start) for d in written if not d.close],
-                    )
+                db.executemany(
+                    "UPDATE windows SET dirty = 0 WHERE op = ? AND gk = ? AND start = ?",
+                    [(spec.name, gk, start) for gk, start in clean],
+                )
                 db.execute("UPDATE marks SET written = written + ? WHERE op = ?", (len(gone), spec.name))
                 db.execute("COMMIT")
             except BaseException:

@@ -458,9 +458,7 @@ def _window_keys(op: str, slots: Sequence[tuple[str, int]], by_start: bool = Tru
     ``by_start`` (``output="update"``, whose open windows have rows in the output under
     the keys of before 0.6.7, upserted again after an upgrade): ``w:<op>:<digest>``."""
     sha, head, nul = hashlib.sha256, f"{op}\x00", "\x00"
+    digests = [sha(f"{head}{gk}{nul}{start}".encode()).hexdigest()[:32] for gk, start in slots]
     if not by_start:
-        return [f"w:{op}:{sha(f'{head}{gk}{nul}{start}'.encode()).hexdigest()[:32]}" for gk, start in slots]
-    return [
-        f"w:{op}:{start + 2**63:016x}:{sha(f'{head}{gk}{nul}{start}'.encode()).hexdigest()[:32]}"
-        for gk, start in slots
-    ]
+        return [f"w:{op}:{d}" for d in digests]
+    return [f"w:{op}:{start + 2**63:016x}:{d}" for (_, start), d in zip(slots, digests, strict=True)]
