@@ -98,17 +98,19 @@ def test_two_batch_threads_with_the_same_key_write_it_once(sink, tmp_path, monke
     """Forced interleaving: batch A has checked its keys and waits; batch B, holding the
     same key (a redelivery in a new batch), commits meanwhile. The check and the record
     must be one atomic step, so B sees A's key and drops its row."""
-    a_checked, b_done = threading.Event(), threading.Event()
-    real = ParquetSink._drop_written_rows
+    from ackflow.sinks import parquet
 
-    def slow_check(self, db, parts, keys):
-        total = real(self, db, parts, keys)
+    a_checked, b_done = threading.Event(), threading.Event()
+    real = parquet.insert_if_all_new  # the check (and, for a fresh batch, the record)
+
+    def slow_check(db, table, keys, at):
+        fresh = real(db, table, keys, at)
         if threading.current_thread().name == "A":
             a_checked.set()
             b_done.wait(2.0)  # with the fix B is blocked until A recorded: this times out
-        return total
+        return fresh
 
-    monkeypatch.setattr(ParquetSink, "_drop_written_rows", slow_check)
+    monkeypatch.setattr(parquet, "insert_if_all_new", slow_check)
     ta, tb = stage(sink, "bA", ["k"]), stage(sink, "bB", ["k"], start=10)
     errors = []
 
@@ -203,3 +205,45 @@ def test_keys_go_into_the_manifest_exactly_as_they_are(keys):
         insert_keys(db, "row_keys", [*keys, *extra])
         got = [r[0] for r in db.execute("SELECT key FROM row_keys")]
         assert sorted(got) == sorted({*keys, *extra})
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    before=st.lists(st.text(max_size=6), max_size=12),
+    batch=st.lists(st.text(max_size=6), max_size=12),
+    nul=st.booleans(),
+)
+def test_insert_if_all_new_inserts_all_or_nothing(before, batch, nul):
+    """The fast path of the record: every key of a batch inserted when none is in the
+    manifest; otherwise nothing inserted (the slow path finds which), whatever the keys
+    hold (repeats, NUL, JSON escapes)."""
+    import sqlite3
+
+    from ackflow.core.durable import WriteTx, insert_if_all_new, insert_keys
+
+    if nul:
+        batch = [*batch, "x\x00y"]
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL DEFAULT 0)")
+    insert_keys(db, "row_keys", before)
+    with WriteTx(db):
+        fresh = insert_if_all_new(db, "row_keys", batch, 1.0)
+    got = {r[0] for r in db.execute("SELECT key FROM row_keys")}
+    expect_fresh = not nul and len(set(batch)) == len(batch) and not set(batch) & set(before)
+    assert fresh == expect_fresh
+    assert got == (set(before) | set(batch) if fresh else set(before))
+
+
+def test_an_undone_record_keeps_the_keys_another_batch_wrote(sink, tmp_path):
+    """A batch holding one key written before and one new fails after its record (the
+    rename): the undo takes back only the new key. Taking back the old one too would let
+    the next redelivery write its row a second time."""
+    sink.commit("b1", stage(sink, "b1", ["a"]))
+    tokens = stage(sink, "b2", ["a", "c"], start=10)
+    faults.arm("parquet.after_record", "raise")
+    with pytest.raises(faults.InjectedFault):
+        sink.commit("b2", tokens)
+    faults.disarm()
+    sink.abort("b2", tokens)
+    redeliver(sink, "b3", ["a", "c"])
+    assert written(tmp_path / "out") == [0, 1]  # a once (from b1), c once (from b3)

@@ -80,3 +80,24 @@ def insert_keys(db: sqlite3.Connection, table: str, keys: Iterable[str]) -> None
         db.executemany(f"INSERT OR IGNORE INTO {table} (key) VALUES (?)", ((k,) for k in json.loads(text)))
         return
     db.execute(f"INSERT OR IGNORE INTO {table} (key) SELECT value FROM json_each(?)", (text,))
+
+
+def insert_if_all_new(db: sqlite3.Connection, table: str, keys: list[str], at: float) -> bool:
+    """Insert every one of ``keys`` into ``table`` (``key``, ``at``) if none is there yet
+    (a batch seen for the first time, the common case): True. Otherwise nothing is
+    inserted and the answer is False (the caller then finds which are there). One
+    statement over a sorted JSON array inside a savepoint of the caller's transaction,
+    instead of a temporary table, a join and a second insert. Keys holding NUL, and
+    repeated keys, answer False (the slow way handles them)."""
+    text = json.dumps(sorted(keys), ensure_ascii=False)
+    if "\\u0000" in text:
+        return False
+    # an exception leaves the savepoint to the caller's transaction, which rolls back
+    db.execute("SAVEPOINT all_new")
+    before = db.total_changes
+    db.execute(f"INSERT OR IGNORE INTO {table} (key, at) SELECT value, ? FROM json_each(?)", (at, text))
+    fresh = db.total_changes - before == len(keys)
+    if not fresh:
+        db.execute("ROLLBACK TO all_new")
+    db.execute("RELEASE all_new")
+    return fresh

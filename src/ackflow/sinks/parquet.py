@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.durable import WriteTx, fsync_dir, insert_keys, open_db, try_lock
+from ackflow.core.durable import WriteTx, fsync_dir, insert_if_all_new, insert_keys, open_db, try_lock
 from ackflow.core.errors import ColumnsRefused, ConfigError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
@@ -338,14 +338,20 @@ class ParquetSink(Sink):
                         "a row has no row key (null); its rows cannot be told "
                         "apart from a redelivery's: not committing"
                     )
-                fresh_total = self._drop_written_rows(db, parts, fresh_keys)
+                now = time.time()
+                if insert_if_all_new(db, "row_keys", fresh_keys, now):  # no row written before
+                    fresh_total = staged_total
+                else:
+                    fresh_total = self._drop_written_rows(db, parts, fresh_keys)
+                    # what an undo may take back: the keys of rows kept, never those of
+                    # rows another batch wrote before
+                    fresh_keys = [k for part in parts for k in part["keys"]]
+                    # the batch's keys are in the temporary table already: the fresh ones
+                    # are those the manifest lacks (one statement, no Python row per key)
+                    db.execute("INSERT OR IGNORE INTO row_keys (key, at) SELECT key, ? FROM incoming", (now,))
                 for folder in {os.path.dirname(part["file"]) for part in parts}:
                     if os.path.isdir(folder):
                         fsync_dir(folder)
-                now = time.time()
-                # the batch's keys are in the temporary table already: the fresh ones are
-                # those the manifest lacks (one statement, no Python row per key)
-                db.execute("INSERT OR IGNORE INTO row_keys (key, at) SELECT key, ? FROM incoming", (now,))
                 self._sweep(db, now)
                 db.execute(
                     "INSERT INTO batches (batch, rows, dropped, committed_at) VALUES "
