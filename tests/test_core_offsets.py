@@ -232,6 +232,7 @@ _ops = st.lists(
         st.tuples(st.just("settle"), st.lists(st.integers(0, 40), max_size=4)),
         st.tuples(st.just("fail"), st.integers(0, 40)),
         st.tuples(st.just("gap"), st.integers(0, 40), st.integers(0, 12)),
+        st.tuples(st.just("range"), st.integers(0, 40), st.integers(0, 8)),
     ),
     max_size=60,
 )
@@ -252,6 +253,13 @@ def test_ranges_agree_with_the_per_offset_model(start, ops):
                         impl.settled(op[1][0])
                     else:
                         impl.settled_many(op[1])
+                    outcome.append(None)
+                elif op[0] == "range":  # a source's read of fresh lines
+                    if impl is t:
+                        impl.pulled_range(op[1], op[1] + op[2])
+                    else:
+                        for o in range(op[1], op[1] + op[2]):
+                            impl.pulled(o)
                     outcome.append(None)
                 elif op[0] == "fail":
                     outcome.append(impl.failed(op[1]))

@@ -74,7 +74,8 @@ class OffsetTracker:
         """How many offsets the tracker holds (the window above the committed offset):
         pulled ones and those of declared gaps. Its memory is the number of pulled
         offsets plus the number of gap ranges, whatever their length."""
-        in_gaps = sum(e - s for s, e in zip(self._gap_starts, self._gap_ends, strict=True))
+        base = self._base  # the first range may start below it (settled since)
+        in_gaps = sum(e - max(s, base) for s, e in zip(self._gap_starts, self._gap_ends, strict=True))
         both = sum(1 for o in self._state if self._in_gap(o))
         return len(self._state) + in_gaps - both
 
@@ -91,6 +92,23 @@ class OffsetTracker:
             self._state[offset] = _PENDING  # a settled or gap offset stays settled
         self._high = max(self._high, offset)
         return True
+
+    def pulled_range(self, start: int, end: int) -> None:
+        """:meth:`pulled` for each offset from ``start`` to ``end`` (exclusive), a
+        source's read of fresh lines: one dict update when they lie above every offset
+        seen and no gap is declared.
+
+        >>> t = OffsetTracker(); t.pulled_range(0, 3); t.settled_many([0, 1]); t.committed
+        2
+        """
+        if start >= end:
+            return
+        if start > self._high and not self._gap_starts and start >= self._base:
+            self._state.update(dict.fromkeys(range(start, end), _PENDING))
+            self._high = end - 1
+            return
+        for offset in range(start, end):
+            self.pulled(offset)
 
     def settled(self, offset: int) -> None:
         """``offset`` was acked or durably dead-lettered."""

@@ -513,20 +513,7 @@ class Engine(Settling):
                 pulled = len(got)
                 if got:
                     self.window.take(pulled)
-                    pulled_at = time.monotonic()
-                    fresh = []
-                    for d in got:
-                        d.lineage_id = self._next_id
-                        d.pulled_at = pulled_at
-                        self._next_id += 1
-                        self.inflight[d.lineage_id] = d
-                        first = self._live.get(d.identity)
-                        if first is None:
-                            self._live[d.identity] = d.lineage_id
-                            fresh.append(d)
-                        else:  # one identity, one contribution: held until the first settles
-                            self._dupes.setdefault(first, []).append(d)
-                            self.report.duplicates += 1
+                    fresh = self._admit(got)
                     if not pending and fresh:
                         batch_started = time.monotonic()
                     pending.extend(fresh)

@@ -70,6 +70,27 @@ class Settling:
     _counts_lock: threading.Lock
     _dead_letter_failures: int
 
+    def _admit(self, got: list[Delivery]) -> list[Delivery]:
+        """Give pulled deliveries their lineage ids and put them in flight; the ones to
+        batch (law 12: a delivery of an identity already in flight waits for the first
+        to settle, and contributes nothing)."""
+        pulled_at = time.monotonic()
+        inflight, live, lid = self.inflight, self._live, self._next_id
+        fresh = []
+        for d in got:
+            d.lineage_id = lid
+            d.pulled_at = pulled_at
+            inflight[lid] = d
+            first = live.setdefault(d.identity, lid)
+            if first == lid:
+                fresh.append(d)
+            else:  # one identity, one contribution: held until the first settles
+                self._dupes.setdefault(first, []).append(d)
+                self.report.duplicates += 1
+            lid += 1
+        self._next_id = lid
+        return fresh
+
     # -- settling -----------------------------------------------------------------------
 
     def _ack(self, deliveries: list[Delivery]) -> None:
@@ -149,16 +170,19 @@ class Settling:
         """Drop settled deliveries from the window (their credits return). A message that
         still had rows waiting in grouped_within groups (it failed, or its source lost it)
         takes them out: those groups are written without it, and it comes again."""
-        done = [d for d in deliveries if d.settled and d.lineage_id in self.inflight]
+        inflight, live, held, all_dupes = self.inflight, self._live, self.held, self._dupes
+        done = [d for d in deliveries if d.state is not Settlement.PENDING and d.lineage_id in inflight]
         waiting = set()
         followers = []
         for d in done:
-            del self.inflight[d.lineage_id]
-            if self.held.pop(d.lineage_id, 0) > 0:
-                waiting.add(d.lineage_id)
-            if self._live.get(d.identity) == d.lineage_id:
-                del self._live[d.identity]
-            dupes = self._dupes.pop(d.lineage_id, None)
+            lid = d.lineage_id
+            del inflight[lid]
+            if held and held.pop(lid, 0) > 0:
+                waiting.add(lid)
+            identity = d.identity
+            if live.get(identity) == lid:
+                del live[identity]
+            dupes = all_dupes.pop(lid, None) if all_dupes else None
             if dupes:
                 followers.append((d, dupes))
         if self.groups is not None:

@@ -410,26 +410,9 @@ class FilesSource(Source):
             for f in list(self._files.values()):
                 if f.eof or f.handle is None:
                     continue
-                readline, pulled, bodies = f.handle.readline, f.tracker.pulled, f.bodies
                 take = min(max_messages - len(out), room)
-                while take > 0:
-                    raw = readline()
-                    if not raw:
-                        f.eof = True
-                        if self._finished(f):
-                            self._finish([f])
-                        break
-                    line = f.next_line
-                    f.next_line += 1
-                    if raw.isspace():
-                        f.tracker.gap(line, line + 1)  # an empty line is no message
-                        continue
-                    body = self._body(f, raw)
-                    pulled(line)
-                    bodies[line] = body
-                    room -= 1
-                    take -= 1
-                    out.append(self._delivery(f, line, body, 1))
+                if take > 0:
+                    room -= self._read(f, take, out)
             if out or now >= deadline:
                 break
             # one bounded scan step at a time, only while there is nothing to return
@@ -439,6 +422,39 @@ class FilesSource(Source):
                 continue
             time.sleep(min(0.02, max(0.0, deadline - now)))
         return out
+
+    def _read(self, f: _File, take: int, out: list[Delivery]) -> int:
+        """Read up to ``take`` lines of ``f`` into ``out``; how many it added. The lines
+        read are tracked as ranges (the runs between empty lines), not one by one."""
+        handle = f.handle
+        assert handle is not None
+        readline, bodies, tracker, delivery = handle.readline, f.bodies, f.tracker, self._delivery
+        plain = self.file_format != "csv"
+        line = first = f.next_line
+        added = 0
+        try:
+            while added < take:
+                raw = readline()
+                if not raw:
+                    f.eof = True
+                    break
+                if raw.isspace():  # an empty line is no message
+                    tracker.pulled_range(first, line)
+                    tracker.gap(line, line + 1)
+                    line += 1
+                    first = line
+                    continue
+                body = raw.rstrip(b"\r\n") if plain else self._body(f, raw)
+                bodies[line] = body
+                out.append(delivery(f, line, body, 1))
+                line += 1
+                added += 1
+        finally:  # what was read is tracked, whatever stopped the reading
+            tracker.pulled_range(first, line)
+            f.next_line = line
+        if f.eof and self._finished(f):
+            self._finish([f])
+        return added
 
     @property
     def retries_waiting(self) -> int:
@@ -465,8 +481,12 @@ class FilesSource(Source):
     def _settled(self, deliveries: Sequence[Delivery]) -> None:
         lines: dict[str, list[int]] = {}
         for d in deliveries:
-            fid, line = _position(d)
-            lines.setdefault(fid, []).append(line)
+            fid, line = d.handle  # type: ignore[misc]  # (file id, line): see _position
+            got = lines.get(fid)
+            if got is None:
+                lines[fid] = [line]
+            else:
+                got.append(line)
         touched = set()
         for fid, settled in lines.items():
             f = self._files.get(fid)
