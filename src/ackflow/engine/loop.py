@@ -41,6 +41,7 @@ from ackflow.core.settlement import Delivery
 from ackflow.core.systemic import SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
+from ackflow.engine.collector import fewer_collections
 from ackflow.engine.report import RunReport
 from ackflow.engine.schemas import open_store, state_file
 from ackflow.engine.settle import Settling, write_dead_letters  # noqa: F401 - write_dead_letters re-exported
@@ -368,6 +369,7 @@ class Engine(Settling):
             if self.handle_signals and threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
+            stack.enter_context(fewer_collections())
             pool = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="ackflow-batch")
             started = time.monotonic()
             self._publish("running")

@@ -480,6 +480,8 @@ class FilesSource(Source):
 
     def _settled(self, deliveries: Sequence[Delivery]) -> None:
         lines: dict[str, list[int]] = {}
+        fid: str
+        line: int
         for d in deliveries:
             fid, line = d.handle  # type: ignore[misc]  # (file id, line): see _position
             got = lines.get(fid)
