@@ -103,8 +103,8 @@ def test_two_batch_threads_with_the_same_key_write_it_once(sink, tmp_path, monke
     a_checked, b_done = threading.Event(), threading.Event()
     real = parquet.insert_if_all_new  # the check (and, for a fresh batch, the record)
 
-    def slow_check(db, table, keys, at):
-        fresh = real(db, table, keys, at)
+    def slow_check(db, table, texts, count, at):
+        fresh = real(db, table, texts, count, at)
         if threading.current_thread().name == "A":
             a_checked.set()
             b_done.wait(2.0)  # with the fix B is blocked until A recorded: this times out
@@ -219,7 +219,7 @@ def test_insert_if_all_new_inserts_all_or_nothing(before, batch, nul):
     hold (repeats, NUL, JSON escapes)."""
     import sqlite3
 
-    from ackflow.core.durable import WriteTx, insert_if_all_new, insert_keys
+    from ackflow.core.durable import WriteTx, insert_if_all_new, insert_keys, keys_text
 
     if nul:
         batch = [*batch, "x\x00y"]
@@ -227,7 +227,9 @@ def test_insert_if_all_new_inserts_all_or_nothing(before, batch, nul):
     db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL DEFAULT 0)")
     insert_keys(db, "row_keys", before)
     with WriteTx(db):
-        fresh = insert_if_all_new(db, "row_keys", batch, 1.0)
+        half = len(batch) // 2  # two parts, as two tasks' tokens
+        texts = [keys_text(batch[:half]), keys_text(batch[half:])]
+        fresh = insert_if_all_new(db, "row_keys", texts, len(batch), 1.0)
     got = {r[0] for r in db.execute("SELECT key FROM row_keys")}
     expect_fresh = not nul and len(set(batch)) == len(batch) and not set(batch) & set(before)
     assert fresh == expect_fresh

@@ -82,21 +82,31 @@ def insert_keys(db: sqlite3.Connection, table: str, keys: Iterable[str]) -> None
     db.execute(f"INSERT OR IGNORE INTO {table} (key) SELECT value FROM json_each(?)", (text,))
 
 
-def insert_if_all_new(db: sqlite3.Connection, table: str, keys: list[str], at: float) -> bool:
-    """Insert every one of ``keys`` into ``table`` (``key``, ``at``) if none is there yet
-    (a batch seen for the first time, the common case): True. Otherwise nothing is
-    inserted and the answer is False (the caller then finds which are there). One
-    statement over a sorted JSON array inside a savepoint of the caller's transaction,
-    instead of a temporary table, a join and a second insert. Keys holding NUL, and
-    repeated keys, answer False (the slow way handles them)."""
-    text = json.dumps(sorted(keys), ensure_ascii=False)
-    if "\\u0000" in text:
+def keys_text(keys: list[str | None]) -> str:
+    """``keys`` as the JSON array :func:`insert_if_all_new` takes, in their rows' order (a
+    writer's tasks make it, so the driver does not)."""
+    return json.dumps(keys, ensure_ascii=False)
+
+
+def insert_if_all_new(db: sqlite3.Connection, table: str, texts: list[str], count: int, at: float) -> bool:
+    """Insert every key of ``texts`` (JSON arrays of ``count`` keys in all, from
+    :func:`keys_text`) into ``table`` (``key``, ``at``) if none is there yet (a batch seen
+    for the first time, the common case): True. Otherwise nothing is inserted and the
+    answer is False (the caller then finds which are there). One statement per array
+    inside a savepoint of the caller's transaction, instead of a temporary table, a join
+    and a second insert, and no Python object per key. Keys holding NUL, and repeated
+    keys, answer False (the slow way handles them)."""
+    if any("\\u0000" in text for text in texts):
         return False
     # an exception leaves the savepoint to the caller's transaction, which rolls back
     db.execute("SAVEPOINT all_new")
     before = db.total_changes
-    db.execute(f"INSERT OR IGNORE INTO {table} (key, at) SELECT value, ? FROM json_each(?)", (at, text))
-    fresh = db.total_changes - before == len(keys)
+    for text in texts:
+        db.execute(  # sorted by SQLite: a B-tree takes keys in order fastest
+            f"INSERT OR IGNORE INTO {table} (key, at) SELECT value, ? FROM json_each(?) ORDER BY value",
+            (at, text),
+        )
+    fresh = db.total_changes - before == count
     if not fresh:
         db.execute("ROLLBACK TO all_new")
     db.execute("RELEASE all_new")

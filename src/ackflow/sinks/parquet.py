@@ -11,10 +11,18 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ackflow import faults
-from ackflow.core.durable import WriteTx, fsync_dir, insert_if_all_new, insert_keys, open_db, try_lock
+from ackflow.core.durable import (
+    WriteTx,
+    fsync_dir,
+    insert_if_all_new,
+    insert_keys,
+    keys_text,
+    open_db,
+    try_lock,
+)
 from ackflow.core.errors import ColumnsRefused, ConfigError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
@@ -269,9 +277,17 @@ class ParquetSink(Sink):
         final = os.path.join(folder, f"part-{partition:05d}.parquet")
         _write_atomically(rows, final, self.compression, pq)  # the file and its folder
         fsync_dir(self.staging)  # the folder's entry in _staging
-        return PartitionResult(
-            failed=failed, token=json.dumps({"file": final, "keys": keys, "rows": rows.num_rows}).encode()
-        )
+        # the keys go to the driver as one JSON array in the rows' order, the text the
+        # manifest's insert takes (the driver parses them only when some were written before)
+        null_key = keys is not None and None in keys
+        token = {
+            "file": final,
+            "rows": rows.num_rows,
+            "keys_json": None if keys is None else keys_text(keys),
+            "n_keys": 0 if keys is None else len(keys),
+            "null_key": null_key,
+        }
+        return PartitionResult(failed=failed, token=json.dumps(token).encode())
 
     def _conform(self, rows: Any) -> tuple[Any, dict[int, str]]:
         """The rows in the dataset's schema (columns it has and the rows lack are null; a
@@ -291,8 +307,6 @@ class ParquetSink(Sink):
             return
         staged = os.path.join(self.staging, batch_id)
         parts = [json.loads(t) for t in tokens]
-        for part in parts:  # rows written without keys cannot be de-duplicated
-            part["keys"] = part["keys"] or []
         for part in parts:
             if not os.path.exists(part["file"]):
                 raise OSError(f"staged file {part['file']!r} is missing; not committing")
@@ -313,6 +327,8 @@ class ParquetSink(Sink):
             faults.point("parquet.after_record")
             os.rename(staged, target)
         except Exception as e:  # a dying process (KeyboardInterrupt, exit) leaves the record
+            if fresh_keys is None:  # every key was fresh
+                fresh_keys = [k for part in parts for k in _keys(part)]
             self._undo_record(batch_id, fresh_keys, e)
             raise
         faults.point("parquet.after_rename")
@@ -323,26 +339,28 @@ class ParquetSink(Sink):
                 "sink %r: fsync of %s after renaming batch %s failed: %s", self.name, self.path, batch_id, e
             )
 
-    def _record(self, batch_id: str, parts: list[dict[str, Any]]) -> tuple[list[str], int]:
+    def _record(self, batch_id: str, parts: list[dict[str, Any]]) -> tuple[list[str] | None, int]:
         """In one write transaction: drop rows already written, record the batch and its
-        fresh keys. Returns the fresh keys and the number of rows left to show."""
+        fresh keys. Returns the fresh keys (None: all of the parts' keys) and the number of
+        rows left to show."""
         db = self._db()
         try:
             with WriteTx(db):
                 staged_total = sum(part["rows"] for part in parts)
-                fresh_keys = [k for part in parts for k in part["keys"]]
-                if None in fresh_keys:  # (a transform nulled the key column) never recorded;
-                    # checked here, before any staged file is touched (the temporary table's
-                    # INSERT OR IGNORE would skip a null silently, even under NOT NULL)
+                if any(part["null_key"] for part in parts):  # (a transform nulled the key
+                    # column) never recorded; checked here, before any staged file is touched
+                    # (the temporary table's INSERT OR IGNORE would skip a null silently)
                     raise ValueError(
                         "a row has no row key (null); its rows cannot be told "
                         "apart from a redelivery's: not committing"
                     )
                 now = time.time()
-                if insert_if_all_new(db, "row_keys", fresh_keys, now):  # no row written before
-                    fresh_total = staged_total
+                texts = [part["keys_json"] for part in parts if part["keys_json"]]
+                if insert_if_all_new(db, "row_keys", texts, sum(p["n_keys"] for p in parts), now):
+                    fresh_total = staged_total  # no row was written before (the common case)
+                    fresh_keys: list[str] | None = None  # all of them (parsed if undone)
                 else:
-                    fresh_total = self._drop_written_rows(db, parts, fresh_keys)
+                    fresh_total = self._drop_written_rows(db, parts, [k for p in parts for k in _keys(p)])
                     # what an undo may take back: the keys of rows kept, never those of
                     # rows another batch wrote before
                     fresh_keys = [k for part in parts for k in part["keys"]]
@@ -466,3 +484,11 @@ def _write_atomically(table: Any, final: str, compression: str, pq: Any) -> None
         os.fsync(f.fileno())
     os.replace(tmp, final)
     fsync_dir(os.path.dirname(final))
+
+
+def _keys(part: dict[str, Any]) -> list[str]:
+    """A staged part's row keys (parsed once from its token's JSON text, then kept as
+    ``part["keys"]``, which the slow path filters in place)."""
+    if "keys" not in part:
+        part["keys"] = json.loads(part["keys_json"]) if part["keys_json"] else []
+    return cast(list[str], part["keys"])
