@@ -224,7 +224,7 @@ def test_insert_if_all_new_inserts_all_or_nothing(before, batch, nul):
     if nul:
         batch = [*batch, "x\x00y"]
     db = sqlite3.connect(":memory:", isolation_level=None)
-    db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL DEFAULT 0)")
+    db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL DEFAULT 0) WITHOUT ROWID")
     insert_keys(db, "row_keys", before)
     with WriteTx(db):
         half = len(batch) // 2  # two parts, as two tasks' tokens
