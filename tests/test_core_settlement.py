@@ -55,3 +55,15 @@ def test_retry_policy_backs_off_exponentially_up_to_a_cap():
     assert not p.exhausted(5) and p.exhausted(6)
     with pytest.raises(ConfigError):
         RetryPolicy(max_deliveries=0)
+
+
+def test_settle_all_settles_each_once_and_refuses_a_second_settle():
+    ds = [Delivery(i, f"k{i}", b"") for i in range(3)]
+    Delivery.settle_all(ds, Settlement.ACKED)
+    assert [d.state for d in ds] == [Settlement.ACKED] * 3
+    fresh = Delivery(9, "fresh", b"")
+    with pytest.raises(AlreadySettled, match="'k0' was already acked; refusing to mark it nacked"):
+        Delivery.settle_all([fresh, ds[0]], Settlement.NACKED)
+    assert fresh.state is Settlement.NACKED and ds[0].state is Settlement.ACKED  # as a loop would
+    with pytest.raises(ValueError, match="pending"):
+        Delivery.settle_all([Delivery(10, "x", b"")], Settlement.PENDING)

@@ -78,6 +78,19 @@ class Delivery:
             )
         self.state = outcome
 
+    @staticmethod
+    def settle_all(deliveries: list[Delivery], outcome: Settlement) -> None:
+        """:meth:`settle` each of ``deliveries`` (a batch's acks: no call per delivery
+        unless one is settled already, which raises as :meth:`settle` does). A raise
+        leaves the ones before it settled, as a loop of :meth:`settle` would."""
+        if outcome is Settlement.PENDING:
+            raise ValueError("cannot settle a delivery as pending")
+        pending = Settlement.PENDING
+        for d in deliveries:
+            if d.state is not pending:
+                d.settle(outcome)  # raises AlreadySettled, naming both outcomes
+            d.state = outcome
+
     def revise(self, outcome: Settlement) -> None:
         """The source answered otherwise than the engine settled (which it does first,
         before talking to the broker, so that a second settle never reaches it): a stale

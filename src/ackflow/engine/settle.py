@@ -98,8 +98,7 @@ class Settling:
         ack at the source; what it refuses (a stale receipt) becomes released."""
         if not deliveries:
             return
-        for d in deliveries:
-            d.settle(Settlement.ACKED)
+        Delivery.settle_all(deliveries, Settlement.ACKED)
         if faults.active() and len(deliveries) > 1:  # a middle, for the fault point
             half = len(deliveries) // 2
             stale = {id(d) for d in self.flow.source.ack(deliveries[:half]) or ()}
