@@ -77,11 +77,11 @@ def test_a_recorded_batch_whose_undo_fails_is_kept_and_finished_at_the_next_star
     real_db = ParquetSink._db
     calls = []
 
-    def db_failing_the_undo(self):
+    def db_failing_the_undo(self, **how):
         calls.append(1)
         if len(calls) > 1:  # the record's connection works, the undo's does not
             raise OSError(errno.EIO, "manifest unreadable")
-        return real_db(self)
+        return real_db(self, **how)
 
     monkeypatch.setattr(ParquetSink, "_db", db_failing_the_undo)
     with pytest.raises(faults.InjectedFault):

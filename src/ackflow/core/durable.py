@@ -12,11 +12,12 @@ import sqlite3
 from collections.abc import Iterable
 
 
-def open_db(path: str, schema: str, *, timeout: float = 600) -> sqlite3.Connection:
+def open_db(path: str, schema: str, *, timeout: float = 600, threads: bool = False) -> sqlite3.Connection:
     """A SQLite file of durable bookkeeping (a key manifest): autocommit (transactions
     through :class:`WriteTx`), WAL, fsynced at every commit (``synchronous=FULL``),
-    ``schema`` (a script of ``CREATE ... IF NOT EXISTS``) run."""
-    db = sqlite3.connect(path, isolation_level=None, timeout=timeout)
+    ``schema`` (a script of ``CREATE ... IF NOT EXISTS``) run. ``threads``: the connection
+    may be used from any thread (its owner serializes the uses)."""
+    db = sqlite3.connect(path, isolation_level=None, timeout=timeout, check_same_thread=not threads)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
     apply_schema(db, schema)

@@ -114,11 +114,16 @@ class ParquetSink(Sink):
         self._lock_fd: int | None = None
         self._commit_lock = threading.Lock()
         self._schema_lock = threading.Lock()
+        # the records' connection, kept between commits under _commit_lock: closing the
+        # last connection to a WAL database checkpoints it, which cost as much as the
+        # rest of a commit's SQLite work (py-spy of the files benchmark)
+        self._commit_db: sqlite3.Connection | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # tasks get the configuration only
         state = dict(self.__dict__)
         state["_lock_fd"] = None
         state["_commit_lock"] = None
+        state["_commit_db"] = None
         state["_schema_lock"] = None
         return state
 
@@ -202,13 +207,16 @@ class ParquetSink(Sink):
     def manifest(self) -> str:
         return os.path.join(self.path, "_manifest.db")
 
-    def _db(self) -> sqlite3.Connection:
+    def _db(self, threads: bool = False) -> sqlite3.Connection:
+        """A connection to the manifest (``threads``: usable from any thread, the
+        caller serializing its use)."""
         db = open_db(
             self.manifest,
             "CREATE TABLE IF NOT EXISTS batches (batch TEXT PRIMARY KEY, rows INTEGER NOT NULL,"
             " dropped INTEGER NOT NULL, committed_at REAL NOT NULL);"
             "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL"
             " DEFAULT 0) WITHOUT ROWID;",
+            threads=threads,
         )
         if "at" not in {r[1] for r in db.execute("PRAGMA table_info(row_keys)")}:
             db.execute("ALTER TABLE row_keys ADD COLUMN at REAL NOT NULL DEFAULT 0")  # old files
@@ -249,6 +257,10 @@ class ParquetSink(Sink):
         self._lock_fd = fd
 
     def close(self) -> None:
+        if self._commit_db is not None:
+            with self._commit_lock:
+                self._commit_db.close()
+                self._commit_db = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -342,8 +354,10 @@ class ParquetSink(Sink):
     def _record(self, batch_id: str, parts: list[dict[str, Any]]) -> tuple[list[str] | None, int]:
         """In one write transaction: drop rows already written, record the batch and its
         fresh keys. Returns the fresh keys (None: all of the parts' keys) and the number of
-        rows left to show."""
-        db = self._db()
+        rows left to show. The caller holds ``_commit_lock``."""
+        if self._commit_db is None:
+            self._commit_db = self._db(threads=True)
+        db = self._commit_db
         try:
             with WriteTx(db):
                 staged_total = sum(part["rows"] for part in parts)
@@ -376,8 +390,10 @@ class ParquetSink(Sink):
                     "(?, ?, ?, julianday('now'))",
                     (batch_id, fresh_total, staged_total - fresh_total),
                 )
-        finally:
+        except BaseException:  # rolled back; the next commit opens a fresh connection
+            self._commit_db = None
             db.close()
+            raise
         return fresh_keys, fresh_total
 
     def _sweep(self, db: sqlite3.Connection, now: float) -> None:
