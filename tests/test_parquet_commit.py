@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -250,3 +251,45 @@ def test_an_undone_record_keeps_the_keys_another_batch_wrote(sink, tmp_path):
     sink.abort("b2", tokens)
     redeliver(sink, "b3", ["a", "c"])
     assert written(tmp_path / "out") == [0, 1]  # a once (from b1), c once (from b3)
+
+
+def test_close_while_a_failing_commit_drops_its_connection_releases_the_writer_lock(
+    sink, tmp_path, monkeypatch
+):
+    """close() on another thread while a commit fails inside its transaction (found by
+    review: close() saw the connection, the commit dropped it, close() then failed on
+    None before releasing the writer's flock, and a restart was refused)."""
+    from ackflow.sinks import parquet
+
+    sink.commit("b1", stage(sink, "b1", ["a"]))
+    tokens = stage(sink, "b2", ["b"])  # staged before fsync fails
+    inside, closing = threading.Event(), threading.Event()
+
+    def failing_fsync(path):
+        inside.set()
+        closing.wait(5)
+        raise OSError(errno.EIO, "fsync failed")
+
+    monkeypatch.setattr(parquet, "fsync_dir", failing_fsync)
+    errors = []
+
+    def commit():
+        try:
+            sink.commit("b2", tokens)
+        except OSError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=commit)
+    t.start()
+    assert inside.wait(5)
+    closer = threading.Thread(target=sink.close)
+    closer.start()
+    time.sleep(0.3)  # close() waits on the commit's lock by now
+    closing.set()
+    t.join(10)
+    closer.join(10)
+    monkeypatch.undo()
+    assert errors and "fsync failed" in str(errors[0])
+    again = ParquetSink(tmp_path / "out")
+    again.open()  # the writer's lock was released
+    again.close()

@@ -77,18 +77,20 @@ class Settling:
         pulled_at = time.monotonic()
         inflight, live, lid = self.inflight, self._live, self._next_id
         fresh = []
-        for d in got:
-            d.lineage_id = lid
-            d.pulled_at = pulled_at
-            inflight[lid] = d
-            first = live.setdefault(d.identity, lid)
-            if first == lid:
-                fresh.append(d)
-            else:  # one identity, one contribution: held until the first settles
-                self._dupes.setdefault(first, []).append(d)
-                self.report.duplicates += 1
-            lid += 1
-        self._next_id = lid
+        try:
+            for d in got:
+                d.lineage_id = mine = lid
+                lid += 1  # first: an id given out is never given again, whatever raises
+                d.pulled_at = pulled_at
+                inflight[mine] = d
+                first = live.setdefault(d.identity, mine)
+                if first == mine:
+                    fresh.append(d)
+                else:  # one identity, one contribution: held until the first settles
+                    self._dupes.setdefault(first, []).append(d)
+                    self.report.duplicates += 1
+        finally:
+            self._next_id = lid
         return fresh
 
     # -- settling -----------------------------------------------------------------------

@@ -257,10 +257,10 @@ class ParquetSink(Sink):
         self._lock_fd = fd
 
     def close(self) -> None:
-        if self._commit_db is not None:
-            with self._commit_lock:
-                self._commit_db.close()
-                self._commit_db = None
+        with self._commit_lock:  # checked under the lock: a failing commit drops it meanwhile
+            db, self._commit_db = self._commit_db, None
+        if db is not None:
+            db.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
