@@ -329,7 +329,7 @@ class ParquetSink(Sink):
             fsync_dir(self.path)
             return
         with self._commit_lock:  # one commit at a time in this process; BEGIN IMMEDIATE across
-            fresh_keys, fresh_total = self._record(batch_id, parts)
+            fresh_total = self._record(batch_id, parts)
         # Recorded: the batch is committed; from here on only the rename (now, or at the
         # next start) or an undo of the record may follow, never a deletion.
         if fresh_total == 0:  # every row was written before (a redelivered batch)
@@ -339,9 +339,8 @@ class ParquetSink(Sink):
             faults.point("parquet.after_record")
             os.rename(staged, target)
         except Exception as e:  # a dying process (KeyboardInterrupt, exit) leaves the record
-            if fresh_keys is None:  # every key was fresh
-                fresh_keys = [k for part in parts for k in _keys(part)]
-            self._undo_record(batch_id, fresh_keys, e)
+            # the parts' keys are those of the rows kept (the record dropped the others)
+            self._undo_record(batch_id, [k for part in parts for k in _keys(part)], e)
             raise
         faults.point("parquet.after_rename")
         try:
@@ -351,10 +350,10 @@ class ParquetSink(Sink):
                 "sink %r: fsync of %s after renaming batch %s failed: %s", self.name, self.path, batch_id, e
             )
 
-    def _record(self, batch_id: str, parts: list[dict[str, Any]]) -> tuple[list[str] | None, int]:
-        """In one write transaction: drop rows already written, record the batch and its
-        fresh keys. Returns the fresh keys (None: all of the parts' keys) and the number of
-        rows left to show. The caller holds ``_commit_lock``."""
+    def _record(self, batch_id: str, parts: list[dict[str, Any]]) -> int:
+        """In one write transaction: drop rows already written (and their keys from the
+        parts), record the batch and its fresh keys. Returns the number of rows left to
+        show. The caller holds ``_commit_lock``."""
         if self._commit_db is None:
             self._commit_db = self._db(threads=True)
         db = self._commit_db
@@ -372,12 +371,8 @@ class ParquetSink(Sink):
                 texts = [part["keys_json"] for part in parts if part["keys_json"]]
                 if insert_if_all_new(db, "row_keys", texts, sum(p["n_keys"] for p in parts), now):
                     fresh_total = staged_total  # no row was written before (the common case)
-                    fresh_keys: list[str] | None = None  # all of them (parsed if undone)
                 else:
                     fresh_total = self._drop_written_rows(db, parts, [k for p in parts for k in _keys(p)])
-                    # what an undo may take back: the keys of rows kept, never those of
-                    # rows another batch wrote before
-                    fresh_keys = [k for part in parts for k in part["keys"]]
                     # the batch's keys are in the temporary table already: the fresh ones
                     # are those the manifest lacks (one statement, no Python row per key)
                     db.execute("INSERT OR IGNORE INTO row_keys (key, at) SELECT key, ? FROM incoming", (now,))
@@ -394,7 +389,7 @@ class ParquetSink(Sink):
             self._commit_db = None
             db.close()
             raise
-        return fresh_keys, fresh_total
+        return fresh_total
 
     def _sweep(self, db: sqlite3.Connection, now: float) -> None:
         """With ``dedupe_retention_s``: forget keys committed longer ago than that (at most
@@ -440,7 +435,8 @@ class ParquetSink(Sink):
 
     def _drop_written_rows(self, db: sqlite3.Connection, parts: list[dict[str, Any]], keys: list[str]) -> int:
         """Remove rows whose keys (``keys``: every part's) are committed already from the
-        staged files (inside the caller's write transaction)."""
+        staged files, and their keys from the parts' ``keys`` (inside the caller's write
+        transaction)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
