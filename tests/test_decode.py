@@ -1,6 +1,10 @@
 """Decoding by the source's format; an undecodable payload fails that message only."""
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ackflow
 from ackflow.sinks import MemorySink
@@ -198,3 +202,109 @@ def test_files_jsonl_nan_as_null(spark, tmp_path):
     )
     assert report.acked == 2
     assert sorted((r["id"], r["v"], r["w"]) for r in sink.rows) == [(1, None, [2.5]), (2, 1.5, [None, 1.0])]
+
+
+# -- the fast reader (orjson where it certainly reads as the exact reader) ---------------
+
+_space = st.sampled_from(["", " ", "\n", "\t", "\r\n ", "  "])
+_number = st.one_of(
+    st.integers(),  # beyond 64 bits too: orjson would read those as floats
+    st.integers(min_value=-(10**20), max_value=10**20),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.floats(allow_nan=False, allow_infinity=False).map(lambda f: f"{f:.17e}"),
+    st.tuples(st.integers(-99, 99), st.integers(0, 10**6), st.integers(-400, 400)).map(
+        lambda t: f"{t[0]}.{t[1]}e{t[2]}"
+    ),
+    st.sampled_from(
+        ["1e999", "-1e999", "NaN", "Infinity", "-0", "-0.0", "1E5", "01", "1.", "2.2250738585072014e-308"]
+    ),
+).map(str)
+_string = st.one_of(
+    st.text(max_size=8).map(json.dumps),
+    st.text(max_size=8).map(lambda t: json.dumps(t, ensure_ascii=False)),
+    st.sampled_from(
+        ['"\\ud800"', '"a\\":"', '"x\\u0022:"', '"12:30"', '"a : b"', '"\\u0000"', '"\x01"', '"\u00e9"']
+    ),
+)
+
+
+def _json_text(value):
+    return st.recursive(
+        st.one_of(_number, _string, st.sampled_from(["true", "false", "null"])),
+        lambda inner: st.one_of(
+            st.tuples(st.lists(inner, max_size=3), _space).map(lambda t: "[" + ("," + t[1]).join(t[0]) + "]"),
+            # keys from a small alphabet: one object often holds a key twice
+            st.tuples(
+                st.lists(
+                    st.tuples(st.sampled_from(['"a"', '"b"', '"\\u0061"', '""', '"a\\":"']), _space, inner)
+                ),
+                _space,
+            ).map(lambda t: "{" + t[1] + ",".join(f"{k}{s}:{t[1]}{v}" for k, s, v in t[0]) + "}"),
+        ),
+        max_leaves=value,
+    )
+
+
+_body = st.one_of(
+    _json_text(10).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.dictionaries(st.text(max_size=4), _json_text(4), max_size=4).map(
+        lambda d: ("{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in d.items()) + "}").encode(
+            "utf-8", "surrogatepass"
+        )
+    ),
+    st.binary(max_size=40),
+    st.sampled_from([b for b, _ in HOSTILE_JSON.values()]),
+)
+
+
+def _read(body, fmt, fast):
+    from ackflow.spark.decode import decode
+
+    try:
+        got = decode(body, fmt, fast)
+    except Exception as e:  # noqa: BLE001 - the error is the outcome compared
+        return "error", type(e).__name__, str(e)
+    return "row", repr(got)  # repr: 1 and 1.0, 0.0 and -0.0, and key order differ
+
+
+@settings(max_examples=1500, deadline=None, derandomize=True)
+@given(body=_body, fmt=st.sampled_from(["json", "json_nan_as_null"]))
+def test_the_fast_reader_gives_every_body_what_the_exact_reader_gives(body, fmt):
+    """Message by message, the same row or the same error with orjson in front as with
+    the exact reader alone: keys twice (written alike or escaped differently), integers
+    past 64 bits, whitespace before colons, every float text, escapes, invalid UTF-8."""
+    assert _read(body, fmt, True) == _read(body, fmt, False)
+
+
+def test_the_fast_reader_takes_plain_bodies_and_leaves_the_doubtful_ones():
+    """It does read the common case (else it saves nothing), and each doubt it rules out
+    is left to the exact reader."""
+    from ackflow.spark.decode import fast_json
+
+    assert fast_json(b'{"id":1,"sku":"a:b","p":1.5,"t":"12:30"}') == {
+        "id": 1,
+        "sku": "a:b",
+        "p": 1.5,
+        "t": "12:30",
+    }
+    assert fast_json(b'{"a": {"b": [1, {"c": 2}]}, "d": []}') == {"a": {"b": [1, {"c": 2}]}, "d": []}
+    for doubtful in [
+        b'{"a": 1, "a": 2}',  # a key twice
+        b'{"a": {"b": 1, "b": 2}}',  # twice, nested
+        b'{"a": 1, "\\u0061": 2}',  # twice, escaped otherwise
+        b'{"a" : 1}',  # whitespace before the colon: the count proves nothing
+        b'{"a": 12345678901234567890}',  # 64 bits and more: orjson gives a float
+        b'{"a": "x\\":", "a": 1}',  # a string holding ": makes the count larger
+        b'{"a": ' + b"[" * 600 + b"]" * 600 + b"}",  # many brackets
+        b'{"a": NaN}',  # what orjson refuses goes to the exact reader, for its error
+        b"[1, 2]",
+    ]:
+        assert fast_json(doubtful) is None, doubtful
+
+
+@pytest.mark.parametrize("depth", [400, 900, 960, 990, 1000, 1010, 1023, 1030])
+def test_the_fast_reader_and_the_exact_one_agree_on_deep_nesting(depth):
+    """orjson reads 1024 levels; the exact reader stops at Python's recursion limit,
+    which depends on the stack below it: neither is asked to tell near those depths."""
+    for body in (b'{"a": ' + b"[" * depth + b"]" * depth + b"}", b'{"a":' * depth + b"1" + b"}" * depth):
+        assert _read(body, "json", True) == _read(body, "json", False)

@@ -33,10 +33,12 @@ def check(r):
     return r
 
 
-def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True):
+def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True, fast=True):
     """(rows by message, dead letters by message) of one run with the feed on or off,
-    and the map and the writer in one pass or in two."""
-    db = str(tmp_path / f"q-{on}-{fuse}.db")
+    the map and the writer in one pass or in two, and JSON read by orjson where it
+    certainly reads as the exact reader (spark/decode.py's fast_json) or by the exact
+    reader alone."""
+    db = str(tmp_path / f"q-{on}-{fuse}-{fast}.db")
     EmbeddedQueue(db).publish("in", bodies, headers=[{"n": str(i)} for i in range(len(bodies))])
     src = EmbeddedQueueSource(db, "in", policy=POLICY)
     src.headers_field = "meta"
@@ -55,6 +57,7 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True):
     )
     spark.conf.set("spark.ackflow.feed", "true" if on else "false")
     spark.conf.set("spark.ackflow.fuse", "true" if fuse else "false")
+    spark.conf.set("spark.ackflow.fastjson", "true" if fast else "false")
     try:
         ackflow.run(
             ackflow.Flow(src).map(check, name="check").to(sink).on_error(dead),
@@ -64,6 +67,7 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True):
     finally:
         spark.conf.unset("spark.ackflow.feed")
         spark.conf.unset("spark.ackflow.fuse")
+        spark.conf.unset("spark.ackflow.fastjson")
     assert bool(writes) == on and set(one_pass) == {fuse}  # the paths under test were the ones taken
     for f in feeds:  # every job's file gone with it (bisections and locate too)
         assert os.listdir(f.dir) == [feed.LOCK]
@@ -98,12 +102,14 @@ def test_the_file_and_the_dataframe_give_each_message_the_same_outcome(
 ):
     """Hostile bodies (the fuzz's known cases and drawn ones), headers, a poison step:
     every row written and every dead letter (body, step, reason) are the same whether
-    the messages went through the file or through ``createDataFrame``, and whether the
-    map and the writer ran in one pass or in two (JVM rows between them)."""
+    the messages went through the file or through ``createDataFrame``, whether the
+    map and the writer ran in one pass or in two (JVM rows between them), and whether
+    JSON was read by orjson where it certainly reads alike, or by the exact reader only."""
     tmp = tmp_path_factory.mktemp("feed")
     fused = outcome(spark, tmp, bodies, True, monkeypatch)
     assert fused == outcome(spark, tmp, bodies, False, monkeypatch)
     assert fused == outcome(spark, tmp, bodies, True, monkeypatch, fuse=False)
+    assert fused == outcome(spark, tmp, bodies, True, monkeypatch, fast=False)
 
 
 def crash(r):

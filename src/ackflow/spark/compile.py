@@ -95,6 +95,8 @@ class CompiledFlow(Plan):
         # a Python segment and the writer in one pass (see _write); the session's
         # spark.ackflow.fuse=false keeps two (tests compare the two, message by message)
         self._fuse = str(spark.conf.get("spark.ackflow.fuse", "true")).lower() != "false"
+        # spark.ackflow.fastjson=false: JSON by the exact reader only (tests compare both)
+        self.fast_json = str(spark.conf.get("spark.ackflow.fastjson", "true")).lower() != "false"
         large = spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")
         self._large = str(large).lower() == "true"  # (Spark hands Python large_string then)
 
@@ -230,6 +232,7 @@ class CompiledFlow(Plan):
                     self.tally,
                     mode=self._inferred.get((*key, index)),
                     segment=self.segment_name((*key, index), seg),
+                    fast_json=self.fast_json,
                 )
                 fn = first(fn) if first else fn
                 data_cols = list(schema.names)

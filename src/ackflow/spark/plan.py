@@ -114,6 +114,8 @@ class Plan:
         self.sink = self.sinks[0]
         # rows_input: the job starts from rows (with __af_ids lineage), not message bodies
         self.rows_input = rows_input
+        #: JSON read by orjson where certainly the same (spark/decode.py's fast_json)
+        self.fast_json = True
         fork = flow.forked
         main = Flow(flow.source, flow.steps[:-1] if fork else flow.steps, self.sink)
         self.segments = segments(main, decode=not rows_input)
@@ -308,7 +310,9 @@ class Plan:
                 else:
                     # Run the steps where tasks run (never on the driver: a user function
                     # may crash its process or have side effects); every good row counts.
-                    sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage)
+                    sampler = make_sampler(
+                        seg.steps, self.flow.source.formats, data_in, lineage, fast_json=self.fast_json
+                    )
                     found = [(from_text(t), n) for t, n in sample(sampler)]
                     if not sum(n for _, n in found):
                         return None  # no row of this batch gets past this segment
@@ -473,7 +477,9 @@ class Plan:
         an optimisation: misses stay correct."""
         if index not in self._probing:
             return
-        sampler = make_sampler(seg.steps, self.flow.source.formats, data_in, lineage, stride=PROBE_STRIDE)
+        sampler = make_sampler(
+            seg.steps, self.flow.source.formats, data_in, lineage, PROBE_STRIDE, self.fast_json
+        )
         found = pa.schema([])
         for text, _ in sample(sampler):
             found = merge_schemas(found, from_text(text))[0]

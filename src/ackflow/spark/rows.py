@@ -546,6 +546,7 @@ def make_segment(
     *,
     mode: str | None = None,
     segment: str = "",
+    fast_json: bool = True,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None);
     with a ``tally``, it adds each step's rows in, out and failed once per batch.
@@ -562,7 +563,7 @@ def make_segment(
             n = len(ids)
             rows: list[dict[str, Any] | None]
             if data_in is None:
-                rows, status, sname, errs = decode_batch(b, formats)
+                rows, status, sname, errs = decode_batch(b, formats, fast_json)
             else:
                 status = b.column(STATUS).to_pylist()
                 sname = b.column(STEP).to_pylist()
@@ -608,6 +609,7 @@ def make_sampler(
     data_in: list[str] | None,
     lineage: str = ID,
     stride: int = 1,
+    fast_json: bool = True,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function returning, per partition, the columns inferred from
     every good output row of the steps (a schema as text, see
@@ -623,7 +625,7 @@ def make_sampler(
                 b = b.take(pa.array(range(0, b.num_rows, stride), pa.int64()))
             ids = b.column(lineage).to_pylist()
             if data_in is None:
-                rows, status, _, _ = decode_batch(b, formats)
+                rows, status, _, _ = decode_batch(b, formats, fast_json)
             else:
                 status = b.column(STATUS).to_pylist()
                 rows = b.select(data_in).to_pylist() if data_in else [{} for _ in ids]
