@@ -17,6 +17,7 @@ import ackflow
 from ackflow.embedded import EmbeddedQueue
 from ackflow.sinks import MemorySink
 from ackflow.sources import EmbeddedQueueSource
+from ackflow.spark import compile as compile_module
 from ackflow.spark import feed
 from ackflow.spark.compile import CompiledFlow
 from ackflow.spark.feed import Feeds, fed, sweep_dead
@@ -35,7 +36,7 @@ def check(r):
 
 def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True, fast=True):
     """(rows by message, dead letters by message) of one run with the feed on or off,
-    the map and the writer in one pass or in two, and JSON read by orjson where it
+    the map and the writer in one pass or in two, and JSON read by msgspec where it
     certainly reads as the exact reader (spark/decode.py's fast_json) or by the exact
     reader alone."""
     db = str(tmp_path / f"q-{on}-{fuse}-{fast}.db")
@@ -56,6 +57,13 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True, fast=True):
         lambda self, *a, **kw: one_pass.append(len(a) > 5 and a[5] is not None) or real_write(self, *a, **kw),
     )
     spark.conf.set("spark.ackflow.feed", "true" if on else "false")
+    readers = []  # the reader each segment's tasks were given (fast_json=)
+    real_segment = compile_module.make_segment
+    monkeypatch.setattr(
+        compile_module,
+        "make_segment",
+        lambda *a, **kw: readers.append(kw["fast_json"]) or real_segment(*a, **kw),
+    )
     spark.conf.set("spark.ackflow.fuse", "true" if fuse else "false")
     spark.conf.set("spark.ackflow.fastjson", "true" if fast else "false")
     try:
@@ -68,7 +76,8 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True, fast=True):
         spark.conf.unset("spark.ackflow.feed")
         spark.conf.unset("spark.ackflow.fuse")
         spark.conf.unset("spark.ackflow.fastjson")
-    assert bool(writes) == on and set(one_pass) == {fuse}  # the paths under test were the ones taken
+    # the paths under test were the ones taken
+    assert bool(writes) == on and set(one_pass) == {fuse} and set(readers) == {fast}
     for f in feeds:  # every job's file gone with it (bisections and locate too)
         assert os.listdir(f.dir) == [feed.LOCK]
     rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in sink.rows)
@@ -104,7 +113,7 @@ def test_the_file_and_the_dataframe_give_each_message_the_same_outcome(
     every row written and every dead letter (body, step, reason) are the same whether
     the messages went through the file or through ``createDataFrame``, whether the
     map and the writer ran in one pass or in two (JVM rows between them), and whether
-    JSON was read by orjson where it certainly reads alike, or by the exact reader only."""
+    JSON was read by msgspec where it certainly reads alike, or by the exact reader only."""
     tmp = tmp_path_factory.mktemp("feed")
     fused = outcome(spark, tmp, bodies, True, monkeypatch)
     assert fused == outcome(spark, tmp, bodies, False, monkeypatch)

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
-import orjson
+import msgspec
 import pyarrow as pa
 
 from ackflow.core.errors import describe
@@ -49,50 +49,50 @@ _NAN_NULL_DECODER = json.JSONDecoder(
 )
 _DECODERS = {"json": _DECODER, "json_nan_as_null": _NAN_NULL_DECODER}
 
-#: each digit 1-9 as 0 and JSON's other whitespace as a space: a run of 19 digits is then
-#: ``b"0" * 19``, whitespace before a colon ``b" :"`` (one translation, two searches in C)
-_CANON = bytes.maketrans(b"123456789\t\n\r", b"000000000   ")
-_LONG_DIGITS = b"0" * 19
-#: bodies this short nest at most half as deep: far below either reader's limit
-#: (orjson's 1024, the exact reader's Python recursion limit); longer ones count brackets
+#: bodies this short nest at most half as deep, far below the depth where either reader
+#: stops (each at Python's recursion limit, from its own stack); longer ones count brackets
 _SHORT = 1000
+#: one reader for every message (msgspec's key cache compares the key's text, not only its
+#: hash: a key never comes back under another key's name)
+_FAST_READER = msgspec.json.Decoder()
 
 
 def fast_json(body: bytes) -> dict[str, Any] | None:
-    """The object ``body`` holds, read by orjson (a C reader), when that is certainly what
-    the exact reader (``_DECODER``) gives; None when unsure, and the exact reader decides,
-    with its own error if it fails.
+    """The object ``body`` holds, read by msgspec (a C reader), when that is certainly
+    what the exact reader (``_DECODER``) gives; None when unsure, and the exact reader
+    decides, with its own error if it fails.
 
-    orjson refuses what the exact reader refuses (NaN, Infinity, numbers that overflow a
-    double, invalid UTF-8, control characters, extra data; lone surrogates, which the
-    exact reader keeps, too), so they can differ only where orjson *accepts*. Three
-    differences are ruled out:
+    msgspec refuses what the exact reader refuses (NaN, Infinity, numbers that overflow
+    a double, invalid UTF-8, control characters, extra data, integers past Python's digit
+    limit; lone surrogates, which the exact reader keeps, too), so they can differ only
+    where msgspec *accepts*. Two differences are ruled out:
 
-    * an integer beyond 64 bits becomes a float in orjson: a body with a run of 19 digits
-      anywhere is left to the exact reader;
-    * a key twice in one object keeps the last value in orjson: with no whitespace before
-      any colon, every key in the body is followed by ``":``, so the count of ``":`` is
-      at least the keys written (a string holding ``":`` only adds); the keys orjson
-      returns, counted over every object, are at most the keys written, fewer if one
-      repeats. Only when the two counts are equal is the object taken;
+    * a key twice in one object keeps the last value in msgspec: with no whitespace
+      before any colon (JSON allows it; then the body goes to the exact reader), every
+      key in the body is followed by ``":``, so the count of ``":`` is at least the
+      keys written (a string holding ``":`` only adds); the keys msgspec returns,
+      counted over every object, are at most the keys written, fewer if one repeats.
+      Only when the two counts are equal is the object taken;
     * nesting: a body of 1000 bytes or more with 500 brackets or more is left to the
       exact reader.
+
+    ``tests/test_decode.py`` compares the two readers body by body (keys twice, escaped
+    keys, integers of any size, float texts, whitespace, hostile bytes).
 
     >>> fast_json(b'{"a": 1, "b": [1.5, {"c": null}]}'), fast_json(b'{"a": 1, "a": 2}')
     ({'a': 1, 'b': [1.5, {'c': None}]}, None)
     """
     if len(body) >= _SHORT and body.count(b"{") + body.count(b"[") >= _SHORT // 2:
         return None
-    canon = body.translate(_CANON)
-    if _LONG_DIGITS in canon or b" :" in canon:
+    if b" :" in body or b"\n:" in body or b"\t:" in body or b"\r:" in body:
         return None
     try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        obj = _FAST_READER.decode(body)
+    except Exception:  # noqa: BLE001 - any doubt: the exact reader decides, with its error
         return None
     if type(obj) is not dict:
         return None
-    written = canon.count(b'":')
+    written = body.count(b'":')
     # the top object's keys are a lower bound of all: equal, and nested objects hold none
     if written == len(obj) or (written > len(obj) and written == _count_keys(obj)):
         return obj
@@ -100,7 +100,7 @@ def fast_json(body: bytes) -> dict[str, Any] | None:
 
 
 def _count_keys(value: dict[str, Any]) -> int:
-    """The keys of every object in ``value`` (orjson's result: dicts, lists, scalars)."""
+    """The keys of every object in ``value`` (msgspec's result: dicts, lists, scalars)."""
     keys, stack = 0, [cast(Any, value)]
     while stack:
         item: Any = stack.pop()

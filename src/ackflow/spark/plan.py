@@ -114,7 +114,7 @@ class Plan:
         self.sink = self.sinks[0]
         # rows_input: the job starts from rows (with __af_ids lineage), not message bodies
         self.rows_input = rows_input
-        #: JSON read by orjson where certainly the same (spark/decode.py's fast_json)
+        #: JSON read by msgspec where certainly the same (spark/decode.py's fast_json)
         self.fast_json = True
         fork = flow.forked
         main = Flow(flow.source, flow.steps[:-1] if fork else flow.steps, self.sink)
