@@ -339,3 +339,15 @@ def _exact(body):
     from ackflow.spark.decode import decode
 
     return decode(body, "json", False)
+
+
+def test_without_msgspec_the_exact_reader_reads_every_body(monkeypatch):
+    """An executor's Python without msgspec (ackflow ships itself, not its dependencies):
+    every body is read, by the exact reader alone."""
+    from ackflow.spark import decode as decoding
+
+    monkeypatch.setattr(decoding, "_FAST_READER", None)
+    monkeypatch.setattr(decoding, "fast_json", lambda body: pytest.fail("the fast reader was used"))
+    assert decoding.decode(b'{"a": 1, "b": [2.5]}', "json", True) == {"a": 1, "b": [2.5]}
+    with pytest.raises(ValueError, match="appears twice"):
+        decoding.decode(b'{"a": 1, "a": 2}', "json", True)

@@ -7,7 +7,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
-import msgspec
 import pyarrow as pa
 
 from ackflow.core.errors import describe
@@ -53,8 +52,16 @@ _DECODERS = {"json": _DECODER, "json_nan_as_null": _NAN_NULL_DECODER}
 #: stops (each at Python's recursion limit, from its own stack); longer ones count brackets
 _SHORT = 1000
 #: one reader for every message (msgspec's key cache compares the key's text, not only its
-#: hash: a key never comes back under another key's name)
-_FAST_READER = msgspec.json.Decoder()
+#: hash: a key never comes back under another key's name). None where the executors' Python
+#: lacks msgspec (ackflow ships itself to them as a zip, not its dependencies): the exact
+#: reader alone, as fast as before
+_FAST_READER: Any
+try:
+    import msgspec
+
+    _FAST_READER = msgspec.json.Decoder()
+except ImportError:
+    _FAST_READER = None
 
 
 def fast_json(body: bytes) -> dict[str, Any] | None:
@@ -128,7 +135,7 @@ def decode(body: bytes, fmt: str, fast: bool = True) -> dict[str, Any]:
     """
     decoder = _DECODERS.get(fmt)
     if decoder is not None:
-        if fast:  # the same object, or None and the exact reader decides (fast_json)
+        if fast and _FAST_READER is not None:  # the same object, or None: the exact reader
             obj = fast_json(body)
             if obj is not None:
                 return obj
