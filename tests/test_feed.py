@@ -19,6 +19,7 @@ from ackflow.sinks import MemorySink
 from ackflow.sources import EmbeddedQueueSource
 from ackflow.spark import compile as compile_module
 from ackflow.spark import feed
+from ackflow.spark import plan as plan_module
 from ackflow.spark.compile import CompiledFlow
 from ackflow.spark.feed import Feeds, fed, sweep_dead
 from ackflow.spark.session import quick_jit
@@ -57,13 +58,12 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch, fuse=True, fast=True):
         lambda self, *a, **kw: one_pass.append(len(a) > 5 and a[5] is not None) or real_write(self, *a, **kw),
     )
     spark.conf.set("spark.ackflow.feed", "true" if on else "false")
-    readers = []  # the reader each segment's tasks were given (fast_json=)
-    real_segment = compile_module.make_segment
-    monkeypatch.setattr(
-        compile_module,
-        "make_segment",
-        lambda *a, **kw: readers.append(kw["fast_json"]) or real_segment(*a, **kw),
-    )
+    readers = []  # the reader each segment's and sampler's tasks were given (fast_json=)
+    for module, name in ((compile_module, "make_segment"), (plan_module, "make_sampler")):
+        maker = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, maker=maker, **kw: readers.append(kw["fast_json"]) or maker(*a, **kw)
+        )
     spark.conf.set("spark.ackflow.fuse", "true" if fuse else "false")
     spark.conf.set("spark.ackflow.fastjson", "true" if fast else "false")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -48,20 +49,38 @@ _NAN_NULL_DECODER = json.JSONDecoder(
 )
 _DECODERS = {"json": _DECODER, "json_nan_as_null": _NAN_NULL_DECODER}
 
-#: bodies this short nest at most half as deep, far below the depth where either reader
-#: stops (each at Python's recursion limit, from its own stack); longer ones count brackets
-_SHORT = 1000
+#: bodies this short nest less deep than _FEW_BRACKETS; longer ones count their brackets,
+#: and go to the exact reader with _FEW_BRACKETS or more: far below the depth where either
+#: reader stops (each at Python's recursion limit, from its own stack)
+_SHORT = 200
+_FEW_BRACKETS = 100
+#: an exponent of 10 000 or more: msgspec stops reading an exponent's digits there (1e100000
+#: is read as 1e10000), which a mantissa of thousands of digits can bring back into range
+#: (1 followed by 10 000 zeros, e-100000: 1.0, where the exact reader gives 0.0). Only a
+#: long body can hold such a mantissa; long bodies with such an exponent go to the exact one
+_HUGE_EXPONENT = re.compile(rb"[eE][-+]?0*[1-9][0-9]{4}")
+#: the msgspec versions whose reading was compared with the exact reader's (tests/test_decode.py
+#: and two reviews of its source): another version on an executor leaves JSON to the exact one
+_TESTED = ((0, 19), (0, 22))
+
+
 #: one reader for every message (msgspec's key cache compares the key's text, not only its
 #: hash: a key never comes back under another key's name). None where the executors' Python
-#: lacks msgspec (ackflow ships itself to them as a zip, not its dependencies): the exact
-#: reader alone, as fast as before
-_FAST_READER: Any
-try:
-    import msgspec
+#: lacks msgspec (ackflow ships itself to them as a zip, not its dependencies) or has another
+#: version: the exact reader alone, as fast as before
+def fast_reader() -> Any:
+    """msgspec's JSON reader, or None (no msgspec, or a version not compared)."""
+    try:
+        import msgspec
 
-    _FAST_READER = msgspec.json.Decoder()
-except ImportError:
-    _FAST_READER = None
+        if _TESTED[0] <= tuple(int(p) for p in msgspec.__version__.split(".")[:2]) <= _TESTED[1]:
+            return msgspec.json.Decoder()
+    except Exception:  # noqa: BLE001 - no msgspec, or one that fails to load: the exact reader
+        pass
+    return None
+
+
+_FAST_READER = fast_reader()
 
 
 def fast_json(body: bytes) -> dict[str, Any] | None:
@@ -72,7 +91,7 @@ def fast_json(body: bytes) -> dict[str, Any] | None:
     msgspec refuses what the exact reader refuses (NaN, Infinity, numbers that overflow
     a double, invalid UTF-8, control characters, extra data, integers past Python's digit
     limit; lone surrogates, which the exact reader keeps, too), so they can differ only
-    where msgspec *accepts*. Two differences are ruled out:
+    where msgspec *accepts*. Three differences are ruled out:
 
     * a key twice in one object keeps the last value in msgspec: with no whitespace
       before any colon (JSON allows it; then the body goes to the exact reader), every
@@ -80,8 +99,9 @@ def fast_json(body: bytes) -> dict[str, Any] | None:
       keys written (a string holding ``":`` only adds); the keys msgspec returns,
       counted over every object, are at most the keys written, fewer if one repeats.
       Only when the two counts are equal is the object taken;
-    * nesting: a body of 1000 bytes or more with 500 brackets or more is left to the
-      exact reader.
+    * nesting: a body of 200 bytes or more with 100 brackets or more is left to the
+      exact reader;
+    * exponents of 10 000 or more (see ``_HUGE_EXPONENT``) in a body of 200 bytes or more.
 
     ``tests/test_decode.py`` compares the two readers body by body (keys twice, escaped
     keys, integers of any size, float texts, whitespace, hostile bytes).
@@ -89,7 +109,9 @@ def fast_json(body: bytes) -> dict[str, Any] | None:
     >>> fast_json(b'{"a": 1, "b": [1.5, {"c": null}]}'), fast_json(b'{"a": 1, "a": 2}')
     ({'a': 1, 'b': [1.5, {'c': None}]}, None)
     """
-    if len(body) >= _SHORT and body.count(b"{") + body.count(b"[") >= _SHORT // 2:
+    if len(body) >= _SHORT and (
+        body.count(b"{") + body.count(b"[") >= _FEW_BRACKETS or _HUGE_EXPONENT.search(body)
+    ):
         return None
     if b" :" in body or b"\n:" in body or b"\t:" in body or b"\r:" in body:
         return None
@@ -135,7 +157,7 @@ def decode(body: bytes, fmt: str, fast: bool = True) -> dict[str, Any]:
     """
     decoder = _DECODERS.get(fmt)
     if decoder is not None:
-        if fast and _FAST_READER is not None:  # the same object, or None: the exact reader
+        if fast and _FAST_READER is not None and type(body) is bytes:  # or None: the exact reader
             obj = fast_json(body)
             if obj is not None:
                 return obj

@@ -175,6 +175,7 @@ class LocalFlow(Plan):
                 self.tally,
                 mode=self._inferred.get((*key, index)),
                 segment=self.segment_name((*key, index), seg),
+                fast_json=self.fast_json,
             )
             parts = self._tasks(fn, parts, out_schema)
             if dead_end:

@@ -478,7 +478,12 @@ class Plan:
         if index not in self._probing:
             return
         sampler = make_sampler(
-            seg.steps, self.flow.source.formats, data_in, lineage, PROBE_STRIDE, self.fast_json
+            seg.steps,
+            self.flow.source.formats,
+            data_in,
+            lineage,
+            stride=PROBE_STRIDE,
+            fast_json=self.fast_json,
         )
         found = pa.schema([])
         for text, _ in sample(sampler):
