@@ -196,3 +196,19 @@ def test_an_embedded_sink_id_column_missing_from_the_columns_stops_at_start(tmp_
     sink = EmbeddedQueueSink(str(tmp_path / "out.db"), "out", id_column="order_id")
     with pytest.raises(FlowError, match="id_column 'order_id' is not among"):
         sink.prepare(pa.schema([("n", pa.int64())]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    keys=st.lists(st.one_of(st.none(), st.sampled_from(["k", "k~1", "k~2", "j", ""]), st.text(max_size=3))),
+    chunks=st.integers(1, 3),
+)
+def test_unique_keys_without_a_repeat_are_the_keys_as_they_are(keys, chunks):
+    """The writer's guard takes keys with no repeat and no null as they are (Arrow counts
+    the distinct ones): the same keys, in the same order, as numbering them one by one."""
+    from ackflow.spark.writer import numbered
+
+    step = max(1, len(keys) // chunks)
+    arr = pa.chunked_array([keys[i : i + step] for i in range(0, len(keys), step)] or [[]], pa.string())
+    assert unique_keys(arr).to_pylist() == numbered(keys)
+    assert unique_keys(arr).type == pa.string()

@@ -10,6 +10,7 @@ import json
 import os
 import sqlite3
 from collections.abc import Iterable
+from typing import Any, cast
 
 
 def open_db(path: str, schema: str, *, timeout: float = 600, threads: bool = False) -> sqlite3.Connection:
@@ -85,8 +86,26 @@ def insert_keys(db: sqlite3.Connection, table: str, keys: Iterable[str]) -> None
 
 def keys_text(keys: list[str | None]) -> str:
     """``keys`` as the JSON array :func:`insert_if_all_new` takes, in their rows' order (a
-    writer's tasks make it, so the driver does not)."""
+    writer's tasks make it, so the driver does not): by msgspec where it can (an eighth of
+    the time), else by ``json`` (a key holding a lone surrogate, no msgspec there)."""
+    if _KEYS_WRITER is not None:
+        try:
+            return cast(str, _KEYS_WRITER.encode(keys).decode())
+        except Exception:  # noqa: BLE001 - what msgspec cannot write, json writes
+            pass
     return json.dumps(keys, ensure_ascii=False)
+
+
+def _keys_writer() -> Any:
+    try:
+        import msgspec
+
+        return msgspec.json.Encoder()
+    except Exception:  # noqa: BLE001 - an executor's Python without msgspec: json writes
+        return None
+
+
+_KEYS_WRITER = _keys_writer()
 
 
 def insert_if_all_new(db: sqlite3.Connection, table: str, texts: list[str], count: int, at: float) -> bool:

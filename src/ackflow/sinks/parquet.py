@@ -290,16 +290,17 @@ class ParquetSink(Sink):
         _write_atomically(rows, final, self.compression, pq)  # the file and its folder
         fsync_dir(self.staging)  # the folder's entry in _staging
         # the keys go to the driver as one JSON array in the rows' order, the text the
-        # manifest's insert takes (the driver parses them only when some were written before)
-        null_key = keys is not None and None in keys
-        token = {
+        # manifest's insert takes (the driver parses them only when some were written before),
+        # after the part's own line: never escaped into it (nor unescaped by the driver)
+        head = {
             "file": final,
             "rows": rows.num_rows,
-            "keys_json": None if keys is None else keys_text(keys),
+            "has_keys": keys is not None,
             "n_keys": 0 if keys is None else len(keys),
-            "null_key": null_key,
+            "null_key": keys is not None and None in keys,
         }
-        return PartitionResult(failed=failed, token=json.dumps(token).encode())
+        text = b"" if keys is None else keys_text(keys).encode()
+        return PartitionResult(failed=failed, token=json.dumps(head).encode() + b"\n" + text)
 
     def _conform(self, rows: Any) -> tuple[Any, dict[int, str]]:
         """The rows in the dataset's schema (columns it has and the rows lack are null; a
@@ -318,7 +319,7 @@ class ParquetSink(Sink):
         if not tokens:
             return
         staged = os.path.join(self.staging, batch_id)
-        parts = [json.loads(t) for t in tokens]
+        parts = [_part(t) for t in tokens]
         for part in parts:
             if not os.path.exists(part["file"]):
                 raise OSError(f"staged file {part['file']!r} is missing; not committing")
@@ -496,6 +497,14 @@ def _write_atomically(table: Any, final: str, compression: str, pq: Any) -> None
         os.fsync(f.fileno())
     os.replace(tmp, final)
     fsync_dir(os.path.dirname(final))
+
+
+def _part(token: bytes) -> dict[str, Any]:
+    """A task's token: its part's line (JSON: file, rows, ...), then its keys' JSON text."""
+    head, _, text = token.partition(b"\n")
+    part = cast(dict[str, Any], json.loads(head))
+    part["keys_json"] = text.decode() if part.pop("has_keys") else None
+    return part
 
 
 def _keys(part: dict[str, Any]) -> list[str]:

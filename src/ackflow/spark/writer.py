@@ -180,10 +180,18 @@ def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
     >>> unique_keys(pa.array(["k", "k", "k~1", "k"])).to_pylist()
     ['k', 'k~2', 'k~1', 'k~3']
     """
-    given = keys.to_pylist()
-    taken = set(given)
-    seen: dict[str, int] = {}
-    out = []
+    if keys.null_count == 0 and pc.count_distinct(keys).as_py() == len(keys):
+        # no repeat (the common case): the keys as they are, no Python string per row
+        whole = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
+        return whole.cast(pa.string())
+    return pa.array(numbered(keys.to_pylist()), pa.string())
+
+
+def numbered(given: list[str | None]) -> list[str | None]:
+    """:func:`unique_keys` of a list, one key at a time."""
+    taken: set[str | None] = set(given)
+    seen: dict[str | None, int] = {}
+    out: list[str | None] = []
     for k in given:
         n = seen.get(k, 0)
         if n == 0:
@@ -195,4 +203,4 @@ def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
         seen[k] = n + 1
         taken.add(f"{k}~{n}")
         out.append(f"{k}~{n}")
-    return pa.array(out, pa.string())
+    return out
