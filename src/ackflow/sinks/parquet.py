@@ -55,7 +55,9 @@ class ParquetSink(Sink):
 
     Durability order (each step durable before the next): a task writes its file
     to a temporary name, fsyncs it, renames it into ``_staging/<id>/`` and fsyncs
-    that directory and ``_staging``; the driver records the batch (SQLite,
+    that directory and ``_staging``; the driver removes the staged files no task's
+    receipt names (a task that failed after writing, one that died mid-write) and
+    records the batch (SQLite,
     ``synchronous=FULL``); renames ``_staging/<id>`` to ``batch=<id>`` and fsyncs
     ``PATH``. A crash (or power loss) before the record leaves an unrecorded staged
     batch, removed at the next start (its messages were not acked and come again);
@@ -323,6 +325,7 @@ class ParquetSink(Sink):
         for part in parts:
             if not os.path.exists(part["file"]):
                 raise OSError(f"staged file {part['file']!r} is missing; not committing")
+        _drop_unnamed(staged, {os.path.basename(part["file"]) for part in parts})
         target = os.path.join(self.path, f"batch={batch_id}")
         faults.point("parquet.before_record")
         if not self.dedupe:
@@ -497,6 +500,19 @@ def _write_atomically(table: Any, final: str, compression: str, pq: Any) -> None
         os.fsync(f.fileno())
     os.replace(tmp, final)
     fsync_dir(os.path.dirname(final))
+
+
+def _drop_unnamed(staged: str, named: set[str]) -> None:
+    """Remove the files of ``staged`` no token names before the folder becomes the batch: a
+    task that failed after writing its file (its rows failed, their messages come again)
+    or died mid-write. Shown, such rows would be written a second time by the redelivery
+    (their keys were never recorded)."""
+    stray = [name for name in os.listdir(staged) if name not in named]
+    for name in stray:
+        log.warning("batch folder %s: removing %s, which no task's receipt names", staged, name)
+        os.remove(os.path.join(staged, name))
+    if stray:
+        fsync_dir(staged)
 
 
 def _part(token: bytes) -> dict[str, Any]:

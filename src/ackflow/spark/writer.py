@@ -180,7 +180,8 @@ def unique_keys(keys: pa.ChunkedArray | pa.Array) -> pa.Array:
     >>> unique_keys(pa.array(["k", "k", "k~1", "k"])).to_pylist()
     ['k', 'k~2', 'k~1', 'k~3']
     """
-    if keys.null_count == 0 and pc.count_distinct(keys).as_py() == len(keys):
+    plain = pa.types.is_string(keys.type) or pa.types.is_large_string(keys.type)
+    if plain and keys.null_count == 0 and pc.count_distinct(keys).as_py() == len(keys):
         # no repeat (the common case): the keys as they are, no Python string per row
         whole = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
         return whole.cast(pa.string())
