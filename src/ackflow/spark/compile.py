@@ -57,6 +57,7 @@ from ackflow.spark.rows import (
     internal_schema,
     make_segment,
 )
+from ackflow.spark.session import switched_on
 from ackflow.spark.writer import make_writer
 
 Feed = Callable[[Fn], Fn] | None
@@ -93,10 +94,10 @@ class CompiledFlow(Plan):
         # interpreter, another sys.path), and then every message would fail as if poison
         check_executors_can_load(spark, self.shipped)
         # a Python segment and the writer in one pass (see _write); the session's
-        # spark.ackflow.fuse=false keeps two (tests compare the two, message by message)
-        self._fuse = str(spark.conf.get("spark.ackflow.fuse", "true")).lower() != "false"
-        # spark.ackflow.fastjson=false: JSON by the exact reader only (tests compare both)
-        self.fast_json = str(spark.conf.get("spark.ackflow.fastjson", "true")).lower() != "false"
+        # spark.ackflow.fuse=false keeps two
+        self._fuse = switched_on(spark, "fuse")
+        # spark.ackflow.fastjson=false: JSON by the exact reader only (spark/decode.py)
+        self.fast_json = switched_on(spark, "fastjson")
         large = spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")
         self._large = str(large).lower() == "true"  # (Spark hands Python large_string then)
 

@@ -64,10 +64,6 @@ _HUGE_EXPONENT = re.compile(rb"[eE][-+]?0*[1-9][0-9]{4}")
 _TESTED = ((0, 19), (0, 22))
 
 
-#: one reader for every message (msgspec's key cache compares the key's text, not only its
-#: hash: a key never comes back under another key's name). None where the executors' Python
-#: lacks msgspec (ackflow ships itself to them as a zip, not its dependencies) or has another
-#: version: the exact reader alone, as fast as before
 def fast_reader() -> Any:
     """msgspec's JSON reader, or None (no msgspec, or a version not compared)."""
     try:
@@ -80,6 +76,10 @@ def fast_reader() -> Any:
     return None
 
 
+#: one reader for every message (msgspec's key cache compares the key's text, not only its
+#: hash: a key never comes back under another key's name). None where the executors' Python
+#: lacks msgspec (ackflow ships itself to them as a zip, not its dependencies) or has another
+#: version: the exact reader alone, as fast as before
 _FAST_READER = fast_reader()
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 
 from ackflow.core.durable import try_lock
+from ackflow.spark.session import switched_on
 
 Fn = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 PREFIX = "ackflow-feed-"
@@ -126,5 +127,4 @@ def _remove(folder: str, fd: int | None) -> None:
 def feed_enabled(spark: object) -> bool:
     """On unless the session says ``spark.ackflow.feed=false`` (then the messages go
     through ``createDataFrame`` as on a cluster)."""
-    conf = spark.conf  # type: ignore[attr-defined]
-    return str(conf.get("spark.ackflow.feed", "true")).lower() != "false"
+    return switched_on(spark, "feed")
