@@ -311,7 +311,8 @@ def test_status_page_during_a_real_run(spark, tmp_path, page, browser):
         other.close()
         assert outcome.startswith("blocked"), outcome
         check = EmbeddedQueue(db, readonly=True)
-        assert [d.msg_id for d in check.dead_letters("orders")] == ["poison-1", "broken-1"]
+        # two failures of different steps: the order they reach the dead letters is not a promise
+        assert sorted(d.msg_id for d in check.dead_letters("orders")) == ["broken-1", "poison-1"]
 
         # -- replay from the page: the poison message, now accepted, is written -------------
         reject.unlink()
