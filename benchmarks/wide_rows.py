@@ -32,11 +32,15 @@ def batch(columns: int) -> tuple[list[dict[str, Any]], pa.Schema]:
     return made, pa.schema(fields)
 
 
+def _from_pylist(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
 def best_us(made: list[dict[str, Any]], schema: pa.Schema, mode: str | None, by_fields: bool) -> float:
     rows.BY_ROW_FIELDS = by_fields
     table = rows.rows_table
     if not by_fields:
-        rows.rows_table = lambda r, s: pa.Table.from_pylist(r, schema=s)
+        rows.rows_table = _from_pylist
     try:
         best = float("inf")
         for _ in range(5):
