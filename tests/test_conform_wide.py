@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ackflow.core.schema import EVOLVE, FREEZE, RESCUE, RESCUED
-from ackflow.spark import columns, rows
+from ackflow.spark import columns, infer, rows
 from ackflow.spark.columns import FAILED, LIVE, rows_table
 
 TYPES = [
@@ -139,3 +139,21 @@ def test_rows_table_reads_a_dict_subclass_as_from_pylist_does():
     want = pa.Table.from_pylist([Doubled(w3=1)], schema=schema)
     assert want.column("w3").to_pylist() == [2]
     assert columns.rows_table([Doubled(w3=1)], schema).equals(want)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rs=st.lists(st.dictionaries(st.sampled_from([*NAMES, 1, ("t",)]), values, max_size=5), max_size=15))
+def test_infer_schema_by_row_fields_answers_as_by_keys(rs):
+    new = infer.infer_schema(copy.deepcopy(rs), "record")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(infer, "BY_ROW_FIELDS", False)
+        old = infer.infer_schema(copy.deepcopy(rs), "record")
+    assert new == old and new.names == old.names and new.metadata == old.metadata
+
+
+def test_infer_schema_keeps_the_order_keys_are_first_seen_and_types_of_sparse_keys():
+    rs = [{"b": 1}, {"a": "x"}, {"b": None, "c": [1]}] + [{} for _ in range(50)] + [{"a": None}]
+    assert infer.infer_schema(rs, "s") == pa.schema(
+        [("b", pa.int64()), ("a", pa.string()), ("c", pa.list_(pa.int64()))]
+    )
+    assert infer.infer_schema([{"z": None}, {}], "s") == pa.schema([("z", pa.null())])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +10,11 @@ import pyarrow as pa
 
 from ackflow.core.schema import empty, prune_nulls
 from ackflow.spark.columns import reserved
+
+#: infer_schema() gathers each key's values from the rows' own fields (a key's values
+#: without the Nones of the rows that lack it: the same types, since None gives none),
+#: not by looking every key up in every row. Tests compare both ways.
+BY_ROW_FIELDS = True
 
 
 def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
@@ -23,14 +29,24 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
     evolves the column to that value's type; inside a struct such a field makes no
     field yet (:func:`~ackflow.core.schema.prune_nulls`). Sinks never see a null-typed
     column (:func:`held_columns`)."""
-    keys: dict[str, None] = {}
+    keys: dict[Any, None] = {}  # in the order first seen
     for r in rows:
         keys.update(dict.fromkeys(r))
+    seen = sum(len(r) for r in itertools.islice(rows, 64))
+    columns: dict[Any, list[Any]]  # key -> its values
+    wide = len(keys) > 8 and len(keys) * min(len(rows), 64) > 2 * seen
+    if BY_ROW_FIELDS and wide and all(type(r) is dict for r in rows):  # (a subclass may read
+        columns = {k: [] for k in keys}  # its values otherwise than its items say)
+        for r in rows:  # the values a row has: a missing one is None, which gives no type
+            for k, v in r.items():
+                columns[k].append(v)
+    else:
+        columns = {k: [r.get(k) for r in rows] for k in keys}
     fields = []
-    for k in keys:
+    for k, raw in columns.items():
         if not isinstance(k, str) or reserved(k):
             continue
-        values = [_hollow(r.get(k)) for r in rows]
+        values = [_hollow(v) for v in raw]
         try:
             t = pa.array(values).type
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
