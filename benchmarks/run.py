@@ -67,6 +67,7 @@ import tempfile
 import uuid
 from typing import Any
 
+from benchmarks import phases as shapes
 from benchmarks import windows
 from benchmarks.chart import workers_cpu
 from benchmarks.phases import (
@@ -267,6 +268,12 @@ def main() -> None:
         "--queue-type", default="classic", choices=("classic", "quorum"), help="the queue --sweep runs on"
     )
     p.add_argument("--repeat", type=int, default=1, help="runs per phase; the median is shown")
+    p.add_argument(
+        "--shape-every",
+        type=int,
+        default=shapes.SHAPE_EVERY,
+        help="shape phases: messages per optional field (columns = messages / this + 5)",
+    )
     p.add_argument("--latency-rate", type=float, default=200.0)
     p.add_argument("--latency-seconds", type=float, default=60.0)
     p.add_argument(
@@ -286,6 +293,7 @@ def main() -> None:
     p.add_argument("--broker-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to run")
     a = p.parse_args()
+    shapes.SHAPE_EVERY = a.shape_every  # read by shaped() when the input is published
 
     if a.phase:
         if a.ack_hold is not None:

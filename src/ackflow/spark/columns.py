@@ -115,14 +115,12 @@ def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     [{'a': 1, 'b': None}, {'a': None, 'b': 'x'}]
     """
     n, width = len(rows), len(schema)
-    seen = sum(len(r) for r in itertools.islice(rows, 64))
-    if width <= 8 or width * min(n, 64) <= 2 * seen:  # narrow: from_pylist is faster
-        return pa.Table.from_pylist(rows, schema=schema)
+    if width <= 8 or any(type(r) is not dict for r in rows):  # (another mapping may read its
+        return pa.Table.from_pylist(rows, schema=schema)  # items otherwise than it is read)
     place = {name: j for j, name in enumerate(schema.names)}
-    if len(place) != width:  # two columns of one name: from_pylist's own rules
-        return pa.Table.from_pylist(rows, schema=schema)
-    if any(type(r) is not dict for r in rows):  # a subclass may read its items otherwise
-        return pa.Table.from_pylist(rows, schema=schema)
+    seen = sum(len(r) for r in itertools.islice(rows, 64))
+    if len(place) != width or width * min(n, 64) <= 2 * seen:  # two columns of one name,
+        return pa.Table.from_pylist(rows, schema=schema)  # or narrow: from_pylist is faster
     columns: list[list[Any] | None] = [None] * width
     for i, r in enumerate(rows):
         for k, v in r.items():

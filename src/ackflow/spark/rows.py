@@ -264,7 +264,7 @@ def conform(
     are left out."""
     names = set(data_schema.names)
     checked = [(name, t, plain_types(t)) for name, t in checked_columns(data_schema)]
-    check_at = {c[0]: (j, c[1], c[2]) for j, c in enumerate(checked)}
+    check_at = {c[0]: j for j, c in enumerate(checked)}
     # (two columns of one name: the loop over columns; tests turn BY_ROW_FIELDS off to compare)
     wide = BY_ROW_FIELDS and len(check_at) == len(checked)
     pending: list[int] = []  # rows that need more columns (mode evolve), typed together
@@ -310,17 +310,13 @@ def conform(
                 )
                 continue
         why = None  # bad is a new field; else why its value does not fit
-        if bad is None and wide and len(r) < len(checked) and type(r) is dict:  # its own fields
-            first = len(checked)  # the first column (in the columns' order) that does not fit
-            for name, value in r.items():
-                c = check_at.get(name)
-                if c is None or c[0] > first or type(value) in c[2]:  # None fits every column
-                    continue
-                found = outside(value, c[1], name)
-                if found is not None and (mode is not None or found[1] is not None):
-                    first, (bad, why) = c[0], found
-        elif bad is None:
-            for name, t, plain in checked:
+        if bad is None:
+            columns = checked
+            if wide and len(r) < len(checked) and type(r) is dict:
+                # only the columns the row has, in the same order: a missing field is None,
+                # which fits every column
+                columns = [checked[j] for j in sorted(check_at.get(k, -1) for k in r) if j >= 0]
+            for name, t, plain in columns:
                 value = r.get(name)
                 if type(value) in plain:  # outside() would pass it
                     continue
