@@ -86,10 +86,10 @@ def main() -> None:
         old, new = infer_us(made, False), infer_us(made, True)
         results.append({"columns": columns, "infer": True, "by_columns_us": old, "by_fields_us": new})
         print(f"{columns:>8} {'infer':>7} {old:>18.2f} {new:>17.2f} {old / new:>6.2f}")
-    print(json.dumps({"rows": ROWS, "results": results}))
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"rows": ROWS, "results": results}, f, indent=1)
+    print(json.dumps({"rows": ROWS, "results": results}))
 
 
 if __name__ == "__main__":

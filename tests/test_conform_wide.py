@@ -7,6 +7,7 @@ would change, values Arrow cannot hold, new fields, reserved names and empty val
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import enum
 from decimal import Decimal
 from typing import Any
@@ -182,3 +183,36 @@ def test_a_column_name_twice_is_read_as_from_pylist_and_checked_column_by_column
     status, step, err = [LIVE], [None], [None]
     rows.conform([{"a": 1.5}], schema, status, step, err, "record")  # the first "a" would cut 1.5
     assert status == [FAILED] and str(err[0]).startswith("field 'a': a number with a fraction"), err
+
+
+class _NeedsADate(dt.tzinfo):  # a hand-written zone whose name needs the datetime
+    def utcoffset(self, d: Any) -> dt.timedelta:
+        return dt.timedelta(hours=1)
+
+    def dst(self, d: Any) -> dt.timedelta:
+        return dt.timedelta(0)
+
+    def tzname(self, d: Any) -> str:
+        return "CET" if d.month < 4 else "CEST"  # Arrow asks with None: AttributeError
+
+
+def _outcome(rs: list[dict[str, Any]]) -> str:
+    try:
+        return repr(infer.infer_schema(rs, "s"))
+    except Exception as e:  # noqa: BLE001 - compared
+        return f"raised {type(e).__name__}: {e}"
+
+
+def test_infer_schema_where_arrow_raises_reads_the_key_with_its_nones():
+    """Arrow checks a mix of kinds every 100 values, Nones counted: which value it reaches
+    before it raises depends on them (found by review; both orders)."""
+    when = dt.datetime(2020, 1, 1, tzinfo=_NeedsADate())
+    others = {f"a{i}": 1 for i in range(9)}  # wide rows
+    first = [{"k": [1], **others}, {"k": 5}] + [{} for _ in range(98)] + [{"k": when}]
+    later = [{"k": 1, **others}] + [{} for _ in range(60)] + [{"k": i} for i in range(30)]
+    later += [{"k": [1]}] + [{"k": i} for i in range(68)] + [{"k": when}]
+    for rs in (first, later):
+        new = _outcome(rs)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(infer, "BY_ROW_FIELDS", False)
+            assert new == _outcome(rs)

@@ -11,9 +11,11 @@ import pyarrow as pa
 from ackflow.core.schema import empty, prune_nulls
 from ackflow.spark.columns import reserved
 
-#: infer_schema() gathers each key's values from the rows' own fields (a key's values
-#: without the Nones of the rows that lack it: the same types, since None gives none),
-#: not by looking every key up in every row. Tests compare both ways.
+#: infer_schema() gathers each key's values from the rows' own fields (without the Nones
+#: of the rows that lack it) instead of looking every key up in every row. A type Arrow
+#: infers from them is the one it infers with the Nones; where Arrow raises, the key is
+#: read again with its Nones (Arrow checks a mix of kinds every 100 values, Nones
+#: counted, so which value it reaches before it raises depends on them). Tests compare.
 BY_ROW_FIELDS = True
 
 
@@ -32,27 +34,32 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
     keys: dict[Any, None] = {}  # in the order first seen
     for r in rows:
         keys.update(dict.fromkeys(r))
-    seen = sum(len(r) for r in itertools.islice(rows, 64))
-    columns: dict[Any, list[Any]]  # key -> its values
-    wide = len(keys) > 8 and len(keys) * min(len(rows), 64) > 2 * seen
-    if BY_ROW_FIELDS and wide and all(type(r) is dict for r in rows):  # (a subclass may read
-        columns = {k: [] for k in keys}  # its values otherwise than its items say)
-        for r in rows:  # the values a row has: a missing one is None, which gives no type
-            for k, v in r.items():
-                columns[k].append(v)
-    else:
-        columns = {k: [r.get(k) for r in rows] for k in keys}
+    columns: dict[Any, list[Any]] | None = None  # key -> its values, on wide rows
+    if BY_ROW_FIELDS and len(keys) > 8 and all(type(r) is dict for r in rows):  # (a subclass
+        seen = sum(len(r) for r in itertools.islice(rows, 64))  # may read its values otherwise)
+        if len(keys) * min(len(rows), 64) > 2 * seen:
+            columns = {k: [] for k in keys}
+            for r in rows:
+                for k, v in r.items():
+                    columns[k].append(v)
     fields = []
-    for k, raw in columns.items():
+    for k in keys:
         if not isinstance(k, str) or reserved(k):
             continue
-        values = [_hollow(v) for v in raw]
-        try:
-            t = pa.array(values).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-            t = _majority_type(values)
-            if t is None:
-                continue
+        t = None
+        if columns is not None:
+            try:
+                t = pa.array([_hollow(v) for v in columns[k]]).type
+            except Exception:  # noqa: BLE001 - read again with the Nones, below
+                pass
+        if t is None:
+            values = [_hollow(r.get(k)) for r in rows]
+            try:
+                t = pa.array(values).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+                t = _majority_type(values)
+                if t is None:
+                    continue
         pruned = prune_nulls(t)
         fields.append(pa.field(k, pa.null() if pruned is None else pruned))
     return pa.schema(fields)

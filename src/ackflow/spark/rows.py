@@ -312,7 +312,7 @@ def conform(
         why = None  # bad is a new field; else why its value does not fit
         if bad is None:
             columns = checked
-            if wide and len(r) < len(checked) and type(r) is dict:
+            if wide and type(r) is dict and len(r) < len(checked):
                 # only the columns the row has, in the same order: a missing field is None,
                 # which fits every column
                 columns = [checked[j] for j in sorted(check_at.get(k, -1) for k in r) if j >= 0]
