@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import enum
+import json
 from decimal import Decimal
 from typing import Any
 
@@ -32,6 +33,11 @@ TYPES = [
     pa.list_(pa.int64()),
     pa.struct([("a", pa.int64()), ("b", pa.string())]),
     pa.timestamp("us"),
+    pa.dictionary(pa.int32(), pa.string()),
+    pa.map_(pa.string(), pa.int64()),
+    pa.decimal128(10, 2),
+    pa.binary(),
+    pa.date32(),
 ]
 NAMES = [f"c{i}" for i in range(24)] + ["C0", "x y", "__af_id", "new", RESCUED]
 
@@ -71,8 +77,8 @@ def shaped(draw: Any) -> tuple[list[dict[str, Any]], pa.Schema]:
 
 
 def _run(rows_in: list[dict[str, Any]], schema: pa.Schema, mode: str | None, status_in: list[int]) -> Any:
-    rs = copy.deepcopy(rows_in)
-    status = list(status_in)
+    status = list(status_in)  # a row failed before holds nothing, as segment_rows gives it
+    rs = [copy.deepcopy(r) if s == LIVE else {} for r, s in zip(rows_in, status, strict=False)]
     step: list[str | None] = [None if s == LIVE else "earlier" for s in status]
     err: list[str | None] = [None if s == LIVE else "failed before" for s in status]
     try:
@@ -216,3 +222,57 @@ def test_infer_schema_where_arrow_raises_reads_the_key_with_its_nones():
         with pytest.MonkeyPatch.context() as m:
             m.setattr(infer, "BY_ROW_FIELDS", False)
             assert new == _outcome(rs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(20, 400), width=st.integers(9, 60))
+def test_rows_table_spreads_sparse_columns_as_from_pylist_fills_them(seed, n, width):
+    """Many rows, each with a few of many columns: columns a row in eight has or fewer are
+    converted from their values alone and spread to their rows."""
+    import random
+
+    rnd = random.Random(seed)
+    kinds = [pa.int64(), pa.string(), pa.float64(), pa.struct([("a", pa.int64())]), pa.list_(pa.string())]
+    schema = pa.schema([(f"w{k}", rnd.choice(kinds)) for k in range(width)])
+    make = {
+        pa.int64(): lambda: rnd.choice([None, rnd.randint(-5, 5)]),
+        pa.string(): lambda: rnd.choice([None, "", "x" * rnd.randint(0, 3)]),
+        pa.float64(): lambda: rnd.choice([None, rnd.random(), -0.0]),
+        pa.struct([("a", pa.int64())]): lambda: rnd.choice([None, {}, {"a": rnd.randint(0, 3)}, {"a": None}]),
+        pa.list_(pa.string()): lambda: rnd.choice([None, [], ["a", None]]),
+    }
+    rs = []
+    for _ in range(n):
+        picked = rnd.sample(range(width), rnd.randint(0, 3))
+        rs.append({f"w{k}": make[schema.field(k).type]() for k in picked})
+    got, want = rows_table(rs, schema), pa.Table.from_pylist(rs, schema=schema)
+    assert got.schema == want.schema and got.equals(want)
+    assert repr(got.to_pylist()) == repr(want.to_pylist())
+
+
+MAP = pa.map_(pa.string(), pa.int64())
+MAPS = pa.schema(
+    [("h", MAP), ("s", pa.struct([("m", MAP)])), ("l", pa.list_(MAP)), ("mm", pa.map_(pa.string(), MAP))]
+)
+
+
+@pytest.mark.parametrize("mode", [None, FREEZE, EVOLVE, RESCUE])
+@pytest.mark.parametrize(
+    "row",
+    [{"h": [None]}, {"h": [None, ("a", 1)]}, {"s": {"m": [None]}}, {"l": [[None]]}, {"mm": {"a": [None]}}],
+)
+def test_a_null_entry_where_a_map_goes_fails_its_row_instead_of_aborting_arrow(mode, row):
+    """pyarrow 26 aborts the process (a failed C++ check, not an exception) converting a
+    list with a null entry into a map: JSON ``{"h": [null]}`` against a map column must
+    fail or rescue its own row, and the row beside it must be written."""
+    schema = MAPS.append(pa.field(RESCUED, pa.string())) if mode == RESCUE else MAPS
+    rs = [dict(row), {"h": [("k", 1)]}]
+    status, step, err = [LIVE, LIVE], [None, None], [None, None]
+    table = rows.conform(rs, schema, status, step, err, "record", mode, "seg")
+    assert status[1] == LIVE and table.column("h").to_pylist()[1] == [("k", 1)]
+    if mode == RESCUE:
+        assert status[0] == LIVE and json.loads(table.column(RESCUED)[0].as_py()) == json.loads(
+            json.dumps(row)
+        )
+    else:
+        assert status[0] == FAILED and "null entry" in str(err[0]), err

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import json
 import os
 import sqlite3
@@ -202,11 +203,63 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.401298464324817e-45  # the smallest float32 above 0
 
 
+@functools.lru_cache(maxsize=1024)
+def _holds_map(t: pa.DataType) -> bool:
+    """Whether type ``t`` has a map type in it, at any depth."""
+    if pa.types.is_map(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_holds_map(t.field(i).type) for i in range(t.num_fields))
+    return _is_list(t) and _holds_map(t.value_type)
+
+
+def null_map_entry(value: Any, t: pa.DataType, path: str) -> str | None:
+    """The path in ``value`` of a list with a null entry where ``t`` holds a map, or None.
+    Arrow (pyarrow 26) aborts the process when it converts one (a failed C++ check, not
+    an exception), so such a value must never reach it."""
+    if value is None or not _holds_map(t):
+        return None
+    if pa.types.is_map(t):
+        if isinstance(value, dict):
+            entries: list[Any] = list(value.items())
+        elif isinstance(value, list | tuple):
+            if any(e is None for e in value):
+                return path
+            entries = [e for e in value if isinstance(e, list | tuple) and len(e) == 2]
+        else:
+            return None
+        for k, v in entries:
+            sub = null_map_entry(v, t.item_type, f"{path}[{k!r}]")
+            if sub is not None:
+                return sub
+        return None
+    if pa.types.is_struct(t) and isinstance(value, dict):
+        for k, v in value.items():
+            i = t.get_field_index(k) if isinstance(k, str) else -1
+            sub = null_map_entry(v, t.field(i).type, f"{path}.{k}" if path else str(k)) if i >= 0 else None
+            if sub is not None:
+                return sub
+    if _is_list(t) and isinstance(value, list | tuple):
+        for v in value:
+            sub = null_map_entry(v, t.value_type, f"{path}[]")
+            if sub is not None:
+                return sub
+    return None
+
+
 def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
     """Why Arrow would change ``value`` silently on its way into type ``t`` (None: it
     would not): a fraction cut by an integer type, anything but an object read as a
     struct (an empty string becomes one of nulls), a string or bytes split into a list,
-    a boolean made a number, a number made a date or a time, a float32 overflow."""
+    a boolean made a number, a number made a date or a time, a float32 overflow. And a
+    null entry in a list read as a map: Arrow aborts the process on it (pyarrow 26:
+    ``pa.array([[None]], pa.map_(...))`` fails a C++ check), so no row may carry one
+    there, however empty it is."""
+    if _holds_map(t):
+        at = null_map_entry(value, t, "")
+        if at is not None:
+            where = f" (at {at})" if at else ""
+            return f"a list with a null entry{where} cannot be a map of the type {t} (an entry is a pair)"
     if empty(value):
         return None
     if (

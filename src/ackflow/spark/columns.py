@@ -7,11 +7,13 @@ error). User fields may not take these names, nor any name Spark cannot address.
 
 from __future__ import annotations
 
+import array
 import itertools
 import threading
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ackflow.core.ledger import RECEIPT_SCHEMA
 from ackflow.sinks.base import ROW_KEY
@@ -121,14 +123,42 @@ def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     seen = sum(len(r) for r in itertools.islice(rows, 64))
     if len(place) != width or width * min(n, 64) <= 2 * seen:  # two columns of one name,
         return pa.Table.from_pylist(rows, schema=schema)  # or narrow: from_pylist is faster
-    columns: list[list[Any] | None] = [None] * width
+    where: list[list[int] | None] = [None] * width  # per column: the rows that have it
+    values: list[list[Any]] = [[] for _ in range(width)]  # and their values, in row order
     for i, r in enumerate(rows):
         for k, v in r.items():
             j = place.get(k)
             if j is not None:
-                c = columns[j]
-                if c is None:
-                    c = columns[j] = [None] * n
-                c[i] = v
-    nothing: list[Any] = [None] * n  # converted as from_pylist converts a column no row has
-    return pa.Table.from_arrays([nothing if c is None else c for c in columns], schema=schema)
+                at = where[j]
+                if at is None:
+                    where[j] = [i]
+                else:
+                    at.append(i)
+                values[j].append(v)
+    nothing: list[Any] | None = None
+    arrays: list[pa.Array] = []  # converted one by one in the columns' order, as from_pylist
+    for j, f in enumerate(schema):  # does (the first column that cannot be raises)
+        at = where[j]
+        if at is None:  # a column no row has
+            nothing = nothing or [None] * n
+            arrays.append(pa.array(nothing, f.type))
+        elif len(at) * 8 >= n:  # dense enough: the column's list, as from_pylist makes it
+            full: list[Any] = [None] * n
+            for i, v in zip(at, values[j], strict=True):
+                full[i] = v
+            arrays.append(pa.array(full, f.type))
+        else:  # sparse: its values converted alone (the same conversion, without the
+            arrays.append(_spread(pa.array(values[j], f.type), at, n))  # Nones), then spread
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _spread(got: pa.Array, at: list[int], n: int) -> pa.Array:
+    """An array of ``n`` with ``got[p]`` at row ``at[p]`` and null elsewhere (``at``
+    increasing): Arrow's ``take`` over an index that is null where no value is."""
+    index = array.array("i", bytes(4 * n))
+    valid = bytearray((n + 7) // 8)
+    for p, i in enumerate(at):
+        index[i] = p
+        valid[i >> 3] |= 1 << (i & 7)
+    buffers = [pa.py_buffer(valid), pa.py_buffer(index)]
+    return pc.take(got, pa.Array.from_buffers(pa.int32(), n, buffers, null_count=n - len(at)))

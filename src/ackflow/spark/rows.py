@@ -31,6 +31,7 @@ from ackflow.core.schema import (
     empty,
     merge_schemas,
     miss_error,
+    null_map_entry,
     outside,
     plain_types,
     split_rescued,
@@ -493,6 +494,9 @@ def _unfit(row: dict[str, Any], data_schema: pa.Schema) -> str | None:
     or at all for a new field), and why."""
     for k, v in row.items():
         i = data_schema.get_field_index(k) if isinstance(k, str) else -1
+        at = null_map_entry(v, data_schema.field(i).type, str(k)) if i >= 0 else None
+        if at is not None:  # Arrow would abort the process on it, not raise
+            return f"field {at!r}: a list with a null entry cannot be a map"
         try:
             pa.array([v], data_schema.field(i).type) if i >= 0 else pa.array([v])
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
