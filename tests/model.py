@@ -422,11 +422,19 @@ def shape_fields(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def norm(row: dict[str, Any]) -> Any:
-    """A row as the model compares it: ``_rescued`` put back in place, null fields
+    """A row as the model compares it: ``_rescued`` put back in place at every depth (a
+    ``grouped_within`` row lists its members' rows, each with its own), null fields
     dropped (a column added after the row was written reads null)."""
     from ackflow.testing import present
 
-    return present(unrescued(row))
+    def back(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: back(v) for k, v in unrescued(value).items()}
+        if isinstance(value, list):
+            return [back(v) for v in value]
+        return value
+
+    return present(back(row))
 
 
 def unrescued(row: dict[str, Any]) -> dict[str, Any]:

@@ -242,6 +242,26 @@ GROUP_NULL_ONLY = Example(
 )
 
 
+# found by CI: a grouped_within group written again (a commit of another branch failed
+# before applying) listed its members' rows in their new arrival order: one key, two rows
+GROUP_ORDER = Example(
+    (None, 1, None, 0, 7, 18, 17, 17, None, None),
+    1,
+    (("shape", 2), ("shape", 2)),
+    True,
+    "all",
+    (Branch("refuse", 4, 4), Branch("refuse", 2, 4), Branch("refuse", 3, 1)),
+    True,
+    ((1, 2, "before"),),
+    (("engine.drain", 3), ("engine.before_fail", 3)),
+    3,
+    10,
+    3,
+    ((3, "next"), (3, "end"), (7, "next")),
+    (),
+)
+
+
 @settings(
     max_examples=LOCAL_EXAMPLES,
     deadline=None,
@@ -254,6 +274,7 @@ GROUP_NULL_ONLY = Example(
 @example(ex=NULL_KEY_AT_SINK)
 @example(ex=RESCUED_AFTER_RESTART)
 @example(ex=BRANCH_NULL_KEY)
+@example(ex=GROUP_ORDER)
 def test_model_local(ex: Example) -> None:
     run_example(ex, executor="local")
 

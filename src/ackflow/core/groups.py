@@ -6,6 +6,7 @@ groups, and groups whose first row is older than the timeout, come out.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,21 @@ class Group:
     def members(self) -> list[int]:
         """One entry per row membership."""
         return [m for ids in self.row_ids for m in ids]
+
+    def ordered_rows(self) -> list[dict[str, Any]]:
+        """The rows in the order of their row keys (then of their values), not of their
+        arrival: the group's row key is a digest of its members' keys, and a broker
+        redelivers in any order, so a group written again must be the same row.
+
+        >>> g = Group(("a",), 0.0, [{"v": 2}, {"v": 1}], [(2,), (1,)], ["m2", "m1"])
+        >>> g.ordered_rows()
+        [{'v': 1}, {'v': 2}]
+        """
+        order = sorted(
+            range(len(self.rows)),
+            key=lambda i: (self.row_keys[i], json.dumps(self.rows[i], sort_keys=True, default=str)),
+        )
+        return [self.rows[i] for i in order]
 
 
 class GroupBuffer:

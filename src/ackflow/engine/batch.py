@@ -394,7 +394,10 @@ def execute_groups(
     expected = sorted(members)
     result = BatchResult(batch_id, len(expected), member_rows=dict(members), evolutions=evolutions)
     data = pa.Table.from_pylist(
-        [{**dict(zip(keys, g.key, strict=True)), "count": len(g.rows), "rows": g.rows} for g in groups]
+        [
+            {**dict(zip(keys, g.key, strict=True)), "count": len(g.rows), "rows": g.ordered_rows()}
+            for g in groups
+        ]
     )
     n = data.num_rows
     table = (
