@@ -155,3 +155,45 @@ def test_rabbitmq_bodies_and_headers(spark, rabbitmq, msgs):
     )
     assert report.acked + report.dead_lettered == len(msgs)
     assert count(rabbitmq.url, q) == 0
+
+
+# found by a property test (0.6.10): pyarrow 26 aborts the process (a failed C++ check,
+# not an exception) converting a list with a null entry into a map, so one such body
+# killed a Python worker, and with the in-process executor the whole run
+MAP_BODIES = [
+    b'{"h": [null], "s": {"m": {"a": 1}}}',
+    b'{"h": {"a": 1}, "s": {"m": {"a": 2}}}',
+    b'{"h": {"b": 2}, "s": {"m": [null, ["a", 3]]}}',
+    b'{"h": [["c", 3]], "s": {"m": {}}}',
+    b'{"h": [[null, 1]], "s": null}',
+    b'{"h": [null, null]}',
+    b'{"h": {"d": null}}',
+]
+
+
+@pytest.mark.parametrize("executor", ["local", "spark"])
+def test_a_null_entry_headed_for_a_map_column_fails_its_message_alone(spark, tmp_path, executor):
+    import pyarrow as pa
+
+    mp = pa.map_(pa.string(), pa.int64())
+    schema = pa.schema([("h", mp), ("s", pa.struct([("m", mp)]))])
+    db = str(tmp_path / "q.db")
+    EmbeddedQueue(db).publish("in", MAP_BODIES)
+    src = EmbeddedQueueSource(db, "in", policy=POLICY)
+    out, dead = MemorySink(name="out"), MemorySink(name="dead")
+    flow = ackflow.Flow(src).map(lambda r: r, name="same", schema=schema).to(out).on_error(dead)
+    opts = {"executor": "local"} if executor == "local" else {"spark": spark}
+    report = ackflow.run(flow, **{**FAST, "until_idle": 0.5, "systemic_stop_after_s": 15}, **opts)
+    failed = {r["message"]: (r["step"], r["error"]) for r in dead.rows}
+    assert report.acked == 2 and report.dead_lettered == 5, (report, failed)  # none retried: data
+    null_entry = "a list with a null entry cannot be a map (an entry is a pair)"
+    assert failed["#1"] == ("same", f"field 'h': {null_entry}"), failed
+    assert failed["#3"] == ("same", f"field 's.m': {null_entry}"), failed
+    assert failed["#6"] == ("same", f"field 'h': {null_entry}"), failed
+    # a JSON list of pairs is not a map either (Arrow wants tuples): it fails alone too
+    assert failed["#4"][0] == failed["#5"][0] == "same", failed
+    assert sorted(out.rows, key=str) == [
+        {"h": [("a", 1)], "s": {"m": [("a", 2)]}},
+        {"h": [("d", None)], "s": None},
+    ], out.rows
+    assert EmbeddedQueue(db).stats("in")["ready"] == 0

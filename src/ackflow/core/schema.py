@@ -251,15 +251,8 @@ def _leaf_misfit(value: Any, t: pa.DataType) -> str | None:
     """Why Arrow would change ``value`` silently on its way into type ``t`` (None: it
     would not): a fraction cut by an integer type, anything but an object read as a
     struct (an empty string becomes one of nulls), a string or bytes split into a list,
-    a boolean made a number, a number made a date or a time, a float32 overflow. And a
-    null entry in a list read as a map: Arrow aborts the process on it (pyarrow 26:
-    ``pa.array([[None]], pa.map_(...))`` fails a C++ check), so no row may carry one
-    there, however empty it is."""
-    if _holds_map(t):
-        at = null_map_entry(value, t, "")
-        if at is not None:
-            where = f" (at {at})" if at else ""
-            return f"a list with a null entry{where} cannot be a map of the type {t} (an entry is a pair)"
+    a boolean made a number, a number made a date or a time, a float32 overflow. (A null
+    entry in a list read as a map is :func:`outside`'s.)"""
     if empty(value):
         return None
     if (
@@ -289,7 +282,16 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | N
     """The first place where ``value`` does not fit type ``t`` without a loss, or None:
     (its path, None) for a field that ``t`` has no place for (at any depth), (its path,
     why) for a value Arrow would change silently (:func:`_leaf_misfit`). Empty values
-    fit anywhere (they hold nothing to lose)."""
+    fit anywhere (they hold nothing to lose). A list with a null entry where ``t`` holds a
+    map fails, at any depth, however empty it is: Arrow aborts the process on it
+    (:func:`null_map_entry`; walked once, here, not at every depth)."""
+    at = null_map_entry(value, t, path)
+    if at is not None:
+        return at, "a list with a null entry cannot be a map (an entry is a pair)"
+    return _outside(value, t, path)
+
+
+def _outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | None:
     why = _leaf_misfit(value, t)
     if why is not None:
         return path, why
@@ -302,7 +304,7 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | N
                 if not empty(v):
                     return f"{path}.{k}", None
                 continue
-            sub = outside(v, t.field(i).type, f"{path}.{k}")
+            sub = _outside(v, t.field(i).type, f"{path}.{k}")
             if sub is not None:
                 return sub
         return None
@@ -310,12 +312,12 @@ def outside(value: Any, t: pa.DataType, path: str) -> tuple[str, str | None] | N
         vt = t.value_type
         if _checked(vt):
             for v in value:
-                sub = outside(v, vt, f"{path}[]")
+                sub = _outside(v, vt, f"{path}[]")
                 if sub is not None:
                     return sub
     if isinstance(value, dict) and pa.types.is_map(t) and _checked(t.item_type):
         for k, v in value.items():
-            sub = outside(v, t.item_type, f"{path}[{k!r}]")
+            sub = _outside(v, t.item_type, f"{path}[{k!r}]")
             if sub is not None:
                 return sub
     return None

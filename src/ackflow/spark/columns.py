@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import itertools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -105,6 +106,21 @@ def unaddressable(name: str) -> str | None:
     return None
 
 
+def wide(rows: Sequence[Any], columns: int) -> bool:
+    """Whether rows are worth reading by their own fields rather than column by column:
+    more than 8 columns, every row a plain ``dict`` (another mapping may read its items
+    otherwise than it is looked up), and the columns more than twice the fields a row
+    has (counted over the first 64 rows).
+
+    >>> wide([{"a": 1}] * 3, 20), wide([{"a": 1}] * 3, 8), wide([dict.fromkeys("abcdefghij")], 12)
+    (True, False, False)
+    """
+    if columns <= 8 or any(type(r) is not dict for r in rows):
+        return False
+    seen = sum(len(r) for r in itertools.islice(rows, 64))
+    return columns * min(len(rows), 64) > 2 * seen
+
+
 def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     """``pa.Table.from_pylist(rows, schema=schema)``, the same table and the same errors,
     at a cost that follows the fields the rows have rather than the columns there are
@@ -117,12 +133,9 @@ def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     [{'a': 1, 'b': None}, {'a': None, 'b': 'x'}]
     """
     n, width = len(rows), len(schema)
-    if width <= 8 or any(type(r) is not dict for r in rows):  # (another mapping may read its
-        return pa.Table.from_pylist(rows, schema=schema)  # items otherwise than it is read)
     place = {name: j for j, name in enumerate(schema.names)}
-    seen = sum(len(r) for r in itertools.islice(rows, 64))
-    if len(place) != width or width * min(n, 64) <= 2 * seen:  # two columns of one name,
-        return pa.Table.from_pylist(rows, schema=schema)  # or narrow: from_pylist is faster
+    if len(place) != width or not wide(rows, width):  # two columns of one name, or narrow
+        return pa.Table.from_pylist(rows, schema=schema)  # (from_pylist is faster there)
     where: list[list[int] | None] = [None] * width  # per column: the rows that have it
     values: list[list[Any]] = [[] for _ in range(width)]  # and their values, in row order
     for i, r in enumerate(rows):

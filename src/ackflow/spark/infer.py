@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
 
 from ackflow.core.schema import empty, prune_nulls
-from ackflow.spark.columns import reserved
+from ackflow.spark.columns import reserved, wide
 
 #: infer_schema() gathers each key's values from the rows' own fields (without the Nones
 #: of the rows that lack it) instead of looking every key up in every row. A type Arrow
@@ -35,13 +34,11 @@ def infer_schema(rows: Sequence[dict[str, Any]], step: str) -> pa.Schema:
     for r in rows:
         keys.update(dict.fromkeys(r))
     columns: dict[Any, list[Any]] | None = None  # key -> its values, on wide rows
-    if BY_ROW_FIELDS and len(keys) > 8 and all(type(r) is dict for r in rows):  # (a subclass
-        seen = sum(len(r) for r in itertools.islice(rows, 64))  # may read its values otherwise)
-        if len(keys) * min(len(rows), 64) > 2 * seen:
-            columns = {k: [] for k in keys}
-            for r in rows:
-                for k, v in r.items():
-                    columns[k].append(v)
+    if BY_ROW_FIELDS and wide(rows, len(keys)):
+        columns = {k: [] for k in keys}
+        for r in rows:
+            for k, v in r.items():
+                columns[k].append(v)
     fields = []
     for k in keys:
         if not isinstance(k, str) or reserved(k):
