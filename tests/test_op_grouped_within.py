@@ -251,3 +251,128 @@ def test_a_group_written_again_holds_the_same_row_whatever_order_its_members_cam
     assert not sink.conflicts, sink.conflicts
     (row,) = sink.rows.values()
     assert [r["n"] for r in row["rows"]] == [1, 2, 3]  # in the order of their row keys
+
+
+def test_a_message_run_again_for_new_columns_is_in_its_group_once(tmp_path):
+    """A message whose other row needed a new column runs again; the rows it handed to
+    grouped_within in the first run were once kept too, so its group held a row twice
+    (count and key wrong). Found by review."""
+    from ackflow.engine.loop import Engine
+
+    def explode(r):
+        rows = [{"k": "a", "i": 0, "n": r["n"]}]
+        if r["n"] == 12:
+            rows.append({"k": "a", "i": 1, "n": r["n"], "new": "x"})  # a column not there yet
+        return rows
+
+    src, sink = ListSource([json.dumps({"n": i}) for i in range(13)]), MemorySink()
+    flow = (
+        ackflow.Flow(src)
+        .flat_map(explode, name="ex", schema_mode="evolve")
+        .grouped_within(100, 0.5, "k", name="gw")
+        .to(sink)
+    )
+    report = Engine(
+        flow, batch_size=1, batch_timeout_s=0.01, until_idle=0.8, executor="local", state_dir=str(tmp_path)
+    ).run()
+    assert report.acked == 13
+    (group,) = sink.rows
+    assert group["count"] == 14
+    assert sorted((r["n"], r["i"]) for r in group["rows"]) == [(n, 0) for n in range(13)] + [(12, 1)]
+
+
+def test_a_group_run_again_for_new_columns_keeps_a_members_failure_elsewhere(monkeypatch):
+    """Groups A (members 1, 2) and C (members 1, 3) in one job: C fails for its rows at a
+    step, A's rows need a new column and A runs again. Member 1's failure in C was once
+    erased by A's second run, and 1 was acked without its row in C. Found by review."""
+    import threading
+
+    import pyarrow as pa
+
+    import ackflow.spark.job as job
+    from ackflow.core.groups import Group
+    from ackflow.core.ledger import RECEIPT_SCHEMA
+    from ackflow.core.schema import miss_error
+    from ackflow.engine.batch import execute_groups, group_key
+
+    miss = miss_error("seg", pa.schema([("new", pa.string())]))
+
+    def rows_job(compiled, table, bid):
+        receipts = []
+        for k, members in zip(
+            table.column("k").to_pylist(), table.column("__af_ids").to_pylist(), strict=True
+        ):
+            for m in members:
+                if bid.endswith("e"):  # run again after the columns evolved: every row fits
+                    receipts.append((m, "out", 1, 1, None, None))
+                elif k == "c":
+                    receipts.append((m, "out", 0, 0, "f", "boom"))
+                else:
+                    receipts.append((m, "out", 0, 0, "g", miss))
+        t = pa.Table.from_pylist(
+            [dict(zip(RECEIPT_SCHEMA.names, r, strict=True)) for r in receipts], schema=RECEIPT_SCHEMA
+        )
+        return job.JobResult(t, {}, {"out": sum(r[3] for r in receipts)})
+
+    monkeypatch.setattr(job, "run_rows_job", rows_job)
+
+    class Plan:
+        sinks: list = []
+        required_sinks = None
+        step_order = ["f", "g"]
+
+        def evolve(self, items):
+            return {}
+
+    a = Group(("a",), 0, [{"k": "a", "n": 1}, {"k": "a", "n": 2}], [(1,), (2,)], ["m1#0", "m2"])
+    c = Group(("c",), 0, [{"k": "c", "n": 1}, {"k": "c", "n": 3}], [(1,), (3,)], ["m1#1", "m3"])
+    keys = [group_key(g.row_keys, g.key) for g in (a, c)]
+    r = execute_groups(Plan(), [a, c], ("k",), "b1", keys, cancelled=threading.Event())
+    assert sorted(r.outcomes.acked) == [2]
+    assert sorted(r.outcomes.failed) == [1, 3] and r.outcomes.failed[1].step == "f"
+
+
+def test_a_shared_row_stays_for_its_other_member_when_one_fails():
+    """A row two messages made (a group_by before) stays in its group for the one that
+    is still live; it was once dropped, and that message waited forever."""
+    from ackflow.core.groups import GroupBuffer
+
+    b = GroupBuffer(n=5, timeout_s=60.0)
+    b.add(("x",), {"k": "x"}, [1, 2], now=0.0, row_key="g:x")
+    b.add(("y",), {"k": "y"}, [1], now=0.0, row_key="g:y")
+    b.discard({1})
+    (group,) = b.due(now=61.0)
+    assert group.key == ("x",) and group.members == [2] and group.row_keys == ["g:x"]
+
+
+def test_equal_key_values_make_one_group_and_one_row_key_whatever_came_first():
+    """0.0 and -0.0 (and 2 and 2.0) are equal and share a group; its row key was a
+    digest of the first arrival's value, so the same rows got two keys by arrival order.
+    A list or an object as the key value groups too, instead of stopping the run."""
+    from ackflow.core.groups import GroupBuffer
+    from ackflow.engine.batch import group_key
+
+    def key_of(values):
+        b = GroupBuffer(n=len(values), timeout_s=60.0)
+        for i, v in enumerate(values):
+            b.add((v,), {"k": v}, [i], now=0.0, row_key=f"m{i}")
+        (g,) = b.due(now=0.0)
+        return group_key(g.row_keys, g.key), g.values
+
+    assert key_of([0.0, -0.0])[0] == key_of([-0.0, 0.0])[0]
+    assert key_of([2, 2.0])[0] == key_of([2.0, 2])[0]
+    assert key_of([-0.0, 0.0])[1] == (-0.0,)  # the row holds the value as it came
+    assert key_of([[1, {"a": 2}], [1, {"a": 2}]])[1] == ([1, {"a": 2}],)
+
+
+def test_a_key_value_of_any_shape_groups_and_never_stops_the_run():
+    from ackflow.engine.loop import Engine
+
+    values = [[1, 2], {"a": 1}, "a", 3, None, [1, 2], {"a": 1}]
+    src, sink = ListSource([json.dumps({"k": v, "i": i}) for i, v in enumerate(values)]), MemorySink()
+    flow = ackflow.Flow(src).grouped_within(10, 0.2, "k", name="gw").to(sink)
+    report = Engine(flow, batch_size=3, batch_timeout_s=0.01, until_idle=0.5, executor="local").run()
+    assert report.acked + report.dead_lettered == len(values)
+    assert sorted(i for g in sink.rows for r in g["rows"] for i in [r["i"]]) == [
+        i for i, _ in enumerate(values) if src.final()[f"m{i}"] == "acked"
+    ]

@@ -19,6 +19,7 @@ class Group:
     rows: list[dict[str, Any]] = field(default_factory=list)
     row_ids: list[tuple[int, ...]] = field(default_factory=list)  # each row's message ids
     row_keys: list[str] = field(default_factory=list)  # each row's key (its identity)
+    values: tuple[Any, ...] = ()  # the key values as the first row had them (written out)
 
     @property
     def members(self) -> list[int]:
@@ -39,6 +40,26 @@ class Group:
             key=lambda i: (self.row_keys[i], json.dumps(self.rows[i], sort_keys=True, default=str)),
         )
         return [self.rows[i] for i in order]
+
+
+def canonical(value: Any) -> Hashable:
+    """One hashable form for equal key values: a whole float (``-0.0``, ``2.0``) as its
+    integer, a boolean as itself, a list as a tuple, an object as its sorted items.
+
+    >>> canonical(-0.0), canonical(2.0), canonical(True), canonical([1, {"b": 2, "a": [3]}])
+    (0, 2, True, (1, (('a', (3,)), ('b', 2))))
+    """
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list | tuple):
+        return tuple(canonical(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted(((str(k), canonical(v)) for k, v in value.items()), key=lambda kv: kv[0]))
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value  # type: ignore[no-any-return]
 
 
 class GroupBuffer:
@@ -66,15 +87,21 @@ class GroupBuffer:
 
     def add(
         self,
-        key: tuple[Hashable, ...],
+        key: tuple[Any, ...],
         row: dict[str, Any],
         ids: Sequence[int],
         now: float,
         row_key: str = "",
     ) -> None:
+        """Add a row to its group: rows whose ``key`` values are equal share one, and the
+        group's key is the canonical form of those values (:func:`canonical`), so it
+        does not depend on which row came first. A value of any shape may be a key
+        (rows are outside data: a list or an object where a text was expected groups
+        too, it never stops the run)."""
+        values, key = key, tuple(canonical(v) for v in key)
         g = self._groups.get(key)
         if g is None:
-            g = self._groups[key] = Group(key, now)
+            g = self._groups[key] = Group(key, now, values=values)
         g.rows.append(row)
         g.row_ids.append(tuple(ids))
         g.row_keys.append(row_key)
@@ -82,25 +109,29 @@ class GroupBuffer:
             self._full.append(self._groups.pop(key))
 
     def discard(self, ids: set[int]) -> None:
-        """Drop the rows of messages that will not be written through these groups (they
-        failed, or their source lost them: they come again). A group left without rows
-        is dropped.
+        """Take out the messages that will not be written through these groups (they
+        failed, or their source lost them: they come again). A row of theirs alone is
+        dropped; a row they share with other messages (made by a ``group_by`` before)
+        stays for those others, who wait for it, as it was added for them only when
+        they were live. A group left without rows is dropped.
 
         >>> b = GroupBuffer(n=3, timeout_s=5.0)
         >>> b.add(("a",), {"v": 1}, [1], now=0.0); b.add(("a",), {"v": 2}, [2], now=0.0)
-        >>> b.add(("b",), {"v": 3}, [1], now=0.0)
+        >>> b.add(("b",), {"v": 3}, [1], now=0.0); b.add(("c",), {"v": 4}, [1, 3], now=0.0)
         >>> b.discard({1})
         >>> [(g.key, g.members) for g in b.due(now=9.0)]
-        [(('a',), [2])]
+        [(('a',), [2]), (('c',), [3])]
         """
         if not ids:
             return
         for g in [*self._full, *self._groups.values()]:
-            keep = [i for i, r in enumerate(g.row_ids) if ids.isdisjoint(r)]
-            if len(keep) != len(g.rows):
-                g.rows = [g.rows[i] for i in keep]
-                g.row_ids = [g.row_ids[i] for i in keep]
-                g.row_keys = [g.row_keys[i] for i in keep]
+            if all(ids.isdisjoint(r) for r in g.row_ids):
+                continue
+            row_ids = [tuple(m for m in r if m not in ids) for r in g.row_ids]
+            keep = [i for i, r in enumerate(row_ids) if r]
+            g.rows = [g.rows[i] for i in keep]
+            g.row_ids = [row_ids[i] for i in keep]
+            g.row_keys = [g.row_keys[i] for i in keep]
         self._full = [g for g in self._full if g.rows]
         self._groups = {k: g for k, g in self._groups.items() if g.rows}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -136,8 +136,7 @@ def execute(
             fail_all(ds, failed_sink)
             return None
         faults.point("batch.after_commit")
-        if isinstance(sink, CollectSink):
-            result.collected.extend(sink.take(bid))
+        collected = sink.take(bid) if isinstance(sink, CollectSink) else []
         stray = _stray_ids(ids, job.receipts)
         if stray:
             culprit = next((s.name for s in compiled.flow.steps if isinstance(s, Transform)), "ledger")
@@ -165,6 +164,9 @@ def execute(
                 keys[:5],
             )
         misses = take_misses(part.failed)
+        # rows handed to grouped_within by a message that runs again (its other rows
+        # needed new columns) come again from that run: not these, or it is in twice
+        result.collected.extend(_without(t, misses.keys()) for t in collected)
         result.outcomes.acked.extend(part.acked)
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
@@ -354,6 +356,17 @@ def execute(
 MAX_EVOLUTIONS = 16
 
 
+def _without(table: pa.Table, ids: Collection[int]) -> pa.Table:
+    """``table`` (rows for grouped_within) without the rows of the lineage ids ``ids``
+    only (a row several messages made stays for the others)."""
+    if not ids or table.num_rows == 0:
+        return table
+    if "__af_ids" in table.column_names:
+        drop = [set(r) <= set(ids) for r in table.column("__af_ids").to_pylist()]
+        return table.filter(pa.array([not d for d in drop], pa.bool_()))
+    return table.filter(pc.invert(pc.is_in(table.column("__af_id"), pa.array(list(ids), pa.int64()))))
+
+
 def take_misses(failed: dict[int, Failure]) -> dict[int, tuple[Failure, str, pa.Schema]]:
     """Remove and return the failures that are schema misses (id -> the failure, the
     segment, the columns its row needed): they are run again, never settled as such."""
@@ -395,7 +408,11 @@ def execute_groups(
     result = BatchResult(batch_id, len(expected), member_rows=dict(members), evolutions=evolutions)
     data = pa.Table.from_pylist(
         [
-            {**dict(zip(keys, g.key, strict=True)), "count": len(g.rows), "rows": g.ordered_rows()}
+            {
+                **dict(zip(keys, g.values or g.key, strict=True)),
+                "count": len(g.rows),
+                "rows": g.ordered_rows(),
+            }
             for g in groups
         ]
     )
@@ -462,12 +479,18 @@ def execute_groups(
             cancelled,
             evolutions=result.evolutions + 1,
         )
+        # The groups run again; their members' outcomes there replace the first ones. A
+        # failure a member met in a group that is not run again stays (it failed there,
+        # whatever the run again gives: acking it would lose that group's row).
         redone = {m for i in redo for m in groups[i].members}
-        result.outcomes.acked = [m for m in result.outcomes.acked if m not in redone]
-        result.outcomes.acked.extend(again.outcomes.acked)
+        kept = {m for i, g in enumerate(groups) if i not in redo for m in g.members}
         for m in redone:
-            result.outcomes.failed.pop(m, None)
+            if m in misses or m not in kept:
+                result.outcomes.failed.pop(m, None)
         result.outcomes.failed.update(again.outcomes.failed)
+        acked = [m for m in result.outcomes.acked if m not in redone]
+        acked.extend(again.outcomes.acked)
+        result.outcomes.acked = [m for m in acked if m not in result.outcomes.failed]
         for name, n in again.outcomes.rows_written.items():
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
         result.released.extend(again.released)
