@@ -95,3 +95,28 @@ def test_sub_flows_need_mode_all():
 
     with pytest.raises(ConfigError, match="mode='all'"):
         ackflow.Flow(ListSource([])).broadcast(branch().to(MemorySink("a")), mode="primary")
+
+
+@pytest.mark.parametrize("mode", ["all", "primary"])
+def test_a_branch_key_null_in_every_row_fails_those_rows_not_the_run(spark, tmp_path, mode):
+    """A keyed sink behind a broadcast: a batch whose key field is null or missing in
+    every row once lost the key column on its way (the broadcast did not say which
+    columns its branches key by), and the branch's prepare stopped the run; a lone
+    sink fails such rows alone. Found by review."""
+    from ackflow.sinks.delta import DeltaSink
+
+    src = ListSource(['{"k": null, "v": 1}', '{"v": 2}'])
+    keyed, plain = DeltaSink(str(tmp_path / "d"), key="k"), MemorySink("m")
+    flow = ackflow.Flow(src)
+    flow = (
+        flow.broadcast(keyed, plain)
+        if mode == "all"
+        else flow.broadcast(keyed, mode="primary", fallback=[plain])
+    )
+    ackflow.run(flow, spark=spark, **{**FAST, "batch_size": 2})
+    if mode == "all":  # every branch must take a row: each fails at the keyed one, alone
+        assert src.final() == {"m0": "dead_lettered", "m1": "dead_lettered"}
+        assert all("key column 'k' has no value" in str(f) for f in src.dead_letters.values())
+    else:  # the fallback takes what the primary refused, without the primary's null key column
+        assert src.final() == {"m0": "acked", "m1": "acked"}
+        assert sorted(r["v"] for r in plain.rows) == [1, 2] and all("k" not in r for r in plain.rows)

@@ -95,6 +95,22 @@ class Sink(ABC):
         return f"{type(self).__name__}({self.name!r})"
 
 
+def key_columns(sink: Any) -> list[str]:
+    """The columns a sink keys its rows by (``key=``; one name or several), through a
+    broadcast's branches too: they are kept even when null in every row of a batch, so
+    that such a row fails alone at the sink, never the whole run.
+
+    >>> class S:
+    ...     key = "k"
+    >>> key_columns(S()), key_columns(object())
+    (['k'], [])
+    """
+    key = getattr(sink, "key", None)
+    if key is None:
+        return []
+    return [key] if isinstance(key, str) else list(key)
+
+
 def require_columns(sink: str, schema: Any, **columns: str | None) -> None:
     """``prepare``'s check that every configured column (``option=name``; None: not
     set) is among the flow's columns: a FlowError naming the option and the columns."""

@@ -6,10 +6,12 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
+import pyarrow as pa
+
 from ackflow.core.errors import ConfigError, describe
 from ackflow.core.ledger import WHOLE_WRITE
 from ackflow.sinks.base import ROW_KEY as KEY
-from ackflow.sinks.base import PartitionResult, Sink
+from ackflow.sinks.base import PartitionResult, Sink, key_columns
 
 MODES = ("all", "primary")
 
@@ -46,6 +48,8 @@ class Broadcast(Sink):
             raise ConfigError(f"broadcast: branch names must be unique, got {names}")
         self.mode = mode
         self.wants_keys = any(b.wants_keys for b in self.branches)
+        # the branches' key columns, kept through the writer (a null key fails its row)
+        self.key = list(dict.fromkeys(k for b in self.branches for k in key_columns(b))) or None
 
     def open(self) -> None:
         for b in self.branches:
@@ -55,12 +59,16 @@ class Broadcast(Sink):
         for b in self.branches:
             b.prepare(schema)
 
-    @staticmethod
-    def _rows_for(branch: Sink, rows: Any) -> Any:
-        """The rows as ``branch`` expects them: with the row keys only if it wants them."""
-        if KEY in rows.column_names and not branch.wants_keys:
-            return rows.drop_columns([KEY])
-        return rows
+    def _rows_for(self, branch: Sink, rows: Any) -> Any:
+        """The rows as ``branch`` expects them: with the row keys only if it wants them,
+        and without another branch's key column kept only for that branch (null in every
+        row: the writer leaves such a column out of a sink that does not key by it)."""
+        drop = [KEY] if KEY in rows.column_names and not branch.wants_keys else []
+        mine = key_columns(branch)
+        for k in self.key or []:
+            if k not in mine and k in rows.column_names and pa.types.is_null(rows.schema.field(k).type):
+                drop.append(k)
+        return rows.drop_columns(drop) if drop else rows
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:
         n = rows.num_rows

@@ -32,7 +32,7 @@ from ackflow.flow import (
     Transform,
     WithColumns,
 )
-from ackflow.sinks.base import Sink
+from ackflow.sinks.base import Sink, key_columns
 from ackflow.spark.feed import Feeds, Fn, fed, feed_enabled
 from ackflow.spark.plan import (
     Plan,
@@ -272,7 +272,7 @@ class CompiledFlow(Plan):
         refused = {}
         if type(sink).prepare is not Sink.prepare:
             schema = to_arrow_schema(StructType([fields[c] for c in data_cols]), timezone=self.timezone)
-            held = held_columns(schema, data_cols, getattr(sink, "key", None) or [])
+            held = held_columns(schema, data_cols, key_columns(sink))
             refused = self.prepare_sink(sink, pa.schema([schema.field(c) for c in held]))
         writer = make_writer(sink, batch_id, data_cols, lineage, self.step_order, self.tally, refused)
         if last is not None:

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 
 from ackflow.core.errors import describe, where
 from ackflow.core.ledger import RECEIPT_SCHEMA, WHOLE_WRITE, compact_receipts
-from ackflow.sinks.base import Sink
+from ackflow.sinks.base import Sink, key_columns
 from ackflow.spark.columns import (
     ERR,
     ID,
@@ -70,7 +70,7 @@ def make_writer(
                     misfit.setdefault(int(r), f"column {c!r}: {why}")
                 live_mask = pc.and_(live_mask, pc.invert(hit))
         live_idx = np.flatnonzero(live_mask.to_numpy(zero_copy_only=False))
-        held = held_columns(table.schema, data_cols, getattr(sink, "key", None) or [])
+        held = held_columns(table.schema, data_cols, key_columns(sink))
         keep = [*held, lineage] if getattr(sink, "wants_lineage", False) else held
         live = table.filter(live_mask).select(keep)
         if getattr(sink, "wants_keys", False):  # repeats numbered among all the rows, so

@@ -50,7 +50,7 @@ from typing import Any
 from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.ledger import WAITS
-from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink
+from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, key_columns
 
 log = logging.getLogger("ackflow.dedupe")
 
@@ -162,7 +162,7 @@ class DedupeSink(Sink):
         self.spec = spec
         self.inner = inner
         self.branches: tuple[Sink, ...] = (inner,)
-        self.key = [*spec.columns, *(getattr(inner, "key", None) or [])]
+        self.key = [*spec.columns, *key_columns(inner)]
         self.path: str | None = None
         self.dropped = 0  # repeats dropped (this run, committed jobs)
         self._metrics: Any = None
