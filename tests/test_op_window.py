@@ -240,6 +240,31 @@ def test_a_column_without_values_yet_and_times_out_of_range(tmp_path):
     assert results(out) == [("a", 0, 2, None)]
 
 
+@pytest.mark.parametrize(
+    "kind, t",
+    [
+        (w.tumbling("1s"), "0001-01-01T00:00:00+05:00"),  # before the year 1 in UTC
+        (w.hopping("2 days", every="1 day"), "0001-01-01T00:00:00"),  # its window starts before
+        (w.hopping("2 days", every="1 day"), -62_135_596_800),  # the same, in epoch seconds
+        (w.tumbling("1s"), -100_000_000_000),  # epoch seconds before the year 1
+        (w.tumbling("2 days"), "9999-12-31T12:00:00"),  # its window ends after the year 9999
+        (w.session("1 day"), "9999-12-31T12:00:00"),
+    ],
+)
+def test_a_time_whose_window_is_outside_the_years_1_to_9999_fails_alone(tmp_path, kind, t):
+    """Such a window's result cannot be written (a datetime holds the years 1-9999):
+    it was folded into the state, its write failed as an outage, and because windows are
+    written in order every later window waited behind it, forever. Found by review."""
+    good = 1_704_067_200 if isinstance(t, int) else "2024-01-01T00:00:00"  # one kind of time
+    src = ListSource([json.dumps({"t": t, "k": "a"}), json.dumps({"t": good, "k": "b"})])
+    out = KeyedSink("out")
+    flow = Flow(src).window(kind, by="k", time="t", aggs=[w.count().alias("n")], idle=0.1).to(out)
+    run(flow, tmp_path, until_idle=1.5, batch_size=10)
+    assert src.final() == {"m0": "dead_lettered", "m1": "acked"}
+    assert "year" in src.failures["m0"].error, src.failures["m0"].error
+    assert {r["k"] for r in out.rows.values()} == {"b"}
+
+
 def test_state_in_postgresql_counts_once_after_a_crash_and_has_one_driver(postgres):
     """state=PostgresState(dsn): the tasks read the watermark and the applied keys from
     the server, the driver merges there; a crash after the state commit is not counted

@@ -21,13 +21,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow.sinks.base import ROW_KEY
+from ackflow.state.partials import LIMIT_S, MAX_US, MIN_US, YEAR_1_S
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Hopping, Tumbling
 
 #: the aggregates this fold computes
 FNS = frozenset({"count", "sum", "min", "max", "avg"})
-LIMIT_S = 253_402_300_799  # as in partials (year 9999 in epoch seconds)
-YEAR_1_S = -62_135_596_800  # the earliest time a Python datetime holds
 #: text a JSON string keeps as it is (printable ASCII but the quote and the backslash)
 PLAIN_TEXT = r"^[ !#-\[\]-~]*$"
 
@@ -100,6 +99,8 @@ def fold(
         members, starts = np.concatenate(picks), np.concatenate(begins)
         order = np.argsort(members, kind="stable")  # a window's rows in row order: its sums too
         members, starts = members[order], starts[order]
+    if len(starts) and (starts.min() < MIN_US or starts.max() + kind.size_us > MAX_US):
+        return None  # a window outside the years 1-9999: its rows fail alone, row by row
     for col in inputs:  # an integer sum in Arrow is int64: it must not wrap
         if col is not None and pa.types.is_integer(col.type) and _may_wrap(col, len(members)):
             return None
@@ -198,7 +199,7 @@ def _micros(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
         if floating and pc.any(pc.is_nan(col)).as_py():
             return None
         bounds = pc.min_max(col).as_py()
-        if bounds["min"] is not None and (bounds["min"] < -LIMIT_S or bounds["max"] > LIMIT_S):
+        if bounds["min"] is not None and (bounds["min"] < YEAR_1_S or bounds["max"] > LIMIT_S):
             return None
         if floating:  # round(value * 1_000_000), ties to even, as Python's round
             scaled = pc.round(pc.multiply(col.cast(pa.float64()), 1_000_000.0), round_mode="half_to_even")

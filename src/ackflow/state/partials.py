@@ -28,7 +28,19 @@ from ackflow.state.spec import WindowSpec
 from ackflow.windows import Hopping, Session, Tumbling
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-LIMIT_S = 253_402_300_799  # 9999-12-31T23:59:59Z in epoch seconds (year 1 is about -LIMIT_S)
+LIMIT_S = 253_402_300_799  # 9999-12-31T23:59:59Z in epoch seconds
+YEAR_1_S = -62_135_596_800  # 0001-01-01T00:00:00Z in epoch seconds
+#: the times a window's start and end may take: what a Python datetime holds, in UTC
+MIN_US, MAX_US = YEAR_1_S * 1_000_000, (LIMIT_S + 1) * 1_000_000 - 1
+
+
+def outside_years(start: int, end: int) -> str | None:
+    """Why a window from ``start`` to ``end`` (µs) cannot be written (its start or end is
+    not a time of the years 1-9999 in UTC), or None. A row whose window is such fails
+    alone: its result could never be written, and windows are written in order."""
+    if start < MIN_US or end > MAX_US:
+        return f"its window ({start} to {end} µs since the epoch) is outside the years 1-9999 in UTC"
+    return None
 
 
 def to_us(value: Any) -> int:
@@ -40,20 +52,24 @@ def to_us(value: Any) -> int:
         if value.tzinfo is None:
             value = value.replace(tzinfo=dt.UTC)
         delta = value - EPOCH
-        return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+        us = (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+        if us < MIN_US:
+            raise ValueError(f"{value.isoformat()} is before the year 1 in UTC")
+        return us
     if isinstance(value, dt.date):
         return to_us(dt.datetime(value.year, value.month, value.day))
     if isinstance(value, (int, float)):
-        if value != value or not -LIMIT_S <= value <= LIMIT_S:
+        if value != value or not YEAR_1_S <= value <= LIMIT_S:
             hint = " (milliseconds? give seconds)" if value == value and abs(value) < LIMIT_S * 1000 else ""
             raise ValueError(f"{value!r} is not a time in epoch seconds of the years 1-9999{hint}")
         return round(value * 1_000_000)
     if isinstance(value, str):
         text = value.strip()
         try:
-            return to_us(dt.datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text))
+            parsed = dt.datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
         except ValueError:
             raise ValueError(f"{value[:60]!r} is not an ISO 8601 time") from None
+        return to_us(parsed)
     raise ValueError(f"a {type(value).__name__} is not a time")
 
 
@@ -210,6 +226,10 @@ def contribute(
         if isinstance(kind, (Tumbling, Hopping)):
             merged = []
             starts = kind.starts(t)
+            why = outside_years(min(starts), max(starts) + kind.size_us) if starts else None
+            if why is not None:
+                failed[i] = f"event time column {spec.time!r}: {why}"
+                continue
             try:  # a value that cannot join the others (a struct's max) fails its row only
                 for start in starts:
                     slot = (gk, start, start + kind.size_us)
@@ -226,6 +246,10 @@ def contribute(
                 continue
             out.parts.update(merged)
         elif isinstance(kind, Session):
+            why = outside_years(t, t + kind.gap_us)
+            if why is not None:
+                failed[i] = f"event time column {spec.time!r}: {why}"
+                continue
             sessions.setdefault(gk, []).append((t, rk, i, single))
         else:
             out.rows.append((gk, order, single))
