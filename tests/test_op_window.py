@@ -265,6 +265,31 @@ def test_a_time_whose_window_is_outside_the_years_1_to_9999_fails_alone(tmp_path
     assert {r["k"] for r in out.rows.values()} == {"b"}
 
 
+@pytest.mark.parametrize("op", ["window", "dedupe"])
+@pytest.mark.parametrize("bad", ['["x"]', '{"z": 1}'])
+def test_a_key_value_that_is_a_list_or_an_object_never_stops_the_run(tmp_path, op, bad):
+    """A message whose key is a list or an object, first in its batch, made the batch's
+    key column nested, and the operator's prepare stopped the run (FlowError "keys must
+    be plain values"); the message came back after a restart: a crash loop made by data.
+    Found by review. Now the run goes on and every message is settled."""
+    bodies = [
+        f'{{"k": {bad}, "t": 0.2}}',
+        '{"k": "a", "t": 0.1}',
+        '{"k": "a", "t": 0.3}',
+        '{"k": "b", "t": 0.4}',
+    ]
+    src, out = ListSource(bodies), MemorySink()
+    flow = (
+        Flow(src).window(w.tumbling("1s"), by="k", time="t", idle=0.2, aggs=[w.count()]).to(out)
+        if op == "window"
+        else Flow(src).dedupe("k", within="1h", time="t").to(out)
+    )
+    report = run(flow, tmp_path, until_idle=1.5, batch_size=1)
+    assert report.acked + report.dead_lettered == len(bodies)
+    assert set(src.final().values()) <= {"acked", "dead_lettered"}
+    assert all(f.step in (op + "_1", "decode") or "k" in f.error for f in src.dead_letters.values())
+
+
 def test_state_in_postgresql_counts_once_after_a_crash_and_has_one_driver(postgres):
     """state=PostgresState(dsn): the tasks read the watermark and the applied keys from
     the server, the driver merges there; a crash after the state commit is not counted

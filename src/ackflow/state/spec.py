@@ -45,10 +45,11 @@ class WindowSpec:
 
 
 def check_columns(op: str, schema: Any, columns: list[str], keys: tuple[str, ...], what: str) -> None:
-    """A stateful operator's ``prepare``: its ``columns`` are among the flow's, and its
-    ``keys`` are plain values (a FlowError naming the operator otherwise)."""
-    import pyarrow as pa
-
+    """A stateful operator's ``prepare``: its ``columns`` are among the flow's (a
+    FlowError naming the operator otherwise). A key column of a nested type (a list, an
+    object) is the data's, not the flow's: a batch whose first message had a list there
+    makes one, and the rows holding such a value fail alone, in the fold (``what`` names
+    the key in their error), never the run."""
     from ackflow.core.errors import FlowError
 
     missing = [c for c in columns if c not in schema.names]
@@ -60,10 +61,6 @@ def check_columns(op: str, schema: Any, columns: list[str], keys: tuple[str, ...
             hint = f"; a nested field needs a column of its own first: .with_columns({name}={nested!r})"
         have = list(schema.names)
         raise FlowError(op, f"column(s) {missing} are not among the flow's columns {have}{hint}")
-    for k in keys:
-        t = schema.field(k).type
-        if pa.types.is_nested(t):
-            raise FlowError(op, f"{what} {k!r} is a {t}: keys must be plain values")
 
 
 @dataclass(frozen=True)
