@@ -120,3 +120,26 @@ def test_a_branch_key_null_in_every_row_fails_those_rows_not_the_run(spark, tmp_
     else:  # the fallback takes what the primary refused, without the primary's null key column
         assert src.final() == {"m0": "acked", "m1": "acked"}
         assert sorted(r["v"] for r in plain.rows) == [1, 2] and all("k" not in r for r in plain.rows)
+
+
+def test_a_branch_is_prepared_without_another_branchs_null_key_column():
+    """A keyed branch's key column null in every row is kept for it only: the other
+    branches' prepare once got it too (a table made with a guessed text column there,
+    for good). Found by review."""
+    import pyarrow as pa
+
+    seen = {}
+
+    class Recording(MemorySink):
+        def __init__(self, name, key=None):
+            super().__init__(name)
+            self.key = key
+
+        def prepare(self, schema):
+            seen[self.name] = schema.names
+
+    b = Broadcast(Recording("keyed", key=["k"]), Recording("plain"))
+    b.prepare(pa.schema([("k", pa.null()), ("v", pa.int64())]))
+    assert seen == {"keyed": ["k", "v"], "plain": ["v"]}
+    b.prepare(pa.schema([("k", pa.string()), ("v", pa.int64())]))  # a value: every branch has it
+    assert seen == {"keyed": ["k", "v"], "plain": ["k", "v"]}

@@ -392,6 +392,7 @@ def execute_groups(
     cancelled: threading.Event | None = None,
     *,
     evolutions: int = 0,
+    step_name: str = "grouped_within",
 ) -> BatchResult:
     """Run emitted ``grouped_within`` groups through the rest of the flow: one Spark job,
     one row per group (keyed by ``row_keys``). If the job fails as a whole, every member
@@ -406,16 +407,28 @@ def execute_groups(
     members = Counter(m for g in groups for m in g.members)
     expected = sorted(members)
     result = BatchResult(batch_id, len(expected), member_rows=dict(members), evolutions=evolutions)
-    data = pa.Table.from_pylist(
-        [
-            {
-                **dict(zip(keys, g.values or g.key, strict=True)),
-                "count": len(g.rows),
-                "rows": g.ordered_rows(),
-            }
-            for g in groups
-        ]
-    )
+    try:  # rows are outside data: groups keyed by a text and by a list make no one column
+        data = pa.Table.from_pylist(
+            [
+                {
+                    **dict(zip(keys, g.values or g.key, strict=True)),
+                    "count": len(g.rows),
+                    "rows": g.ordered_rows(),
+                }
+                for g in groups
+            ]
+        )
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+        if len(groups) == 1:  # this group alone cannot be a row: its members fail
+            why = f"the group's row cannot be made: {describe(e)}"[:500]
+            result.outcomes.failed = {m: Failure(step_name, why) for m in expected}
+            return result
+        for i, g in enumerate(groups):  # each group as its own job
+            one = execute_groups(
+                compiled, [g], keys, f"{batch_id}-{i}", [row_keys[i]], count, cancelled, step_name=step_name
+            )
+            _merge_groups(result, one)
+        return result
     n = data.num_rows
     table = (
         data.append_column(IDS, pa.array([sorted(set(g.members)) for g in groups], pa.list_(pa.int64())))
@@ -478,6 +491,7 @@ def execute_groups(
             count,
             cancelled,
             evolutions=result.evolutions + 1,
+            step_name=step_name,
         )
         # The groups run again; their members' outcomes there replace the first ones. A
         # failure a member met in a group that is not run again stays (it failed there,
@@ -499,12 +513,27 @@ def execute_groups(
     return result
 
 
+def _merge_groups(result: BatchResult, one: BatchResult) -> None:
+    """Add the outcomes of a job over other groups (disjoint members) to ``result``."""
+    result.outcomes.acked.extend(one.outcomes.acked)
+    result.outcomes.failed.update(one.outcomes.failed)
+    for name, n in one.outcomes.rows_written.items():
+        result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
+    result.released.extend(one.released)
+    result.jobs += one.jobs
+    result.evolutions = max(result.evolutions, one.evolutions)
+
+
 def group_key(row_keys: list[str], values: tuple[object, ...]) -> str:
-    """A group's row key: a digest of its rows' keys and its group-by values."""
+    """A group's row key: a digest of its rows' keys and its group-by values (as the
+    first row had them, as before 0.6.11, so that a group written by an older version
+    keeps its key; but a ``-0.0`` as ``0.0``, the value of its equal twin, and an
+    object's fields in sorted order: objects could not be keys before)."""
     import hashlib
     import json
 
-    text = json.dumps([sorted(row_keys), list(values)], default=str)
+    plain = [0.0 if isinstance(v, float) and v == 0 else v for v in values]
+    text = json.dumps([sorted(row_keys), plain], default=str, sort_keys=True)
     return "g:" + hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -232,14 +232,21 @@ class Engine(Settling):
         suffix = self.suffix
         # a group's row key: its rows' keys (unique to them: two groups of one message's
         # rows differ) and its values
-        row_keys = [group_key(g.row_keys, g.key) for g in groups]
+        row_keys = [group_key(g.row_keys, g.values or g.key) for g in groups]
         self._launch(
             pool,
             suffix,
             "g",
             None,
             lambda bid: execute_groups(
-                suffix, groups, step.keys, bid, row_keys, count=self._count_job, cancelled=self._cancel
+                suffix,
+                groups,
+                step.keys,
+                bid,
+                row_keys,
+                count=self._count_job,
+                cancelled=self._cancel,
+                step_name=step.name,
             ),
         )
 

@@ -57,7 +57,18 @@ class Broadcast(Sink):
 
     def prepare(self, schema: Any) -> None:
         for b in self.branches:
-            b.prepare(schema)
+            b.prepare(self._schema_for(b, schema))
+
+    def _schema_for(self, branch: Sink, schema: Any) -> Any:
+        """The columns as ``branch`` gets them: without another branch's key column of the
+        null type (kept for that branch only: a sink would have to guess its type)."""
+        mine = key_columns(branch)
+        drop = [
+            k
+            for k in self.key or []
+            if k not in mine and k in schema.names and pa.types.is_null(schema.field(k).type)
+        ]
+        return pa.schema([f for f in schema if f.name not in drop]) if drop else schema
 
     def _rows_for(self, branch: Sink, rows: Any) -> Any:
         """The rows as ``branch`` expects them: with the row keys only if it wants them,
