@@ -362,7 +362,8 @@ def _without(table: pa.Table, ids: Collection[int]) -> pa.Table:
     if not ids or table.num_rows == 0:
         return table
     if "__af_ids" in table.column_names:
-        drop = [set(r) <= set(ids) for r in table.column("__af_ids").to_pylist()]
+        gone = set(ids)
+        drop = [set(r) <= gone for r in table.column("__af_ids").to_pylist()]
         return table.filter(pa.array([not d for d in drop], pa.bool_()))
     return table.filter(pc.invert(pc.is_in(table.column("__af_id"), pa.array(list(ids), pa.int64()))))
 
@@ -505,11 +506,7 @@ def execute_groups(
         acked = [m for m in result.outcomes.acked if m not in redone]
         acked.extend(again.outcomes.acked)
         result.outcomes.acked = [m for m in acked if m not in result.outcomes.failed]
-        for name, n in again.outcomes.rows_written.items():
-            result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
-        result.released.extend(again.released)
-        result.jobs += again.jobs
-        result.evolutions = again.evolutions
+        _add_counts(result, again)
     return result
 
 
@@ -517,6 +514,11 @@ def _merge_groups(result: BatchResult, one: BatchResult) -> None:
     """Add the outcomes of a job over other groups (disjoint members) to ``result``."""
     result.outcomes.acked.extend(one.outcomes.acked)
     result.outcomes.failed.update(one.outcomes.failed)
+    _add_counts(result, one)
+
+
+def _add_counts(result: BatchResult, one: BatchResult) -> None:
+    """Add a later group job's rows written, released members, jobs and evolutions."""
     for name, n in one.outcomes.rows_written.items():
         result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
     result.released.extend(one.released)

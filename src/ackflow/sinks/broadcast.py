@@ -59,26 +59,27 @@ class Broadcast(Sink):
         for b in self.branches:
             b.prepare(self._schema_for(b, schema))
 
-    def _schema_for(self, branch: Sink, schema: Any) -> Any:
-        """The columns as ``branch`` gets them: without another branch's key column of the
-        null type (kept for that branch only: a sink would have to guess its type)."""
+    def _not_for(self, branch: Sink, schema: pa.Schema) -> list[str]:
+        """Other branches' key columns of the null type, kept for them only: ``branch``
+        does not key by them, and a sink would have to guess their type (the writer
+        leaves such a column out of a lone sink that does not key by it)."""
         mine = key_columns(branch)
-        drop = [
+        return [
             k
             for k in self.key or []
             if k not in mine and k in schema.names and pa.types.is_null(schema.field(k).type)
         ]
+
+    def _schema_for(self, branch: Sink, schema: Any) -> Any:
+        """The columns as ``branch`` gets them (:meth:`_not_for`)."""
+        drop = self._not_for(branch, schema)
         return pa.schema([f for f in schema if f.name not in drop]) if drop else schema
 
     def _rows_for(self, branch: Sink, rows: Any) -> Any:
         """The rows as ``branch`` expects them: with the row keys only if it wants them,
-        and without another branch's key column kept only for that branch (null in every
-        row: the writer leaves such a column out of a sink that does not key by it)."""
+        without the columns of :meth:`_not_for`."""
         drop = [KEY] if KEY in rows.column_names and not branch.wants_keys else []
-        mine = key_columns(branch)
-        for k in self.key or []:
-            if k not in mine and k in rows.column_names and pa.types.is_null(rows.schema.field(k).type):
-                drop.append(k)
+        drop += self._not_for(branch, rows.schema)
         return rows.drop_columns(drop) if drop else rows
 
     def write_partition(self, batch_id: str, partition: int, rows: Any) -> PartitionResult:

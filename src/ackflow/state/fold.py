@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow.sinks.base import ROW_KEY
-from ackflow.state.partials import LIMIT_S, MAX_US, MIN_US, YEAR_1_S
+from ackflow.state.partials import LIMIT_S, YEAR_1_S, outside_years
 from ackflow.state.spec import WindowSpec
 from ackflow.windows import Hopping, Tumbling
 
@@ -99,7 +99,7 @@ def fold(
         members, starts = np.concatenate(picks), np.concatenate(begins)
         order = np.argsort(members, kind="stable")  # a window's rows in row order: its sums too
         members, starts = members[order], starts[order]
-    if len(starts) and (starts.min() < MIN_US or starts.max() + kind.size_us > MAX_US):
+    if len(starts) and outside_years(int(starts.min()), int(starts.max()) + kind.size_us):
         return None  # a window outside the years 1-9999: its rows fail alone, row by row
     for col in inputs:  # an integer sum in Arrow is int64: it must not wrap
         if col is not None and pa.types.is_integer(col.type) and _may_wrap(col, len(members)):
