@@ -36,6 +36,7 @@ from typing import Any
 from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.groups import GroupBuffer
+from ackflow.core.ledger import Failure
 from ackflow.core.schema import SchemaStore, check_mode
 from ackflow.core.settlement import Delivery
 from ackflow.core.systemic import SystemicDetector
@@ -44,7 +45,7 @@ from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.collector import fewer_collections
 from ackflow.engine.report import RunReport
 from ackflow.engine.schemas import open_store, state_file
-from ackflow.engine.settle import Settling, write_dead_letters  # noqa: F401 - write_dead_letters re-exported
+from ackflow.engine.settle import DEAD_RETRY_S, Settling, write_dead_letters  # noqa: F401 - write_dead_letters re-exported
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
 from ackflow.observe.status import EngineFacts, StatusBoard
@@ -169,6 +170,8 @@ class Engine(Settling):
         self.groups: GroupBuffer | None = None  # grouped_within's buffer, if the flow has one
         self.held: dict[int, int] = {}  # lineage id -> group memberships still unwritten
         self.parked: list[tuple[float, Delivery]] = []  # (due, delivery): waits (settle._park)
+        self.dead_waiting: list[tuple[float, int, Delivery, Failure]] = []  # settle._hold_dead
+        self._ending = False  # the last give-back: nothing is held any more
         self.suffix: Any = None
         self._gw_index = -1
         self.metrics = Metrics(max_inflight)
@@ -504,6 +507,8 @@ class Engine(Settling):
                         batch_started = time.monotonic()
                     pending.extend(again)
                     last_message = time.monotonic()
+            if self.dead_waiting:
+                self._retry_dead_letters()
             self._drop_lost()
             if self._back:
                 self._expire_back()
@@ -572,7 +577,7 @@ class Engine(Settling):
             # how long the stream has been quiet, for windows (their idle rule)
             self._activity, self._busy = (
                 last_message,
-                bool(pending or self._running or self.held or self.parked),
+                bool(pending or self._running or self.held or self.parked or self.dead_waiting),
             )
             if (
                 self.until_idle is not None
@@ -598,7 +603,12 @@ class Engine(Settling):
         """Messages in the engine still to settle: batched, running, held for grouping,
         parked, or rows waiting in groups."""
         return bool(
-            pending or self._running or self.held or self.parked or (self.groups and len(self.groups))
+            pending
+            or self._running
+            or self.held
+            or self.parked
+            or self.dead_waiting
+            or (self.groups and len(self.groups))
         )
 
     def _shutdown(self, pool: ThreadPoolExecutor) -> None:
@@ -623,6 +633,12 @@ class Engine(Settling):
                     continue
         finally:
             pool.shutdown(wait=True)
+        # dead letters held for the error sink: written again until the drain's deadline
+        while self.dead_waiting and time.monotonic() < deadline:
+            self._retry_dead_letters(now_all=True)
+            if self.dead_waiting:
+                time.sleep(min(DEAD_RETRY_S, max(0.0, deadline - time.monotonic())))
+        self._ending = True
         leftover = [d for d in self.inflight.values() if not d.settled]
         self._release(leftover, ending=True)
         self.inflight.clear()

@@ -42,6 +42,10 @@ PARK_S = 1.0
 #: message another process took, or a source that keeps it longer, lets go then
 BACK_HOLD_S = 600.0
 
+#: the first wait, and the longest, before a dead letter the error sink refused is
+#: written again while its message is held in flight (:meth:`Settling._hold_dead`)
+DEAD_RETRY_S, DEAD_RETRY_MAX_S = 0.5, 30.0
+
 
 class Settling:
     """The engine's settling methods; the state they share is the engine's (set in
@@ -69,6 +73,10 @@ class Settling:
     _pause_until: float
     _counts_lock: threading.Lock
     _dead_letter_failures: int
+    #: (due, tries, delivery, failure): given up, refused by the error sink, and at a
+    #: delivery the broker would drop if given back: held in flight, written again
+    dead_waiting: list[tuple[float, int, Delivery, Failure]]
+    _ending: bool
 
     def _admit(self, got: list[Delivery]) -> list[Delivery]:
         """Give pulled deliveries their lineage ids and put them in flight; the ones to
@@ -143,6 +151,11 @@ class Settling:
         if unsent:
             self.report.acked -= len(unsent)
             self._count_redelivered(len(unsent))
+        # failures reported nacked (their dead letter refused) that the source held and
+        # dead-lettered since
+        for d, f in self.flow.source.take_dead_lettered():
+            self.report.nacked -= 1
+            self._record_failure(d, f, Settlement.DEAD_LETTERED)
 
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
         if failures and self.flow.error_sink is not None:
@@ -441,10 +454,12 @@ class Settling:
                 self.metrics.jobs.inc()
 
     def _dead_letter_to_sink(
-        self, batch_id: str, failures: list[tuple[Delivery, Failure]]
+        self, batch_id: str, failures: list[tuple[Delivery, Failure]], *, tries: int = 1
     ) -> list[tuple[Delivery, Failure]]:
         """Write given-up messages to the flow's error sink, then settle them; return the
-        failures that are still to be retried by the source."""
+        failures that are still to be retried by the source. Refused, they are nacked, but
+        for those at a delivery the broker would drop if given back: held in flight
+        (:meth:`_hold_dead`; ``tries``: the how-many-th write this is)."""
         source, sink = self.flow.source, self.flow.error_sink
         assert sink is not None
         done = [(d, f) for d, f in failures if source.exhausted(d)]
@@ -465,6 +480,18 @@ class Settling:
                 e,
                 self._dead_letter_failures,
             )
+            last = {id(d) for d in source.unreleasable([d for d, _ in done])}
+            if last and self._ending:
+                log.error(
+                    "the run is ending and the error sink %r still fails: %d messages at "
+                    "their last delivery are given back, and the broker drops them (or "
+                    "moves them to the queue's own x-dead-letter-exchange)",
+                    sink.name,
+                    len(last),
+                )
+            elif last:
+                self._hold_dead([(d, f) for d, f in done if id(d) in last], tries)
+                done = [(d, f) for d, f in done if id(d) not in last]
             for d, _ in done:
                 d.settle(Settlement.NACKED)
             source.nack(done)
@@ -484,6 +511,36 @@ class Settling:
             else:
                 self._record_failure(d, f, Settlement.DEAD_LETTERED, kept_by=sink.name)
         return rest
+
+    def _hold_dead(self, failures: list[tuple[Delivery, Failure]], tries: int = 1) -> None:
+        """Keep given-up messages whose dead letter the error sink refused in flight
+        (unsettled: they hold their credits, so a sink down for long stops the pulling)
+        and write them again after a backoff: a give-back would spend a delivery the
+        broker does not have for them (a quorum queue's ``x-delivery-limit``), and it
+        would drop them."""
+        wait = min(DEAD_RETRY_S * 2 ** (tries - 1), DEAD_RETRY_MAX_S)
+        due = time.monotonic() + wait
+        self.dead_waiting.extend((due, tries, d, f) for d, f in failures)
+        log.warning(
+            "%d given-up messages are at their last delivery (a give-back would make the "
+            "broker drop them): held in flight, their dead letters written again in %.1f s",
+            len(failures),
+            wait,
+        )
+
+    def _retry_dead_letters(self, *, now_all: bool = False) -> None:
+        """Write the held dead letters that are due (all of them with ``now_all``)."""
+        now = time.monotonic()
+        waiting = [w for w in self.dead_waiting if not w[2].settled]  # a lost channel: gone
+        due = [w for w in waiting if now_all or w[0] <= now]
+        self.dead_waiting = [w for w in waiting if not (now_all or w[0] <= now)]
+        if not due:
+            return
+        tries = max(t for _, t, _, _ in due) + 1  # refused again: a longer wait
+        left = self._dead_letter_to_sink("dead-letter-retry", [(d, f) for _, _, d, f in due], tries=tries)
+        if left:  # (exhausted once, exhausted still: a guard)
+            self._fail("dead-letter-retry", left)
+        self._forget([d for _, _, d, _ in due])
 
     def _record_failure(self, d: Delivery, f: Failure, state: Settlement, *, kept_by: str = "source") -> None:
         if state is Settlement.DEAD_LETTERED:

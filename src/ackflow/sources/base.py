@@ -138,6 +138,13 @@ class Source(ABC):
         (the engine takes them back out of the report). Default: none."""
         return []
 
+    def take_dead_lettered(self) -> list[tuple[Delivery, Failure]]:
+        """Failures :meth:`fail` answered ``NACKED`` (their dead-letter route refused
+        them) that the source dead-lettered since, holding them meanwhile (a give-back
+        would have made the broker drop them): the engine counts them as dead letters
+        instead of nacks. Default: none."""
+        return []
+
     def stop_consuming(self) -> list[Delivery]:
         """Stop receiving (the run is ending: called before the first release) and
         return the deliveries received but not pulled yet, for the engine to settle

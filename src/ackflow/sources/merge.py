@@ -128,6 +128,9 @@ class MergedSource(Source):
     def take_unsent_acks(self) -> list[Delivery]:
         return [d for s in self.sources for d in s.take_unsent_acks()]
 
+    def take_dead_lettered(self) -> list[tuple[Delivery, Failure]]:
+        return [x for s in self.sources for x in s.take_dead_lettered()]
+
     def stop_consuming(self) -> list[Delivery]:
         out = []
         for i, s in enumerate(self.sources):

@@ -11,6 +11,7 @@ import collections
 import heapq
 import itertools
 import logging
+import math
 import queue as queue_mod
 import threading
 import time
@@ -151,6 +152,10 @@ class RabbitMQSource(Source):
         self._outstanding: dict[int, Delivery] = {}  # tags unsettled on this channel, in order
         self._lost: list[Delivery] = []
         self._delayed: list[tuple[float, int, int, int]] = []  # (due, seq, gen, tag): nacks
+        #: (due, seq, tries, delivery, failure): dead letters the exchange refused, for
+        #: messages a give-back would make the broker drop: held, published again
+        self._dead_again: list[tuple[float, int, int, Delivery, Failure]] = []
+        self._late_dead: list[tuple[Delivery, Failure]] = []  # published since: take_dead_lettered
         self._seq = 0
         self._inbox: queue_mod.Queue[tuple[str, list[Any]]] = queue_mod.Queue()
         self._seen: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -265,6 +270,7 @@ class RabbitMQSource(Source):
         self._outstanding.clear()
         self._buffer.clear()
         self._delayed.clear()
+        self._give_up_held_dead("went back with the channel")
         conn, self._conn, self._ch = self._conn, None, None
         self._gen += 1  # no handle of the dead channel matches any more
         try:
@@ -326,6 +332,64 @@ class RabbitMQSource(Source):
             _, _, gen, tag = heapq.heappop(self._delayed)
             if gen == self._gen and self._ch is not None and tag in self._outstanding:
                 self._settle_tags([tag], "nack")
+        if self._dead_again and self._dead_again[0][0] <= now and self._ch is not None:
+            self._publish_held_dead(now)
+
+    def _hold_dead(self, dead: list[tuple[Delivery, Failure]], tries: int) -> None:
+        """Hold refused dead letters of messages at their last delivery (a nack would
+        make the broker drop them) and publish them again after the policy's backoff."""
+        due = time.monotonic() + self.policy.delay_after(tries)
+        for d, f in dead:
+            self._seq += 1
+            heapq.heappush(self._dead_again, (due, self._seq, tries, d, f))
+        if dead:
+            log.warning(
+                "source %r: %d messages at their last delivery whose dead letters %r refused "
+                "are held on the channel and published again (a nack would make the broker "
+                "drop them)",
+                self.name,
+                len(dead),
+                self.dead_letter_exchange,
+            )
+
+    def _publish_held_dead(self, until: float) -> None:
+        """Publish the held dead letters due by ``until``; ack what the broker took."""
+        due: list[tuple[int, Delivery, Failure]] = []
+        while self._dead_again and self._dead_again[0][0] <= until:
+            _, _, tries, d, f = heapq.heappop(self._dead_again)
+            if self._live(d):
+                due.append((tries, d, f))
+        if not due:
+            return
+        items = [(d, f) for _, d, f in due]
+        refused, alive = publish_dead_letters(self, items)
+        if not alive:  # the connection died on the way: they went back with it
+            self._give_up_held_dead("went back with the channel", len(due))
+            return
+        ok = [(d, f) for d, f in items if id(d) not in refused]
+        stale = {id(d) for d in self._ack_now([d for d, _ in ok])}
+        self.stats["dead_letters"] += len(ok) - len(stale)
+        self._late_dead.extend((d, f) for d, f in ok if id(d) not in stale)
+        for tries, d, f in due:
+            if id(d) in refused:
+                self._hold_dead([(d, f)], tries + 1)
+
+    def _give_up_held_dead(self, why: str, more: int = 0) -> None:
+        if self._dead_again or more:
+            log.error(
+                "source %r: %d messages held for their dead letters (refused by %r) %s: at "
+                "their last delivery, the broker drops them or moves them to the queue's "
+                "own x-dead-letter-exchange",
+                self.name,
+                len(self._dead_again) + more,
+                self.dead_letter_exchange,
+                why,
+            )
+            self._dead_again.clear()
+
+    def take_dead_lettered(self) -> list[tuple[Delivery, Failure]]:
+        late, self._late_dead = self._late_dead, []
+        return late
 
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout
@@ -349,7 +413,8 @@ class RabbitMQSource(Source):
             "kind": "RabbitMQ queue",
             "url": self.where,
             "queue": self.queue,
-            "retries_waiting": len(self._delayed),
+            "retries_waiting": self.retries_waiting,
+            "dead_letters_held": len(self._dead_again),
             "buffered": len(self._buffer),
             "unsettled_on_channel": len(self._outstanding),
             "dead_letters_refused": self.stats["dead_letters_refused"],
@@ -364,8 +429,9 @@ class RabbitMQSource(Source):
 
     @property
     def retries_waiting(self) -> int:
-        """Failed deliveries whose nack waits for its backoff (held on the channel)."""
-        return len(self._delayed)
+        """Failed deliveries whose nack waits for its backoff, or whose refused dead
+        letter waits to be published again (held on the channel)."""
+        return len(self._delayed) + len(self._dead_again)
 
     def take_lost(self) -> list[Delivery]:
         lost, self._lost = self._lost, []
@@ -546,7 +612,11 @@ class RabbitMQSource(Source):
                 return refused, lost | {id(x) for x, _ in dead}
             ok = [d for d, _ in dead if id(d) not in refused]
             lost |= {id(d) for d in self._ack_now(ok)}
-            self._schedule_nacks([(d, f) for d, f in dead if id(d) in refused], backoff=True)
+            last = {id(d) for d in self.unreleasable([d for d, _ in dead if id(d) in refused])}
+            self._hold_dead([(d, f) for d, f in dead if id(d) in last], 1)
+            self._schedule_nacks(
+                [(d, f) for d, f in dead if id(d) in refused and id(d) not in last], backoff=True
+            )
             self.stats["dead_letters"] += len(ok)
             return refused, lost
         tags, _ = self._current([d for d, _ in dead])
@@ -622,6 +692,9 @@ class RabbitMQSource(Source):
 
     def close(self) -> None:
         self._service()
+        if self._dead_again and self._ch is not None:  # one last try, whatever is due
+            self._publish_held_dead(math.inf)
+        self._give_up_held_dead("were still refused when the source closed")
         if self._held_acks and self._ch is not None:
             self._send_acks(force=True)
         conn, self._conn, self._ch = self._conn, None, None
