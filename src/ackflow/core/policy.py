@@ -39,3 +39,14 @@ class RetryPolicy:
         """Seconds to wait before the next delivery after the ``delivery_count``-th failed."""
         exponent = max(delivery_count - 1, 0)
         return float(min(self.backoff_s * (2**exponent), self.max_backoff_s))
+
+
+#: the first wait, and the longest, before a dead letter its route refused is written
+#: again while its message is held (a give-back would make the broker drop it: a quorum
+#: queue's message past its ``x-delivery-limit``)
+DEAD_RETRY_S, DEAD_RETRY_MAX_S = 0.5, 30.0
+
+
+def dead_letter_retry_after(tries: int) -> float:
+    """Seconds before the ``tries + 1``-th write of a held dead letter."""
+    return float(min(DEAD_RETRY_S * 2 ** max(tries - 1, 0), DEAD_RETRY_MAX_S))

@@ -37,6 +37,7 @@ from ackflow import faults
 from ackflow.core.errors import ConfigError, FlowError
 from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
+from ackflow.core.policy import DEAD_RETRY_S
 from ackflow.core.schema import SchemaStore, check_mode
 from ackflow.core.settlement import Delivery
 from ackflow.core.systemic import SystemicDetector
@@ -45,7 +46,7 @@ from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
 from ackflow.engine.collector import fewer_collections
 from ackflow.engine.report import RunReport
 from ackflow.engine.schemas import open_store, state_file
-from ackflow.engine.settle import DEAD_RETRY_S, Settling, write_dead_letters  # noqa: F401 - write_dead_letters re-exported
+from ackflow.engine.settle import Settling, write_dead_letters  # noqa: F401 - write_dead_letters re-exported
 from ackflow.flow import Flow, GroupedWithin
 from ackflow.observe.metrics import Metrics
 from ackflow.observe.status import EngineFacts, StatusBoard
@@ -633,12 +634,20 @@ class Engine(Settling):
                     continue
         finally:
             pool.shutdown(wait=True)
-        # dead letters held for the error sink: written again until the drain's deadline
-        while self.dead_waiting and time.monotonic() < deadline:
-            self._retry_dead_letters(now_all=True)
-            if self.dead_waiting:
-                time.sleep(min(DEAD_RETRY_S, max(0.0, deadline - time.monotonic())))
+        # dead letters held (by the engine for the error sink, by the source for its
+        # dead-letter exchange): written again until the drain's deadline
+        source, next_try = self.flow.source, 0.0
+        while (self.dead_waiting or source.dead_letters_held) and time.monotonic() < deadline:
+            if self.dead_waiting and time.monotonic() >= next_try:
+                self._retry_dead_letters(now_all=True)
+                next_try = time.monotonic() + DEAD_RETRY_S
+            if source.dead_letters_held:
+                source.keepalive([])  # the source writes its own again, at their backoff
+            self._drop_lost()
+            if self.dead_waiting or source.dead_letters_held:
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         self._ending = True
+        self._give_up_held()
         leftover = [d for d in self.inflight.values() if not d.settled]
         self._release(leftover, ending=True)
         self.inflight.clear()

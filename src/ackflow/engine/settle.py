@@ -19,6 +19,7 @@ from ackflow import faults
 from ackflow.core.errors import SystemicFailure, describe
 from ackflow.core.groups import GroupBuffer
 from ackflow.core.ledger import Failure
+from ackflow.core.policy import dead_letter_retry_after
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.core.systemic import ANY_STEP, SystemicDetector
@@ -41,10 +42,6 @@ PARK_S = 1.0
 #: as a whole: a database away, a sink down) that have not come back and settled: a
 #: message another process took, or a source that keeps it longer, lets go then
 BACK_HOLD_S = 600.0
-
-#: the first wait, and the longest, before a dead letter the error sink refused is
-#: written again while its message is held in flight (:meth:`Settling._hold_dead`)
-DEAD_RETRY_S, DEAD_RETRY_MAX_S = 0.5, 30.0
 
 
 class Settling:
@@ -154,10 +151,11 @@ class Settling:
         # failures reported nacked (their dead letter refused) that the source held and
         # dead-lettered since
         for d, f in self.flow.source.take_dead_lettered():
-            self.report.nacked -= 1
-            self._record_failure(d, f, Settlement.DEAD_LETTERED)
+            self._late_dead_letter(d, f)
 
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
+        if self.dead_waiting:  # held for their dead letters already: decided
+            failures = [(d, f) for d, f in failures if not self._held(d)]
         if failures and self.flow.error_sink is not None:
             failures = self._dead_letter_to_sink(batch_id, failures)
         if not failures:
@@ -327,7 +325,7 @@ class Settling:
         failures = []
         for mid, failure in result.outcomes.failed.items():
             d = self.inflight.get(mid)
-            if d is not None and not d.settled:
+            if d is not None and not d.settled and not self._held(d):
                 failures.append((d, failure))
                 touched.append(d)
         failures = self._give_back_systemic(result, failures, acked=False)
@@ -335,7 +333,7 @@ class Settling:
         done = []
         for mid, n in result.member_rows.items():
             d = self.inflight.get(mid)
-            if d is None or d.settled:
+            if d is None or d.settled or self._held(d):  # (held: failed, its groups discarded)
                 continue
             left = self.held.get(mid, 0) - n
             self.held[mid] = left
@@ -473,7 +471,8 @@ class Settling:
             self.metrics.dead_letter_write_failures.inc(len(done))
             log.error(
                 "batch %s: error sink %r failed to write %d dead letters (%s); nacking "
-                "them (%d dead-letter writes failed in this run)",
+                "them, or holding those at their last delivery (%d dead-letter writes "
+                "failed in this run)",
                 batch_id,
                 sink.name,
                 len(done),
@@ -512,15 +511,23 @@ class Settling:
                 self._record_failure(d, f, Settlement.DEAD_LETTERED, kept_by=sink.name)
         return rest
 
+    def _held(self, d: Delivery) -> bool:
+        """Held for its dead letter (:meth:`_hold_dead`): failed for good, not settled."""
+        return any(w[2] is d for w in self.dead_waiting)
+
     def _hold_dead(self, failures: list[tuple[Delivery, Failure]], tries: int = 1) -> None:
         """Keep given-up messages whose dead letter the error sink refused in flight
         (unsettled: they hold their credits, so a sink down for long stops the pulling)
         and write them again after a backoff: a give-back would spend a delivery the
         broker does not have for them (a quorum queue's ``x-delivery-limit``), and it
-        would drop them."""
-        wait = min(DEAD_RETRY_S * 2 ** (tries - 1), DEAD_RETRY_MAX_S)
+        would drop them. Their rows still waiting in ``grouped_within`` groups go (the
+        groups are written without them), as for any failed message."""
+        wait = dead_letter_retry_after(tries)
         due = time.monotonic() + wait
         self.dead_waiting.extend((due, tries, d, f) for d, f in failures)
+        waiting = {d.lineage_id for d, _ in failures if self.held.pop(d.lineage_id, 0) > 0}
+        if waiting and self.groups is not None:
+            self.groups.discard(waiting)
         log.warning(
             "%d given-up messages are at their last delivery (a give-back would make the "
             "broker drop them): held in flight, their dead letters written again in %.1f s",
@@ -541,6 +548,42 @@ class Settling:
         if left:  # (exhausted once, exhausted still: a guard)
             self._fail("dead-letter-retry", left)
         self._forget([d for _, _, d, _ in due])
+
+    def _give_up_held(self) -> None:
+        """The run ends with dead letters still refused: nack them (their original
+        failure), the broker's to drop, with one error line."""
+        held = [(d, f) for _, _, d, f in self.dead_waiting if not d.settled]
+        self.dead_waiting = []
+        if not held:
+            return
+        log.error(
+            "the run is ending and the error sink %r still refuses %d dead letters of "
+            "messages at their last delivery: they are given back, and the broker drops "
+            "them (or moves them to the queue's own x-dead-letter-exchange)",
+            self.flow.error_sink.name if self.flow.error_sink is not None else None,
+            len(held),
+        )
+        for d, _ in held:
+            d.settle(Settlement.NACKED)
+        self.flow.source.nack(held)
+        for d, f in held:
+            self._record_failure(d, f, Settlement.NACKED)
+        self._forget([d for d, _ in held])
+
+    def _late_dead_letter(self, d: Delivery, f: Failure) -> None:
+        """A failure recorded as nacked (its dead letter refused) that the source held
+        and dead-lettered since: counted as a dead letter instead."""
+        self.report.nacked -= 1
+        self.report.dead_lettered += 1
+        self.report.dead_lettered_by_step[f.step] = self.report.dead_lettered_by_step.get(f.step, 0) + 1
+        self.metrics.dead_lettered.labels(step=f.step).inc()
+        self.report.count_reason(f.step, f.error)
+        for entry in self.report.failures:
+            if entry["message"] == d.key and entry["outcome"] == Settlement.NACKED.value:
+                entry["outcome"] = Settlement.DEAD_LETTERED.value
+        log.info("message %s dead-lettered after %d deliveries (held for it): %s", d.key, d.delivery_count, f)
+        if self.board is not None:
+            self.board.failed(d, f, Settlement.DEAD_LETTERED.value, kept_by="source", ref=None)
 
     def _record_failure(self, d: Delivery, f: Failure, state: Settlement, *, kept_by: str = "source") -> None:
         if state is Settlement.DEAD_LETTERED:
@@ -630,7 +673,7 @@ class Settling:
         its last delivery on a queue that counts a give-back as one (a quorum queue with
         a delivery limit) would be dropped by the broker: it is failed (dead-lettered
         with its failure, knowingly) instead."""
-        failures = [(d, f) for d, f in failures if not d.settled]
+        failures = [(d, f) for d, f in failures if not d.settled and not self._held(d)]
         if not failures:
             return
         last = {id(d) for d in self.flow.source.unreleasable([d for d, _ in failures])}

@@ -138,6 +138,13 @@ class Source(ABC):
         (the engine takes them back out of the report). Default: none."""
         return []
 
+    @property
+    def dead_letters_held(self) -> int:
+        """Failures whose dead letter the source's route refused and that it holds to
+        publish again (see :meth:`take_dead_lettered`): a stop's drain waits for them
+        until its timeout. Default: none."""
+        return 0
+
     def take_dead_lettered(self) -> list[tuple[Delivery, Failure]]:
         """Failures :meth:`fail` answered ``NACKED`` (their dead-letter route refused
         them) that the source dead-lettered since, holding them meanwhile (a give-back

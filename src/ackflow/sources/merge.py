@@ -128,6 +128,10 @@ class MergedSource(Source):
     def take_unsent_acks(self) -> list[Delivery]:
         return [d for s in self.sources for d in s.take_unsent_acks()]
 
+    @property
+    def dead_letters_held(self) -> int:
+        return sum(s.dead_letters_held for s in self.sources)
+
     def take_dead_lettered(self) -> list[tuple[Delivery, Failure]]:
         return [x for s in self.sources for x in s.take_dead_lettered()]
 

@@ -22,7 +22,7 @@ from typing import Any
 from ackflow import faults
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
-from ackflow.core.policy import RetryPolicy
+from ackflow.core.policy import RetryPolicy, dead_letter_retry_after
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources.base import Source
@@ -337,8 +337,9 @@ class RabbitMQSource(Source):
 
     def _hold_dead(self, dead: list[tuple[Delivery, Failure]], tries: int) -> None:
         """Hold refused dead letters of messages at their last delivery (a nack would
-        make the broker drop them) and publish them again after the policy's backoff."""
-        due = time.monotonic() + self.policy.delay_after(tries)
+        make the broker drop them) and publish them again after a backoff (0.5 s,
+        doubling to 30 s)."""
+        due = time.monotonic() + dead_letter_retry_after(tries)
         for d, f in dead:
             self._seq += 1
             heapq.heappush(self._dead_again, (due, self._seq, tries, d, f))
@@ -386,6 +387,10 @@ class RabbitMQSource(Source):
                 why,
             )
             self._dead_again.clear()
+
+    @property
+    def dead_letters_held(self) -> int:
+        return len(self._dead_again)
 
     def take_dead_lettered(self) -> list[tuple[Delivery, Failure]]:
         late, self._late_dead = self._late_dead, []

@@ -280,7 +280,8 @@ def publish_dead_letters(src: RabbitMQSource, dead: list[tuple[Delivery, Failure
             src._ch.basic_publish(src.dead_letter_exchange, rk, d.body, props, mandatory=True)
         except pika.exceptions.UnroutableError:
             log.error(
-                "source %r: dead letter of %s is unroutable on exchange %r; nacking it instead",
+                "source %r: dead letter of %s is unroutable on exchange %r; nacking it "
+                "instead (at its last delivery: held, published again)",
                 src.name,
                 d.key,
                 src.dead_letter_exchange,
@@ -293,7 +294,7 @@ def publish_dead_letters(src: RabbitMQSource, dead: list[tuple[Delivery, Failure
             log.error(
                 "source %r: the broker refused the dead letter of %s on exchange "
                 "%r (basic.nack: a full dead-letter queue?); nacking it, it is "
-                "retried after the backoff",
+                "retried after the backoff (at its last delivery: held, published again)",
                 src.name,
                 d.key,
                 src.dead_letter_exchange,
