@@ -100,51 +100,18 @@ def test_a_restart_reuses_the_stored_columns_and_widens_them_once(tmp_path):
     assert len(history(state)) == 2 and report.schema_changes == []
 
 
-def test_a_value_that_cannot_widen_lands_in_rescued(tmp_path):
-    """A value of a type its column cannot widen to (a string in an int64 column, at the
-    top or inside a struct) failed its message: one early message of the other type
-    then refused every later good one. Now the row lands, the value in ``_rescued`` at
-    its depth and the column null; the ``_rescued`` column is a version of its own."""
+def test_a_value_that_cannot_widen_fails_its_message_naming_field_and_types(tmp_path):
     state = tmp_path / "s"
     run([{"n": 1, "c": {"a": 1}}], state)
-    src, sink, report = run([{"n": "one"}, {"n": 2, "c": {"a": "x"}}, {"n": 3}], state)
-    assert src.final() == {"m0": "acked", "m1": "acked", "m2": "acked"}
-    # (m2 fits: written in the first job, before the _rescued column was made)
-    rows = sorted(({"_rescued": None, **r} for r in sink.rows), key=lambda r: str(r["n"]))
-    assert rows == [
-        {"n": 2, "c": {"a": None}, "_rescued": json.dumps({"c": {"a": "x"}})},
-        {"n": 3, "c": None, "_rescued": None},
-        {"n": None, "c": None, "_rescued": json.dumps({"n": "one"})},
-    ]
-    versions = history(state)
-    assert [v["changes"] for v in versions] == [["+n: int64", "+c: struct<a: int64>"], ["+_rescued: string"]]
-    assert report.dead_lettered == 0
-    # a value that widens still widens the column, with the rescue column there
-    src, sink, _ = run([{"n": 2.5}], state)
-    assert src.final() == {"m0": "acked"} and sink.rows == [{"n": 2.5, "c": None, "_rescued": None}]
-    assert history(state)[-1]["changes"] == ["n: int64 -> double"]
-
-
-def test_a_new_field_and_a_conflict_in_one_row_make_a_column_and_a_rescue(tmp_path):
-    """The new field becomes a column (a schema miss first); only the value that cannot
-    widen is rescued, in the run after."""
-    state = tmp_path / "s"
-    run([{"n": 1}], state)
-    src, sink, _ = run([{"n": [1, 2], "tag": "t"}], state)
-    assert src.final() == {"m0": "acked"}
-    assert sink.rows == [{"n": None, "tag": "t", "_rescued": json.dumps({"n": [1, 2]})}]
-    assert [v["changes"] for v in history(state)][1:] == [["+tag: string", "+_rescued: string"]]
-
-
-def test_a_data_column_named_rescued_that_is_not_text_still_fails_a_conflict(tmp_path):
-    """In evolve mode a data field named _rescued is a column like any other; if it is
-    not text, ackflow cannot keep what does not fit there: the message fails, naming the
-    field and both types (as before), never overwriting the producer's column."""
-    state = tmp_path / "s"
-    run([{"n": 1, "_rescued": 5}], state)
-    src, _, _ = run([{"n": "one", "_rescued": 6}], state)
-    assert src.final() == {"m0": "dead_lettered"}
-    assert "field 'n'" in str(src.failures["m0"]) and "int64" in str(src.failures["m0"])
+    src, _sink, _ = run([{"n": "one"}, {"n": 2, "c": {"a": "x"}}, {"n": 3}], state)
+    assert src.final() == {"m0": "dead_lettered", "m1": "dead_lettered", "m2": "acked"}
+    assert (
+        "field 'n'" in str(src.failures["m0"])
+        and "string" in str(src.failures["m0"])
+        and "int64" in str(src.failures["m0"])
+    )
+    assert "field 'c.a'" in str(src.failures["m1"])
+    assert len(history(state)) == 1  # nothing evolved for values that cannot widen
 
 
 def test_fractions_are_never_cut_by_an_integer_column(tmp_path):
@@ -385,28 +352,36 @@ def kinds(v, path, out):
 @given(records=RECORDS, batch=st.integers(1, 8), mode=st.sampled_from(["evolve", "rescue", "freeze"]))
 def test_evolving_shapes_lose_no_field_in_any_mode(tmp_path_factory, records, batch, mode):
     """Random records whose fields appear, nest, widen and conflict, in random batches:
-    - every message is settled; a message is dead-lettered only for a field outside the
-      columns or a kind of another record (``freeze``); never in ``rescue`` nor in
-      ``evolve`` (a kind that cannot widen lands in ``_rescued``);
+    - every message is settled; a message is dead-lettered only for a field whose kinds
+      disagree across the records (``evolve``), or for a field outside the columns or a
+      kind of another record (``freeze``); never in ``rescue``;
     - every acked message's row holds every field it had, at every depth (with the
-      ``_rescued`` JSON put back in ``rescue`` and ``evolve``)."""
+      ``_rescued`` JSON put back in ``rescue``)."""
     state = tmp_path_factory.mktemp("s")
     src, sink, _ = run(records, state, mode=mode, batch_size=batch, max_inflight=2 * batch)
     final = src.final()
     assert set(final.values()) <= {"acked", "dead_lettered"}
+    paths = {}
+    for r in records:
+        kinds(r, "", paths)
+    torn = {p for p, ks in paths.items() if len(ks) > 1}  # kinds disagree across records
     rows = iter(sink.rows)
     by_n = {}
     for i, r in enumerate(records):
         if final[f"m{i}"] == "acked":
             by_n[i] = r
     assert len(sink.rows) == len(by_n)
-    written = [unrescued(x) if mode != "freeze" else x for x in rows]
+    written = [unrescued(x) if mode == "rescue" else x for x in rows]
     for r in by_n.values():  # each acked record has a row that keeps all of it
         assert any(same(r, w) for w in written), (mode, r, written)
     for i, r in enumerate(records):
         if final[f"m{i}"] != "dead_lettered":
             continue
-        assert mode == "freeze", (r, src.failures[f"m{i}"])
+        assert mode != "rescue", (r, src.failures[f"m{i}"])
+        mine = {}
+        kinds(r, "", mine)
+        if mode == "evolve":
+            assert set(mine) & torn, (r, str(src.failures[f"m{i}"]), torn)
 
 
 def test_the_store_sits_beside_the_flows_durable_state(tmp_path):
@@ -456,17 +431,14 @@ def test_a_data_field_named_rescued_is_kept_inside_the_rescued_column(tmp_path):
 
 def test_a_value_arrow_cannot_hold_never_makes_a_column(tmp_path):
     """A new field first seen as 2**64 made the column a string, recorded for good, and
-    every later integer was dead-lettered. Then that message failed alone; now it lands
-    with the value in _rescued, and the next integer makes the column bigint."""
+    every later integer was dead-lettered. Now that message fails alone, naming the
+    field, and the next integer makes the column bigint."""
     state = tmp_path / "s"
     run([{"id": 1}], state)
-    src, sink, _ = run([{"id": 2, "n": 2**64}, {"id": 3, "n": 5}], state, batch_size=1, max_inflight=1)
-    assert src.final() == {"m0": "acked", "m1": "acked"}
-    assert [json.loads(r["_rescued"] or "null") for r in sorted(sink.rows, key=lambda r: r["id"])] == [
-        {"n": 2**64},
-        None,
-    ]
-    assert history(state)[-1]["columns"] == ["id: int64", "_rescued: string", "n: int64"]
+    src, _, _ = run([{"id": 2, "n": 2**64}, {"id": 3, "n": 5}], state, batch_size=1, max_inflight=1)
+    assert src.final() == {"m0": "dead_lettered", "m1": "acked"}
+    assert "'n'" in str(src.failures["m0"])
+    assert history(state)[-1]["columns"] == ["id: int64", "n: int64"]
 
 
 def test_evolution_runs_outside_the_bisection_budget(tmp_path):

@@ -9,10 +9,7 @@ by the segment's *mode*:
 - ``evolve`` (the default): a new field, at any depth, becomes a new nullable column
   (or struct field), and a type widens along safe promotions (:func:`merge_types`).
   The engine records the new version, then runs the rows that needed it again. A value
-  that cannot widen (a string where the column is int64, a list where it is a
-  string) lands in the JSON column ``_rescued`` at its depth, its column null in that
-  row; ``_rescued`` is made, as a version of its own, the first time a row needs it.
-  Data that changes shape is never refused.
+  that cannot widen fails its own message, naming the field and both types.
 - ``rescue``: the columns never change after the first version; what does not fit (a
   new field, a value of another type) goes into one JSON column, ``_rescued``.
 - ``freeze``: the columns never change; a row with a field outside them, at any depth,
@@ -51,7 +48,7 @@ from ackflow.core.errors import ConfigError, FlowError
 
 EVOLVE, RESCUE, FREEZE = "evolve", "rescue", "freeze"
 MODES = (EVOLVE, RESCUE, FREEZE)
-RESCUED = "_rescued"  # the column of what did not fit (modes "rescue", and "evolve" for conflicts)
+RESCUED = "_rescued"  # the column of what did not fit, in mode "rescue"
 #: the error text of a row that needs a newer version of its segment's columns: the
 #: engine evolves and runs its message again (never a dead letter)
 SCHEMA_MISS = "\x00ackflow-schema-miss:"

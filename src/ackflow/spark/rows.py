@@ -259,9 +259,8 @@ def conform(
     field outside the columns, at any depth, or a value of another type is never written
     without it: ``freeze`` fails the row; ``evolve`` fails it with a *schema miss*
     (:func:`~ackflow.core.schema.miss_error`, the engine evolves the columns of
-    ``segment`` and runs its message again); a value whose type cannot widen (or that
-    Arrow cannot type) is written into the ``_rescued`` JSON column, made by a schema
-    miss of its own the first time; ``rescue`` writes all of the rest into ``_rescued``.
+    ``segment`` and runs its message again) unless its type cannot widen, which fails
+    it naming the field; ``rescue`` writes the rest into the ``_rescued`` JSON column.
     ``mode=None`` (``schema=`` given: the user chose the columns): fields outside them
     are left out."""
     names = set(data_schema.names)
@@ -368,8 +367,7 @@ def conform(
     if pending:
         _evolve_rows(pending, rows, status, step, err, step_name, segment, data_schema)
         for i in pending:
-            if status[i] != LIVE:  # (a rescued row stays: it fits now)
-                rows[i] = {}
+            rows[i] = {}
     return rows_table(rows, data_schema)
 
 
@@ -453,30 +451,33 @@ def _misfit(
         )
         return
     if mode == RESCUE:
-        _rescue_or_fail(rows, status, step, err, i, step_name, data_schema)
+        try:
+            rows[i] = _rescue(r, data_schema)
+        except (TypeError, ValueError) as e:
+            _fail(
+                rows,
+                status,
+                step,
+                err,
+                i,
+                step_name,
+                f"field {RESCUED!r}: the fields that do not fit cannot be kept as JSON: {describe(e)}",
+            )
         return
-    # evolve: new fields become columns (a schema miss: the engine evolves, the message
-    # runs again); what cannot widen, or cannot be typed at all, lands in _rescued (the
-    # column made first, by a miss of its own): data that changes shape is never refused
-    changes: list[str]
-    conflicts: list[str]
     try:
-        row_schema: pa.Schema | None = infer_schema([r], step_name)
-    except Exception as e:  # noqa: BLE001 - outside data: rescued, or its own row's failure
-        row_schema, changes, conflicts = None, [], [f"row cannot be typed: {describe(e)}"]
-    else:
-        _, changes, conflicts = merge_schemas(data_schema, row_schema)
-    if row_schema is not None and changes and (not conflicts or RESCUED in names):
+        row_schema = infer_schema([r], step_name)
+    except Exception as e:  # noqa: BLE001 - outside data: its own row's failure
+        _fail(rows, status, step, err, i, step_name, f"row cannot be typed: {describe(e)}")
+        return
+    _, changes, conflicts = merge_schemas(data_schema, row_schema)
+    if conflicts:
+        _fail(rows, status, step, err, i, step_name, conflicts[0])
+    elif changes:
         _fail(rows, status, step, err, i, step_name, miss_error(segment, row_schema))
-    elif RESCUED not in names:  # the rescue column first (with any new columns)
-        need = [f for f in row_schema or [] if f.name != RESCUED] if changes else []
-        _fail(rows, status, step, err, i, step_name, miss_error(segment, pa.schema([*need, RESCUE_FIELD])))
-    elif names.count(RESCUED) == 1 and pa.types.is_string(data_schema.field(RESCUED).type):
-        _rescue_or_fail(rows, status, step, err, i, step_name, data_schema)
-    else:  # a data field named _rescued made that column, not as text: it cannot hold them
-        why = conflicts[0] if conflicts else _unfit(r, data_schema)
-        if why is None:
-            why = describe(error) if error is not None else f"field {bad!r} does not fit"
+    else:
+        why = _unfit(r, data_schema) or (
+            describe(error) if error is not None else f"field {bad!r} does not fit"
+        )
         _fail(
             rows,
             status,
@@ -486,38 +487,6 @@ def _misfit(
             step_name,
             f"row does not fit the columns {_shown(names)} of the step: {why}",
         )
-
-
-#: the column of what did not fit (JSON text), made when a row first needs it
-RESCUE_FIELD = pa.field(RESCUED, pa.string())
-
-
-def _rescue_or_fail(
-    rows: list[dict[str, Any]],
-    status: list[int],
-    step: list[str | None],
-    err: list[str | None],
-    i: int,
-    step_name: str,
-    data_schema: pa.Schema,
-) -> None:
-    """Row ``i`` with what does not fit moved into ``_rescued``; or its failure, if that
-    cannot be kept as JSON or the rest still does not fit."""
-    try:
-        rescued = _rescue(rows[i], data_schema)
-        pa.Table.from_pylist([rescued], schema=data_schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
-        _fail(
-            rows,
-            status,
-            step,
-            err,
-            i,
-            step_name,
-            f"field {RESCUED!r}: the fields that do not fit cannot be kept as JSON: {describe(e)}",
-        )
-        return
-    rows[i] = rescued
 
 
 def _unfit(row: dict[str, Any], data_schema: pa.Schema) -> str | None:
