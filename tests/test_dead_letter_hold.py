@@ -90,6 +90,17 @@ def start(flow, **kw):
     return engine, out, t
 
 
+def run_healing(src, n, timeout_s, until_idle):
+    """Run until the error sink refused twice, heal it, and return (report, dead, out)."""
+    dead, out = Down(), MemorySink("out")
+    _, res, t = start(flow_of(src, dead, out, n, timeout_s), until_idle=until_idle)
+    assert wait_until(lambda: dead.tries >= 2 or not t.is_alive(), timeout=30)
+    dead.healed.set()
+    t.join(30)
+    assert not t.is_alive() and "error" not in res, res.get("error")
+    return res["report"], dead, out
+
+
 def dead_bodies(dead):
     return [json.loads(r["body"]) for r in dead.rows]
 
@@ -100,13 +111,7 @@ def test_a_held_member_whose_last_group_failed_is_dead_lettered_not_acked():
     src = LastSource(
         bodies=[json.dumps({"ks": ["a"], "bad": []}), json.dumps({"ks": ["p"], "bad": ["p"]})], last=["m1"]
     )
-    dead, out = Down(), MemorySink("out")
-    _, res, t = start(flow_of(src, dead, out, 1, 0.05), until_idle=1.0)
-    assert wait_until(lambda: dead.tries >= 2 or not t.is_alive(), timeout=30)
-    dead.healed.set()
-    t.join(30)
-    assert not t.is_alive() and "error" not in res, res.get("error")
-    report = res["report"]
+    report, dead, out = run_healing(src, 1, 0.05, until_idle=1.0)
     assert dead_bodies(dead) == [{"ks": ["p"], "bad": ["p"]}]
     assert src.settled == {"m0": ["acked"], "m1": ["acked"]}  # m1: acked once its dead letter is written
     assert (report.acked, report.dead_lettered) == (1, 1)
@@ -120,14 +125,9 @@ def test_a_held_member_leaves_its_other_groups():
         bodies=[json.dumps({"ks": ["x"], "bad": []}), json.dumps({"ks": ["x", "y"], "bad": ["x"]})],
         last=["m1"],
     )
-    dead, out = Down(), MemorySink("out")
-    _, res, t = start(flow_of(src, dead, out, 2, 0.4), until_idle=1.5)
-    assert wait_until(lambda: dead.tries >= 2 or not t.is_alive(), timeout=30)
-    dead.healed.set()
-    t.join(30)
-    assert not t.is_alive() and "error" not in res, res.get("error")
+    report, dead, out = run_healing(src, 2, 0.4, until_idle=1.5)
     assert dead_bodies(dead) == [{"ks": ["x", "y"], "bad": ["x"]}]
-    assert src.settled["m1"] == ["acked"] and res["report"].dead_lettered == 1
+    assert src.settled["m1"] == ["acked"] and report.dead_lettered == 1
     assert {"k": "y", "count": 1} not in out.rows  # its row in y left with it
 
 
