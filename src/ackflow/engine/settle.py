@@ -155,7 +155,8 @@ class Settling:
 
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
         if self.dead_waiting:  # held for their dead letters already: decided
-            failures = [(d, f) for d, f in failures if not self._held(d)]
+            held = self._held_ids()
+            failures = [(d, f) for d, f in failures if id(d) not in held]
         if failures and self.flow.error_sink is not None:
             failures = self._dead_letter_to_sink(batch_id, failures)
         if not failures:
@@ -323,9 +324,10 @@ class Settling:
         self._release(released)
         touched: list[Delivery] = released
         failures = []
+        held = self._held_ids()
         for mid, failure in result.outcomes.failed.items():
             d = self.inflight.get(mid)
-            if d is not None and not d.settled and not self._held(d):
+            if d is not None and not d.settled and id(d) not in held:
                 failures.append((d, failure))
                 touched.append(d)
         failures = self._give_back_systemic(result, failures, acked=False)
@@ -333,7 +335,7 @@ class Settling:
         done = []
         for mid, n in result.member_rows.items():
             d = self.inflight.get(mid)
-            if d is None or d.settled or self._held(d):  # (held: failed, its groups discarded)
+            if d is None or d.settled or id(d) in held:  # (held: failed, its groups discarded)
                 continue
             left = self.held.get(mid, 0) - n
             self.held[mid] = left
@@ -511,9 +513,10 @@ class Settling:
                 self._record_failure(d, f, Settlement.DEAD_LETTERED, kept_by=sink.name)
         return rest
 
-    def _held(self, d: Delivery) -> bool:
-        """Held for its dead letter (:meth:`_hold_dead`): failed for good, not settled."""
-        return any(w[2] is d for w in self.dead_waiting)
+    def _held_ids(self) -> set[int]:
+        """``id()`` of the deliveries held for their dead letters (:meth:`_hold_dead`):
+        failed for good, not settled; never failed, given back or acked again."""
+        return {id(w[2]) for w in self.dead_waiting}
 
     def _hold_dead(self, failures: list[tuple[Delivery, Failure]], tries: int = 1) -> None:
         """Keep given-up messages whose dead letter the error sink refused in flight
@@ -673,7 +676,8 @@ class Settling:
         its last delivery on a queue that counts a give-back as one (a quorum queue with
         a delivery limit) would be dropped by the broker: it is failed (dead-lettered
         with its failure, knowingly) instead."""
-        failures = [(d, f) for d, f in failures if not d.settled and not self._held(d)]
+        held = self._held_ids()
+        failures = [(d, f) for d, f in failures if not d.settled and id(d) not in held]
         if not failures:
             return
         last = {id(d) for d in self.flow.source.unreleasable([d for d, _ in failures])}
