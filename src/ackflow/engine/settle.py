@@ -333,6 +333,7 @@ class Settling:
         failures = self._give_back_systemic(result, failures, acked=False)
         self._fail(result.batch_id, failures)
         done = []
+        held = self._held_ids()  # with those the failures above held
         for mid, n in result.member_rows.items():
             d = self.inflight.get(mid)
             if d is None or d.settled or id(d) in held:  # (held: failed, its groups discarded)
