@@ -22,7 +22,7 @@ from typing import Any
 from ackflow import faults
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
-from ackflow.core.policy import RetryPolicy, dead_letter_retry_after
+from ackflow.core.policy import RetryPolicy
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources.base import Source
@@ -40,8 +40,11 @@ from ackflow.sources.rabbitmq_keys import (
 from ackflow.sources.rabbitmq_queue import (
     QueueMissing,
     connect,
+    give_up_held_dead,
     gone_check,
+    hold_dead,
     publish_dead_letters,
+    publish_held_dead,
     reconsume,
 )
 
@@ -270,7 +273,7 @@ class RabbitMQSource(Source):
         self._outstanding.clear()
         self._buffer.clear()
         self._delayed.clear()
-        self._give_up_held_dead("went back with the channel")
+        give_up_held_dead(self, "went back with the channel")
         conn, self._conn, self._ch = self._conn, None, None
         self._gen += 1  # no handle of the dead channel matches any more
         try:
@@ -333,60 +336,7 @@ class RabbitMQSource(Source):
             if gen == self._gen and self._ch is not None and tag in self._outstanding:
                 self._settle_tags([tag], "nack")
         if self._dead_again and self._dead_again[0][0] <= now and self._ch is not None:
-            self._publish_held_dead(now)
-
-    def _hold_dead(self, dead: list[tuple[Delivery, Failure]], tries: int) -> None:
-        """Hold refused dead letters of messages at their last delivery (a nack would
-        make the broker drop them) and publish them again after a backoff (0.5 s,
-        doubling to 30 s)."""
-        due = time.monotonic() + dead_letter_retry_after(tries)
-        for d, f in dead:
-            self._seq += 1
-            heapq.heappush(self._dead_again, (due, self._seq, tries, d, f))
-        if dead:
-            log.warning(
-                "source %r: %d messages at their last delivery whose dead letters %r refused "
-                "are held on the channel and published again (a nack would make the broker "
-                "drop them)",
-                self.name,
-                len(dead),
-                self.dead_letter_exchange,
-            )
-
-    def _publish_held_dead(self, until: float) -> None:
-        """Publish the held dead letters due by ``until``; ack what the broker took."""
-        due: list[tuple[int, Delivery, Failure]] = []
-        while self._dead_again and self._dead_again[0][0] <= until:
-            _, _, tries, d, f = heapq.heappop(self._dead_again)
-            if self._live(d):
-                due.append((tries, d, f))
-        if not due:
-            return
-        items = [(d, f) for _, d, f in due]
-        refused, alive = publish_dead_letters(self, items)
-        if not alive:  # the connection died on the way: they went back with it
-            self._give_up_held_dead("went back with the channel", len(due))
-            return
-        ok = [(d, f) for d, f in items if id(d) not in refused]
-        stale = {id(d) for d in self._ack_now([d for d, _ in ok])}
-        self.stats["dead_letters"] += len(ok) - len(stale)
-        self._late_dead.extend((d, f) for d, f in ok if id(d) not in stale)
-        for tries, d, f in due:
-            if id(d) in refused:
-                self._hold_dead([(d, f)], tries + 1)
-
-    def _give_up_held_dead(self, why: str, more: int = 0) -> None:
-        if self._dead_again or more:
-            log.error(
-                "source %r: %d messages held for their dead letters (refused by %r) %s: at "
-                "their last delivery, the broker drops them or moves them to the queue's "
-                "own x-dead-letter-exchange",
-                self.name,
-                len(self._dead_again) + more,
-                self.dead_letter_exchange,
-                why,
-            )
-            self._dead_again.clear()
+            publish_held_dead(self, now)
 
     @property
     def dead_letters_held(self) -> int:
@@ -618,7 +568,7 @@ class RabbitMQSource(Source):
             ok = [d for d, _ in dead if id(d) not in refused]
             lost |= {id(d) for d in self._ack_now(ok)}
             last = {id(d) for d in self.unreleasable([d for d, _ in dead if id(d) in refused])}
-            self._hold_dead([(d, f) for d, f in dead if id(d) in last], 1)
+            hold_dead(self, [(d, f) for d, f in dead if id(d) in last], 1)
             self._schedule_nacks(
                 [(d, f) for d, f in dead if id(d) in refused and id(d) not in last], backoff=True
             )
@@ -698,8 +648,8 @@ class RabbitMQSource(Source):
     def close(self) -> None:
         self._service()
         if self._dead_again and self._ch is not None:  # one last try, whatever is due
-            self._publish_held_dead(math.inf)
-        self._give_up_held_dead("were still refused when the source closed")
+            publish_held_dead(self, math.inf)
+        give_up_held_dead(self, "were still refused when the source closed")
         if self._held_acks and self._ch is not None:
             self._send_acks(force=True)
         conn, self._conn, self._ch = self._conn, None, None

@@ -6,6 +6,7 @@ run on its owner's thread."""
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ackflow import faults
 from ackflow.core.errors import ConfigError, SourceGone
 from ackflow.core.ledger import Failure
+from ackflow.core.policy import dead_letter_retry_after
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery
 from ackflow.sources.rabbitmq_keys import consumer_prefetch, producer_id
@@ -306,3 +308,59 @@ def publish_dead_letters(src: RabbitMQSource, dead: list[tuple[Delivery, Failure
                 src._lose_connection(e)
             return refused, False
     return refused, True
+
+
+def hold_dead(src: RabbitMQSource, dead: list[tuple[Delivery, Failure]], tries: int) -> None:
+    """Hold refused dead letters of messages at their last delivery (a nack would
+    make the broker drop them) and publish them again after a backoff (0.5 s,
+    doubling to 30 s)."""
+    due = time.monotonic() + dead_letter_retry_after(tries)
+    for d, f in dead:
+        src._seq += 1
+        heapq.heappush(src._dead_again, (due, src._seq, tries, d, f))
+    if dead:
+        log.warning(
+            "source %r: %d messages at their last delivery whose dead letters %r refused "
+            "are held on the channel and published again (a nack would make the broker "
+            "drop them)",
+            src.name,
+            len(dead),
+            src.dead_letter_exchange,
+        )
+
+
+def publish_held_dead(src: RabbitMQSource, until: float) -> None:
+    """Publish the held dead letters due by ``until``; ack what the broker took."""
+    due: list[tuple[int, Delivery, Failure]] = []
+    while src._dead_again and src._dead_again[0][0] <= until:
+        _, _, tries, d, f = heapq.heappop(src._dead_again)
+        if src._live(d):
+            due.append((tries, d, f))
+    if not due:
+        return
+    items = [(d, f) for _, d, f in due]
+    refused, alive = publish_dead_letters(src, items)
+    if not alive:  # the connection died on the way: they went back with it
+        give_up_held_dead(src, "went back with the channel", len(due))
+        return
+    ok = [(d, f) for d, f in items if id(d) not in refused]
+    stale = {id(d) for d in src._ack_now([d for d, _ in ok])}
+    src.stats["dead_letters"] += len(ok) - len(stale)
+    src._late_dead.extend((d, f) for d, f in ok if id(d) not in stale)
+    for tries, d, f in due:
+        if id(d) in refused:
+            hold_dead(src, [(d, f)], tries + 1)
+
+
+def give_up_held_dead(src: RabbitMQSource, why: str, more: int = 0) -> None:
+    if src._dead_again or more:
+        log.error(
+            "source %r: %d messages held for their dead letters (refused by %r) %s: at "
+            "their last delivery, the broker drops them or moves them to the queue's "
+            "own x-dead-letter-exchange",
+            src.name,
+            len(src._dead_again) + more,
+            src.dead_letter_exchange,
+            why,
+        )
+        src._dead_again.clear()
