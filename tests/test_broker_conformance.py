@@ -499,3 +499,49 @@ def test_a_stop_while_a_dead_letter_is_held_writes_it_in_the_drain(url, route, h
             assert [n for n, _ in cell.left(cell.dead_queue)] == [-1]
         assert report.dead_lettered == 0
         assert "the broker drops them" in caplog.text
+
+
+def test_a_connection_lost_while_a_dead_letter_is_held_leaves_it_to_the_queues_own_route(rabbitmq, caplog):
+    """The lost-connection case of the hold, against the broker: a message at its last
+    delivery whose copy ackflow's full dead-letter queue refuses is held on the channel;
+    the broker closes every connection. The channel's give-back spends the delivery the
+    message did not have: the broker moves it to the queue's own x-dead-letter-exchange
+    (reason delivery_limit), one error line says so, and the run reconnects and goes on."""
+    url = rabbitmq.url
+    cell = Cell(url, "quorum-limit", "ackflow-dlx", "dead-down-lost")
+    own_dlx, own_dead = cell.id + "-own-dlx", cell.id + "-own-dead"
+    conn = connect(url)
+    ch = conn.channel()
+    ch.exchange_declare(own_dlx, "fanout", durable=True)
+    ch.queue_declare(own_dead, durable=True)
+    ch.queue_bind(own_dead, own_dlx)
+    ch.queue_delete(cell.queue)
+    ch.queue_declare(
+        cell.queue, durable=True, arguments={**KINDS["quorum-limit"], "x-dead-letter-exchange": own_dlx}
+    )
+    conn.close()
+    cell.publish(["ok", "poison", "ok"])
+    flow, _, tries, heal = refusing(cell, "ackflow-dlx")
+    src = flow.source
+    engine, outcome = run_cell(cell, flow, until_idle=None)
+    try:
+        assert wait_until(lambda: tries() >= 2 and src.dead_letters_held == 1, timeout=30), outcome.get(
+            "error"
+        )
+        rabbitmq.ctl("close_all_connections", "test: the connection is lost while a dead letter is held")
+        assert wait_until(lambda: src.dead_letters_held == 0 and src.connected, timeout=30)
+        publish(url, cell.queue, [{"cell": cell.id, "n": 3, "kind": "ok", "gate": ""}], ids=[f"{cell.id}-3"])
+        cell.published.add(3)
+        assert wait_until(lambda: sorted(r["n"] for r in flow.sink.rows) == [0, 2, 3], timeout=30)
+    finally:
+        engine.request_stop()
+        heal()
+    finish(outcome)
+    moved = cell.left(own_dead)
+    assert [n for n, _ in moved] == [1]  # the broker's route has it, not lost
+    death = moved[0][1]["x-death"][0]
+    assert (
+        death["reason"].decode() if isinstance(death["reason"], bytes) else death["reason"]
+    ) == "delivery_limit"
+    assert not cell.left(cell.queue) and not cell.left(cell.dead_queue)
+    assert "went back with the channel" in caplog.text
