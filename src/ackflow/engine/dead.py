@@ -72,13 +72,7 @@ class DeadLetters:
             )
             last = {id(d) for d in source.unreleasable([d for d, _ in done])}
             if last and self._ending:
-                log.error(
-                    "the run is ending and the error sink %r still fails: %d messages at "
-                    "their last delivery are given back, and the broker drops them (or "
-                    "moves them to the queue's own x-dead-letter-exchange)",
-                    sink.name,
-                    len(last),
-                )
+                _log_given_back(sink.name, len(last))
             elif last:
                 self._hold_dead([(d, f) for d, f in done if id(d) in last], tries)
                 done = [(d, f) for d, f in done if id(d) not in last]
@@ -148,13 +142,7 @@ class DeadLetters:
         self.dead_waiting = []
         if not held:
             return
-        log.error(
-            "the run is ending and the error sink %r still refuses %d dead letters of "
-            "messages at their last delivery: they are given back, and the broker drops "
-            "them (or moves them to the queue's own x-dead-letter-exchange)",
-            self.flow.error_sink.name if self.flow.error_sink is not None else None,
-            len(held),
-        )
+        _log_given_back(self.flow.error_sink.name if self.flow.error_sink is not None else None, len(held))
         for d, _ in held:
             d.settle(Settlement.NACKED)
         self.flow.source.nack(held)
@@ -166,24 +154,24 @@ class DeadLetters:
         """A failure recorded as nacked (its dead letter refused) that the source held
         and dead-lettered since: counted as a dead letter instead."""
         self.report.nacked -= 1
-        self.report.dead_lettered += 1
-        self.report.dead_lettered_by_step[f.step] = self.report.dead_lettered_by_step.get(f.step, 0) + 1
-        self.metrics.dead_lettered.labels(step=f.step).inc()
-        self.report.count_reason(f.step, f.error)
+        self._count_dead_letter(d, f)
         for entry in self.report.failures:
             if entry["message"] == d.key and entry["outcome"] == Settlement.NACKED.value:
                 entry["outcome"] = Settlement.DEAD_LETTERED.value
-        log.info("message %s dead-lettered after %d deliveries (held for it): %s", d.key, d.delivery_count, f)
         if self.board is not None:
             self.board.failed(d, f, Settlement.DEAD_LETTERED.value, kept_by="source", ref=None)
 
+    def _count_dead_letter(self, d: Delivery, f: Failure) -> None:
+        """A dead letter in the report, the metrics and the log."""
+        self.report.dead_lettered += 1
+        self.report.dead_lettered_by_step[f.step] = self.report.dead_lettered_by_step.get(f.step, 0) + 1
+        self.metrics.dead_lettered.labels(step=f.step).inc()
+        log.info("message %s dead-lettered after %d deliveries: %s", d.key, d.delivery_count, f)
+        self.report.count_reason(f.step, f.error)
+
     def _record_failure(self, d: Delivery, f: Failure, state: Settlement, *, kept_by: str = "source") -> None:
         if state is Settlement.DEAD_LETTERED:
-            self.report.dead_lettered += 1
-            self.report.dead_lettered_by_step[f.step] = self.report.dead_lettered_by_step.get(f.step, 0) + 1
-            self.metrics.dead_lettered.labels(step=f.step).inc()
-            log.info("message %s dead-lettered after %d deliveries: %s", d.key, d.delivery_count, f)
-            self.report.count_reason(f.step, f.error)
+            self._count_dead_letter(d, f)
         else:
             self.report.nacked += 1
             self.metrics.nacked.inc()
@@ -200,6 +188,16 @@ class DeadLetters:
             self.report.failures.append(
                 {"message": d.key, "step": f.step, "error": f.error, "outcome": state.value}
             )
+
+
+def _log_given_back(sink: str | None, n: int) -> None:
+    log.error(
+        "the run is ending and the error sink %r still refuses the dead letters of %d "
+        "messages at their last delivery: they are given back, and the broker drops them "
+        "(or moves them to the queue's own x-dead-letter-exchange)",
+        sink,
+        n,
+    )
 
 
 def write_dead_letters(sink: Any, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
