@@ -171,6 +171,7 @@ class KeyedSink(Sink):
     """
 
     wants_keys = True
+    replays_in_place = True
 
     def __init__(
         self,

@@ -44,6 +44,11 @@ class Delivery:
     state: Settlement = Settlement.PENDING
     revised: bool = False
     pulled_at: float = 0.0  # time.monotonic() when the engine pulled it (pull-to-ack latency)
+    #: source messages this delivery carries: 1, or a *block* of several (a run of a
+    #: file's lines, see :meth:`ackflow.sources.base.Source.split`) whose rows each
+    #: keep their own message's identity; a block that fails is split, never retried
+    #: or dead-lettered as a whole
+    messages: int = 1
 
     @property
     def identity(self) -> str:

@@ -43,6 +43,7 @@ from ackflow.core.settlement import Delivery
 from ackflow.core.systemic import SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult, execute, execute_groups, group_key
+from ackflow.engine.blocks import blocks_allowed
 from ackflow.engine.collector import fewer_collections
 from ackflow.engine.report import RunReport
 from ackflow.engine.schemas import open_store, state_file
@@ -194,6 +195,7 @@ class Engine(Settling):
         self._back: dict[str, tuple[float, set[str]]] = {}  # windows hold for these (settle.py)
         self._back_now: list[str] | None = None
         self._next_id = 1
+        self._blocks = False  # the source pulls blocks (engine/blocks.py)
         self._inbox: queue.Queue[tuple[Future[BatchResult], list[Delivery] | None]] = queue.Queue()
         self._running: dict[str, tuple[Future[BatchResult], list[Delivery]]] = {}
         self._stop = threading.Event()
@@ -368,6 +370,7 @@ class Engine(Settling):
                 error_sink=flow.error_sink is not None,
                 keepalive_s=self.keepalive_s,
             )
+            self._blocks = flow.source.use_blocks(self.groups is None and blocks_allowed(flow))
             stack.callback(_quietly, "close the source", flow.source.close)
             self.report.recovered = flow.source.open()
             self.metrics.recovered.inc(self.report.recovered)
@@ -519,13 +522,13 @@ class Engine(Settling):
                 self._forget(pending)
                 return
             pulled = 0
-            want = min(self.window.credits, self.batch_size - len(pending))
+            want = min(self.window.credits, self.batch_size - self._count(pending))
             if now < self._pause_until:  # a systemic failure's backoff: settle, don't pull
                 want = 0
             if want > 0:
                 timeout = 0.02 if (pending or self._running) else 0.2
                 got = source.pull(want, timeout)
-                pulled = len(got)
+                pulled = self._count(got)
                 if got:
                     self.window.take(pulled)
                     fresh = self._admit(got)
@@ -564,7 +567,7 @@ class Engine(Settling):
                 pending
                 and len(self._running) < self.max_concurrent
                 and (
-                    len(pending) >= self.batch_size
+                    self._count(pending) >= self.batch_size
                     or pulled == 0
                     or self.window.credits == 0
                     or now - batch_started >= self.batch_timeout_s

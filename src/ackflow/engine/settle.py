@@ -23,6 +23,7 @@ from ackflow.core.settlement import Delivery, Settlement
 from ackflow.core.systemic import ANY_STEP, SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult
+from ackflow.engine.blocks import messages
 from ackflow.engine.dead import DeadLetters, write_dead_letters  # noqa: F401 - re-exported
 from ackflow.engine.report import RunReport
 from ackflow.flow import Flow, GroupedWithin
@@ -69,6 +70,7 @@ class Settling(DeadLetters):
     _pause_until: float
     _counts_lock: threading.Lock
     _dead_letter_failures: int
+    _blocks: bool
 
     def _admit(self, got: list[Delivery]) -> list[Delivery]:
         """Give pulled deliveries their lineage ids and put them in flight; the ones to
@@ -112,8 +114,9 @@ class Settling(DeadLetters):
             if id(d) in stale:
                 d.revise(Settlement.RELEASED)
         self._count_redelivered(len(stale))
-        self.report.acked += len(deliveries) - len(stale)
-        self.metrics.acked.inc(len(deliveries) - len(stale))
+        n = self._count(deliveries) - self._count([d for d in deliveries if id(d) in stale])
+        self.report.acked += n
+        self.metrics.acked.inc(n)
         if self.board is not None:
             self.board.acked([d for d in deliveries if id(d) not in stale] if stale else deliveries)
 
@@ -148,7 +151,27 @@ class Settling(DeadLetters):
         for d, f in self.flow.source.take_dead_lettered():
             self._late_dead_letter(d, f)
 
+    def _count(self, deliveries: Sequence[Delivery]) -> int:
+        """The source messages ``deliveries`` carry (a block carries several)."""
+        return messages(deliveries) if self._blocks else len(deliveries)
+
+    def _split_blocks(self, failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
+        """Blocks among ``failures`` are split (engine/blocks.py): settled ``RELEASED``,
+        counted nowhere, their messages delivered again one by one by the source. The
+        other failures are returned."""
+        if not self._blocks:
+            return failures
+        blocks = [d for d, _ in failures if d.messages > 1 and not d.settled]
+        if not blocks:
+            return failures
+        for d in blocks:
+            d.settle(Settlement.RELEASED)
+        self.flow.source.split(blocks)
+        log.debug("%d blocks failed (%s): their messages come one by one", len(blocks), failures[0][1].error)
+        return [(d, f) for d, f in failures if d.messages == 1]
+
     def _fail(self, batch_id: str, failures: list[tuple[Delivery, Failure]]) -> None:
+        failures = self._split_blocks(failures)
         if self.dead_waiting:  # held for their dead letters already: decided
             held = self._held_ids()
             failures = [(d, f) for d, f in failures if id(d) not in held]
@@ -197,7 +220,7 @@ class Settling(DeadLetters):
             self.groups.discard(waiting)
         if self._back:
             self._came_back([d for d in done if d.state in (Settlement.ACKED, Settlement.DEAD_LETTERED)])
-        self.window.give_back(len(done))
+        self.window.give_back(self._count(done))
         for first, dupes in followers:
             self._settle_duplicates(first, dupes)
 
@@ -228,6 +251,7 @@ class Settling(DeadLetters):
         acked = [by_id[i] for i in result.outcomes.acked if i not in held and i in by_id]
         self._ack(acked)
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
+        failures = self._split_blocks(failures)
         self._back_now = [] if result.kept else None
         try:
             failures = self._give_back_systemic(result, failures, acked=bool(acked))
@@ -488,8 +512,9 @@ class Settling(DeadLetters):
         for d in deliveries:
             d.settle(Settlement.RELEASED)
         self.flow.source.release(deliveries)
-        self.report.released += len(deliveries)
-        self.metrics.released.inc(len(deliveries))
+        n = self._count(deliveries)
+        self.report.released += n
+        self.metrics.released.inc(n)
 
     def _park(self, failures: list[tuple[Delivery, Failure]]) -> None:
         """Failures that wait for another message's row (:data:`~ackflow.core.ledger.WAITS`):
@@ -514,7 +539,7 @@ class Settling(DeadLetters):
         a delivery limit) would be dropped by the broker: it is failed (dead-lettered
         with its failure, knowingly) instead."""
         held = self._held_ids()
-        failures = [(d, f) for d, f in failures if not d.settled and id(d) not in held]
+        failures = self._split_blocks([(d, f) for d, f in failures if not d.settled and id(d) not in held])
         if not failures:
             return
         last = {id(d) for d in self.flow.source.unreleasable([d for d, _ in failures])}

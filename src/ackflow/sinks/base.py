@@ -60,6 +60,12 @@ class Sink(ABC):
     #: write a redelivered message's rows in place instead of twice.
     wants_keys: bool = False
 
+    #: True: a row written again with the same key (a message delivered again) changes
+    #: nothing, it is no second row. Flows whose every sink says so may read a file's
+    #: lines in blocks (:mod:`ackflow.engine.blocks`): a block that fails comes again
+    #: line by line, and its good lines' rows are written again.
+    replays_in_place: bool = False
+
     def open(self) -> None:  # noqa: B027
         """Driver side, at start: check the configuration; fail with a clear message."""
 

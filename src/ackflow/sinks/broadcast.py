@@ -48,6 +48,7 @@ class Broadcast(Sink):
             raise ConfigError(f"broadcast: branch names must be unique, got {names}")
         self.mode = mode
         self.wants_keys = any(b.wants_keys for b in self.branches)
+        self.replays_in_place = all(b.replays_in_place for b in self.branches)
         # the branches' key columns, kept through the writer (a null key fails its row)
         self.key = list(dict.fromkeys(k for b in self.branches for k in key_columns(b))) or None
 

@@ -25,6 +25,7 @@ class EmbeddedQueueSink(Sink):
     """
 
     wants_keys = True
+    replays_in_place = True  # an id once published is never queued again
 
     def __init__(
         self,

@@ -125,6 +125,7 @@ class TableSink(Sink):
     found again by its sequence number."""
 
     wants_keys = True
+    replays_in_place = True  # the manifest of written keys: a key is written once
     #: fault point names, in order: before the table commit, after it (keys not yet
     #: recorded), after the record (nothing acked yet)
     POINTS: tuple[str, str, str] = ("", "", "")

@@ -108,7 +108,7 @@ class ParquetSink(Sink):
         self.path = os.path.abspath(os.fspath(path))
         self.compression = compression
         self.dedupe = dedupe
-        self.wants_keys = dedupe
+        self.wants_keys = self.replays_in_place = dedupe
         self.dedupe_retention_s = dedupe_retention_s
         self._last_sweep = 0.0
         self.evolve = evolve

@@ -155,6 +155,9 @@ class PostgresSink(Sink):
         self.table = table
         self.key = list(key) if key is not None else None
         self.mode = mode
+        # the row key, or the first write kept: a row written again is the same row (an
+        # upsert on other columns could overwrite a later message's row with an older one)
+        self.replays_in_place = self.key is None or mode == "insert"
         self.create = create
         self.evolve = evolve
         self.key_column = key_column

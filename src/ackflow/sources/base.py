@@ -132,6 +132,21 @@ class Source(ABC):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries that were not processed (shutdown), for redelivery."""
 
+    def use_blocks(self, on: bool) -> bool:
+        """Called by the engine before :meth:`open`: ``on`` when the flow may take
+        *blocks* (deliveries of several messages, ``Delivery.messages > 1``: its rows
+        keep each message's identity, and no step keeps state by delivery). Return
+        whether this source will pull blocks. Default: it never does."""
+        return False
+
+    def split(self, blocks: Sequence[Delivery]) -> None:
+        """Blocks that failed (one of their messages, or the whole batch): take them
+        back and deliver their messages again one by one, each counting its first
+        delivery (a block's try is spent by none of them). The engine settles the blocks
+        ``RELEASED`` and counts nothing for them. Only a source that pulls blocks is
+        asked."""
+        raise NotImplementedError(f"source {self.name!r} pulls no blocks")
+
     def take_unsent_acks(self) -> list[Delivery]:
         """Deliveries the engine acked whose ack never reached the broker (held, then the
         channel died): the broker delivers them again, so they are no acks of this run

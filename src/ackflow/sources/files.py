@@ -47,7 +47,9 @@ from ackflow.core.ledger import Failure
 from ackflow.core.offsets import OffsetTracker
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
+from ackflow.sources import files_blocks, files_done
 from ackflow.sources.base import Source
+from ackflow.sources.files_done import _fingerprint
 from ackflow.sources.files_state import FileStates, Row, new_id
 
 SCAN_CHUNK = 256  # names examined per scan step (one transaction, one fsync)
@@ -70,6 +72,8 @@ class _File:
     header: list[str] | None = None
     dead_lettered: int = 0
     bodies: dict[int, bytes] = field(default_factory=dict)  # in flight: line -> body
+    blocks: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # first -> (end, bytes)
+    block_lines: int = 0  # lines in those blocks
     key_prefix: str = ""  # a line's message key is this and the line's number (from 1)
     saved: tuple[int, int] = (-1, -1)  # (committed, dead) as last stored
 
@@ -129,6 +133,7 @@ class FilesSource(Source):
         self._seq = 0
         self._last_scan = 0.0
         self._error_sink = False
+        self._blocks = False  # runs of lines handed out as one delivery (files_blocks.py)
         self._window = 10_000
         self._move_tried: set[str] = set()  # instances whose move was tried in this run
         self._unmovable: tuple[int, list[str]] = (0, [])  # count, the first few "name: cause"
@@ -157,6 +162,14 @@ class FilesSource(Source):
     def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         self._error_sink = error_sink
         self._window = max_inflight
+
+    def use_blocks(self, on: bool) -> bool:
+        # CSV lines become JSON here, one by one; headers are made per delivery
+        self._blocks = on and self.file_format != "csv" and self.headers_field is None
+        return self._blocks
+
+    def split(self, blocks: Sequence[Delivery]) -> None:
+        files_blocks.split(self, blocks)
 
     def open(self) -> int:
         if not os.path.isdir(self.path):
@@ -406,13 +419,14 @@ class FilesSource(Source):
                     out.append(self._delivery(f, line, f.bodies[line], count))
             # Bounded memory: lines waiting for a retry keep their bodies; new lines are read
             # only while in-flight and waiting lines together stay within the window.
-            room = self._window - sum(len(f.bodies) for f in self._files.values())
+            room = self._window - sum(len(f.bodies) + f.block_lines for f in self._files.values())
             for f in list(self._files.values()):
                 if f.eof or f.handle is None:
                     continue
-                take = min(max_messages - len(out), room)
+                take = min(max_messages - sum(d.messages for d in out), room)
                 if take > 0:
-                    room -= self._read(f, take, out)
+                    read = files_blocks.read_blocks if self._blocks else FilesSource._read
+                    room -= read(self, f, take, out)
             if out or now >= deadline:
                 break
             # one bounded scan step at a time, only while there is nothing to return
@@ -482,6 +496,13 @@ class FilesSource(Source):
         lines: dict[str, list[int]] = {}
         fid: str
         line: int
+        if self._blocks and any(d.messages > 1 for d in deliveries):
+            blocks = [d for d in deliveries if d.messages > 1]
+            deliveries = [d for d in deliveries if d.messages == 1]
+            for fid in {d.handle[0] for d in blocks}:  # type: ignore[index]
+                if fid in self._files:
+                    files_blocks.acked(self._files[fid], [d for d in blocks if d.handle[0] == fid])  # type: ignore[index]
+                    lines.setdefault(fid, [])
         for d in deliveries:
             fid, line = d.handle  # type: ignore[misc]  # (file id, line): see _position
             got = lines.get(fid)
@@ -552,6 +573,9 @@ class FilesSource(Source):
             )
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
+        if any(d.messages > 1 for d in deliveries):  # blocks: their lines come again
+            files_blocks.split(self, [d for d in deliveries if d.messages > 1])
+            deliveries = [d for d in deliveries if d.messages == 1]
         now = time.monotonic()
         for d in deliveries:
             fid, line = _position(d)
@@ -589,51 +613,12 @@ class FilesSource(Source):
         )
 
     def _move_done(self, items: Sequence[tuple[str, str, tuple[int, ...] | None, str | None]]) -> None:
-        """Move finished instances ``(id, name, fingerprint, path)`` (each only if the file
-        at ``path`` is still that instance) and their dead letters to ``done/``, never over
-        an earlier file; then forget them. A move that fails (EXDEV: ``done/`` on another
-        file system; EPERM: a sticky drop folder) is recorded (status ``unmovable`` with
-        its cause) and logged, never raised: the file stays and is not read again."""
-        moved: list[str] = []
-        failed: list[tuple[str, str, str]] = []
-        for fid, name, fingerprint, full in items:
-            self._move_tried.add(fid)
-            target = _free(os.path.join(self.path, "done", name), fid)
-            try:
-                if full is not None:
-                    try:
-                        same = tuple(_fingerprint(os.stat(full))) == tuple(fingerprint or ())
-                    except FileNotFoundError:
-                        same = False
-                    if same:
-                        os.replace(full, target)
-                if os.path.exists(self._dead_path(fid)):
-                    os.replace(self._dead_path(fid), _free(target, fid, ".dead.jsonl"))
-            except OSError as e:
-                failed.append((fid, name, f"{type(e).__name__}: {e}"))
-            else:
-                moved.append(fid)
-        with self.states.tx():
-            self.states.delete(moved)
-            for fid, _, cause in failed:
-                self.states.set_status(fid, "unmovable", cause)
-            self.states.commit_point()
-        for fid, name, cause in failed:
-            log.error(
-                "source %r: %s (%s) is done but cannot be moved to done/ (%s); it is "
-                "left in place and not read again; move or delete it by hand",
-                self.name,
-                name,
-                fid,
-                cause,
-            )
-        if failed or self._unmovable[0]:
-            self._count_unmovable()
+        files_done.move_done(self, items)
 
     @staticmethod
     def _finished(f: _File) -> bool:
         """Read to its end with every line settled."""
-        return f.eof and f.tracker.committed >= f.next_line and not f.bodies
+        return f.eof and f.tracker.committed >= f.next_line and not f.bodies and not f.blocks
 
     def _finish(self, files: Sequence[_File], updates: Sequence[tuple[str, int, int]] = ()) -> None:
         """Record ``files`` done (with other instances' progress ``updates``) in one
@@ -669,19 +654,6 @@ class FilesSource(Source):
 def _position(d: Delivery) -> tuple[str, int]:
     """Where a delivery was read: its file's id and line (set in ``_delivery``)."""
     return cast(tuple[str, int], d.handle)
-
-
-def _fingerprint(st: os.stat_result) -> list[int]:
-    """What tells two files of one name apart: device, inode, size, mtime (ns); the
-    ctime is checked besides (see :meth:`FilesSource._instance`). A file is complete
-    when it is renamed in, so these do not change while it is read."""
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-
-
-def _free(path: str, fid: str, suffix: str = "") -> str:
-    """``path + suffix`` if nothing is there, else ``path.<fid> + suffix`` (``done/``
-    never overwrites)."""
-    return path + suffix if not os.path.exists(path + suffix) else f"{path}.{fid}{suffix}"
 
 
 def _csv_header(raw: bytes) -> list[str] | None:

@@ -44,6 +44,7 @@ from ackflow.flow import (
     Step,
 )
 from ackflow.sinks.base import Sink
+from ackflow.spark.blocks import block_rows
 from ackflow.spark.rows import (
     BODY,
     HDR,
@@ -510,6 +511,9 @@ class Plan:
         a merged flow, where two sources may use the same identities), marked where it
         ends like a key suffix (:func:`~ackflow.spark.rows.row_key`)."""
         fields = self.flow.source.header_fields
+        blocks = [d for d in deliveries if d.messages > 1]
+        if blocks:  # a run of lines each: made in Arrow (spark/blocks.py)
+            deliveries = [d for d in deliveries if d.messages == 1]
         n = len(deliveries)
         table = pa.table(
             {
@@ -523,6 +527,9 @@ class Plan:
             },
             schema=INPUT_SCHEMA,
         )
+        if blocks:
+            rows = block_rows(blocks, INPUT_SCHEMA, (ID, KEY, BODY, SRC, HDR))
+            table = pa.concat_tables([table, rows]) if n else rows
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
 

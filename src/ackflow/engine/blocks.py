@@ -1,0 +1,43 @@
+"""Blocks: deliveries that carry several source messages (a run of a file's lines).
+
+A source that can (:meth:`~ackflow.sources.base.Source.use_blocks`) hands the engine a run
+of messages as one :class:`~ackflow.core.settlement.Delivery` with ``messages > 1``: one
+lineage id, one admission, one settlement, while each message's rows keep the message's
+own identity (:meth:`~ackflow.spark.plan.Plan.input_table` makes one input row per
+message, keyed as the message alone would be). So the rows and their keys are the ones
+the messages make one by one, and a restart that cuts other blocks writes no row twice.
+
+A block never fails as a whole: when any of its messages fails (or its batch does), the
+engine settles it ``RELEASED`` and the source delivers its messages again one by one
+(:meth:`~ackflow.sources.base.Source.split`), where the usual rules isolate, retry and
+dead-letter each. Blocks are used only in flows where nothing keeps state by delivery:
+no ``grouped_within``, ``group_by``, window or dedupe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ackflow.core.settlement import Delivery
+from ackflow.flow import Flow, GroupBy, GroupedWithin
+
+
+def blocks_allowed(flow: Flow) -> bool:
+    """True when ``flow`` may take blocks: no step or sink keeps state per delivery."""
+    steps = list(flow.steps)
+    fork = flow.forked
+    for branch in fork.branches if fork is not None else ():
+        steps += branch.steps
+    if any(isinstance(s, (GroupBy, GroupedWithin)) for s in steps):
+        return False
+    sinks = [*flow.sinks]
+    sinks += [b for s in flow.sinks for b in getattr(s, "branches", ())]
+    if any(hasattr(s, "begin_job") or hasattr(s, "let_go") for s in sinks):
+        return False  # a window or dedupe: state by delivery
+    # a block that fails writes its good lines' rows again: only where that is no second row
+    return bool(sinks) and all(s.replays_in_place for s in sinks)
+
+
+def messages(deliveries: Sequence[Delivery]) -> int:
+    """How many source messages ``deliveries`` carry."""
+    return sum(d.messages for d in deliveries)
