@@ -151,6 +151,9 @@ def test_a_bad_line_fails_alone_with_its_line_number_and_good_rows_are_written_o
     report = run(ackflow.Flow(src).map(must_be_positive, name="check").to(sink))
     assert max(Counting.pulls) > 1, "blocks were used"
     assert report.acked == 1995 and report.dead_lettered == 5 and report.nacked == 5
+    # every message pulled is settled or given back (a split block's lines are given back)
+    assert report.pulled == report.acked + report.nacked + report.dead_lettered + report.released
+    assert report.released > 0
     assert not sink.conflicts
     values = sorted(r["n"] for r in sink.rows.values())
     assert values == [i for i in range(2000) if i not in bad]
@@ -174,6 +177,8 @@ def test_blocks_are_used_only_where_a_row_written_again_is_no_second_row(tmp_pat
     assert not blocks_allowed(f.to(Postgres("postgresql://x@127.0.0.1/db", "t", key=["k"])))
     assert blocks_allowed(f.to(Postgres("postgresql://x@127.0.0.1/db", "t", key=["k"], mode="insert")))
     assert not blocks_allowed(f.grouped_within(10, 1.0).to(KeyedSink()))
+    # a transform may drop a row with no receipt: the block's other lines would prove it
+    assert not blocks_allowed(f.transform(lambda df: df, name="t").to(KeyedSink()))
     assert not blocks_allowed(f.group_by("k").agg("count(*) AS n").to(KeyedSink()))
     from ackflow import windows as w
 
@@ -282,3 +287,21 @@ def test_blocks_through_spark_write_parquet_rows_once_with_line_keys(tmp_path, s
     ]
     table = pa.concat_tables([pq.read_table(f) for f in files])
     assert sorted(table.column("n").to_pylist()) == [i for i in range(600) if i not in bad]
+
+
+def test_a_sink_down_for_a_while_gives_blocks_back_and_dead_letters_nothing(tmp_path):
+    """The sink's commit fails as a whole for three batches (every message would fail so):
+    the systemic judge sees the blocks' failures (given back, pulling paused), nothing is
+    dead-lettered, and every row is written once when the sink works again."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write(folder, "a.jsonl", ("\n".join(json.dumps({"n": i}) for i in range(3000)) + "\n").encode())
+    sink = KeyedSink(fail_commits={1: "before", 2: "before", 3: "before"})
+    report = run(
+        ackflow.Flow(Files(folder, "jsonl", policy=RetryPolicy(max_deliveries=1))).to(sink), until_idle=2.0
+    )
+    assert report.dead_lettered == 0 and report.nacked == 0
+    assert report.acked == 3000 and report.released > 0
+    assert report.pulled == report.acked + report.released
+    assert sorted(r["n"] for r in sink.rows.values()) == list(range(3000))
+    assert not sink.conflicts

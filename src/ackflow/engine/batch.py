@@ -22,6 +22,7 @@ from ackflow.core.groups import Group
 from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
+from ackflow.engine.blocks import messages
 from ackflow.flow import Transform
 from ackflow.sinks.collect import CollectSink
 from ackflow.spark.job import JobFailed, run_job
@@ -78,7 +79,7 @@ def execute(
     of its own and is marked *untested* (the engine gives untested messages back unless
     the failure is judged systemic: it never dead-letters a message on inference). A
     probe that passes, or fails otherwise, resumes the bisection."""
-    result = BatchResult(batch_id, len(deliveries))
+    result = BatchResult(batch_id, messages(deliveries))
     sink = compiled.sink
 
     def fail_all(ds: list[Delivery], failure: Failure) -> None:

@@ -263,7 +263,8 @@ class Engine(Settling):
         self._schema_facts()
         w = self.window
         jobs = tuple(
-            (len(batch), self._phases.get(bid, "job")) for bid, (_, batch) in list(self._running.items())
+            (self._count(batch), self._phases.get(bid, "job"))
+            for bid, (_, batch) in list(self._running.items())
         )
         try:
             details = self.flow.source.status()
@@ -594,7 +595,7 @@ class Engine(Settling):
                 last_progress = now
                 self.progress(self.report, self.window)
             if self.board is not None and self.board.due():
-                self._pending = len(pending)
+                self._pending = self._count(pending)
                 self._publish("stopping" if self._stop.is_set() else "running")
             if now - last_keepalive >= self.keepalive_s and self.inflight:
                 last_keepalive = now

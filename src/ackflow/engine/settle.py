@@ -167,6 +167,9 @@ class Settling(DeadLetters):
         for d in blocks:
             d.settle(Settlement.RELEASED)
         self.flow.source.split(blocks)
+        n = messages(blocks)  # given back: they come again (pulled = settled + released)
+        self.report.released += n
+        self.metrics.released.inc(n)
         log.debug("%d blocks failed (%s): their messages come one by one", len(blocks), failures[0][1].error)
         return [(d, f) for d, f in failures if d.messages == 1]
 
@@ -251,7 +254,11 @@ class Settling(DeadLetters):
         acked = [by_id[i] for i in result.outcomes.acked if i not in held and i in by_id]
         self._ack(acked)
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
-        failures = self._split_blocks(failures)
+        # a line's own failure splits its block now; a failure of the write or the job as
+        # a whole goes to the systemic judge first (a sink down: given back, paused)
+        failures = self._split_blocks([(d, f) for d, f in failures if not f.whole]) + [
+            (d, f) for d, f in failures if f.whole
+        ]
         self._back_now = [] if result.kept else None
         try:
             failures = self._give_back_systemic(result, failures, acked=bool(acked))
@@ -426,8 +433,8 @@ class Settling(DeadLetters):
         assert episode is not None
         back = [d for d, _ in failures if d.lineage_id in systemic]
         self._give_back([(d, f) for d, f in failures if d.lineage_id in systemic])
-        self.report.given_back_systemic += len(back)
-        self.metrics.given_back_systemic.inc(len(back))
+        self.report.given_back_systemic += self._count(back)
+        self.metrics.given_back_systemic.inc(self._count(back))
         self.metrics.systemic.labels(step=episode.step).set(1)
         pause = detector.backoff_s(detector.strikes)
         self._pause_until = time.monotonic() + pause
@@ -539,7 +546,7 @@ class Settling(DeadLetters):
         a delivery limit) would be dropped by the broker: it is failed (dead-lettered
         with its failure, knowingly) instead."""
         held = self._held_ids()
-        failures = self._split_blocks([(d, f) for d, f in failures if not d.settled and id(d) not in held])
+        failures = [(d, f) for d, f in failures if not d.settled and id(d) not in held]
         if not failures:
             return
         last = {id(d) for d in self.flow.source.unreleasable([d for d, _ in failures])}
@@ -558,9 +565,9 @@ class Settling(DeadLetters):
             d.settle(Settlement.RELEASED)
         if self._back_now is not None:  # (a key unique to one delivery never comes back)
             self._back_now.extend(d.identity for d in back if not d.identity.startswith(UNNAMED))
-        self.flow.source.release(back)
-        self.report.released += len(back)
-        self.metrics.released.inc(len(back))
+        self.flow.source.release(back)  # (a block's lines come again one by one)
+        self.report.released += self._count(back)
+        self.metrics.released.inc(self._count(back))
 
     def _came_back(self, deliveries: Sequence[Delivery]) -> None:
         """These settled for good (acked, dead-lettered): a window held for them no more."""
