@@ -305,3 +305,27 @@ def test_a_sink_down_for_a_while_gives_blocks_back_and_dead_letters_nothing(tmp_
     assert report.pulled == report.acked + report.released
     assert sorted(r["n"] for r in sink.rows.values()) == list(range(3000))
     assert not sink.conflicts
+
+
+def test_the_committed_line_never_passes_a_block_in_flight(tmp_path):
+    """Blocks acked out of order: the committed line waits for the first; a split block's
+    lines hold it line by line."""
+    write(tmp_path, "f.jsonl", b"".join(b'{"n":%d}\n' % i for i in range(30)))
+    src = Files(tmp_path, "jsonl", done="record")
+    src.configure(max_inflight=10**6, error_sink=False)
+    src.use_blocks(True)
+    src.open()
+    a, b, c = src.pull(10, 0.1) + src.pull(10, 0.1) + src.pull(10, 0.1)
+    tracker = next(iter(src._files.values())).tracker
+    src.ack([b])
+    assert tracker.committed == 0
+    src.split([a])  # its lines come again one by one
+    lines = src.pull(100, 0.1)
+    assert [d.messages for d in lines] == [1] * 10
+    src.ack(lines[1:])
+    assert tracker.committed == 0  # line 1 (index 0) still in flight
+    src.ack(lines[:1])
+    assert tracker.committed == 20
+    src.ack([c])
+    assert tracker.committed == 30 and not src._files  # finished: recorded done
+    src.close()

@@ -70,7 +70,8 @@ def read_blocks(src: FilesSource, f: _File, take: int, out: list[Delivery]) -> i
             continue
         first = f.next_line
         span = f"{first + 1}-{first + lines}"
-        f.tracker.pulled_range(first, first + lines)
+        # (not told to the tracker: a range it never saw holds its commit back, as a
+        # line in flight does; acked, the range is declared settled at once)
         f.next_line = first + lines
         f.blocks[first] = (first + lines, chunk)
         f.block_lines += lines
@@ -111,7 +112,7 @@ def acked(f: _File, blocks: Sequence[Delivery]) -> None:
     settle_blocks(f, blocks)
     for d in blocks:
         _, first, end = span_of(d)
-        f.tracker.settled_many(range(first, end))
+        f.tracker.gap(first, end)  # settled as one range: no work per line
 
 
 def split(src: FilesSource, blocks: Sequence[Delivery]) -> None:
@@ -125,6 +126,7 @@ def split(src: FilesSource, blocks: Sequence[Delivery]) -> None:
         if f is None or held is None:
             continue
         settle_blocks(f, [d])
+        f.tracker.pulled_range(first, end)  # from now on, line by line
         blanks = []
         for i, raw in enumerate(held[1].split(b"\n")[: end - first]):
             line = first + i
