@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from ackflow.core.errors import AlreadySettled
 
@@ -49,6 +50,9 @@ class Delivery:
     #: keep their own message's identity; a block that fails is split, never retried
     #: or dead-lettered as a whole
     messages: int = 1
+    #: a block of separate messages (not a run of lines in ``body``): their identities
+    #: and bodies, as ``(list[str], pyarrow.Array)``
+    parts: Any = None
 
     @property
     def identity(self) -> str:

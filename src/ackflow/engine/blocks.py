@@ -45,3 +45,12 @@ def blocks_allowed(flow: Flow) -> bool:
 def messages(deliveries: Sequence[Delivery]) -> int:
     """How many source messages ``deliveries`` carry."""
     return sum(d.messages for d in deliveries)
+
+
+def live_all(live: dict[str, int], identities: list[str], lineage_id: int) -> bool:
+    """Make each of a block's message ``identities`` live under ``lineage_id`` (law 12),
+    unless one is live already or repeated in the block: then none (False)."""
+    if len(set(identities)) != len(identities) or any(i in live for i in identities):
+        return False
+    live.update(dict.fromkeys(identities, lineage_id))
+    return True

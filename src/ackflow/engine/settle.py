@@ -23,7 +23,7 @@ from ackflow.core.settlement import Delivery, Settlement
 from ackflow.core.systemic import ANY_STEP, SystemicDetector
 from ackflow.core.window import InflightWindow
 from ackflow.engine.batch import BatchResult
-from ackflow.engine.blocks import messages
+from ackflow.engine.blocks import live_all, messages
 from ackflow.engine.dead import DeadLetters, write_dead_letters  # noqa: F401 - re-exported
 from ackflow.engine.report import RunReport
 from ackflow.flow import Flow, GroupedWithin
@@ -79,12 +79,19 @@ class Settling(DeadLetters):
         pulled_at = time.monotonic()
         inflight, live, lid = self.inflight, self._live, self._next_id
         fresh = []
+        repeats = []
         try:
             for d in got:
                 d.lineage_id = mine = lid
                 lid += 1  # first: an id given out is never given again, whatever raises
                 d.pulled_at = pulled_at
                 inflight[mine] = d
+                if d.parts is not None:  # a block of messages: each identity is live
+                    if live_all(live, d.parts[0], mine):
+                        fresh.append(d)
+                    else:  # one of them is in flight already: split (law 12 for each)
+                        repeats.append(d)
+                    continue
                 first = live.setdefault(d.identity, mine)
                 if first == mine:
                     fresh.append(d)
@@ -93,6 +100,9 @@ class Settling(DeadLetters):
                     self.report.duplicates += 1
         finally:
             self._next_id = lid
+        if repeats:
+            self._split_blocks([(d, Failure("engine", "a repeat of a message in flight")) for d in repeats])
+            self._forget(repeats)
         return fresh
 
     # -- settling -----------------------------------------------------------------------
@@ -213,9 +223,14 @@ class Settling(DeadLetters):
             del inflight[lid]
             if held and held.pop(lid, 0) > 0:
                 waiting.add(lid)
-            identity = d.identity
-            if live.get(identity) == lid:
-                del live[identity]
+            if d.parts is not None:
+                for identity in d.parts[0]:
+                    if live.get(identity) == lid:
+                        del live[identity]
+            else:
+                identity = d.identity
+                if live.get(identity) == lid:
+                    del live[identity]
             dupes = all_dupes.pop(lid, None) if all_dupes else None
             if dupes:
                 followers.append((d, dupes))

@@ -215,3 +215,30 @@ class Source(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Disconnect. Unsettled deliveries are left to the broker's redelivery."""
+
+
+class BlockSize:
+    """How many messages a source's next block may hold (engine/blocks.py): halved for
+    each block that was split (its good messages cost a second pass), doubled again once
+    four times as many messages were acked without a split, between 1 (no blocks) and
+    ``most``. Messages that fail often thus come in small blocks, or alone.
+
+    >>> b = BlockSize(64); b.split(2); b.now
+    16
+    >>> b.acked(64); b.now
+    32
+    """
+
+    def __init__(self, most: int) -> None:
+        self.most = self.now = most
+        self._credit = 0
+
+    def split(self, blocks: int = 1) -> None:
+        self.now = max(1, self.now >> min(blocks, 16))
+        self._credit = 0
+
+    def acked(self, messages: int) -> None:
+        if self.now < self.most:
+            self._credit += messages
+            if self._credit >= 4 * self.now:
+                self.now, self._credit = min(self.most, self.now * 2), 0

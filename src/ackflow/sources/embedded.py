@@ -4,15 +4,43 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
-from typing import SupportsInt, cast
+from typing import Any, SupportsInt, cast
 
 from ackflow.core.errors import ConfigError
 from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.embedded import EmbeddedQueue, message_key, stored_headers
-from ackflow.sources.base import Source
+from ackflow.sources.base import BlockSize, Source
+
+BLOCK_MESSAGES = 4096  # messages of one block at most
+
+
+def one(r: tuple[Any, ...]) -> Delivery:
+    """The delivery of one leased row ``(row_id, msg_id, body, headers_json, deliveries,
+    published_at)``."""
+    return Delivery(0, message_key(r[0], r[1]), bytes(r[2]), stored_headers(r[3]), r[4], (r[0], r[4]))
+
+
+def embedded_block(rows: list[tuple[Any, ...]]) -> Delivery:
+    """One delivery for the leased ``rows`` (engine/blocks.py): each message's identity
+    (as its own :class:`Delivery` would have it) and body; the rows are the handle (their
+    leases, and the deliveries of a split)."""
+    import pyarrow as pa
+
+    identities = [Delivery(0, message_key(r[0], r[1]), b"").identity for r in rows]
+    return Delivery(
+        0,
+        f"#{rows[0][0]}..{rows[-1][0]}",  # no message's key: a row id key has no dots
+        b"",
+        {},
+        1,
+        rows,
+        messages=len(rows),
+        parts=(identities, pa.array([bytes(r[2]) for r in rows], pa.binary())),
+    )
 
 
 class EmbeddedQueueSource(Source):
@@ -43,6 +71,9 @@ class EmbeddedQueueSource(Source):
         self.visibility_timeout = visibility_timeout
         self._q: EmbeddedQueue | None = None
         self._dead_ids: dict[tuple[int, int], int] = {}
+        self._blocks = False  # a lease of several messages is one delivery (engine/blocks.py)
+        self._again: deque[Delivery] = deque()  # a split block's messages, still leased
+        self.block_size = BlockSize(BLOCK_MESSAGES)
 
     def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         # A lease must outlive two keepalive rounds, or a message still being processed
@@ -69,19 +100,35 @@ class EmbeddedQueueSource(Source):
         self._q = EmbeddedQueue(self.path)
         return self._q.claim_consumer(self.queue)
 
+    def use_blocks(self, on: bool) -> bool:
+        self._blocks = on and self.headers_field is None  # (headers are made per delivery)
+        return self._blocks
+
     def pull(self, max_messages: int, timeout: float) -> list[Delivery]:
+        if self._again:  # a split block's messages first: they hold their leases
+            again = self._again
+            return [again.popleft() for _ in range(min(max_messages, len(again)))]
         deadline = time.monotonic() + timeout
         while True:
             rows = self.q.lease_rows(self.queue, max_messages, visibility_timeout=self.visibility_timeout)
             if rows or time.monotonic() >= deadline:
                 # (row_id, msg_id, body, headers_json, deliveries, published_at)
-                return [
-                    Delivery(
-                        0, message_key(r[0], r[1]), bytes(r[2]), stored_headers(r[3]), r[4], (r[0], r[4])
-                    )
-                    for r in rows
-                ]
+                size = self.block_size.now
+                if self._blocks and size > 1 and len(rows) > 1:
+                    cuts = [rows[i : i + size] for i in range(0, len(rows), size)]
+                    return [embedded_block(c) if len(c) > 1 else one(c[0]) for c in cuts]
+                return [one(r) for r in rows]
             time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
+
+    def split(self, blocks: Sequence[Delivery]) -> None:
+        """A block's messages come again one by one, on the leases they hold."""
+        self.block_size.split(len(blocks))
+        for b in blocks:
+            self._again.extend(one(r) for r in b.handle)  # type: ignore[attr-defined]
+
+    def stop_consuming(self) -> list[Delivery]:
+        again, self._again = list(self._again), deque()
+        return again
 
     @staticmethod
     def _lease(d: Delivery) -> tuple[int, int]:
@@ -90,7 +137,14 @@ class EmbeddedQueueSource(Source):
 
     @classmethod
     def _handles(cls, deliveries: Sequence[Delivery]) -> list[tuple[int, int]]:
-        return [cls._lease(d) for d in deliveries]
+        """The leases of ``deliveries``: a block's are its rows' (row id, lease)."""
+        out = []
+        for d in deliveries:
+            if d.parts is not None:
+                out += [(r[0], r[4]) for r in d.handle]  # type: ignore[attr-defined]
+            else:
+                out.append(cls._lease(d))
+        return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Ack; return the deliveries whose lease was lost meanwhile (not acked: the
@@ -98,7 +152,13 @@ class EmbeddedQueueSource(Source):
         if not deliveries:
             return []
         stale = set(self.q.ack_held(self.queue, self._handles(deliveries)))
-        return [d for d in deliveries if self._lease(d) in stale]
+        if self._blocks:
+            self.block_size.acked(sum(d.messages for d in deliveries))
+        if not stale:
+            return []
+        # a block counts as stale when any of its leases is lost (its other messages were
+        # acked: the report then undercounts acks; a lost lease means a stalled engine)
+        return [d for d in deliveries if any(h in stale for h in self._handles([d]))]
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         outcomes, retry, dead = self.by_policy(failures)
@@ -165,10 +225,14 @@ class EmbeddedQueueSource(Source):
             self.q.release(self._handles(deliveries))
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
+        deliveries = [*deliveries, *self._again]  # (a split block's, not pulled yet)
         if deliveries:
             self.q.extend(self._handles(deliveries), visibility_timeout=self.visibility_timeout)
 
     def close(self) -> None:
+        if self._again and self._q is not None:  # never pulled again: back to the queue
+            self.q.release(self._handles(self._again))
+            self._again.clear()
         if self._q is not None:
             self._q.close()
             self._q = None

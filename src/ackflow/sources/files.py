@@ -48,7 +48,7 @@ from ackflow.core.offsets import OffsetTracker
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.settlement import Delivery, Settlement
 from ackflow.sources import files_blocks, files_done
-from ackflow.sources.base import Source
+from ackflow.sources.base import BlockSize, Source
 from ackflow.sources.files_done import _fingerprint
 from ackflow.sources.files_state import FileStates, Row, new_id
 
@@ -134,6 +134,7 @@ class FilesSource(Source):
         self._last_scan = 0.0
         self._error_sink = False
         self._blocks = False  # runs of lines handed out as one delivery (files_blocks.py)
+        self.block_size = BlockSize(files_blocks.BLOCK_LINES)
         self._window = 10_000
         self._move_tried: set[str] = set()  # instances whose move was tried in this run
         self._unmovable: tuple[int, list[str]] = (0, [])  # count, the first few "name: cause"
@@ -501,7 +502,7 @@ class FilesSource(Source):
             deliveries = [d for d in deliveries if d.messages == 1]
             for fid in {d.handle[0] for d in blocks}:  # type: ignore[index]
                 if fid in self._files:
-                    files_blocks.acked(self._files[fid], [d for d in blocks if d.handle[0] == fid])  # type: ignore[index]
+                    files_blocks.acked(self, self._files[fid], [d for d in blocks if d.handle[0] == fid])  # type: ignore[index]
                     lines.setdefault(fid, [])
         for d in deliveries:
             fid, line = d.handle  # type: ignore[misc]  # (file id, line): see _position

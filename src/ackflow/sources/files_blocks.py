@@ -36,7 +36,10 @@ def read_blocks(src: FilesSource, f: _File, take: int, out: list[Delivery]) -> i
     assert handle is not None
     read = 0
     while read < take and not f.eof:
-        want = min(take - read, BLOCK_LINES)
+        want = min(take - read, src.block_size.now)
+        if want < 2:  # blocks split often here: the line way for now
+            read += src._read(f, take - read, out)
+            break
         size = min(READ_BYTES, want * 160 + 65_536)
         buf = handle.read(size)
         if not buf:
@@ -108,7 +111,8 @@ def settle_blocks(f: _File, blocks: Sequence[Delivery]) -> None:
             f.block_lines -= end - first
 
 
-def acked(f: _File, blocks: Sequence[Delivery]) -> None:
+def acked(src: FilesSource, f: _File, blocks: Sequence[Delivery]) -> None:
+    src.block_size.acked(sum(d.messages for d in blocks))
     settle_blocks(f, blocks)
     for d in blocks:
         _, first, end = span_of(d)
@@ -119,6 +123,7 @@ def split(src: FilesSource, blocks: Sequence[Delivery]) -> None:
     """The blocks' lines come again one by one (first deliveries, due now)."""
     now = time.monotonic()
     touched = set()
+    src.block_size.split(len(blocks))
     for d in blocks:
         fid, first, end = span_of(d)
         f = src._files.get(fid)

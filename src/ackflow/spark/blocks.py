@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow.core.settlement import Delivery
+from ackflow.spark.columns import row_key
 
 #: a line with only these bytes is no message (``bytes.isspace``; empty too)
 BLANK = r"^[ \t\n\r\x0b\x0c]*$"
@@ -65,3 +66,21 @@ def block_rows(blocks: Sequence[Delivery], schema: pa.Schema, names: Sequence[st
         schema=schema,
     )
     return table.filter(keep)
+
+
+def parts_rows(blocks: Sequence[Delivery], schema: pa.Schema, names: Sequence[str]) -> pa.Table:
+    """The input rows of blocks of separate messages (``Delivery.parts``: identities and
+    bodies, made by their source), one per message, keyed as each alone would be."""
+    lineage, key_col, body_col, origin_col, headers_col = names
+    counts = [d.messages for d in blocks]
+    n = sum(counts)
+    return pa.table(
+        {
+            lineage: pa.array(np.repeat(np.asarray([d.lineage_id for d in blocks], np.int64), counts)),
+            key_col: pa.array([row_key(i) for d in blocks for i in d.parts[0]], pa.string()),
+            body_col: pa.concat_arrays([d.parts[1] for d in blocks]),
+            origin_col: pa.array(np.repeat(np.asarray([d.origin for d in blocks], np.int32), counts)),
+            headers_col: pa.nulls(n, pa.string()),
+        },
+        schema=schema,
+    )

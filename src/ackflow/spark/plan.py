@@ -44,7 +44,7 @@ from ackflow.flow import (
     Step,
 )
 from ackflow.sinks.base import Sink
-from ackflow.spark.blocks import block_rows
+from ackflow.spark.blocks import block_rows, parts_rows
 from ackflow.spark.rows import (
     BODY,
     HDR,
@@ -528,8 +528,12 @@ class Plan:
             schema=INPUT_SCHEMA,
         )
         if blocks:
-            rows = block_rows(blocks, INPUT_SCHEMA, (ID, KEY, BODY, SRC, HDR))
-            table = pa.concat_tables([table, rows]) if n else rows
+            names = (ID, KEY, BODY, SRC, HDR)
+            runs = [d for d in blocks if d.parts is None]  # runs of lines / separate messages
+            parts = [d for d in blocks if d.parts is not None]
+            made = [block_rows(runs, INPUT_SCHEMA, names)] if runs else []
+            made += [parts_rows(parts, INPUT_SCHEMA, names)] if parts else []
+            table = pa.concat_tables([table, *made]) if n else pa.concat_tables(made)
         per = max(1, -(-table.num_rows // self.parallelism))
         return pa.Table.from_batches(table.to_batches(max_chunksize=per), schema=INPUT_SCHEMA)
 
