@@ -199,3 +199,49 @@ def test_a_blocks_rows_are_the_rows_of_its_messages_alone():
     assert t.column(BODY).to_pylist() == [d.body for d in alone]
     assert t.column(ID).to_pylist() == [9] * len(ids)
     assert len(set(t.column(ROW_KEY).to_pylist())) == len(ids)
+
+
+def test_a_block_whose_lease_was_lost_counts_only_that_message_again(tmp_path):
+    """A lease lost mid-block (a stalled engine): the queue acks the block's other
+    messages; the engine counts them acked and the lost one redelivered, not the block."""
+    db = str(tmp_path / "q.db")
+    publish(db, 6)
+    engine = Engine(
+        ackflow.Flow(EmbeddedSource(db, "q")).to(KeyedSink()), executor="local", handle_signals=False
+    )
+    src = engine.flow.source
+    src.configure(max_inflight=100, error_sink=False)
+    engine._blocks = src.use_blocks(True)
+    src.open()
+    (block,) = src.pull(6, 0.1)
+    engine.window.take(6)
+    engine._admit([block])
+    row = block.handle[2][0]
+    src.q._db.execute("UPDATE messages SET deliveries = deliveries + 1 WHERE id = ?", (row,))  # leased again
+    engine._ack([block])
+    assert engine.report.acked == 5 and engine.report.redelivered == 1
+    assert src.q.stats("q")["leased"] == 1  # the one leased again stays the queue's
+    src.close()
+
+
+def test_a_message_delivered_before_comes_alone_not_in_a_block(tmp_path):
+    """A retried message (a poison one, often) never joins a block: it would split one
+    block after another."""
+    from ackflow.core.ledger import Failure
+
+    db = str(tmp_path / "q.db")
+    publish(db, 6)
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=5, backoff_s=0.0))
+    src.configure(max_inflight=100, error_sink=False)
+    src.use_blocks(True)
+    src.open()
+    (block,) = src.pull(6, 0.1)
+    src.split([block])
+    alone = src.pull(6, 0.1)
+    src.nack([(alone[0], Failure("check", "bad"))])
+    src.release(alone[1:])
+    again = src.pull(6, 0.5)
+    sizes = sorted(d.messages for d in again)
+    src.close()
+    counts = {d.messages: d for d in again}
+    assert sizes == [1, 5] and counts[1].delivery_count == 2

@@ -597,7 +597,8 @@ class Engine(Settling):
             if self.board is not None and self.board.due():
                 self._pending = self._count(pending)
                 self._publish("stopping" if self._stop.is_set() else "running")
-            if now - last_keepalive >= self.keepalive_s and self.inflight:
+            # (a source of blocks may hold leases outside the window: a split's messages)
+            if now - last_keepalive >= self.keepalive_s and (self.inflight or self._blocks):
                 last_keepalive = now
                 source.keepalive(list(self.inflight.values()))
             if want <= 0 or (pending and len(self._running) >= self.max_concurrent):

@@ -123,8 +123,10 @@ class Settling(DeadLetters):
         for d in deliveries:
             if id(d) in stale:
                 d.revise(Settlement.RELEASED)
-        self._count_redelivered(len(stale))
-        n = self._count(deliveries) - self._count([d for d in deliveries if id(d) in stale])
+        # a block's messages whose ack the source refused (its others were acked)
+        lost = sum(self.flow.source.unacked(d) for d in deliveries if id(d) in stale) if stale else 0
+        self._count_redelivered(lost)
+        n = self._count(deliveries) - lost
         self.report.acked += n
         self.metrics.acked.inc(n)
         if self.board is not None:
@@ -436,7 +438,7 @@ class Settling(DeadLetters):
                 "batch %s: %d messages failed a write or job as a whole (%s); given "
                 "back while it is unknown whether every message fails so",
                 result.batch_id,
-                len(back),
+                self._count(back),
                 redact(whole[0][1].error),
             )
             self._give_back([(d, f) for d, f in rest if d.lineage_id in suspects])
@@ -460,7 +462,7 @@ class Settling(DeadLetters):
             "in %.0f s if it persists",
             result.batch_id,
             episode.step,
-            len(back),
+            self._count(back),
             episode.error,
             pause,
             max(left, 0),

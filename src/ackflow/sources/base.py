@@ -132,6 +132,12 @@ class Source(ABC):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries that were not processed (shutdown), for redelivery."""
 
+    def unacked(self, delivery: Delivery) -> int:
+        """How many messages of ``delivery``, which the last :meth:`ack` returned as stale,
+        were not acked (the source delivers them again): all of them, unless a block's
+        others were acked. Default: ``delivery.messages``."""
+        return delivery.messages
+
     def use_blocks(self, on: bool) -> bool:
         """Called by the engine before :meth:`open`: ``on`` when the flow may take
         *blocks* (deliveries of several messages, ``Delivery.messages > 1``: its rows

@@ -74,6 +74,7 @@ class EmbeddedQueueSource(Source):
         self._blocks = False  # a lease of several messages is one delivery (engine/blocks.py)
         self._again: deque[Delivery] = deque()  # a split block's messages, still leased
         self.block_size = BlockSize(BLOCK_MESSAGES)
+        self._unacked: dict[int, int] = {}  # the last ack's stale blocks: messages not acked
 
     def configure(self, *, max_inflight: int, error_sink: bool, keepalive_s: float = 30.0) -> None:
         # A lease must outlive two keepalive rounds, or a message still being processed
@@ -115,8 +116,12 @@ class EmbeddedQueueSource(Source):
                 # (row_id, msg_id, body, headers_json, deliveries, published_at)
                 size = self.block_size.now
                 if self._blocks and size > 1 and len(rows) > 1:
-                    cuts = [rows[i : i + size] for i in range(0, len(rows), size)]
-                    return [embedded_block(c) if len(c) > 1 else one(c[0]) for c in cuts]
+                    # a message delivered before (a retry, a redelivery) comes alone: a
+                    # poison one would split block after block
+                    first = [r for r in rows if r[4] == 1]
+                    cuts = [first[i : i + size] for i in range(0, len(first), size)]
+                    out = [embedded_block(c) if len(c) > 1 else one(c[0]) for c in cuts]
+                    return out + [one(r) for r in rows if r[4] != 1]
                 return [one(r) for r in rows]
             time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
 
@@ -156,9 +161,19 @@ class EmbeddedQueueSource(Source):
             self.block_size.acked(sum(d.messages for d in deliveries))
         if not stale:
             return []
-        # a block counts as stale when any of its leases is lost (its other messages were
-        # acked: the report then undercounts acks; a lost lease means a stalled engine)
-        return [d for d in deliveries if any(h in stale for h in self._handles([d]))]
+        # a block is stale when any of its leases was lost (a stalled engine); its other
+        # messages were acked: unacked() says how many come again
+        out = []
+        self._unacked = {}
+        for d in deliveries:
+            lost = sum(1 for h in self._handles([d]) if h in stale)
+            if lost:
+                out.append(d)
+                self._unacked[id(d)] = lost
+        return out
+
+    def unacked(self, delivery: Delivery) -> int:
+        return self._unacked.get(id(delivery), delivery.messages)
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         outcomes, retry, dead = self.by_policy(failures)
