@@ -165,7 +165,7 @@ def test_a_block_with_a_message_in_flight_already_is_split_at_admission(tmp_path
 
 
 def test_block_size_shrinks_where_blocks_split_and_grows_back():
-    b = BlockSize(4096)
+    b = BlockSize(4096, start=4096)
     b.split(3)
     assert b.now == 512
     for _ in range(20):
@@ -178,6 +178,7 @@ def test_block_size_shrinks_where_blocks_split_and_grows_back():
     for _ in range(40):
         b.acked(10_000)
     assert b.now == 4096
+    assert BlockSize(4096).now == 64  # a run starts with small blocks and grows
 
 
 def test_a_blocks_rows_are_the_rows_of_its_messages_alone():

@@ -102,10 +102,17 @@ def test_a_block_is_cut_at_the_pull_size_and_block_lines(tmp_path):
     src.configure(max_inflight=10**6, error_sink=False)
     src.use_blocks(True)
     src.open()
-    got = src.pull(7, 0.1)
-    assert [d.messages for d in got] == [7]
+    first = src.pull(7, 0.1)
+    assert [d.messages for d in first] == [7]
+    assert src.block_size.now == 64  # a run starts with small blocks
+    got = src.pull(250, 0.1)
+    assert [d.messages for d in got] == [64, 64, 64, 58]
+    src.ack(first + got)  # 257 acked without a split (4 x 64): blocks of 128 from now on
+    assert src.block_size.now == 128
+    assert [d.messages for d in src.pull(300, 0.1)] == [128, 128, 44]
+    src.block_size.now = BLOCK_LINES
     got = src.pull(10**6, 0.1)
-    assert [d.messages for d in got] == [BLOCK_LINES, 3]
+    assert [d.messages for d in got] == [BLOCK_LINES - 557 + 10]
     src.close()
 
 

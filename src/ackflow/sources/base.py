@@ -224,19 +224,21 @@ class Source(ABC):
 
 
 class BlockSize:
-    """How many messages a source's next block may hold (engine/blocks.py): halved for
-    each block that was split (its good messages cost a second pass), doubled again once
-    four times as many messages were acked without a split, between 1 (no blocks) and
-    ``most``. Messages that fail often thus come in small blocks, or alone.
+    """How many messages a source's next block may hold (engine/blocks.py): ``start`` at
+    first, halved for each block that was split (its good messages cost a second pass),
+    doubled once four times as many messages were acked without a split, between 1 (no
+    blocks) and ``most``. Messages that fail often thus come in small blocks, or alone,
+    and a run that starts on poison-dense input does not split its first, largest blocks.
 
-    >>> b = BlockSize(64); b.split(2); b.now
+    >>> b = BlockSize(4096, start=64); b.split(2); b.now
     16
     >>> b.acked(64); b.now
     32
     """
 
-    def __init__(self, most: int) -> None:
-        self.most = self.now = most
+    def __init__(self, most: int, start: int = 64) -> None:
+        self.most = most
+        self.now = min(start, most)
         self._credit = 0
 
     def split(self, blocks: int = 1) -> None:
