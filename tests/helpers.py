@@ -63,3 +63,29 @@ class Outage:
         self._thread.join(timeout=self.wait_s + self.seconds + 30)
         if not self.postgres.running:
             self.postgres.start()
+
+
+def must_be_positive(row: dict[str, Any]) -> dict[str, Any]:
+    """A step that fails the rows whose ``n`` is negative (poison messages)."""
+    if row["n"] < 0:
+        raise ValueError(f"negative: {row['n']}")
+    return row
+
+
+def run_local(flow: Any, **kw: Any) -> Any:
+    """Run ``flow`` with the in-process executor until idle (small batches)."""
+    from ackflow.engine.loop import Engine
+
+    opts = {"executor": "local", "batch_size": 500, "max_inflight": 2000, "until_idle": 0.5, **kw}
+    return Engine(flow, handle_signals=False, **opts).run()
+
+
+class CountingPulls:
+    """A source mixin: each pulled delivery's ``messages`` in the class's ``pulls``."""
+
+    pulls: list[int] = []
+
+    def pull(self, max_messages: int, timeout: float) -> Any:
+        got = super().pull(max_messages, timeout)  # type: ignore[misc]
+        type(self).pulls += [d.messages for d in got]
+        return got

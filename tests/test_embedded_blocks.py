@@ -18,6 +18,8 @@ from ackflow.sources import EmbeddedQueue as EmbeddedSource
 from ackflow.sources.base import BlockSize
 from ackflow.sources.embedded import embedded_block
 from ackflow.testing import KeyedSink
+from helpers import CountingPulls, must_be_positive
+from helpers import run_local as run
 
 
 def publish(db, n, bad=(), queue="q"):
@@ -26,25 +28,8 @@ def publish(db, n, bad=(), queue="q"):
     q.close()
 
 
-def must_be_positive(row):
-    if row["n"] < 0:
-        raise ValueError(f"negative: {row['n']}")
-    return row
-
-
-class Counting(EmbeddedSource):
+class Counting(CountingPulls, EmbeddedSource):
     pulls: list = []
-
-    def pull(self, max_messages, timeout):
-        got = super().pull(max_messages, timeout)
-        Counting.pulls += [d.messages for d in got]
-        return got
-
-
-def run(flow, **kw):
-    opts = {"executor": "local", "batch_size": 500, "max_inflight": 2000, "until_idle": 0.5}
-    opts.update(kw)
-    return Engine(flow, handle_signals=False, **opts).run()
 
 
 def test_a_bad_message_fails_alone_and_counts_add_up(tmp_path):

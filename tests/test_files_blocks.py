@@ -24,6 +24,8 @@ from ackflow.spark.blocks import block_rows
 from ackflow.spark.columns import BODY, HDR, ID, SRC, row_key
 from ackflow.spark.plan import INPUT_SCHEMA
 from ackflow.testing import KeyedSink
+from helpers import CountingPulls, must_be_positive
+from helpers import run_local as run
 
 
 def write(folder, name, data: bytes):
@@ -123,25 +125,8 @@ def lines_with_bad(n, bad):
     ]
 
 
-def must_be_positive(row):
-    if row["n"] < 0:
-        raise ValueError(f"negative: {row['n']}")
-    return row
-
-
-def run(flow, **kw):
-    opts = {"executor": "local", "batch_size": 500, "max_inflight": 2000, "until_idle": 0.5}
-    opts.update(kw)
-    return Engine(flow, handle_signals=False, **opts).run()
-
-
-class Counting(Files):
+class Counting(CountingPulls, Files):
     pulls: list = []
-
-    def pull(self, max_messages, timeout):
-        got = super().pull(max_messages, timeout)
-        Counting.pulls += [d.messages for d in got]
-        return got
 
 
 def test_a_bad_line_fails_alone_with_its_line_number_and_good_rows_are_written_once(tmp_path):
