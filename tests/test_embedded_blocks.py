@@ -42,7 +42,8 @@ def test_a_bad_message_fails_alone_and_counts_add_up(tmp_path):
     report = run(ackflow.Flow(src).map(must_be_positive, name="check").to(sink))
     assert max(Counting.pulls) > 1, "blocks were used"
     assert report.acked == 1996 and report.dead_lettered == 4 and report.nacked == 4
-    assert report.pulled == report.acked + report.nacked + report.dead_lettered + report.released
+    assert report.pulled == report.acked + report.nacked + report.dead_lettered + report.split
+    assert report.rows_written == {"keyed": 1996}  # a split block's rows counted once
     assert sorted(r["n"] for r in sink.rows.values()) == [i for i in range(2000) if i not in bad]
     assert not sink.conflicts
     q = EmbeddedQueue(db)
@@ -137,7 +138,7 @@ def test_a_block_with_a_message_in_flight_already_is_split_at_admission(tmp_path
     fresh = engine._admit([a, b])
     assert fresh == [a]
     assert split == [b] and b.state is Settlement.RELEASED
-    assert engine.report.released == 2 and engine.window.in_flight == 2
+    assert engine.report.split == 2 and engine.window.in_flight == 2
     assert engine._live == {"m-1": a.lineage_id, "m-2": a.lineage_id}
     # one block repeating an identity inside itself is split too
     c = embedded_block([(5, "m-9", b"{}", None, 1, 0.0), (6, "m-9", b"{}", None, 1, 0.0)])

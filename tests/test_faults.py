@@ -123,7 +123,8 @@ def test_a_fault_inside_the_postgres_write_ends_exact(postgres, pg_table, tmp_pa
         assert faults.hits(point) >= 2, "the point was never reached"
     finally:
         faults.disarm()
-    assert report.acked == n and report.nacked >= 1, report
+    # the failed write's messages came again: nacked, or (read in a block) split
+    assert report.acked == n and report.nacked + report.split >= 1, report
     with psycopg.connect(postgres.dsn) as c:
         rows = c.execute(sql.SQL("SELECT ackflow_key, n FROM {}").format(sql.Identifier(pg_table))).fetchall()
     assert len(rows) == 2 * n and len({k for k, _ in rows}) == 2 * n

@@ -14,6 +14,7 @@ them into outcomes with vectorised Arrow code:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +75,9 @@ class Failure:
     error: str
     whole: bool = field(default=False, compare=False)
     waits: bool = field(default=False, compare=False)  # see WAITS
+    #: rows of the message written before it failed, per sink (``(sink, rows)``): a
+    #: block that is split writes them again, and the run counts them once
+    written: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     def __str__(self) -> str:
         return f"step {self.step!r}: {self.error}"
@@ -171,6 +175,21 @@ def settle_receipts(
             outcomes.failed[mid] = Failure(
                 sink or "sink", "fewer rows were written than were emitted; not acked"
             )
+
+    if outcomes.failed:  # rows a failed message had written (a split block counts them once)
+        done = per_sink_rows.filter(
+            pc.and_(
+                pc.is_in(per_sink_rows["id"], value_set=pa.array(list(outcomes.failed), pa.int64())),
+                pc.greater(per_sink_rows["written_sum"], 0),
+            )
+        )
+        wrote: dict[int, list[tuple[str, int]]] = {}
+        for mid, sink, n in zip(
+            done["id"].to_pylist(), done["sink"].to_pylist(), done["written_sum"].to_pylist(), strict=True
+        ):
+            wrote.setdefault(mid, []).append((sink, n))
+        for mid, pairs in wrote.items():
+            outcomes.failed[mid] = dataclasses.replace(outcomes.failed[mid], written=tuple(pairs))
 
     seen = per_id["id"]
     missing = pc.filter(expected, pc.invert(pc.is_in(expected, value_set=seen)))

@@ -50,6 +50,9 @@ class RunReport:
     failures: list[dict[str, str]] = field(default_factory=list)  # the first few, for people
     failures_total: int = 0
     duplicates: int = 0  # deliveries of an identity already in flight (settled as it was)
+    #: messages of blocks that were split (one of them failed): sent again one by one, so
+    #: pulled = acked + nacked + dead_lettered + released + split (engine/blocks.py)
+    split: int = 0
     given_back_systemic: int = 0
     systemic_episodes: int = 0
     systemic: dict[str, Any] | None = None
@@ -137,6 +140,7 @@ class RunReport:
             (self.recovered, "recovered", "in flight at a crash, processed again"),
             (self.redelivered, "redelivered", "could not be settled: the broker sends them again"),
             (self.duplicates, "duplicates", "a copy of an identity already in flight"),
+            (self.split, "split", "in a block with a failing message: sent again one by one"),
             (self.given_back_systemic, "given back", "every message failed alike (a systemic failure)"),
         ]
         lines += [f"  {label:<14} {value:>6,}   {why}" for value, label, why in optional if value]

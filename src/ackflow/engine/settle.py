@@ -113,6 +113,8 @@ class Settling(DeadLetters):
         if not deliveries:
             return
         Delivery.settle_all(deliveries, Settlement.ACKED)
+        if faults.active() and len(deliveries) == 1 and deliveries[0].messages > 1:
+            faults.point("engine.mid_ack")  # one block: its ack is one call (none before)
         if faults.active() and len(deliveries) > 1:  # a middle, for the fault point
             half = len(deliveries) // 2
             stale = {id(d) for d in self.flow.source.ack(deliveries[:half]) or ()}
@@ -167,6 +169,23 @@ class Settling(DeadLetters):
         """The source messages ``deliveries`` carry (a block carries several)."""
         return messages(deliveries) if self._blocks else len(deliveries)
 
+    def _uncount_split(self, result: BatchResult, failures: list[tuple[Delivery, Failure]]) -> None:
+        """The rows that blocks about to be split wrote are written again when their
+        messages come one by one: out of this batch's count (a broadcast's receipt names
+        the broadcast; its rows were written by each branch, or by the primary)."""
+        written = result.outcomes.rows_written
+        for d, f in failures:
+            if d.messages == 1 or f.whole:
+                continue
+            for sink, n in f.written:
+                target = next((s for s in self.flow.sinks if s.name == sink), None)
+                branches = [b.name for b in getattr(target, "branches", ())]
+                if branches and getattr(target, "mode", "all") != "all":
+                    branches = branches[:1]
+                for name in branches or [sink]:
+                    if name in written:
+                        written[name] = max(0, written[name] - n)
+
     def _split_blocks(self, failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
         """Blocks among ``failures`` are split (engine/blocks.py): settled ``RELEASED``,
         counted nowhere, their messages delivered again one by one by the source. The
@@ -179,9 +198,7 @@ class Settling(DeadLetters):
         for d in blocks:
             d.settle(Settlement.RELEASED)
         self.flow.source.split(blocks)
-        n = messages(blocks)  # given back: they come again (pulled = settled + released)
-        self.report.released += n
-        self.metrics.released.inc(n)
+        self.report.split += messages(blocks)  # they come again, one by one
         log.debug("%d blocks failed (%s): their messages come one by one", len(blocks), failures[0][1].error)
         return [(d, f) for d, f in failures if d.messages == 1]
 
@@ -273,6 +290,8 @@ class Settling(DeadLetters):
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
         # a line's own failure splits its block now; a failure of the write or the job as
         # a whole goes to the systemic judge first (a sink down: given back, paused)
+        if self._blocks:
+            self._uncount_split(result, failures)
         failures = self._split_blocks([(d, f) for d, f in failures if not f.whole]) + [
             (d, f) for d, f in failures if f.whole
         ]
