@@ -142,10 +142,14 @@ class Flow:
         return self.steps[-1] if self.steps and isinstance(self.steps[-1], Fork) else None
 
     @property
+    def all_steps(self) -> list[Step]:
+        """Every step, a broadcast's branches' steps after the flow's own (the fork too)."""
+        return [*self.steps, *(s for b in getattr(self.forked, "branches", ()) for s in b.steps)]
+
+    @property
     def sinks(self) -> list[Sink]:
         """Every sink the flow writes to (one, or one per broadcast branch)."""
-        fork = self.forked
-        if fork is not None:
+        if (fork := self.forked) is not None:
             return [s for b in fork.branches for s in b.sinks]
         return [self.sink] if self.sink is not None else []
 
@@ -557,11 +561,7 @@ class Flow:
         """Raise :class:`ConfigError` if the flow cannot run (no sink, name clashes)."""
         if not self.sinks:
             raise ConfigError("the flow has no sink: end it with .to(sink)")
-        names = [s.name for s in self.steps]
-        fork = self.forked
-        for b in fork.branches if fork is not None else ():
-            names += [s.name for s in b.steps]
-        names += [s.name for s in self.sinks]
+        names = [s.name for s in self.all_steps] + [s.name for s in self.sinks]
         if self.error_sink is not None:  # its rows are counted by name too
             names.append(self.error_sink.name)
         from ackflow.state.dedupe import DedupeSink

@@ -10,8 +10,11 @@ the messages make one by one, and a restart that cuts other blocks writes no row
 A block never fails as a whole: when any of its messages fails (or its batch does), the
 engine settles it ``RELEASED`` and the source delivers its messages again one by one
 (:meth:`~ackflow.sources.base.Source.split`), where the usual rules isolate, retry and
-dead-letter each. Blocks are used only in flows where nothing keeps state by delivery:
-no ``grouped_within``, ``group_by``, window or dedupe.
+dead-letter each (the report counts them in ``split``). Blocks are used only in flows
+where nothing keeps state by delivery or drops a row without a receipt (no
+``grouped_within``, ``group_by``, window, dedupe or ``transform``) and every sink writes
+a row again in place (``Sink.replays_in_place``): a split block's good messages are
+written a second time.
 """
 
 from __future__ import annotations
@@ -24,10 +27,7 @@ from ackflow.flow import Flow, GroupBy, GroupedWithin, Transform
 
 def blocks_allowed(flow: Flow) -> bool:
     """True when ``flow`` may take blocks: no step or sink keeps state per delivery."""
-    steps = list(flow.steps)
-    fork = flow.forked
-    for branch in fork.branches if fork is not None else ():
-        steps += branch.steps
+    steps = flow.all_steps
     if any(isinstance(s, (GroupBy, GroupedWithin)) for s in steps):
         return False
     if any(isinstance(s, Transform) for s in steps):

@@ -170,12 +170,13 @@ class Settling(DeadLetters):
         return messages(deliveries) if self._blocks else len(deliveries)
 
     def _uncount_split(self, result: BatchResult, failures: list[tuple[Delivery, Failure]]) -> None:
-        """The rows that blocks about to be split wrote are written again when their
-        messages come one by one: out of this batch's count (a broadcast's receipt names
-        the broadcast; its rows were written by each branch, or by the primary)."""
+        """The rows that blocks about to be split (``failures``: their own, not a whole
+        write's) wrote are written again when their messages come one by one: out of this
+        batch's count (a broadcast's receipt names the broadcast; its rows were written by
+        each branch, or by the primary)."""
         written = result.outcomes.rows_written
         for d, f in failures:
-            if d.messages == 1 or f.whole:
+            if d.messages == 1:
                 continue
             for sink, n in f.written:
                 target = next((s for s in self.flow.sinks if s.name == sink), None)
@@ -188,8 +189,8 @@ class Settling(DeadLetters):
 
     def _split_blocks(self, failures: list[tuple[Delivery, Failure]]) -> list[tuple[Delivery, Failure]]:
         """Blocks among ``failures`` are split (engine/blocks.py): settled ``RELEASED``,
-        counted nowhere, their messages delivered again one by one by the source. The
-        other failures are returned."""
+        counted in ``split``, their messages delivered again one by one by the source.
+        The other failures are returned."""
         if not self._blocks:
             return failures
         blocks = [d for d, _ in failures if d.messages > 1 and not d.settled]
@@ -290,11 +291,10 @@ class Settling(DeadLetters):
         failures = [(by_id[i], f) for i, f in result.outcomes.failed.items() if i in by_id]
         # a line's own failure splits its block now; a failure of the write or the job as
         # a whole goes to the systemic judge first (a sink down: given back, paused)
+        own = [(d, f) for d, f in failures if not f.whole]
         if self._blocks:
-            self._uncount_split(result, failures)
-        failures = self._split_blocks([(d, f) for d, f in failures if not f.whole]) + [
-            (d, f) for d, f in failures if f.whole
-        ]
+            self._uncount_split(result, own)
+        failures = self._split_blocks(own) + [(d, f) for d, f in failures if f.whole]
         self._back_now = [] if result.kept else None
         try:
             failures = self._give_back_systemic(result, failures, acked=bool(acked))

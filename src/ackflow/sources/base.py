@@ -149,8 +149,8 @@ class Source(ABC):
         """Blocks that failed (one of their messages, or the whole batch): take them
         back and deliver their messages again one by one, each counting its first
         delivery (a block's try is spent by none of them). The engine settles the blocks
-        ``RELEASED`` and counts nothing for them. Only a source that pulls blocks is
-        asked."""
+        ``RELEASED`` and counts their messages in the report's ``split``. Only a source
+        that pulls blocks is asked."""
         raise NotImplementedError(f"source {self.name!r} pulls no blocks")
 
     def take_unsent_acks(self) -> list[Delivery]:

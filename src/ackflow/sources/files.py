@@ -500,10 +500,8 @@ class FilesSource(Source):
         if self._blocks and any(d.messages > 1 for d in deliveries):
             blocks = [d for d in deliveries if d.messages > 1]
             deliveries = [d for d in deliveries if d.messages == 1]
-            for fid in {d.handle[0] for d in blocks}:  # type: ignore[index]
-                if fid in self._files:
-                    files_blocks.acked(self, self._files[fid], [d for d in blocks if d.handle[0] == fid])  # type: ignore[index]
-                    lines.setdefault(fid, [])
+            for fid in files_blocks.acked(self, blocks):
+                lines.setdefault(fid, [])
         for d in deliveries:
             fid, line = d.handle  # type: ignore[misc]  # (file id, line): see _position
             got = lines.get(fid)

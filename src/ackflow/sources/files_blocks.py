@@ -103,20 +103,27 @@ def span_of(block: Delivery) -> tuple[str, int, int]:
 
 
 def settle_blocks(f: _File, blocks: Sequence[Delivery]) -> None:
-    """Acked or split: the blocks' lines leave the window (their whole ranges settle on
-    an ack; a split settles only the blank lines, the others come again)."""
+    """Acked or split: the blocks leave ``f``'s window (what the tracker is told is the
+    caller's: a whole range on an ack, the blank lines on a split)."""
     for d in blocks:
         _, first, end = span_of(d)
         if f.blocks.pop(first, None) is not None:
             f.block_lines -= end - first
 
 
-def acked(src: FilesSource, f: _File, blocks: Sequence[Delivery]) -> None:
+def acked(src: FilesSource, blocks: Sequence[Delivery]) -> set[str]:
+    """Acked blocks: each whole range settled at once; the ids of the files touched."""
     src.block_size.acked(sum(d.messages for d in blocks))
-    settle_blocks(f, blocks)
+    touched = set()
     for d in blocks:
-        _, first, end = span_of(d)
+        fid, first, end = span_of(d)
+        f = src._files.get(fid)
+        if f is None:
+            continue
+        settle_blocks(f, [d])
         f.tracker.gap(first, end)  # settled as one range: no work per line
+        touched.add(fid)
+    return touched
 
 
 def split(src: FilesSource, blocks: Sequence[Delivery]) -> None:

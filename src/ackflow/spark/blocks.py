@@ -40,7 +40,8 @@ def block_rows(blocks: Sequence[Delivery], schema: pa.Schema, names: Sequence[st
     lineage, key_col, body_col, origin_col, headers_col = names
     lists = pc.split_pattern(pa.array([d.body for d in blocks], pa.binary()), b"\n")
     lines = pc.list_flatten(lists)
-    parent = pc.list_parent_indices(lists).to_numpy(zero_copy_only=False)
+    parents = pc.list_parent_indices(lists)
+    parent = parents.to_numpy(zero_copy_only=False)
     offsets = lists.offsets.to_numpy()
     stems, firsts = [], []
     for d in blocks:
@@ -53,14 +54,14 @@ def block_rows(blocks: Sequence[Delivery], schema: pa.Schema, names: Sequence[st
         lines = pc.replace_substring_regex(lines, pattern="\r+$", replacement="")
     keep = pc.invert(pc.match_substring_regex(lines, pattern=BLANK))
     keys = pc.binary_join_element_wise(
-        pa.array(stems, pa.string()).take(pa.array(parent)), pa.array(numbers).cast(pa.string()), ""
+        pa.array(stems, pa.string()).take(parents), pa.array(numbers).cast(pa.string()), ""
     )
     table = pa.table(
         {
-            lineage: pa.array([d.lineage_id for d in blocks], pa.int64()).take(pa.array(parent)),
+            lineage: pa.array([d.lineage_id for d in blocks], pa.int64()).take(parents),
             key_col: keys,
             body_col: lines,
-            origin_col: pa.array([d.origin for d in blocks], pa.int32()).take(pa.array(parent)),
+            origin_col: pa.array([d.origin for d in blocks], pa.int32()).take(parents),
             headers_col: pa.nulls(len(parent), pa.string()),
         },
         schema=schema,

@@ -179,11 +179,7 @@ class Plan:
     def step_order(self) -> list[str]:
         """Step names in plan order (decoding first, sinks last): a message failed by
         several of its rows keeps the failure of the earliest step."""
-        names = ["decode", *(s.name for s in self.flow.steps)]
-        fork = self.flow.forked
-        for b in fork.branches if fork is not None else ():
-            names += [s.name for s in b.steps]
-        return names + [s.name for s in self.sinks]
+        return ["decode", *(s.name for s in self.flow.all_steps), *(s.name for s in self.sinks)]
 
     @property
     def required_sinks(self) -> list[str] | None:
@@ -603,11 +599,7 @@ def _pickle_parts(flow: Flow) -> dict[str, bytes]:
     fails at start, with its name, rather than in the middle of a run."""
     from pyspark import cloudpickle
 
-    steps = list(flow.steps)
-    fork = flow.forked
-    for b in fork.branches if fork is not None else ():
-        steps += b.steps
-    parts: dict[str, Any] = {s.name: s for s in steps if isinstance(s, PYTHON_STEPS)}
+    parts: dict[str, Any] = {s.name: s for s in flow.all_steps if isinstance(s, PYTHON_STEPS)}
     for sink in flow.sinks:
         parts[sink.name] = sink
     out = {}
