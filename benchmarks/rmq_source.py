@@ -1,5 +1,5 @@
 """What ackflow's RabbitMQ source costs on its own, beside raw pika on the same broker:
-``.venv/bin/python -m benchmarks.rmq_source [--n 200000] [--kinds classic,quorum] [--out X.json]``.
+``.venv/bin/python -m benchmarks.rmq_source [--n 200000] [--kinds classic,quorum] [--consumers process,inline] [--out X.json]``.
 
 One throwaway broker; per queue kind, N persistent 100-byte messages are loaded (untimed)
 into a queue for each measurement. Raw pika consumes them (prefetch 65 535, a
@@ -27,8 +27,8 @@ from ackflow.sources import RabbitMQ
 from benchmarks.phases import body, phase_rmq_limit, tree_cpu
 
 
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
+def _cpu(who: int = resource.RUSAGE_SELF) -> float:
+    r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
 
 
@@ -48,8 +48,9 @@ def _load(url: str, queue: str, kind: str, n: int) -> None:
             raise RuntimeError(f"{len(failed)} messages were not confirmed while loading")
 
 
-def _source(url: str, queue: str, n: int, window: int, batch: int, broker: int) -> dict[str, Any]:
-    src = RabbitMQ(url, queue, reject_to_dlx=False)
+def _source(url: str, queue: str, n: int, window: int, batch: int, broker: int, consumer: str) -> dict[str, Any]:
+    src = RabbitMQ(url, queue, reject_to_dlx=False, consumer=consumer)
+    k0 = _cpu(resource.RUSAGE_CHILDREN)
     src.configure(max_inflight=window, error_sink=True)  # dead letters would go to a sink
     src.open()
     done, held = 0, []
@@ -65,11 +66,12 @@ def _source(url: str, queue: str, n: int, window: int, batch: int, broker: int) 
         src.ack(held)
         done += len(held)
     secs, cpu, broker_cpu = time.perf_counter() - t0, _cpu() - c0, tree_cpu(broker) - b0
-    src.close()
+    src.close()  # (the consumer process ends: its CPU is counted, start to end)
     return {
         "messages": done,
         "rate": done / secs,
         "driver_cpu_us": cpu / max(1, done) * 1e6,
+        "consumer_cpu_us": (_cpu(resource.RUSAGE_CHILDREN) - k0) / max(1, done) * 1e6,
         "broker_cpu_us": broker_cpu / max(1, done) * 1e6,
     }
 
@@ -80,6 +82,7 @@ def main() -> None:
     p.add_argument("--kinds", default="classic,quorum")
     p.add_argument("--window", type=int, default=75_000)
     p.add_argument("--batch", type=int, default=25_000)
+    p.add_argument("--consumers", default="process,inline", help="the source's consumer= values to measure")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args()
     results: dict[str, dict[str, Any]] = {}
@@ -93,15 +96,19 @@ def main() -> None:
             results[f"raw pika, {kind}"] = {
                 k: raw[k] for k in ("messages", "rate", "driver_cpu_us", "broker_cpu_us")
             }
-            _load(server.url, f"src-{kind}", kind, a.n)
-            results[f"ackflow source, {kind}"] = _source(
-                server.url, f"src-{kind}", a.n, a.window, a.batch, pid
-            )
+            for consumer in a.consumers.split(","):
+                _load(server.url, f"src-{kind}-{consumer}", kind, a.n)
+                results[f"source ({consumer}), {kind}"] = _source(
+                    server.url, f"src-{kind}-{consumer}", a.n, a.window, a.batch, pid, consumer
+                )
     finally:
         server.close()
-    print(f"{'consumer':<26} {'msg/s':>8} {'driver µs/msg':>14} {'broker µs/msg':>14}")
+    print(f"{'consumer':<28} {'msg/s':>8} {'driver µs/msg':>14} {'child µs/msg':>13} {'broker µs/msg':>14}")
     for name, r in results.items():
-        print(f"{name:<26} {r['rate']:>8.0f} {r['driver_cpu_us']:>14.1f} {r['broker_cpu_us']:>14.1f}")
+        child = r.get("consumer_cpu_us", 0.0)
+        print(
+            f"{name:<28} {r['rate']:>8.0f} {r['driver_cpu_us']:>14.1f} {child:>13.1f} {r['broker_cpu_us']:>14.1f}"
+        )
     out = {"messages": a.n, "window": a.window, "batch": a.batch, "results": results}
     if a.out:
         with open(a.out, "w") as f:

@@ -112,11 +112,16 @@ class RabbitMQSource(Source):
         headers_field: str | None = None,
         dlx_by_policy: bool = False,
         gone_timeout_s: float = 60.0,
+        consumer: str = "process",
         name: str | None = None,
     ) -> None:
         super().__init__(format=format, name=name or f"rabbitmq:{queue}")
         if not queue:
             raise ConfigError("RabbitMQ source: queue name is empty")
+        if consumer not in ("process", "inline"):
+            raise ConfigError(f"RabbitMQ source: consumer must be 'process' or 'inline', got {consumer!r}")
+        #: where pika runs: a process of its own ("process", see rabbitmq_remote) or the driver
+        self.consumer = consumer
         if prefetch is not None and not 0 < prefetch <= PREFETCH_MAX:
             raise ConfigError(f"RabbitMQ source: prefetch must be 1..65535, got {prefetch}")
         self.url = url
@@ -212,34 +217,44 @@ class RabbitMQSource(Source):
         return self.queue_type == "quorum"
 
     def _on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
-        raw = props.headers if isinstance(props.headers, dict) else {}
+        """pika's consumer callback (``consumer="inline"``)."""
+        self._deliver("", method.delivery_tag, method.redelivered, props.message_id, props.headers, body)
+
+    def _deliver(
+        self, consumer: str, tag: int, redelivered: bool, message_id: Any, raw: Any, body: bytes
+    ) -> None:
+        """One delivery of the channel: pika's callback in the driver, or the consumer
+        process's forward (``rabbitmq_remote``)."""
+        raw = raw if isinstance(raw, dict) else {}
         headers = {header_text(k): header_text(v) for k, v in raw.items()}
-        key = message_key(props.message_id, self._next_unnamed)
+        key = message_key(message_id, self._next_unnamed)
         # A quorum queue writes x-delivery-count on each redelivery; a first delivery (and
         # any message of another queue type) carries the producer's header, if any, which
         # must not count (a header of 0 kept a poison message alive forever)
-        before = (
-            header_count(raw.get("x-delivery-count")) if self.broker_counts and method.redelivered else None
-        )
-        seen_key = retry_key(props.message_id, body)
+        before = header_count(raw.get("x-delivery-count")) if self.broker_counts and redelivered else None
+        seen_key = retry_key(message_id, body)
         backs = self._backs.pop(seen_key, 0)  # given back by this process: not spent
         if before is not None:  # quorum queue: deliveries before this one; the broker
             count = before + 1  # spends one per give-back too, and drops at its limit
         else:  # counted here, by message id or body digest
             count = max(self._seen.get(seen_key, 0) + 1 - backs, 1)
-            if method.redelivered and not backs:
+            if redelivered and not backs:
                 count = max(count, 2)
             self._seen[seen_key] = count
             self._seen.move_to_end(seen_key)
             if len(self._seen) > SEEN_MAX:
                 self._seen.popitem(last=False)
-        handle = (self._gen, method.delivery_tag)
+        handle = (self._gen, tag)
         self._retry_keys[handle] = seen_key
         if len(self._retry_keys) > RETRY_KEYS_MAX:
             self._retry_keys.popitem(last=False)
         d = Delivery(0, key, body, headers, count, handle=handle)
-        self._outstanding[method.delivery_tag] = d
+        self._outstanding[tag] = d
         self._buffer.append(d)
+
+    @property
+    def _callback(self) -> Any:
+        return self._deliver if self.consumer == "process" else self._on_message
 
     def _next_unnamed(self) -> str:
         return f"{self._unnamed_prefix}{next(self._unnamed)}"
@@ -302,7 +317,7 @@ class RabbitMQSource(Source):
 
     def _consume(self, n: int, tags: list[str]) -> None:
         for _ in range(n):
-            tags.append(self._ch.basic_consume(self.queue, self._on_message, auto_ack=False))
+            tags.append(self._ch.basic_consume(self.queue, self._callback, auto_ack=False))
 
     def _broker(self, fn: Any, *args: Any, **kw: Any) -> bool:
         """Run one broker operation; on a connection error, handle the loss."""
@@ -622,6 +637,8 @@ class RabbitMQSource(Source):
             if self._ch is None or not self._broker(self._ch.basic_cancel, tag):
                 break
         self._consumer_tags = []
+        if self._ch is not None:  # what came before the cancel (the consumer process's)
+            self._broker(self._conn.process_data_events, time_limit=0)
         self._cancelled.clear()  # nothing to consume again: the run is ending
         self._cancelled_since = None
         left = [d for d in self._buffer if self._live(d)]

@@ -34,11 +34,17 @@ def connect(src: RabbitMQSource) -> None:
     import pika
     from pika.exceptions import ChannelClosedByBroker
 
-    params = pika.URLParameters(src.url)
-    params.connection_attempts = 1
-    params.socket_timeout = 5
-    params.blocked_connection_timeout = 60
-    conn = pika.BlockingConnection(params)
+    settings = {"connection_attempts": 1, "socket_timeout": 5, "blocked_connection_timeout": 60}
+    conn: Any
+    if src.consumer == "process":
+        from ackflow.sources.rabbitmq_remote import RemoteConnection
+
+        conn = RemoteConnection(src.url, settings)
+    else:
+        params = pika.URLParameters(src.url)
+        for k, v in settings.items():
+            setattr(params, k, v)
+        conn = pika.BlockingConnection(params)
     try:
         ch = conn.channel()
         try:
@@ -71,7 +77,7 @@ def connect(src: RabbitMQSource) -> None:
         tags = []
         for _ in range(0 if src._stopped_consuming else consumers):
             # one channel: one space of delivery tags
-            tags.append(ch.basic_consume(src.queue, src._on_message, auto_ack=False))
+            tags.append(ch.basic_consume(src.queue, src._callback, auto_ack=False))
     except BaseException:
         conn.close()
         raise

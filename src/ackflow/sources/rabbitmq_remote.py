@@ -1,0 +1,349 @@
+"""pika in a process of its own, for the RabbitMQ source (``consumer="process"``).
+
+pika's frame decoding costs the driver about 10 µs a message, as much as everything
+else the engine does for it: run in the driver, it caps one driver at a rate no engine
+change can raise. Here a child process (``python -m ackflow.sources.rabbitmq_remote``)
+owns the AMQP connection and forwards deliveries to the driver in batches, over a
+socket pair; the driver's :class:`RemoteConnection` and :class:`RemoteChannel` stand in
+for pika's ``BlockingConnection`` and ``BlockingChannel``, and every channel call
+(ack, nack, publish with confirms, cancel, declare) runs in the child and returns its
+result or its exception, as the call in the driver would.
+
+What stays as it was:
+
+* **Order.** The child sends what it received before it answers a call; the driver
+  dispatches deliveries and ``basic.cancel`` only in :meth:`process_data_events` (as
+  pika does: never inside another call), in the order the child saw them.
+* **Tags.** The channel, its delivery tags and the consumers live in the child: an ack
+  names the tag the broker gave. A tag of a dead child is never sent on a new one (the
+  source's channel generation, as before).
+* **Loss.** A lost connection in the child, the child's death, or a broken pipe raises
+  pika's own exception in the driver (``StreamLostError`` when the child died): the
+  source handles it as any lost connection, and the broker delivers again what was
+  unsettled. The child ends when the driver closes it or dies (end of file on its
+  pipe: it closes the connection, and the broker takes the messages back).
+* **Secrets.** The URL goes to the child over the pipe, never in its command line; the
+  child logs nothing of pika's (its errors reach the driver, which redacts them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+#: deliveries forwarded in one message at most
+BATCH = 2000
+#: how long the child waits for I/O on its two sockets when nothing is pending
+IDLE_S = 0.05
+
+# -- the child ----------------------------------------------------------------------------
+
+
+def _portable(e: BaseException) -> BaseException:
+    """An exception that survives the pipe as the same type with the same text (pika's
+    UnroutableError and NackError are rebuilt from their message count otherwise)."""
+    import pika.exceptions as pe
+
+    if isinstance(e, (pe.UnroutableError, pe.NackError)):
+        out = type(e)([])
+        out.args = (str(e),)
+        return out
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any exception that does not pickle
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+class _Child:
+    """The child's side: one pika connection, driven by the driver's calls."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self.pipe = pipe
+        self.conn: Any = None
+        self.channels: dict[int, Any] = {}
+        self.batch: list[tuple[Any, ...]] = []
+
+    def on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
+        self.batch.append(
+            (method.consumer_tag, method.delivery_tag, method.redelivered, props.message_id, props.headers, body)
+        )
+
+    def flush(self) -> None:
+        while self.batch:
+            part, self.batch = self.batch[:BATCH], self.batch[BATCH:]
+            self.pipe.send(("d", part))
+
+    def lost(self, e: BaseException) -> None:
+        self.flush()  # what came before the loss reaches the driver first
+        self.pipe.send(("lost", _portable(e)))
+        conn, self.conn = self.conn, None
+        self.channels.clear()
+        try:
+            if conn is not None and conn.is_open:
+                conn.close()
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+
+    def call(self, op: str, args: tuple[Any, ...]) -> Any:
+        import pika
+
+        if op == "open":
+            url, settings = args
+            params = pika.URLParameters(url)
+            for k, v in settings.items():
+                setattr(params, k, v)
+            self.conn = pika.BlockingConnection(params)
+            return None
+        if self.conn is None:
+            raise pika.exceptions.ConnectionWrongStateError("the connection is closed")
+        if op == "channel":
+            ch = self.conn.channel()
+            self.channels[ch.channel_number] = ch
+            return ch.channel_number
+        number, name, a, kw = args
+        ch = self.channels[number]
+        if op == "is_open":
+            return bool(ch.is_open)
+        if name == "basic_consume":
+            return ch.basic_consume(a[0], self.on_message, **kw)
+        if name == "add_on_cancel_callback":
+            return ch.add_on_cancel_callback(lambda frame: self.events.append(frame.method.consumer_tag))
+        return getattr(ch, name)(*a, **kw)
+
+    events: list[str]
+
+    def serve(self) -> None:
+        import pika.exceptions as pe
+
+        self.events = []
+        while True:
+            fds = [self.pipe.fileno()]
+            if self.conn is not None:
+                fds.append(self.conn._impl._transport._sock.fileno())
+            select.select(fds, [], [], IDLE_S)
+            if self.conn is not None:
+                try:
+                    self.conn.process_data_events(time_limit=0)
+                except (pe.AMQPError, OSError) as e:
+                    self.lost(e)
+            self.flush()
+            for tag in self.events:
+                self.pipe.send(("c", tag))
+            self.events.clear()
+            while self.pipe.poll(0):
+                try:
+                    op, args = self.pipe.recv()
+                except EOFError:  # the driver is gone: the broker takes its messages back
+                    op = "close"
+                if op == "close":
+                    if self.conn is not None and self.conn.is_open:
+                        self.conn.close()
+                    return
+                try:
+                    value, failed = self.call(op, args), False
+                except (pe.AMQPError, OSError) as e:
+                    value, failed = _portable(e), True
+                    if op != "open" and self.conn is not None and not self.conn.is_open:
+                        self.lost(e)
+                except Exception as e:  # noqa: BLE001 - handed to the caller, as pika would raise it
+                    value, failed = _portable(e), True
+                self.flush()
+                self.pipe.send(("r", failed, value))
+
+
+def _main(argv: list[str]) -> None:
+    logging.getLogger("pika").setLevel(logging.CRITICAL + 1)  # see the module's docstring
+    pipe = Connection(int(argv[0]))
+    try:
+        _Child(pipe).serve()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the driver is gone
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+class RemoteChannel:
+    """A channel of the child's connection; see the module's docstring."""
+
+    def __init__(self, conn: RemoteConnection, number: int) -> None:
+        self._conn = conn
+        self.channel_number = number
+
+    @property
+    def is_open(self) -> bool:
+        if not self._conn.is_open:
+            return False
+        return bool(self._conn._rpc("is_open", (self.channel_number, "", (), {})))
+
+    def basic_consume(self, queue: str, on_message: Callable[..., None], **kw: Any) -> str:
+        """``on_message(consumer_tag, delivery_tag, redelivered, message_id, headers,
+        body)`` (not pika's four arguments: no frame objects are made here)."""
+        tag = str(self._conn._rpc("call", (self.channel_number, "basic_consume", (queue,), kw)))
+        self._conn._consumers[tag] = on_message
+        return tag
+
+    def add_on_cancel_callback(self, callback: Callable[[Any], None]) -> None:
+        self._conn._on_cancel[self.channel_number] = callback
+        self._conn._rpc("call", (self.channel_number, "add_on_cancel_callback", (), {}))
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*a: Any, **kw: Any) -> Any:
+            return self._conn._rpc("call", (self.channel_number, name, a, kw))
+
+        return call
+
+
+class _Frame:
+    """What a cancel callback reads of pika's frame: ``frame.method.consumer_tag``."""
+
+    def __init__(self, consumer_tag: str) -> None:
+        self.method = self
+        self.consumer_tag = consumer_tag
+
+
+class RemoteConnection:
+    """pika's ``BlockingConnection`` in a child process; see the module's docstring."""
+
+    def __init__(self, url: str, settings: dict[str, Any]) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ackflow.sources.rabbitmq_remote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self._pipe = Connection(ours.detach())
+        self._open = True
+        self._consumers: dict[str, Callable[..., None]] = {}
+        self._on_cancel: dict[int, Callable[[Any], None]] = {}
+        self._pending: deque[tuple[str, Any]] = deque()  # received during a call
+        self._lost: BaseException | None = None
+        try:
+            self._rpc("open", (url, settings))
+        except BaseException:
+            self._end()
+            raise
+
+    @property
+    def is_open(self) -> bool:
+        return self._open and self._lost is None
+
+    def channel(self) -> RemoteChannel:
+        return RemoteChannel(self, int(self._rpc("channel", ())))
+
+    def _check(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+        if not self._open:
+            import pika.exceptions as pe
+
+            raise pe.ConnectionWrongStateError("the connection is closed")
+
+    def _recv(self, timeout: float | None) -> tuple[str, Any] | None:
+        """One message of the child, or None after ``timeout``; the child's death is a
+        lost stream."""
+        import pika.exceptions as pe
+
+        try:
+            if timeout is not None and not self._pipe.poll(timeout):
+                return None
+            msg: tuple[str, Any] = self._pipe.recv()
+        except (EOFError, OSError):
+            code = self._proc.poll()
+            self._lost = pe.StreamLostError(f"the RabbitMQ consumer process ended (exit code {code})")
+            self._end()
+            raise self._lost from None
+        if msg[0] == "lost":
+            self._lost = msg[1]
+            self._end()
+            raise msg[1]
+        return msg
+
+    def _rpc(self, op: str, args: tuple[Any, ...]) -> Any:
+        self._check()
+        try:
+            self._pipe.send((op, args))
+        except OSError:
+            self._recv(0)  # the child's end of file, or its last words
+            raise
+        while True:
+            msg = self._recv(None)
+            assert msg is not None
+            if msg[0] == "r":
+                _, failed, value = msg
+                if failed:
+                    raise value
+                return value
+            self._pending.append(msg)  # dispatched at the next process_data_events
+
+    def _dispatch(self, msg: tuple[str, Any]) -> None:
+        kind, what = msg
+        if kind == "d":
+            consumers = self._consumers
+            for t in what:
+                consumers[t[0]](*t)
+        elif kind == "c":
+            for callback in list(self._on_cancel.values()):
+                callback(_Frame(what))
+
+    def process_data_events(self, time_limit: float | None = 0) -> None:
+        """Dispatch what the child sent; wait up to ``time_limit`` s for something if
+        nothing is there (return as soon as something was dispatched, as pika does)."""
+        self._check()
+        done = False
+        while self._pending:
+            self._dispatch(self._pending.popleft())
+            done = True
+        deadline = time.monotonic() + (time_limit or 0)
+        while True:
+            wait = 0.0 if done else max(0.0, deadline - time.monotonic())
+            msg = self._recv(wait)
+            if msg is None:
+                return
+            self._dispatch(msg)
+            done = True
+
+    def close(self) -> None:
+        if self._open:
+            self._end()
+
+    def _end(self) -> None:
+        """Tell the child to close the connection and end; wait for it briefly, then
+        make sure it did."""
+        self._open = False
+        try:
+            self._pipe.send(("close", ()))
+        except OSError:
+            pass  # it is gone already
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._pipe.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_open", False) and self._proc.poll() is None:
+            self._proc.kill()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
+    os._exit(0)
