@@ -55,6 +55,7 @@ GROUPS = [
 #: the parts of a message's CPU, stacked in this order: (name, legend, colour)
 PARTS = [
     ("driver", "driver", "#3f51b5"),
+    ("consumer", "consumer process", "#00bcd4"),
     ("jvm", "Spark JVM", "#ff9800"),
     ("python", "Spark Python workers", "#4caf50"),
     ("broker", "broker", "#9e9e9e"),
@@ -79,6 +80,7 @@ def cpu_parts(r: dict[str, Any]) -> dict[str, float]:
     """A phase's CPU per message in µs by part (the parts it measured)."""
     out = {
         "driver": r.get("driver_cpu_us"),
+        "consumer": r.get("consumer_cpu_us"),
         "jvm": r.get("jvm_cpu_us"),
         "python": workers_cpu(r),
         "broker": r.get("broker_cpu_us"),

@@ -24,6 +24,14 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def children_cpu() -> float:
+    """CPU seconds of the child processes this process waited for: in a run, the
+    RabbitMQ source's consumer process (``rabbitmq_remote``: it ends when the source
+    closes; the JVM lives on and its Python workers are its own children)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def tree_cpu(pid: int | None) -> float:
     """CPU seconds of process ``pid`` and its live descendants (and the children it
     waited for): the JVM with its Python workers, or the broker."""
@@ -445,7 +453,7 @@ def phase_ackflow(
         peak[0] = max(peak[0], rss_mb())
 
     jvm = jvm_pid()
-    c0, s0, j0, b0 = cpu_s(), tree_cpu(jvm), own_cpu(jvm), tree_cpu(broker)
+    c0, s0, j0, b0, k0 = cpu_s(), tree_cpu(jvm), own_cpu(jvm), tree_cpu(broker), children_cpu()
     JOINED.clear()
     t0 = time.monotonic()
     report = Engine(
@@ -459,6 +467,7 @@ def phase_ackflow(
     ).run()
     cpu, spark_cpu, jvm_cpu = cpu_s() - c0, tree_cpu(jvm) - s0, own_cpu(jvm) - j0
     broker_cpu = tree_cpu(broker) - b0
+    consumer_cpu = children_cpu() - k0
     secs = report.elapsed_s - IDLE_S  # the idle wait at the end is not work
     # a Kafka run: the group join (the broker's wait for members) apart, as in kafka_limit
     join = {}
@@ -488,6 +497,7 @@ def phase_ackflow(
         jobs=report.jobs,
         schema_versions=sum(report.schema_versions.values()),
         **({"broker_cpu_us": broker_cpu / max(1, report.acked) * 1e6} if broker else {}),
+        **({"consumer_cpu_us": consumer_cpu / max(1, report.acked) * 1e6} if consumer_cpu > 0 else {}),
         **join,
     )
 

@@ -1,5 +1,6 @@
 """What ackflow's RabbitMQ source costs on its own, beside raw pika on the same broker:
-``.venv/bin/python -m benchmarks.rmq_source [--n 200000] [--kinds classic,quorum] [--consumers process,inline] [--out X.json]``.
+``.venv/bin/python -m benchmarks.rmq_source [--n 200000] [--kinds classic,quorum]
+[--consumers process,inline] [--out X.json]``.
 
 One throwaway broker; per queue kind, N persistent 100-byte messages are loaded (untimed)
 into a queue for each measurement. Raw pika consumes them (prefetch 65 535, a
@@ -48,7 +49,9 @@ def _load(url: str, queue: str, kind: str, n: int) -> None:
             raise RuntimeError(f"{len(failed)} messages were not confirmed while loading")
 
 
-def _source(url: str, queue: str, n: int, window: int, batch: int, broker: int, consumer: str) -> dict[str, Any]:
+def _source(
+    url: str, queue: str, n: int, window: int, batch: int, broker: int, consumer: str
+) -> dict[str, Any]:
     src = RabbitMQ(url, queue, reject_to_dlx=False, consumer=consumer)
     k0 = _cpu(resource.RUSAGE_CHILDREN)
     src.configure(max_inflight=window, error_sink=True)  # dead letters would go to a sink
@@ -106,9 +109,8 @@ def main() -> None:
     print(f"{'consumer':<28} {'msg/s':>8} {'driver µs/msg':>14} {'child µs/msg':>13} {'broker µs/msg':>14}")
     for name, r in results.items():
         child = r.get("consumer_cpu_us", 0.0)
-        print(
-            f"{name:<28} {r['rate']:>8.0f} {r['driver_cpu_us']:>14.1f} {child:>13.1f} {r['broker_cpu_us']:>14.1f}"
-        )
+        rate, driver, broker = r["rate"], r["driver_cpu_us"], r["broker_cpu_us"]
+        print(f"{name:<28} {rate:>8.0f} {driver:>14.1f} {child:>13.1f} {broker:>14.1f}")
     out = {"messages": a.n, "window": a.window, "batch": a.batch, "results": results}
     if a.out:
         with open(a.out, "w") as f:

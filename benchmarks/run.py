@@ -414,7 +414,7 @@ def main() -> None:
 def print_table(phases: list[str], results: dict[str, Any]) -> None:
     print(
         f"{'phase':<19} {'msg/s':>9} {'batch p50/p99 s':>16} {'CPU µs/msg: driver':>19} "
-        f"{'Spark':>6} {'(JVM':>6} {'Python)':>7} {'broker':>7} {'driver RSS':>11}  runs"
+        f"{'consumer':>8} {'Spark':>6} {'(JVM':>6} {'Python)':>7} {'broker':>7} {'driver RSS':>11}  runs"
     )
 
     def us(v: float | None) -> str:
@@ -425,7 +425,7 @@ def print_table(phases: list[str], results: dict[str, Any]) -> None:
         lat = f"{r.get('batch_p50_s', 0):.2f}/{r.get('batch_p99_s', 0):.2f}" if r.get("batch_p50_s") else "-"
         print(
             f"{name:<19} {r['rate']:>9,.0f} {lat:>16} {us(r['driver_cpu_us']):>19} "
-            f"{us(r.get('spark_cpu_us')):>6} {us(r.get('jvm_cpu_us')):>6} "
+            f"{us(r.get('consumer_cpu_us')):>8} {us(r.get('spark_cpu_us')):>6} {us(r.get('jvm_cpu_us')):>6} "
             f"{us(workers_cpu(r)):>7} {us(r.get('broker_cpu_us')):>7} "
             f"{r['max_rss_mb']:>8.0f} MB  {r.get('runs', '')}"
         )

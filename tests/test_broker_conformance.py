@@ -103,8 +103,9 @@ class Cell:
     """One cell: its queue (with the kind's arguments and, for ``broker-dlx``, a
     dead-letter exchange bound to a queue of its own) and what the run left behind."""
 
-    def __init__(self, url: str, kind: str, route: str, event: str) -> None:
+    def __init__(self, url: str, kind: str, route: str, event: str, consumer: str = "process") -> None:
         self.url, self.kind, self.route, self.event = url, kind, route, event
+        self.consumer = consumer
         self.id = names(f"{kind}-{route}-{event}")
         self.queue, self.dlx, self.dead_queue = self.id, self.id + "-dlx", self.id + "-dead"
         args = dict(KINDS[kind])
@@ -133,6 +134,7 @@ class Cell:
             policy=RetryPolicy(max_deliveries=MAX_DELIVERIES, backoff_s=BACKOFF_S, max_backoff_s=BACKOFF_S),
             reject_to_dlx=self.route == "broker-dlx",
             dead_letter_exchange=self.dlx if self.route == "ackflow-dlx" else None,
+            consumer=self.consumer,
         )
 
     def left(self, queue: str) -> list[tuple[int, dict]]:
@@ -237,7 +239,10 @@ def no_loss(cell: Cell, written: list[int], queued: list[int], dead: dict[int, d
     assert all(c == 1 for c in places.values()), f"in two places: {places}"
 
 
-CELLS = [(k, r, e) for k in KINDS for r in ROUTES for e in EVENTS]
+# every cell with pika in its consumer process (the default); the strictest kind with pika
+# in the driver too (consumer="inline")
+CELLS = [(k, r, e, "process") for k in KINDS for r in ROUTES for e in EVENTS]
+CELLS += [("quorum-limit", r, e, "inline") for r in ROUTES for e in EVENTS]
 
 
 @pytest.fixture(scope="module")
@@ -274,9 +279,9 @@ def test_a_dead_letter_exchange_named_but_missing_is_refused_at_start(url, kind)
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize(("kind", "route", "event"), CELLS)
-def test_conformance(url, kind, route, event):
-    cell = Cell(url, kind, route, event)
+@pytest.mark.parametrize(("kind", "route", "event", "consumer"), CELLS)
+def test_conformance(url, kind, route, event, consumer):
+    cell = Cell(url, kind, route, event, consumer)
     limited = kind == "quorum-limit"
     # the deliveries ackflow spends on a message that always fails
     last = LIMIT + 1 if limited else MAX_DELIVERIES

@@ -38,12 +38,13 @@ def publish_raw(url, queue, messages):
     conn.close()
 
 
-@pytest.fixture
-def opened(rabbitmq):
+@pytest.fixture(params=["process", "inline"])
+def opened(rabbitmq, request):
+    """Open a source, with pika in its consumer process and in the driver (both paths)."""
     made = []
 
     def make(q, **kw):
-        src = RabbitMQ(rabbitmq.url, q, **kw)
+        src = RabbitMQ(rabbitmq.url, q, consumer=request.param, **kw)
         src.configure(max_inflight=100, error_sink=False)
         src.open()
         made.append(src)

@@ -76,7 +76,14 @@ class _Child:
 
     def on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         self.batch.append(
-            (method.consumer_tag, method.delivery_tag, method.redelivered, props.message_id, props.headers, body)
+            (
+                method.consumer_tag,
+                method.delivery_tag,
+                method.redelivered,
+                props.message_id,
+                props.headers,
+                body,
+            )
         )
 
     def flush(self) -> None:
@@ -233,7 +240,7 @@ class RemoteConnection:
         self._open = True
         self._consumers: dict[str, Callable[..., None]] = {}
         self._on_cancel: dict[int, Callable[[Any], None]] = {}
-        self._pending: deque[tuple[str, Any]] = deque()  # received during a call
+        self._pending: deque[tuple[Any, ...]] = deque()  # received during a call
         self._lost: BaseException | None = None
         try:
             self._rpc("open", (url, settings))
@@ -256,7 +263,7 @@ class RemoteConnection:
 
             raise pe.ConnectionWrongStateError("the connection is closed")
 
-    def _recv(self, timeout: float | None) -> tuple[str, Any] | None:
+    def _recv(self, timeout: float | None) -> tuple[Any, ...] | None:
         """One message of the child, or None after ``timeout``; the child's death is a
         lost stream."""
         import pika.exceptions as pe
@@ -264,7 +271,7 @@ class RemoteConnection:
         try:
             if timeout is not None and not self._pipe.poll(timeout):
                 return None
-            msg: tuple[str, Any] = self._pipe.recv()
+            msg: tuple[Any, ...] = self._pipe.recv()
         except (EOFError, OSError):
             code = self._proc.poll()
             self._lost = pe.StreamLostError(f"the RabbitMQ consumer process ended (exit code {code})")
@@ -287,13 +294,13 @@ class RemoteConnection:
             msg = self._recv(None)
             assert msg is not None
             if msg[0] == "r":
-                _, failed, value = msg
+                failed, value = msg[1], msg[2]
                 if failed:
                     raise value
                 return value
             self._pending.append(msg)  # dispatched at the next process_data_events
 
-    def _dispatch(self, msg: tuple[str, Any]) -> None:
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
         kind, what = msg
         if kind == "d":
             consumers = self._consumers

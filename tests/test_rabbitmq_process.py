@@ -1,0 +1,128 @@
+"""The RabbitMQ source's consumer process (``consumer="process"``, rabbitmq_remote): a
+child that owns the AMQP connection. Against a real broker (no Spark): the child's death
+is a lost connection (what it held comes again, nothing acked twice or lost), the
+driver's death ends the child and gives the messages back, the URL never reaches its
+command line, and a closed source leaves no process behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ackflow.core.ledger import Failure
+from ackflow.sources import RabbitMQ
+from amqp import count, names, publish, setup
+from helpers import wait_until
+
+DLX = {"x-dead-letter-exchange": "ackflow-tests-dlx"}
+
+
+def pull_all(src, n, timeout=15.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += src.pull(n - len(got), 0.2)
+    return got
+
+
+def child_of(src):
+    return src._conn._proc
+
+
+def ended(pid: int) -> bool:
+    """The process is gone, or a zombie nobody reaps (it ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture
+def queue(rabbitmq):
+    q = names("proc")
+    setup(rabbitmq.url, queue=q, arguments=DLX)
+    return q
+
+
+def test_a_killed_consumer_process_is_a_lost_connection_and_nothing_is_lost(rabbitmq, queue):
+    publish(rabbitmq.url, queue, [{"n": i} for i in range(20)], ids=[f"k{i}" for i in range(20)])
+    src = RabbitMQ(rabbitmq.url, queue, reject_to_dlx=True)
+    src.configure(max_inflight=100, error_sink=False)
+    src.open()
+    try:
+        got = sorted(pull_all(src, 20), key=lambda d: int(d.key[1:]))
+        assert [d.key for d in got] == [f"k{i}" for i in range(20)]
+        assert src.ack(got[:5]) == []  # the oldest: sent at once
+        first = child_of(src)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        # the next broker call finds the child gone: the rest were not acked
+        stale = src.ack(got[5:10])
+        assert {d.key for d in stale} == {f"k{i}" for i in range(5, 10)}
+        src.fail([(d, Failure("s", "e")) for d in got[10:12]])  # settles nothing now
+        lost = {d.key for d in src.take_lost()}  # handed back (no engine settled them here)
+        assert lost >= {f"k{i}" for i in range(10, 20)}
+        assert lost.isdisjoint({f"k{i}" for i in range(5)})  # acked before the child died
+        # a new consumer process; the broker delivers again all that was not acked
+        again = pull_all(src, 15)
+        assert sorted(d.key for d in again) == sorted(f"k{i}" for i in range(5, 20))
+        assert all(d.delivery_count == 2 for d in again)
+        assert child_of(src).pid != first.pid
+        assert src.ack(again) == []
+        src.close()
+        assert wait_until(lambda: count(rabbitmq.url, queue) == 0, timeout=10)
+    finally:
+        src.close()
+
+
+def test_a_killed_driver_ends_its_consumer_process_and_the_broker_takes_the_messages_back(rabbitmq, queue):
+    publish(rabbitmq.url, queue, [{"n": i} for i in range(10)], ids=[f"k{i}" for i in range(10)])
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from ackflow.sources import RabbitMQ
+        src = RabbitMQ({rabbitmq.url!r}, {queue!r}, reject_to_dlx=True)
+        src.configure(max_inflight=100, error_sink=False)
+        src.open()
+        got = []
+        while len(got) < 10:
+            got += src.pull(10, 0.2)
+        print(src._conn._proc.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(driver.stdout.readline())
+        assert count(rabbitmq.url, queue) == 0  # all ten held by the child's channel
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        assert wait_until(lambda: ended(child), timeout=10)
+        assert wait_until(lambda: count(rabbitmq.url, queue) == 10, timeout=10)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_the_url_never_reaches_the_command_line_and_close_leaves_no_process(rabbitmq, queue):
+    src = RabbitMQ(rabbitmq.url, queue, reject_to_dlx=True)
+    src.configure(max_inflight=10, error_sink=False)
+    src.open()
+    proc = child_of(src)
+    with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    assert not any(b"amqp" in a or b"guest" in a for a in argv), argv
+    assert os.path.basename(argv[0].decode()).startswith("python")
+    src.close()
+    assert proc.poll() is not None  # waited for: no orphan, no zombie
+
+
+def test_a_consumer_value_that_is_not_known_is_refused():
+    from ackflow.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="consumer must be 'process' or 'inline'"):
+        RabbitMQ("amqp://127.0.0.1:1/", "q", consumer="thread")
