@@ -108,6 +108,28 @@ def test_a_killed_driver_ends_its_consumer_process_and_the_broker_takes_the_mess
             driver.kill()
 
 
+def test_a_ctrl_c_or_a_service_stop_leaves_the_consumer_process_to_the_drivers_graceful_stop(rabbitmq, queue):
+    """SIGINT (Ctrl-C, to the whole process group) or SIGTERM (a service manager stopping
+    every process of the service) must not end the child: the driver's stop still acks
+    through it."""
+    publish(rabbitmq.url, queue, [{"n": i} for i in range(3)], ids=[f"k{i}" for i in range(3)])
+    src = RabbitMQ(rabbitmq.url, queue, reject_to_dlx=True)
+    src.configure(max_inflight=10, error_sink=False)
+    src.open()
+    try:
+        got = pull_all(src, 3)
+        child = child_of(src)
+        child.send_signal(signal.SIGINT)
+        child.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert child.poll() is None
+        assert src.ack(got) == [] and src.take_lost() == []
+        src.close()
+        assert count(rabbitmq.url, queue) == 0
+    finally:
+        src.close()
+
+
 def test_the_url_never_reaches_the_command_line_and_close_leaves_no_process(rabbitmq, queue):
     src = RabbitMQ(rabbitmq.url, queue, reject_to_dlx=True)
     src.configure(max_inflight=10, error_sink=False)

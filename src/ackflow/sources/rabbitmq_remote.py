@@ -22,6 +22,8 @@ What stays as it was:
   source handles it as any lost connection, and the broker delivers again what was
   unsettled. The child ends when the driver closes it or dies (end of file on its
   pipe: it closes the connection, and the broker takes the messages back).
+* **Signals.** The child ignores SIGINT and SIGTERM (a Ctrl-C or a service stop that
+  signals the whole group): the driver's graceful stop acks and releases through it.
 * **Secrets.** The URL goes to the child over the pipe, never in its command line; the
   child logs nothing of pika's (its errors reach the driver, which redacts them).
 """
@@ -32,6 +34,7 @@ import logging
 import os
 import pickle
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -171,6 +174,11 @@ class _Child:
 
 def _main(argv: list[str]) -> None:
     logging.getLogger("pika").setLevel(logging.CRITICAL + 1)  # see the module's docstring
+    # Ctrl-C reaches the whole process group, and a service manager's stop may signal every
+    # process of the service: the driver's graceful stop still needs this connection for
+    # its last acks and releases, so the child ends only when the driver closes it or dies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pipe = Connection(int(argv[0]))
     try:
         _Child(pipe).serve()
