@@ -149,17 +149,18 @@ class Settling(DeadLetters):
         lost = [d for d in self.flow.source.take_lost() if not d.settled and d.lineage_id in self.inflight]
         for d in lost:
             d.settle(Settlement.RELEASED)
-        self._count_redelivered(len(lost))
+        self._count_redelivered(self._count(lost))
         self._forget(lost)
         # acks the engine counted that never reached the broker: no acks, they come again
-        unsent = [
-            d for d in self.flow.source.take_unsent_acks() if d.state is Settlement.ACKED and not d.revised
-        ]
+        # (of a block, those of its messages whose acks were not sent: unacked())
+        source = self.flow.source
+        unsent = [d for d in source.take_unsent_acks() if d.state is Settlement.ACKED and not d.revised]
         for d in unsent:
             d.revise(Settlement.RELEASED)
         if unsent:
-            self.report.acked -= len(unsent)
-            self._count_redelivered(len(unsent))
+            n = sum(source.unacked(d) for d in unsent)
+            self.report.acked -= n
+            self._count_redelivered(n)
         # failures reported nacked (their dead letter refused) that the source held and
         # dead-lettered since
         for d, f in self.flow.source.take_dead_lettered():

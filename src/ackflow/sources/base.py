@@ -133,9 +133,10 @@ class Source(ABC):
         """Give back deliveries that were not processed (shutdown), for redelivery."""
 
     def unacked(self, delivery: Delivery) -> int:
-        """How many messages of ``delivery``, which the last :meth:`ack` returned as stale,
-        were not acked (the source delivers them again): all of them, unless a block's
-        others were acked. Default: ``delivery.messages``."""
+        """How many messages of ``delivery``, which the last :meth:`ack` returned as stale
+        (or the last :meth:`take_unsent_acks` returned), were not acked (the source
+        delivers them again): all of them, unless a block's others were acked. Default:
+        ``delivery.messages``."""
         return delivery.messages
 
     def use_blocks(self, on: bool) -> bool:

@@ -25,7 +25,8 @@ from ackflow.core.ledger import Failure
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
-from ackflow.sources.base import Source
+from ackflow.sources import rabbitmq_blocks as blocks
+from ackflow.sources.base import BlockSize, Source
 from ackflow.sources.rabbitmq_keys import (
     PREFETCH_MAX,
     RETRY_KEYS_MAX,
@@ -43,6 +44,7 @@ from ackflow.sources.rabbitmq_queue import (
     give_up_held_dead,
     gone_check,
     hold_dead,
+    lose_connection,
     publish_dead_letters,
     publish_held_dead,
     reconsume,
@@ -182,6 +184,14 @@ class RabbitMQSource(Source):
         # count (a uuid4 per message cost the driver 4 µs a message)
         self._unnamed_prefix = f"{UNNAMED}{uuid.uuid4().hex[:16]}-"
         self._unnamed = itertools.count(1)
+        # blocks (rabbitmq_blocks): the block of each (generation, tag) in one; a split
+        # block's deliveries, pulled one by one; messages not acked of a block (unacked())
+        self._use_blocks = False
+        self._block_of: dict[tuple[int, int], Delivery] = {}
+        self._again: collections.deque[Delivery] = collections.deque()
+        self._unacked: dict[int, int] = {}
+        self._unsent_n: dict[int, int] = {}
+        self.block_size = BlockSize(blocks.BLOCK_MESSAGES)
 
     # -- connection ------------------------------------------------------------------
 
@@ -261,43 +271,7 @@ class RabbitMQSource(Source):
 
     def _lose_connection(self, why: BaseException) -> None:
         """The channel is gone: everything on it is the broker's again."""
-        log.warning(
-            "source %r: lost the connection to %s (%s: %s); reconnecting",
-            self.name,
-            self.where,
-            type(why).__name__,
-            redact(str(why)),
-        )
-        if self._held_acks:
-            # written and settled, but the broker never heard the ack: it delivers them
-            # again, and keyed sinks write their rows in place
-            log.warning(
-                "source %r: %d held acks were not sent before the channel died; those messages come again",
-                self.name,
-                len(self._held_acks),
-            )
-            self.stats["unsent_acks"] += len(self._held_acks)
-            self._unsent.extend(
-                self._outstanding[t] for t in sorted(self._held_acks) if t in self._outstanding
-            )
-            self._held_acks.clear()
-        buffered = {id(d) for d in self._buffer}
-        handed = [d for d in self._outstanding.values() if id(d) not in buffered]
-        self._lost.extend(d for d in handed if not d.settled)
-        self.stats["lost"] += len(handed)
-        self._outstanding.clear()
-        self._buffer.clear()
-        self._delayed.clear()
-        give_up_held_dead(self, "went back with the channel")
-        conn, self._conn, self._ch = self._conn, None, None
-        self._gen += 1  # no handle of the dead channel matches any more
-        try:
-            if conn is not None and conn.is_open:
-                conn.close()
-        except Exception:  # noqa: BLE001 - it is dead already
-            pass
-        self._next_connect = time.monotonic() + self._backoff
-        self._backoff = min(self.reconnect_max_s, self._backoff * 2)
+        lose_connection(self, why)
 
     def _ensure(self) -> bool:
         if self._ch is not None:
@@ -365,6 +339,8 @@ class RabbitMQSource(Source):
         deadline = time.monotonic() + timeout
         self._service()
         reconsume(self)
+        if self._again:  # a split block's deliveries first, one by one
+            return [self._again.popleft() for _ in range(min(max_messages, len(self._again)))]
         while len(self._buffer) < max_messages:
             if not self._ensure():
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -376,7 +352,7 @@ class RabbitMQSource(Source):
         out: list[Delivery] = []
         while self._buffer and len(out) < max_messages:
             out.append(self._buffer.popleft())
-        return out
+        return blocks.make(self, out) if self._use_blocks and len(out) > 1 else out
 
     def status(self) -> dict[str, object]:
         return {
@@ -385,7 +361,7 @@ class RabbitMQSource(Source):
             "queue": self.queue,
             "retries_waiting": self.retries_waiting,
             "dead_letters_held": len(self._dead_again),
-            "buffered": len(self._buffer),
+            "buffered": len(self._buffer) + len(self._again),
             "unsettled_on_channel": len(self._outstanding),
             "dead_letters_refused": self.stats["dead_letters_refused"],
             "connected": self.connected,
@@ -408,7 +384,9 @@ class RabbitMQSource(Source):
         return lost
 
     def take_unsent_acks(self) -> list[Delivery]:
+        """(How many of a block's messages were not sent: :meth:`unacked`.)"""
         unsent, self._unsent = self._unsent, []
+        self._unacked, self._unsent_n = self._unsent_n, {}
         return unsent
 
     def _current(self, deliveries: Sequence[Delivery]) -> tuple[list[int], list[Delivery]]:
@@ -454,6 +432,7 @@ class RabbitMQSource(Source):
             self._outstanding.pop(tag, None)
             done.add(tag)
             self.stats[how + "s"] += 1
+            blocks.forget(self, [tag])
         if self._held_acks:  # an older tag is settled: held acks may go now
             self._send_acks(force=False)
         return done
@@ -475,10 +454,12 @@ class RabbitMQSource(Source):
         if head:
             if not self._call("rabbitmq.ack", "basic_ack", delivery_tag=last, multiple=True):
                 return None
-            for tag in list(itertools.islice(self._outstanding, head)):
+            done = list(itertools.islice(self._outstanding, head))
+            for tag in done:
                 del self._outstanding[tag]
                 held.discard(tag)
                 sent.add(tag)
+            blocks.forget(self, done)
             self.stats["multiple_acks"] += 1
         if force:
             for tag in sorted(held):
@@ -488,6 +469,7 @@ class RabbitMQSource(Source):
                 held.discard(tag)
                 sent.add(tag)
                 self.stats["acks"] += 1
+                blocks.forget(self, [tag])
         return sent
 
     def _call(self, point: str, method: str, **kw: Any) -> bool:
@@ -511,6 +493,14 @@ class RabbitMQSource(Source):
         return self._ack_now(deliveries)
 
     def _ack_now(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        if self._use_blocks:
+            self.block_size.acked(sum(d.messages for d in deliveries))
+            if any(d.parts is not None for d in deliveries):
+                stale, self._unacked = blocks.regroup(deliveries, self._ack_tags(blocks.expand(deliveries)))
+                return stale
+        return self._ack_tags(deliveries)
+
+    def _ack_tags(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         self._forget(deliveries)
         tags, stale = self._current(deliveries)
         if tags:
@@ -613,6 +603,7 @@ class RabbitMQSource(Source):
         alike, measured): see :meth:`unreleasable`. On a classic queue ackflow's own count
         leaves a give-back out: the message's next delivery counts as the one it gave
         back (a quorum queue's count is the broker's, which spends one)."""
+        deliveries = blocks.expand(deliveries)
         for d in deliveries:
             k = self._retry_keys.pop(d.handle, None)
             if k is not None:
@@ -641,20 +632,33 @@ class RabbitMQSource(Source):
             self._broker(self._conn.process_data_events, time_limit=0)
         self._cancelled.clear()  # nothing to consume again: the run is ending
         self._cancelled_since = None
-        left = [d for d in self._buffer if self._live(d)]
+        left = [d for d in (*self._again, *self._buffer) if self._live(d)]
         self._buffer.clear()
+        self._again.clear()
         return left
 
     def unreleasable(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """On a quorum queue with a delivery limit, the deliveries past it: a give-back
         would make the broker drop them (or dead-letter them without provenance)."""
-        if not self.broker_counts or self.delivery_limit is None:
+        limit = self.delivery_limit
+        if not self.broker_counts or limit is None:
             return []
-        return [
+        return [  # (a block holds first deliveries only, and none where one is the last)
             d
             for d in deliveries
-            if self._live(d) and self.exhausted(d) and d.delivery_count > self.delivery_limit
+            if d.parts is None and self._live(d) and self.exhausted(d) and d.delivery_count > limit
         ]
+
+    def use_blocks(self, on: bool) -> bool:
+        limit = self.delivery_limit
+        self._use_blocks = on and self.headers_field is None and (limit is None or limit >= 1)
+        return self._use_blocks
+
+    def split(self, blocks_: Sequence[Delivery]) -> None:
+        blocks.split(self, blocks_)
+
+    def unacked(self, delivery: Delivery) -> int:
+        return self._unacked.get(id(delivery), delivery.messages)
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
         if self._ch is not None:

@@ -17,6 +17,7 @@ from ackflow.core.ledger import Failure
 from ackflow.core.policy import dead_letter_retry_after
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery
+from ackflow.sources import rabbitmq_blocks as blocks
 from ackflow.sources.rabbitmq_keys import consumer_prefetch, producer_id
 
 if TYPE_CHECKING:
@@ -89,6 +90,51 @@ def connect(src: RabbitMQSource) -> None:
     src._backoff = 0.5
     if src._gen > 1:
         log.warning("source %r: reconnected to %s", src.name, src.where)
+
+
+def lose_connection(src: RabbitMQSource, why: BaseException) -> None:
+    """The channel is gone: everything on it is the broker's again."""
+    log.warning(
+        "source %r: lost the connection to %s (%s: %s); reconnecting",
+        src.name,
+        src.where,
+        type(why).__name__,
+        redact(str(why)),
+    )
+    if src._held_acks:
+        # written and settled, but the broker never heard the ack: it delivers them
+        # again, and keyed sinks write their rows in place
+        log.warning(
+            "source %r: %d held acks were not sent before the channel died; those messages come again",
+            src.name,
+            len(src._held_acks),
+        )
+        src.stats["unsent_acks"] += len(src._held_acks)
+        unsent, counts = blocks.answer(
+            src, [src._outstanding[t] for t in sorted(src._held_acks) if t in src._outstanding]
+        )
+        src._unsent.extend(unsent)
+        src._unsent_n.update(counts)
+        src._held_acks.clear()
+    buffered = {id(d) for d in (*src._buffer, *src._again)}  # never handed to the engine
+    handed = [d for d in src._outstanding.values() if id(d) not in buffered]
+    src._lost.extend(d for d in blocks.answer(src, handed)[0] if not d.settled)
+    src.stats["lost"] += len(handed)
+    src._outstanding.clear()
+    src._buffer.clear()
+    src._again.clear()
+    src._block_of.clear()
+    src._delayed.clear()
+    give_up_held_dead(src, "went back with the channel")
+    conn, src._conn, src._ch = src._conn, None, None
+    src._gen += 1  # no handle of the dead channel matches any more
+    try:
+        if conn is not None and conn.is_open:
+            conn.close()
+    except Exception:  # noqa: BLE001 - it is dead already
+        pass
+    src._next_connect = time.monotonic() + src._backoff
+    src._backoff = min(src.reconnect_max_s, src._backoff * 2)
 
 
 def learn_queue_type(src: RabbitMQSource, conn: Any) -> None:
