@@ -148,3 +148,64 @@ def test_a_consumer_value_that_is_not_known_is_refused():
 
     with pytest.raises(ConfigError, match="consumer must be 'process' or 'inline'"):
         RabbitMQ("amqp://127.0.0.1:1/", "q", consumer="thread")
+
+
+def test_large_dead_letters_while_large_deliveries_wait_never_hang(rabbitmq):
+    """Both directions of the pipe full at once (the driver sending a 300 kB dead letter,
+    the child forwarding 300 kB deliveries) hung both processes for ever before the child
+    sent through a thread of its own."""
+    import threading
+
+    from ackflow.core.policy import RetryPolicy
+    from ackflow.core.settlement import Settlement
+    from amqp import names as fresh
+
+    q, dlx, dead = fresh("big"), fresh("bigdlx"), fresh("bigdead")
+    setup(rabbitmq.url, queue=q, dlx=dlx, dead_queue=dead)
+    publish(rabbitmq.url, q, [{"pad": "x" * 300_000}] * 3, ids=["b0", "b1", "b2"])
+    src = RabbitMQ(rabbitmq.url, q, dead_letter_exchange=dlx, policy=RetryPolicy(max_deliveries=1))
+    src.configure(max_inflight=3, error_sink=False)
+    src.open()
+    try:
+        (first,) = pull_all(src, 1)
+        time.sleep(1.0)  # the child takes the other two and forwards them
+        states = []
+        t = threading.Thread(target=lambda: states.extend(src.fail([(first, Failure("s", "e"))])), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "the dead letter's publish hung"
+        assert states == [Settlement.DEAD_LETTERED]
+        rest = pull_all(src, 2)
+        assert src.ack(rest) == []
+    finally:
+        src.close()
+    assert count(rabbitmq.url, dead) == 1 and count(rabbitmq.url, q) == 0
+
+
+def test_a_call_interrupted_before_its_answer_gives_the_connection_up(rabbitmq, queue):
+    """An exception between a call and its answer (a signal) would leave the answer for
+    the next call: the connection is given up instead, and what it held comes again."""
+    publish(rabbitmq.url, queue, [{"n": i} for i in range(5)], ids=[f"k{i}" for i in range(5)])
+    src = RabbitMQ(rabbitmq.url, queue, reject_to_dlx=True)
+    src.configure(max_inflight=10, error_sink=False)
+    src.open()
+    try:
+        got = pull_all(src, 5)
+        conn = src._conn
+        real = conn._pipe.recv
+
+        def interrupted():
+            conn._pipe.recv = real
+            raise KeyboardInterrupt
+
+        conn._pipe.recv = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            src._ch.basic_qos(prefetch_count=10)
+        assert not conn.is_open and conn._proc.poll() is not None
+        assert {d.key for d in src.ack(got)} == {d.key for d in got}  # none acked
+        again = pull_all(src, 5)
+        assert sorted(d.key for d in again) == sorted(d.key for d in got)
+        assert src.ack(again) == []
+    finally:
+        src.close()
+    assert count(rabbitmq.url, queue) == 0

@@ -33,16 +33,18 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 #: deliveries forwarded in one message at most
 BATCH = 2000
@@ -52,20 +54,30 @@ IDLE_S = 0.05
 # -- the child ----------------------------------------------------------------------------
 
 
-def _portable(e: BaseException) -> BaseException:
-    """An exception that survives the pipe as the same type with the same text (pika's
-    UnroutableError and NackError are rebuilt from their message count otherwise)."""
+def _portable(e: BaseException) -> Any:
+    """An exception as it crosses the pipe (see :func:`_exception`): itself if it
+    pickles, else its type's name and text (pika's UnroutableError and NackError would be
+    rebuilt from the length of their text)."""
     import pika.exceptions as pe
 
     if isinstance(e, (pe.UnroutableError, pe.NackError)):
-        out = type(e)([])
-        out.args = (str(e),)
-        return out
+        return ("pika", type(e).__name__, str(e))
     try:
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:  # noqa: BLE001 - any exception that does not pickle
         return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _exception(value: Any) -> BaseException:
+    """The driver's exception for what :func:`_portable` sent."""
+    if isinstance(value, tuple):
+        import pika.exceptions as pe
+
+        e: BaseException = getattr(pe, value[1])([])
+        e.args = (value[2],)
+        return e
+    return cast(BaseException, value)
 
 
 class _Child:
@@ -76,6 +88,22 @@ class _Child:
         self.conn: Any = None
         self.channels: dict[int, Any] = {}
         self.batch: list[tuple[Any, ...]] = []
+        # Everything for the driver goes through one queue and one sender thread, in
+        # order: this thread never blocks on a full pipe, so it always reads the driver's
+        # calls (a driver sending a large publish while the child sends large deliveries
+        # filled both directions of the pipe, and both waited for ever)
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._sender, name="to-driver", daemon=True).start()
+
+    def _sender(self) -> None:
+        while True:
+            try:
+                self.pipe.send(self.outbox.get())
+            except OSError:
+                return  # the driver is gone: the main thread reads its end of file
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        self.outbox.put(msg)
 
     def on_message(self, ch: Any, method: Any, props: Any, body: bytes) -> None:
         self.batch.append(
@@ -92,11 +120,11 @@ class _Child:
     def flush(self) -> None:
         while self.batch:
             part, self.batch = self.batch[:BATCH], self.batch[BATCH:]
-            self.pipe.send(("d", part))
+            self.send(("d", part))
 
     def lost(self, e: BaseException) -> None:
         self.flush()  # what came before the loss reaches the driver first
-        self.pipe.send(("lost", _portable(e)))
+        self.send(("lost", _portable(e)))
         conn, self.conn = self.conn, None
         self.channels.clear()
         try:
@@ -131,6 +159,18 @@ class _Child:
             return ch.add_on_cancel_callback(lambda frame: self.events.append(frame.method.consumer_tag))
         return getattr(ch, name)(*a, **kw)
 
+    def cast(self, args: tuple[Any, ...]) -> None:
+        import pika.exceptions as pe
+
+        try:
+            self.call("call", args)
+        except (pe.AMQPError, OSError) as e:
+            if self.conn is not None and not self.conn.is_open:
+                self.lost(e)
+            # else the channel closed: the driver's next call on it raises
+        except Exception:  # noqa: BLE001 - as above: the next call says what is wrong
+            pass
+
     events: list[str]
 
     def serve(self) -> None:
@@ -140,7 +180,10 @@ class _Child:
         while True:
             fds = [self.pipe.fileno()]
             if self.conn is not None:
-                fds.append(self.conn._impl._transport._sock.fileno())
+                try:
+                    fds.append(self.conn._impl._transport._sock.fileno())
+                except (AttributeError, OSError):
+                    pass  # closing: process_data_events says how
             select.select(fds, [], [], IDLE_S)
             if self.conn is not None:
                 try:
@@ -149,7 +192,7 @@ class _Child:
                     self.lost(e)
             self.flush()
             for tag in self.events:
-                self.pipe.send(("c", tag))
+                self.send(("c", tag))
             self.events.clear()
             while self.pipe.poll(0):
                 try:
@@ -160,6 +203,9 @@ class _Child:
                     if self.conn is not None and self.conn.is_open:
                         self.conn.close()
                     return
+                if op == "cast":  # no answer: a failure shows as the connection's loss
+                    self.cast(args)
+                    continue
                 try:
                     value, failed = self.call(op, args), False
                 except (pe.AMQPError, OSError) as e:
@@ -169,7 +215,7 @@ class _Child:
                 except Exception as e:  # noqa: BLE001 - handed to the caller, as pika would raise it
                     value, failed = _portable(e), True
                 self.flush()
-                self.pipe.send(("r", failed, value))
+                self.send(("r", failed, value))
 
 
 def _main(argv: list[str]) -> None:
@@ -187,6 +233,17 @@ def _main(argv: list[str]) -> None:
 
 
 # -- the driver -----------------------------------------------------------------------------
+
+
+def _child_env() -> dict[str, str]:
+    """The driver's environment, with this ackflow's folder first on the child's path:
+    the child runs the same code, wherever the driver found it."""
+    import ackflow
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ackflow.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 class RemoteChannel:
@@ -208,6 +265,22 @@ class RemoteChannel:
         tag = str(self._conn._rpc("call", (self.channel_number, "basic_consume", (queue,), kw)))
         self._conn._consumers[tag] = on_message
         return tag
+
+    def basic_nack(self, delivery_tag: int, multiple: bool = False, requeue: bool = True) -> None:
+        """A give-back (``requeue=True``) is sent without waiting for the child: if it
+        fails, the connection or channel is gone, and the broker gives the message back
+        just the same; the next call learns of it. (A release of a whole window took one
+        round trip a message.)"""
+        kw = {"delivery_tag": delivery_tag, "multiple": multiple, "requeue": requeue}
+        if not requeue:
+            self._conn._rpc("call", (self.channel_number, "basic_nack", (), kw))
+            return
+        self._conn._check()
+        try:
+            self._conn._pipe.send(("cast", (self.channel_number, "basic_nack", (), kw)))
+        except OSError:
+            self._conn._recv(0)  # the child's last words, or its end: raised here
+            raise
 
     def add_on_cancel_callback(self, callback: Callable[[Any], None]) -> None:
         self._conn._on_cancel[self.channel_number] = callback
@@ -241,6 +314,8 @@ class RemoteConnection:
                 [sys.executable, "-m", "ackflow.sources.rabbitmq_remote", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                env=_child_env(),
+                start_new_session=True,  # a terminal's Ctrl-C is the driver's to handle
             )
         finally:
             theirs.close()
@@ -286,27 +361,35 @@ class RemoteConnection:
             self._end()
             raise self._lost from None
         if msg[0] == "lost":
-            self._lost = msg[1]
+            self._lost = _exception(msg[1])
             self._end()
-            raise msg[1]
+            raise self._lost
         return msg
 
     def _rpc(self, op: str, args: tuple[Any, ...]) -> Any:
         self._check()
         try:
             self._pipe.send((op, args))
-        except OSError:
-            self._recv(0)  # the child's end of file, or its last words
+            while True:
+                msg = self._recv(None)
+                if msg is None:
+                    continue
+                if msg[0] == "r":
+                    break
+                self._pending.append(msg)  # dispatched at the next process_data_events
+        except BaseException:
+            if self._open and self._lost is None:
+                # interrupted between a call and its answer (a signal, a broken pipe): its
+                # outcome is unknown and the answer would answer the next call: the
+                # connection is given up (the broker delivers again what it held)
+                import pika.exceptions as pe
+
+                self._lost = pe.StreamLostError("a call to the RabbitMQ consumer process was interrupted")
+                self._end()
             raise
-        while True:
-            msg = self._recv(None)
-            assert msg is not None
-            if msg[0] == "r":
-                failed, value = msg[1], msg[2]
-                if failed:
-                    raise value
-                return value
-            self._pending.append(msg)  # dispatched at the next process_data_events
+        if msg[1]:
+            raise _exception(msg[2])
+        return msg[2]
 
     def _dispatch(self, msg: tuple[Any, ...]) -> None:
         kind, what = msg
