@@ -144,7 +144,7 @@ def test_one_version_everywhere():
     import ackflow
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["version"] == ackflow.__version__ == "0.6.13"
+    assert project["version"] == ackflow.__version__ == "0.6.14"
     newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert newest and newest.group(1) == ackflow.__version__
     r = subprocess.run(
@@ -237,6 +237,7 @@ def test_the_picture_stacks_each_phases_cpu_and_skips_what_was_not_run(tmp_path)
         "peer": {"rate": 2000.0, "driver_cpu_us": 5.0, "spark_cpu_us": 30.0, "jvm_cpu_us": 20.0},
         "ackflow": {"rate": 1000.0, "driver_cpu_us": 10.0, "spark_cpu_us": 40.0, "jvm_cpu_us": 30.0},
         "rmq_limit": {"rate": 4000.0, "driver_cpu_us": 2.0, "broker_cpu_us": 8.0},
+        "ackflow_rmq": {"rate": 500.0, "driver_cpu_us": 4.0, "consumer_cpu_us": 6.0, "broker_cpu_us": 8.0},
     }
     text = chart.svg(run, "t")
     parts = re.findall(
@@ -246,6 +247,7 @@ def test_the_picture_stacks_each_phases_cpu_and_skips_what_was_not_run(tmp_path)
         ("driver", 5.0), ("jvm", 20.0), ("python", 10.0),
         ("driver", 10.0), ("jvm", 30.0), ("python", 10.0),
         ("driver", 2.0), ("broker", 8.0),
+        ("driver", 4.0), ("consumer", 6.0), ("broker", 8.0),
     ]  # fmt: skip
     per_us = {round(float(w) / float(us), 3) for w, _, us in parts}
     assert len(per_us) == 1  # one scale for every part of every phase
