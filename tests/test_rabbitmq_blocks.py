@@ -7,6 +7,8 @@ same channel, without spending a delivery; a stop gives every block's messages b
 
 import json
 import signal
+import threading
+import time
 
 import pytest
 
@@ -22,6 +24,16 @@ from helpers import CountingPulls, must_be_positive
 from helpers import run_local as run
 
 KINDS = {"classic": {"x-queue-type": "classic"}, "quorum": {"x-queue-type": "quorum", "x-delivery-limit": 5}}
+
+
+#: set by slow_check's first row (the in-process executor runs it in this process)
+STARTED = threading.Event()
+
+
+def slow_check(row):
+    STARTED.set()
+    time.sleep(0.05)
+    return must_be_positive(row)
 
 
 class Counting(CountingPulls, RabbitMQ):
@@ -207,3 +219,45 @@ def test_no_blocks_where_a_give_back_could_spend_a_last_delivery_or_headers_are_
     assert not RabbitMQ("amqp://127.0.0.1:1/", "q", reject_to_dlx=True, delivery_limit=0).use_blocks(True)
     assert not RabbitMQ("amqp://127.0.0.1:1/", "q", reject_to_dlx=True, headers_field="meta").use_blocks(True)
     assert not RabbitMQ("amqp://127.0.0.1:1/", "q", reject_to_dlx=True).use_blocks(False)
+
+
+def test_no_blocks_on_a_queue_whose_delivery_limit_below_1_is_learned_at_the_start(rabbitmq):
+    """The engine asks for blocks before open(), which learns the queue's x-delivery-limit:
+    a block given back there would cost each message its last delivery (the broker drops
+    it), where single messages are dead-lettered knowingly."""
+    q = names("lim0")
+    setup(rabbitmq.url, queue=q, arguments={"x-queue-type": "quorum", "x-delivery-limit": 0})
+    publish_many(rabbitmq.url, q, [{"n": i} for i in range(20)], ids=[f"m{i}" for i in range(20)])
+    src = RabbitMQ(rabbitmq.url, q)
+    src.configure(max_inflight=100, error_sink=True)
+    assert src.use_blocks(True) and src.delivery_limit is None  # not known yet
+    src.open()
+    try:
+        assert src.delivery_limit == 0
+        got = pull_messages(src, 20)
+        assert [d.messages for d in got] == [1] * 20
+        assert len(src.unreleasable(got)) == 20  # the engine dead-letters them knowingly
+    finally:
+        src.close()
+
+
+def test_a_block_split_in_the_stops_drain_is_released_not_left_to_the_channels_close(rabbitmq):
+    from ackflow.engine.loop import Engine
+
+    q = load(rabbitmq.url, "quorum", 40, {7})
+    STARTED.clear()
+
+    src = RabbitMQ(rabbitmq.url, q)
+    flow = ackflow.Flow(src).map(slow_check, name="check").to(KeyedSink()).on_error(Memory("dead"))
+    engine = Engine(
+        flow, handle_signals=False, executor="local", batch_size=500, max_inflight=2000, linger_s=0.3
+    )
+    threading.Thread(target=lambda: STARTED.wait(60) and engine.request_stop(), daemon=True).start()
+    report = engine.run()
+    assert report.split == 40 and report.acked == 0  # the block failed in the drain
+    assert report.released == 40  # its messages given back at the stop, and counted
+    assert (
+        report.pulled == report.acked + report.nacked + report.dead_lettered + report.released + report.split
+    )
+    assert src.stats["nacks"] == 40
+    assert count(rabbitmq.url, q) == 40

@@ -170,7 +170,9 @@ def test_large_dead_letters_while_large_deliveries_wait_never_hang(rabbitmq):
         (first,) = pull_all(src, 1)
         time.sleep(1.0)  # the child takes the other two and forwards them
         states = []
-        t = threading.Thread(target=lambda: states.extend(src.fail([(first, Failure("s", "e"))])), daemon=True)
+        t = threading.Thread(
+            target=lambda: states.extend(src.fail([(first, Failure("s", "e"))])), daemon=True
+        )
         t.start()
         t.join(30)
         assert not t.is_alive(), "the dead letter's publish hung"

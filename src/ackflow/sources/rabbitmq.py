@@ -386,7 +386,8 @@ class RabbitMQSource(Source):
     def take_unsent_acks(self) -> list[Delivery]:
         """(How many of a block's messages were not sent: :meth:`unacked`.)"""
         unsent, self._unsent = self._unsent, []
-        self._unacked, self._unsent_n = self._unsent_n, {}
+        blocks.remember(self, self._unsent_n)
+        self._unsent_n = {}
         return unsent
 
     def _current(self, deliveries: Sequence[Delivery]) -> tuple[list[int], list[Delivery]]:
@@ -496,7 +497,8 @@ class RabbitMQSource(Source):
         if self._use_blocks:
             self.block_size.acked(sum(d.messages for d in deliveries))
             if any(d.parts is not None for d in deliveries):
-                stale, self._unacked = blocks.regroup(deliveries, self._ack_tags(blocks.expand(deliveries)))
+                stale, counts = blocks.regroup(deliveries, self._ack_tags(blocks.expand(deliveries)))
+                blocks.remember(self, counts)
                 return stale
         return self._ack_tags(deliveries)
 
@@ -619,8 +621,12 @@ class RabbitMQSource(Source):
         pulled yet, for the engine to settle. Deliveries that arrive while the cancel is
         under way are given back by pika (``basic.reject`` with requeue): on a quorum
         queue each of those spends a delivery too."""
-        if self._stopped_consuming or not self._is_owner():
+        if not self._is_owner():
             return []
+        if self._stopped_consuming:  # (a block split in the stop's drain: its deliveries)
+            left = [d for d in self._again if self._live(d)]
+            self._again.clear()
+            return left
         self._stopped_consuming = True
         if self._ch is not None:  # what arrived already reaches the buffer first
             self._broker(self._conn.process_data_events, time_limit=0)
@@ -658,6 +664,8 @@ class RabbitMQSource(Source):
         blocks.split(self, blocks_)
 
     def unacked(self, delivery: Delivery) -> int:
+        if delivery.parts is None:
+            return delivery.messages
         return self._unacked.get(id(delivery), delivery.messages)
 
     def keepalive(self, deliveries: Sequence[Delivery]) -> None:
@@ -673,6 +681,10 @@ class RabbitMQSource(Source):
         give_up_held_dead(self, "were still refused when the source closed")
         if self._held_acks and self._ch is not None:
             self._send_acks(force=True)
+        if self._again and self._ch is not None:  # a split block's, never pulled again
+            self.release(list(self._again))
+            self._again.clear()
+            self._service()
         conn, self._conn, self._ch = self._conn, None, None
         if conn is not None:
             try:

@@ -40,12 +40,15 @@ def expand(deliveries: Iterable[Delivery]) -> list[Delivery]:
 
 def make(src: RabbitMQSource, got: list[Delivery]) -> list[Delivery]:
     """Group the first deliveries of ``got`` into blocks of at most the source's block
-    size; the others stay single."""
+    size; the others stay single. None where a give-back could cost a first delivery its
+    last (an ``x-delivery-limit`` below 1, perhaps learned from the queue at the start,
+    after the engine asked for blocks)."""
     import pyarrow as pa
 
     size = src.block_size.now
     first = [d for d in got if d.delivery_count == 1]
-    if size <= 1 or len(first) < 2:
+    limit = src.delivery_limit
+    if size <= 1 or len(first) < 2 or (limit is not None and limit < 1):
         return got
     out = [d for d in got if d.delivery_count != 1]
     for i in range(0, len(first), size):
@@ -108,6 +111,16 @@ def regroup(
             counts[id(d)] = 0
         counts[id(d)] += 1
     return out, counts
+
+
+def remember(src: RabbitMQSource, counts: dict[int, int]) -> None:
+    """Keep how many of each stale block's messages were not acked (``unacked``, by the
+    block's ``id``): merged, not replaced (the engine may ack in two calls before it
+    asks), and set again for every block each answer names, so an ``id`` a freed block
+    left is never read for another."""
+    if len(src._unacked) > 10_000:
+        src._unacked.clear()
+    src._unacked.update(counts)
 
 
 def split(src: RabbitMQSource, blocks: Sequence[Delivery]) -> None:
