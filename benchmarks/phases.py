@@ -525,7 +525,9 @@ def phase_latency(url: str, rate: float, seconds: float, out: str) -> dict[str, 
         def _ack_now(self, deliveries: Any) -> Any:
             stale = super()._ack_now(deliveries)
             now = time.time()
-            latencies.extend(now - json.loads(d.body)["ts"] for d in deliveries)
+            from ackflow.sources.rabbitmq_blocks import expand  # (a block's own messages)
+
+            latencies.extend(now - json.loads(d.body)["ts"] for d in expand(deliveries))
             return stale
 
     def timed_parse(r: dict[str, Any]) -> dict[str, Any]:
