@@ -424,8 +424,11 @@ class Settling(DeadLetters):
         detector = self.systemic
         was = detector.episode
         # only failures of a write or job as a whole; a message counts once however often
-        # it is delivered (its identity), a delivery is given back by its lineage id
-        whole = [(d, f) for d, f in failures if f.whole]
+        # it is delivered (its identity), a delivery is given back by its lineage id. A
+        # block is never judged, nor given back untested: it is split (no delivery spent),
+        # and its messages are judged each by its own identity (a block's label is new at
+        # each delivery: given back as a suspect, it came back as a new suspect)
+        whole = [(d, f) for d, f in failures if f.whole and d.messages == 1]
         judged = detector.judge(
             [(d.identity, f.step, f.error) for d, f in whole],
             working=working,
@@ -443,15 +446,15 @@ class Settling(DeadLetters):
         self.report.systemic = detector.episode.as_json() if detector.episode is not None else None
         self.report.systemic_episodes = detector.episodes
         rest = [(d, f) for d, f in failures if d.lineage_id not in systemic]
-        untested = [d for d, _ in rest if d.lineage_id in result.untested]
+        untested = {d.lineage_id for d, _ in rest if d.lineage_id in result.untested and d.messages == 1}
         if untested:  # never dead-letter (nor spend a delivery) on an inferred failure
             log.warning(
                 "batch %s: %d messages whose failure was inferred, not seen alone, are given back",
                 result.batch_id,
                 len(untested),
             )
-            self._give_back([(d, f) for d, f in rest if d.lineage_id in result.untested])
-            rest = [(d, f) for d, f in rest if d.lineage_id not in result.untested]
+            self._give_back([(d, f) for d, f in rest if d.lineage_id in untested])
+            rest = [(d, f) for d, f in rest if d.lineage_id not in untested]
         if suspects:  # a whole failure not yet shown by enough messages: give back, pause
             back = [d for d, _ in rest if d.lineage_id in suspects]
             log.warning(
