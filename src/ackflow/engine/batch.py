@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from ackflow import faults
 from ackflow.core.errors import FlowError, StoreAway, describe
 from ackflow.core.groups import Group
-from ackflow.core.ledger import Failure, Outcomes, settle_receipts
+from ackflow.core.ledger import WHOLE_WRITE, Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
 from ackflow.engine.blocks import messages
@@ -172,6 +172,11 @@ def execute(
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
+        again = _partition_suspects(ds, part.failed, job.rows_written)
+        if again and result.jobs - result.evolutions + 2 <= max_jobs:
+            for d in again:
+                del result.outcomes.failed[d.lineage_id]
+            rerun(again, bid)
         if misses:
             evolve_then_again([d for d in ds if d.lineage_id in misses], misses, bid)
         return None
@@ -268,6 +273,26 @@ def execute(
                 alone(h[0], e, whole=e == error)
             else:
                 split(h, b, e, probe)
+
+    def rerun(ds: list[Delivery], bid: str) -> None:
+        """``ds`` failed together in a sink's partition whose write raised, while the
+        sink wrote other partitions of the same job: not each is guilty (one row's data
+        may have made the write raise). Run them again in halves, within the bisection's
+        budget, until the failure is one message's alone (then judged as usual)."""
+        half = len(ds) // 2
+        result.bisections += 1
+        if count is not None:
+            count(True)
+        log.warning(
+            "batch %s: a sink's write failed for %d messages of one partition while it wrote "
+            "others; running them again as %d + %d",
+            batch_id,
+            len(ds),
+            half,
+            len(ds) - half,
+        )
+        attempt(ds[:half], f"{bid}w")
+        attempt(ds[half:], f"{bid}x")
 
     def probe_each(ds: list[Delivery], bid: str, error: str) -> None:
         """Both halves failed as the whole did: try a few messages alone, spread over the
@@ -572,6 +597,20 @@ def abort_all(compiled: Plan, batch_id: str, tokens: dict[str, list[bytes]]) -> 
             sink.abort(batch_id, tokens.get(sink.name, []))
         except Exception as e:  # noqa: BLE001 - cleanup only
             log.warning("batch %s: sink %r abort failed: %s", batch_id, sink.name, e)
+
+
+def _partition_suspects(
+    ds: list[Delivery], failed: dict[int, Failure], rows_written: dict[str, int]
+) -> list[Delivery]:
+    """The messages of ``ds`` that failed in a partition write that raised (``write
+    failed: ``) of a sink that wrote rows in the same job, where more than one failed so
+    (see ``rerun``)."""
+    by_sink: dict[str, list[Delivery]] = {}
+    for d in ds:
+        f = failed.get(d.lineage_id)
+        if f is not None and f.error.startswith(WHOLE_WRITE) and rows_written.get(f.step, 0) > 0:
+            by_sink.setdefault(f.step, []).append(d)
+    return [d for group in by_sink.values() if len(group) > 1 for d in group]
 
 
 def _stray_ids(expected: list[int], receipts: pa.Table) -> int:

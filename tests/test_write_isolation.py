@@ -1,0 +1,57 @@
+"""A sink's write that raises for its whole partition because of one row's data (the
+mirror rule: a failure that is not a message's never makes it a dead letter). The
+partition's messages used to fail together, come back together and be dead-lettered
+together: 9 good messages with the poison one. Now, while the sink wrote other
+partitions of the same job, they are run again in halves until the poison one fails
+alone; only it is dead-lettered. With single messages and with blocks."""
+
+import json
+
+import pytest
+
+import ackflow
+from ackflow.core.policy import RetryPolicy
+from ackflow.embedded import EmbeddedQueue
+from ackflow.sinks import Memory
+from ackflow.sources import EmbeddedQueue as EmbeddedSource
+from ackflow.testing import KeyedSink
+from helpers import run_local
+
+
+def poison_row(row):
+    return row["n"] < 0
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_partition_write_that_raises_for_one_row_dead_letters_only_that_message(tmp_path, blocks):
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -7 if i == 7 else i}).encode() for i in range(40)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=2, backoff_s=0.01))
+    if not blocks:
+        src.use_blocks = lambda on: False
+    sink, dead = KeyedSink(raise_if=poison_row), Memory("dead")
+    report = run_local(ackflow.Flow(src).to(sink).on_error(dead), until_idle=1.0)
+    assert (report.split > 0) is blocks
+    assert report.acked == 39 and report.dead_lettered == 1
+    assert report.bisections >= 1
+    assert [json.loads(r["body"])["n"] for r in dead.rows] == [-7]
+    assert sorted(r["n"] for r in sink.rows.values()) == [i for i in range(40) if i != 7]
+    assert not sink.conflicts
+
+
+def test_a_sink_whose_every_partition_fails_is_not_bisected(tmp_path):
+    """Every partition raising (a sink down, not a row): nothing to isolate, no extra jobs;
+    the systemic judge sees the failures as before."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -i - 1}).encode() for i in range(40)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=1))
+    src.use_blocks = lambda on: False
+    dead = Memory("dead")
+    flow = ackflow.Flow(src).to(KeyedSink(raise_if=poison_row)).on_error(dead)
+    report = run_local(flow, until_idle=0.5, systemic_after=0)  # (the judge off: each its own)
+    assert report.bisections == 0
+    assert report.acked == 0 and report.dead_lettered == 40 and len(dead.rows) == 40
