@@ -55,3 +55,42 @@ def test_a_sink_whose_every_partition_fails_is_not_bisected(tmp_path):
     report = run_local(flow, until_idle=0.5, systemic_after=0)  # (the judge off: each its own)
     assert report.bisections == 0
     assert report.acked == 0 and report.dead_lettered == 40 and len(dead.rows) == 40
+
+
+#: the job ids (the batch id and its job's suffix) a Recording sink was asked to write
+JOB_IDS: list[str] = []
+
+
+class Recording(KeyedSink):
+    def write_partition(self, batch_id, partition, rows):
+        JOB_IDS.append(batch_id)
+        return super().write_partition(batch_id, partition, rows)
+
+
+def test_running_a_partition_again_keeps_the_bisection_budget(tmp_path):
+    """Found by review: nested runs again spent more jobs than ``max_bisect_jobs``, and a
+    half left without budget got another job's failure. Now a batch never runs more jobs
+    than its budget, a half past it keeps its own failure (retried later), and the run
+    still ends with only the poison message dead-lettered."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -5 if i == 5 else i}).encode() for i in range(64)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=6, backoff_s=0.01))
+    src.use_blocks = lambda on: False
+    sink, dead = Recording(raise_if=poison_row), Memory("dead")
+    JOB_IDS.clear()
+    report = run_local(
+        ackflow.Flow(src).to(sink).on_error(dead),
+        until_idle=1.0,
+        batch_size=64,
+        max_bisect_jobs=4,
+        systemic_after=0,
+    )
+    jobs: dict[str, set[str]] = {}
+    for job in JOB_IDS:  # batch ids: 20261129T070240-bfa70b-000001, then a job's suffix
+        jobs.setdefault(job[:29], set()).add(job)
+    assert jobs and max(len(j) for j in jobs.values()) <= 4
+    assert report.acked == 63 and report.dead_lettered == 1
+    assert [json.loads(r["body"])["n"] for r in dead.rows] == [-5]
+    assert all("bisection gave up" not in f["error"] for f in report.failures)
