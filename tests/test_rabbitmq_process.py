@@ -28,6 +28,13 @@ def pull_all(src, n, timeout=15.0):
     return got
 
 
+def opened(url, queue, window, **kw):
+    src = RabbitMQ(url, queue, **{"reject_to_dlx": True, **kw})
+    src.configure(max_inflight=window, error_sink=False)
+    src.open()
+    return src
+
+
 def child_of(src):
     return src._conn._proc
 
@@ -113,9 +120,7 @@ def test_a_ctrl_c_or_a_service_stop_leaves_the_consumer_process_to_the_drivers_g
     every process of the service) must not end the child: the driver's stop still acks
     through it."""
     publish(rabbitmq.url, queue, [{"n": i} for i in range(3)], ids=[f"k{i}" for i in range(3)])
-    src = RabbitMQ(rabbitmq.url, queue, reject_to_dlx=True)
-    src.configure(max_inflight=10, error_sink=False)
-    src.open()
+    src = opened(rabbitmq.url, queue, 10)
     try:
         got = pull_all(src, 3)
         child = child_of(src)
@@ -188,9 +193,7 @@ def test_a_call_interrupted_before_its_answer_gives_the_connection_up(rabbitmq, 
     """An exception between a call and its answer (a signal) would leave the answer for
     the next call: the connection is given up instead, and what it held comes again."""
     publish(rabbitmq.url, queue, [{"n": i} for i in range(5)], ids=[f"k{i}" for i in range(5)])
-    src = RabbitMQ(rabbitmq.url, queue, reject_to_dlx=True)
-    src.configure(max_inflight=10, error_sink=False)
-    src.open()
+    src = opened(rabbitmq.url, queue, 10)
     try:
         got = pull_all(src, 5)
         conn = src._conn

@@ -17,7 +17,7 @@ delivery (a quorum queue's ``x-delivery-limit`` below 1) or with ``headers_field
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from ackflow.core.settlement import Delivery
@@ -78,18 +78,8 @@ def answer(src: RabbitMQSource, found: Sequence[Delivery]) -> tuple[list[Deliver
     """The deliveries the engine knows for the channel deliveries ``found`` (a stale ack,
     an unsent one, a lost one): each single itself, each block once; and how many of each
     block's messages were found (by ``id`` of the block: see ``unacked``)."""
-    out: list[Delivery] = []
-    counts: dict[int, int] = {}
-    for d in found:
-        block = src._block_of.get(cast(tuple[int, int], d.handle))
-        if block is None:
-            out.append(d)
-            continue
-        if id(block) not in counts:
-            out.append(block)
-            counts[id(block)] = 0
-        counts[id(block)] += 1
-    return out, counts
+    of = src._block_of
+    return _by_block(found, lambda d: of.get(cast(tuple[int, int], d.handle)))
 
 
 def regroup(
@@ -98,18 +88,26 @@ def regroup(
     """As :func:`answer`, for channel deliveries ``found`` of ``deliveries`` (the blocks
     and singles given to a call; the source's own map may be gone: a lost connection
     clears it)."""
-    owner = {id(x): d for d in deliveries for x in inner(d)}
+    owner = {id(x): d for d in deliveries if d.parts is not None for x in inner(d)}
+    return _by_block(found, lambda x: owner.get(id(x)))
+
+
+def _by_block(
+    found: Sequence[Delivery], block_of: Callable[[Delivery], Delivery | None]
+) -> tuple[list[Delivery], dict[int, int]]:
+    """``found`` with each delivery of a block (``block_of``) replaced by its block, once,
+    and how many of each block's deliveries were found."""
     out: list[Delivery] = []
     counts: dict[int, int] = {}
-    for x in found:
-        d = owner.get(id(x), x)
-        if d.parts is None:
+    for d in found:
+        block = block_of(d)
+        if block is None:
             out.append(d)
             continue
-        if id(d) not in counts:
-            out.append(d)
-            counts[id(d)] = 0
-        counts[id(d)] += 1
+        if id(block) not in counts:
+            out.append(block)
+            counts[id(block)] = 0
+        counts[id(block)] += 1
     return out, counts
 
 
