@@ -121,6 +121,11 @@ def split(r: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"i": r["i"], "part": j} for j in range(1 + r["i"] % 2)]
 
 
+def keys(deliveries: Any) -> list[str]:
+    """The messages' keys of ``deliveries``: a block's (kafka_blocks.py) are its parts'."""
+    return [k for d in deliveries for k in (d.parts[0] if d.parts is not None else [d.key])]
+
+
 class Watched(KafkaSource):
     """The Kafka source, with every commit checked against what the engine settled: an
     offset committed past a message not yet written or dead-lettered fails the test."""
@@ -139,11 +144,11 @@ class Watched(KafkaSource):
 
     def pull(self, max_messages: int, timeout: float) -> Any:
         got = super().pull(max_messages, timeout)
-        self.handed.update(d.key for d in got)
+        self.handed.update(keys(got))
         return got
 
     def ack(self, deliveries: Any) -> None:
-        self.settled.update(d.key for d in deliveries)
+        self.settled.update(keys(deliveries))
         super().ack(deliveries)
 
     @property

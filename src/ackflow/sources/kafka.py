@@ -13,12 +13,10 @@ what became contiguous. When the engine holds ``max_inflight`` messages the cons
 thread pauses every assigned partition, and keeps polling (the group must see the
 member alive): nothing fetched is ever dropped to make room.
 
-Rebalances: when partitions are revoked, nothing more of theirs is handed out; the
-consumer thread waits up to ``revoke_timeout_s`` for their messages in flight to settle,
-commits each partition's contiguous settled prefix, and lets them go. What is still in
-flight then is given up knowingly: it stays uncommitted, the new owner reads it again,
-and a late settlement here commits nothing (a keyed sink absorbs the second write). No
-queue of unsettled messages is ever cleared as if settled.
+Rebalances (kafka_rebalance.py): revoked partitions' messages in flight get
+``revoke_timeout_s`` to settle before the settled prefix is committed and the
+partitions let go; no queue of unsettled messages is ever cleared as if settled.
+Blocks (kafka_blocks.py): a partition's first deliveries go to the engine as one.
 
 Retries: a failed message is retried after the policy's backoff (its body held in
 memory); its delivery count is written to a small SQLite file (``attempts_path``) so
@@ -46,7 +44,9 @@ from ackflow.core.offsets import OffsetTracker
 from ackflow.core.policy import RetryPolicy
 from ackflow.core.secrets import redact
 from ackflow.core.settlement import Delivery, Settlement
-from ackflow.sources.base import Source
+from ackflow.sources import kafka_blocks as kb
+from ackflow.sources import kafka_rebalance as rebalance
+from ackflow.sources.base import BlockSize, Source
 from ackflow.sources.kafka_attempts import Attempts, Partition, open_attempts
 from ackflow.sources.kafka_messages import delivery_headers, produce_dead_letters
 
@@ -171,6 +171,10 @@ class KafkaSource(Source):
         self.reconnects = 0
         self.rebalances = 0
         self.given_up = 0  # in flight when their partition was revoked past the bound
+        self._use_blocks = False  # first deliveries of a partition as one (kafka_blocks.py)
+        self._blocks: dict[tuple[Partition, int], kb.KafkaBlock] = {}  # by first offset
+        self._in_blocks = 0  # the messages of those
+        self.block_size = BlockSize(kb.BLOCK_MESSAGES)
 
     @property
     def header_fields(self) -> tuple[str | None, ...]:
@@ -300,7 +304,7 @@ class KafkaSource(Source):
             log.warning("source %r: Kafka answers again", self.name)
 
     def _held(self) -> int:
-        return len(self._bodies) + sum(len(p.inbox) for p in self._parts.values())
+        return len(self._bodies) + self._in_blocks + sum(len(p.inbox) for p in self._parts.values())
 
     def _backpressure(self) -> None:
         """Pause every assigned partition while the engine holds the window's worth of
@@ -410,62 +414,10 @@ class KafkaSource(Source):
         )
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
-        """Stop handing out the revoked partitions, let their messages in flight settle
-        (bounded), commit their settled prefixes, then let them go."""
-        tps = [(tp.topic, tp.partition) for tp in partitions]
-        deadline = time.monotonic() + self.revoke_timeout_s
-        with self._lock:
-            for tp in tps:
-                part = self._parts.get(tp)
-                if part is not None:
-                    part.revoking = True
-                    part.inbox.clear()  # fetched, never handed out: read again by the owner
-            waiting = [r for r in self._retry if r[1] in tps]  # not in flight: let go now
-            for _, tp, off, _, _ in waiting:
-                self._bodies.pop((tp, off), None)
-            self._retry = [r for r in self._retry if r[1] not in tps]
-            heapq.heapify(self._retry)
-            while (
-                not self._stop.is_set()
-                and any(key[0] in tps for key in self._bodies)
-                and time.monotonic() < deadline
-            ):
-                self._lock.wait(0.05)
-        faults.point("kafka.revoke_settled")
-        try:
-            self._commit(only=tps)
-        except Exception as e:  # noqa: BLE001 - uncommitted: the new owner reads it again
-            log.warning("source %r: commit at revoke failed: %s", self.name, e)
-        self._let_go(tps, "revoked")
+        rebalance.revoke(self, [(tp.topic, tp.partition) for tp in partitions])
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
-        """The partitions were taken away (the session expired): nothing may be committed
-        for them any more."""
-        tps = [(tp.topic, tp.partition) for tp in partitions]
-        with self._lock:
-            self._retry = [r for r in self._retry if r[1] not in tps]
-            heapq.heapify(self._retry)
-        self._let_go(tps, "lost")
-
-    def _let_go(self, tps: list[Partition], why: str) -> None:
-        with self._lock:
-            left = [key for key in self._bodies if key[0] in tps]
-            for key in left:  # settled late, they commit nothing: the owner reads them again
-                del self._bodies[key]
-            for tp in tps:
-                self._parts.pop(tp, None)
-            self.given_up += len(left)
-            self.rebalances += 1
-            self._lock.notify_all()
-        if left:
-            log.warning(
-                "source %r: partitions %s %s with %d messages still in flight; they "
-                "stay uncommitted and their new owner reads them again",
-                self.name,
-                tps,
-                why,
-                len(left),
-            )
+        rebalance.lost(self, [(tp.topic, tp.partition) for tp in partitions])
 
     # -- the engine's thread ---------------------------------------------------------------
 
@@ -508,13 +460,25 @@ class KafkaSource(Source):
                             Delivery(0, _key(tp, off), entry[1], entry[2], count, handle=(tp, off, gen))
                         )
                 highs: dict[Partition, int] = {}
+                taken = len(out)  # messages (a block is several)
                 for tp, part in self._parts.items():
-                    while part.inbox and len(out) < max_messages and not part.revoking:
-                        d = self._take(tp, part, part.inbox[0])  # (raising: still there)
+                    offs: list[int] = []  # first deliveries, for blocks
+                    ms: list[Any] = []
+                    while part.inbox and taken < max_messages and not part.revoking:
+                        m = part.inbox[0]
+                        n = self._take(tp, part, m)  # (raising: still there)
                         part.inbox.popleft()
-                        if d is not None:
-                            out.append(d)
-                            highs[tp] = part.last_seen
+                        if n is None:
+                            continue
+                        taken += 1
+                        highs[tp] = off = part.last_seen
+                        if n == 1 and self._use_blocks:
+                            offs.append(off)
+                            ms.append(m)
+                        else:
+                            out.append(self._single(tp, off, m, part.gen, n))
+                    if offs:
+                        out += kb.make(self, tp, part.gen, offs, ms)
                 if out:  # counted before they are handed out: a message whose
                     # processing kills the process has its delivery counted too
                     again = [(*_handle(d)[:2], d.delivery_count) for d in out if d.delivery_count > 1]
@@ -523,7 +487,9 @@ class KafkaSource(Source):
                     return out
                 self._lock.wait(min(0.05, deadline - now))
 
-    def _take(self, tp: Partition, part: _Part, m: Any) -> Delivery | None:
+    def _take(self, tp: Partition, part: _Part, m: Any) -> int | None:
+        """Track fetched message ``m`` as handed out (then ``part.last_seen`` is its
+        offset) and return its delivery count; None if it was handed out already."""
         off = int(m.offset())
         if off <= part.last_seen:
             return None  # fetched again after a seek: already handed out
@@ -540,12 +506,24 @@ class KafkaSource(Source):
         part.last_seen = off
         if not part.tracker.pulled(off):
             return None
+        # handed out before this assignment: its recorded count, else that one delivery
+        return max(before, 1) + 1 if low <= off <= high else 1
+
+    def _single(self, tp: Partition, off: int, m: Any, gen: int, count: int) -> Delivery:
         body = m.value() or b""
         headers = delivery_headers(tp, off, m)
-        self._bodies[(tp, off)] = (part.gen, body, headers)
-        # handed out before this assignment: its recorded count, else that one delivery
-        count = max(before, 1) + 1 if low <= off <= high else 1
-        return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, part.gen))
+        self._bodies[(tp, off)] = (gen, body, headers)
+        return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, gen))
+
+    def use_blocks(self, on: bool) -> bool:
+        self._use_blocks = on and self.headers_field is None  # (headers are made per delivery)
+        return self._use_blocks
+
+    def split(self, blocks: Sequence[Delivery]) -> None:
+        """A block's messages come again one by one, each a first delivery."""
+        self.block_size.split(len(blocks))
+        with self._lock:
+            kb.again(self, blocks)
 
     def _mine(self, tp: Partition, off: int, gen: int) -> bool:
         """Whether this delivery is the one the source holds for its offset (not one of
@@ -590,7 +568,11 @@ class KafkaSource(Source):
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         with self._lock:
+            n = 0
             for d in deliveries:
+                if d.parts is not None:
+                    n += kb.acked(self, d)
+                    continue
                 tp, off, gen = _handle(d)
                 if not self._mine(tp, off, gen):
                     continue  # its partition was revoked meanwhile: commits nothing here
@@ -599,6 +581,8 @@ class KafkaSource(Source):
                 if part is not None and part.tracker is not None:
                     part.tracker.settled(off)
             self._lock.notify_all()
+        if n:
+            self.block_size.acked(n)
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         """Retry by the policy. With ``dead_letter_topic``, a message given up is
@@ -637,7 +621,10 @@ class KafkaSource(Source):
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         now = time.monotonic()
         with self._lock:
+            kb.again(self, [d for d, _ in failures if d.parts is not None], 2)  # (never: split)
             for d, _ in failures:
+                if d.parts is not None:
+                    continue
                 tp, off, gen = _handle(d)
                 if not self._mine(tp, off, gen):
                     continue  # its partition was revoked meanwhile
@@ -650,7 +637,10 @@ class KafkaSource(Source):
     def release(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()
         with self._lock:
+            kb.again(self, [d for d in deliveries if d.parts is not None])  # one by one
             for d in deliveries:
+                if d.parts is not None:
+                    continue
                 tp, off, gen = _handle(d)
                 if self._mine(tp, off, gen):
                     heapq.heappush(self._retry, (now, tp, off, d.delivery_count, gen))
