@@ -9,6 +9,7 @@ budget of Spark jobs per batch; when it is spent, the rest of the batch fails.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import pyarrow.compute as pc
 from ackflow import faults
 from ackflow.core.errors import FlowError, StoreAway, describe
 from ackflow.core.groups import Group
-from ackflow.core.ledger import Failure, Outcomes, settle_receipts
+from ackflow.core.ledger import WHOLE_WRITE, Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
 from ackflow.engine.blocks import messages
@@ -172,6 +173,9 @@ def execute(
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
+        again = _partition_suspects(ds, part.failed, job.rows_written)
+        if again and result.jobs - result.evolutions < max_jobs:
+            rerun(again, bid, {d.lineage_id: result.outcomes.failed.pop(d.lineage_id) for d in again})
         if misses:
             evolve_then_again([d for d in ds if d.lineage_id in misses], misses, bid)
         return None
@@ -268,6 +272,29 @@ def execute(
                 alone(h[0], e, whole=e == error)
             else:
                 split(h, b, e, probe)
+
+    def rerun(ds: list[Delivery], bid: str, failures: dict[int, Failure]) -> None:
+        """``ds`` failed together in a sink's partition whose write raised, while the
+        sink wrote other partitions of the same job: not each is guilty (one row's data
+        may have made the write raise). Run them again in halves, within the bisection's
+        budget, until the failure is one message's alone (then judged as usual)."""
+        half = len(ds) // 2
+        result.bisections += 1
+        if count is not None:
+            count(True)
+        log.warning(
+            "batch %s: a sink's write failed for %d messages of one partition while it wrote "
+            "others; running them again as %d + %d",
+            batch_id,
+            len(ds),
+            half,
+            len(ds) - half,
+        )
+        for h, b in ((ds[:half], f"{bid}w"), (ds[half:], f"{bid}x")):
+            if result.jobs - result.evolutions >= max_jobs:  # the budget is spent: as they were
+                result.outcomes.failed.update((d.lineage_id, failures[d.lineage_id]) for d in h)
+                continue
+            attempt(h, b)
 
     def probe_each(ds: list[Delivery], bid: str, error: str) -> None:
         """Both halves failed as the whole did: try a few messages alone, spread over the
@@ -572,6 +599,39 @@ def abort_all(compiled: Plan, batch_id: str, tokens: dict[str, list[bytes]]) -> 
             sink.abort(batch_id, tokens.get(sink.name, []))
         except Exception as e:  # noqa: BLE001 - cleanup only
             log.warning("batch %s: sink %r abort failed: %s", batch_id, sink.name, e)
+
+
+#: the end of the writer's text for a partition whose write raised (``errors.where``)
+_RAISED_AT = re.compile(r" \(at [^()]*:\d+ in [^()]*\)$")
+#: a write that raised one of these met its sink's infrastructure (a database or broker
+#: going away mid-job, a disk, a timeout), not one row's data: never run again at once
+_INFRASTRUCTURE = re.compile(
+    r"^write failed: (OperationalError|InterfaceError|\w*Connection\w*|\w*Timeout\w*|OSError|"
+    r"IOError|BrokenPipeError|PermissionError|FileNotFoundError|StoreAway|StreamLost\w*|"
+    r"ChannelClosed\w*|KafkaException|Py4J\w*|InjectedFault)\b"
+)
+
+
+def _partition_suspects(
+    ds: list[Delivery], failed: dict[int, Failure], rows_written: dict[str, int]
+) -> list[Delivery]:
+    """The messages of ``ds`` that failed in a partition write that raised (``write
+    failed: ... (at file:line in function)``, the writer's text) of a sink that wrote rows
+    in the same job, where more than one failed so (see ``rerun``). A sink's own
+    whole-write failures per row (a broker's missing confirms or delivery reports) are
+    left to retries: running them again at once would wait for the broker again."""
+    by_sink: dict[str, list[Delivery]] = {}
+    for d in ds:
+        f = failed.get(d.lineage_id)
+        if (
+            f is not None
+            and f.error.startswith(WHOLE_WRITE)
+            and _RAISED_AT.search(f.error)
+            and not _INFRASTRUCTURE.match(f.error)
+            and rows_written.get(f.step, 0) > 0
+        ):
+            by_sink.setdefault(f.step, []).append(d)
+    return [d for group in by_sink.values() if len(group) > 1 for d in group]
 
 
 def _stray_ids(expected: list[int], receipts: pa.Table) -> int:

@@ -1,0 +1,125 @@
+"""A sink's write that raises for its whole partition because of one row's data (the
+mirror rule: a failure that is not a message's never makes it a dead letter). The
+partition's messages used to fail together, come back together and be dead-lettered
+together: 9 good messages with the poison one. Now, while the sink wrote other
+partitions of the same job, they are run again in halves until the poison one fails
+alone; only it is dead-lettered. With single messages and with blocks."""
+
+import json
+
+import pytest
+
+import ackflow
+from ackflow.core.policy import RetryPolicy
+from ackflow.embedded import EmbeddedQueue
+from ackflow.sinks import Memory
+from ackflow.sources import EmbeddedQueue as EmbeddedSource
+from ackflow.testing import KeyedSink
+from helpers import run_local
+
+
+def poison_row(row):
+    return row["n"] < 0
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_partition_write_that_raises_for_one_row_dead_letters_only_that_message(tmp_path, blocks):
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -7 if i == 7 else i}).encode() for i in range(40)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=2, backoff_s=0.01))
+    if not blocks:
+        src.use_blocks = lambda on: False
+    sink, dead = KeyedSink(raise_if=poison_row), Memory("dead")
+    report = run_local(ackflow.Flow(src).to(sink).on_error(dead), until_idle=1.0)
+    assert (report.split > 0) is blocks
+    assert report.acked == 39 and report.dead_lettered == 1
+    assert report.bisections >= 1
+    assert [json.loads(r["body"])["n"] for r in dead.rows] == [-7]
+    assert sorted(r["n"] for r in sink.rows.values()) == [i for i in range(40) if i != 7]
+    assert not sink.conflicts
+
+
+def test_a_sink_whose_every_partition_fails_is_not_bisected(tmp_path):
+    """Every partition raising (a sink down, not a row): nothing to isolate, no extra jobs;
+    the systemic judge sees the failures as before."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -i - 1}).encode() for i in range(40)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=1))
+    src.use_blocks = lambda on: False
+    dead = Memory("dead")
+    flow = ackflow.Flow(src).to(KeyedSink(raise_if=poison_row)).on_error(dead)
+    report = run_local(flow, until_idle=0.5, systemic_after=0)  # (the judge off: each its own)
+    assert report.bisections == 0
+    assert report.acked == 0 and report.dead_lettered == 40 and len(dead.rows) == 40
+
+
+#: the job ids (the batch id and its job's suffix) a Recording sink was asked to write
+JOB_IDS: list[str] = []
+
+
+class Recording(KeyedSink):
+    def write_partition(self, batch_id, partition, rows):
+        JOB_IDS.append(batch_id)
+        return super().write_partition(batch_id, partition, rows)
+
+
+def test_running_a_partition_again_keeps_the_bisection_budget(tmp_path):
+    """Found by review: nested runs again spent more jobs than ``max_bisect_jobs``, and a
+    half left without budget got another job's failure. Now a batch never runs more jobs
+    than its budget, a half past it keeps its own failure (retried later), and the run
+    still ends with only the poison message dead-lettered."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -5 if i == 5 else i}).encode() for i in range(64)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=6, backoff_s=0.01))
+    src.use_blocks = lambda on: False
+    sink, dead = Recording(raise_if=poison_row), Memory("dead")
+    JOB_IDS.clear()
+    report = run_local(
+        ackflow.Flow(src).to(sink).on_error(dead),
+        until_idle=1.0,
+        batch_size=64,
+        max_bisect_jobs=4,
+        systemic_after=0,
+    )
+    jobs: dict[str, set[str]] = {}
+    for job in JOB_IDS:  # batch ids: 20261129T070240-bfa70b-000001, then a job's suffix
+        jobs.setdefault(job[:29], set()).add(job)
+    assert jobs and max(len(j) for j in jobs.values()) <= 4
+    assert report.acked == 63 and report.dead_lettered == 1
+    assert [json.loads(r["body"])["n"] for r in dead.rows] == [-5]
+    assert all("bisection gave up" not in f["error"] for f in report.failures)
+
+
+class Cut(KeyedSink):
+    """Raises a connection error (its database went away mid-job) for the partition
+    holding a marked row; writes the others."""
+
+    def write_partition(self, batch_id, partition, rows):
+        if any(poison_row(r) for r in rows.to_pylist()):
+            raise ConnectionResetError("connection to the database was lost")
+        return super().write_partition(batch_id, partition, rows)
+
+
+def test_a_partition_whose_write_met_its_infrastructure_is_not_run_again(tmp_path):
+    """The sink's database away mid-job (some partitions written, others not): running
+    the failed ones again at once would wait on it again, job after job; they are
+    retried after their backoff instead (found: the chaos soak's database outages)."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -7 if i == 7 else i}).encode() for i in range(40)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=1))
+    src.use_blocks = lambda on: False
+    dead = Memory("dead")
+    report = run_local(
+        ackflow.Flow(src).to(Cut(raise_if=poison_row)).on_error(dead), until_idle=0.5, systemic_after=0
+    )
+    assert report.bisections == 0
+    assert report.dead_lettered > 1  # the partition's messages failed together, as before
+    assert all("ConnectionResetError" in r["error"] for r in dead.rows)
