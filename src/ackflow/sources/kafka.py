@@ -48,7 +48,7 @@ from ackflow.sources import kafka_blocks as kb
 from ackflow.sources import kafka_rebalance as rebalance
 from ackflow.sources.base import BlockSize, Source
 from ackflow.sources.kafka_attempts import Attempts, Partition, open_attempts
-from ackflow.sources.kafka_messages import delivery_headers, produce_dead_letters
+from ackflow.sources.kafka_messages import dead_letter, delivery_headers
 
 log = logging.getLogger("ackflow.sources.kafka")
 
@@ -521,9 +521,16 @@ class KafkaSource(Source):
 
     def split(self, blocks: Sequence[Delivery]) -> None:
         """A block's messages come again one by one, each a first delivery."""
-        self.block_size.split(len(blocks))
         with self._lock:
-            kb.again(self, blocks)
+            held = kb.again(self, blocks)
+        if held:  # (not for a block let go with its partition: it split nothing here)
+            self.block_size.split(held)
+
+    def _keeps(self, tp: Partition, gen: int) -> bool:
+        """Whether a message of assignment ``gen`` of ``tp`` may wait here for another
+        try (not once its partition is revoking or gone: the new owner reads it)."""
+        part = self._parts.get(tp)
+        return part is not None and part.gen == gen and not part.revoking
 
     def _mine(self, tp: Partition, off: int, gen: int) -> bool:
         """Whether this delivery is the one the source holds for its offset (not one of
@@ -566,16 +573,23 @@ class KafkaSource(Source):
             "given_up_at_revoke": self.given_up,
         }
 
-    def ack(self, deliveries: Sequence[Delivery]) -> None:
+    def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Settle; returns the deliveries let go with their partition meanwhile (their
+        ack commits nothing here: the new owner reads them again)."""
+        stale = []
         with self._lock:
             n = 0
             for d in deliveries:
                 if d.parts is not None:
-                    n += kb.acked(self, d)
+                    k = kb.acked(self, d)
+                    n += k
+                    if not k:
+                        stale.append(d)
                     continue
                 tp, off, gen = _handle(d)
                 if not self._mine(tp, off, gen):
-                    continue  # its partition was revoked meanwhile: commits nothing here
+                    stale.append(d)  # its partition was revoked meanwhile
+                    continue
                 del self._bodies[(tp, off)]
                 part = self._parts.get(tp)
                 if part is not None and part.tracker is not None:
@@ -583,6 +597,7 @@ class KafkaSource(Source):
             self._lock.notify_all()
         if n:
             self.block_size.acked(n)
+        return stale
 
     def fail(self, failures: Sequence[tuple[Delivery, Failure]]) -> list[Settlement]:
         """Retry by the policy. With ``dead_letter_topic``, a message given up is
@@ -594,29 +609,12 @@ class KafkaSource(Source):
             self.nack(failures)
             return [Settlement.NACKED] * len(failures)
         states, retry, dead = self.by_policy(failures)
-        stuck = self._dead_letter(dead)
+        stuck = dead_letter(self, dead)
         self.nack([*retry, *((d, f) for d, f in dead if d.key in stuck)])
         return [
             Settlement.NACKED if d.key in stuck else state
             for (d, _), state in zip(failures, states, strict=True)
         ]
-
-    def _dead_letter(self, dead: Sequence[tuple[Delivery, Failure]]) -> set[str]:
-        """Produce ``dead`` to the dead-letter topic, then settle those delivered; returns
-        the keys of those that were not (they are retried, never lost)."""
-        if not dead:
-            return set()
-        stuck = produce_dead_letters(self._producer, str(self.dead_letter_topic), dead)
-        faults.point("kafka.dead_lettered")
-        self.ack([d for d, _ in dead if d.key not in stuck])
-        if stuck:
-            log.warning(
-                "source %r: %d dead letters were not delivered to %r; they are retried",
-                self.name,
-                len(stuck),
-                self.dead_letter_topic,
-            )
-        return stuck
 
     def nack(self, failures: Sequence[tuple[Delivery, Failure]]) -> None:
         now = time.monotonic()
@@ -629,6 +627,9 @@ class KafkaSource(Source):
                 if not self._mine(tp, off, gen):
                     continue  # its partition was revoked meanwhile
                 self._store().record(tp, off, d.delivery_count)
+                if not self._keeps(tp, gen):  # revoking: not kept for a retry here
+                    del self._bodies[(tp, off)]
+                    continue
                 heapq.heappush(
                     self._retry,
                     (now + self.policy.delay_after(d.delivery_count), tp, off, d.delivery_count + 1, gen),
@@ -642,8 +643,12 @@ class KafkaSource(Source):
                 if d.parts is not None:
                     continue
                 tp, off, gen = _handle(d)
-                if self._mine(tp, off, gen):
+                if not self._mine(tp, off, gen):
+                    continue
+                if self._keeps(tp, gen):
                     heapq.heappush(self._retry, (now, tp, off, d.delivery_count, gen))
+                else:  # revoking: the new owner reads it
+                    del self._bodies[(tp, off)]
 
     def close(self) -> None:
         self._stop.set()

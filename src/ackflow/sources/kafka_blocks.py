@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 #: messages of one block at most
 BLOCK_MESSAGES = 4096
+#: bytes of bodies a block holds at most (an Arrow binary array holds 2 GiB at most;
+#: several blocks make one batch's column)
+BLOCK_BYTES = 16 << 20
 
 
 @dataclass(eq=False)
@@ -57,27 +60,41 @@ def make(
     size = src.block_size.now
     prefix = f"{tp[0]}/{tp[1]}@"
     out = []
-    for i in range(0, len(offsets), size):
-        offs, ms = offsets[i : i + size], messages[i : i + size]
+    for offs, ms in _cuts(offsets, messages, size):
         if len(offs) == 1:
             out.append(src._single(tp, offs[0], ms[0], gen, 1))
             continue
         block = KafkaBlock(tp, gen, offs, ms)
+        d = Delivery(
+            0,
+            f"#{prefix}{offs[0]}+{len(offs)}",  # a label: the engine keys by its parts
+            b"",
+            {},
+            1,
+            block,
+            messages=len(offs),
+            # (a topic's name has no '|': each identity is its key, as alone)
+            parts=([f"{prefix}{o}" for o in offs], pa.array([m.value() or b"" for m in ms], pa.binary())),
+        )
         src._blocks[(tp, offs[0])] = block
         src._in_blocks += len(offs)
-        out.append(
-            Delivery(
-                0,
-                f"#{prefix}{offs[0]}+{len(offs)}",  # a label: the engine keys by its parts
-                b"",
-                {},
-                1,
-                block,
-                messages=len(offs),
-                # (a topic's name has no '|': each identity is its key, as alone)
-                parts=([f"{prefix}{o}" for o in offs], pa.array([m.value() or b"" for m in ms], pa.binary())),
-            )
-        )
+        out.append(d)
+    return out
+
+
+def _cuts(offsets: list[int], messages: list[Any], size: int) -> list[tuple[list[int], list[Any]]]:
+    """``offsets`` and ``messages`` cut into runs of at most ``size`` messages and
+    :data:`BLOCK_BYTES` of bodies (a larger message alone)."""
+    out = []
+    start, held = 0, 0
+    for i, m in enumerate(messages):
+        n = len(m.value() or b"")
+        if i > start and (i - start >= size or held + n > BLOCK_BYTES):
+            out.append((offsets[start:i], messages[start:i]))
+            start, held = i, 0
+        held += n
+    if start < len(messages):
+        out.append((offsets[start:], messages[start:]))
     return out
 
 
@@ -109,20 +126,26 @@ def acked(src: KafkaSource, d: Delivery) -> int:
     return len(block.offsets)
 
 
-def again(src: KafkaSource, blocks: Sequence[Delivery], count: int = 1) -> None:
+def again(src: KafkaSource, blocks: Sequence[Delivery], count: int = 1) -> int:
     """The blocks' messages come again one by one from the retry queue, due now, each
-    with delivery count ``count`` (the lock held). A block let go with its partition
-    comes again from nowhere: the new owner reads it."""
+    with delivery count ``count`` (the lock held); returns how many blocks the source
+    held. A block let go with its partition, or of a partition being revoked, comes
+    again from nowhere: the new owner reads it."""
     now = time.monotonic()
+    held = 0
     for d in blocks:
         block = live(src, d)
         if block is None:
             continue
         take(src, block)
+        held += 1
         tp, gen = block.tp, block.gen
+        if not src._keeps(tp, gen):
+            continue
         for off, m in zip(block.offsets, block.messages, strict=True):
             src._bodies[(tp, off)] = (gen, m.value() or b"", delivery_headers(tp, off, m))
             heapq.heappush(src._retry, (now, tp, off, count, gen))
+    return held
 
 
 def let_go(src: KafkaSource, tps: Sequence[Partition]) -> int:

@@ -3,11 +3,18 @@ dead-letter topic."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from ackflow import faults
 from ackflow.core.ledger import Failure
 from ackflow.core.settlement import Delivery
+
+if TYPE_CHECKING:
+    from ackflow.sources.kafka import KafkaSource
+
+log = logging.getLogger("ackflow.sources.kafka")
 
 Partition = tuple[str, int]
 
@@ -76,3 +83,21 @@ def produce_dead_letters(producer: Any, topic: str, dead: Sequence[tuple[Deliver
             failed.add(d.key)
     producer.flush(30)
     return {d.key for d, _ in dead if d.key not in delivered} | failed
+
+
+def dead_letter(src: KafkaSource, dead: Sequence[tuple[Delivery, Failure]]) -> set[str]:
+    """Produce ``dead`` to the source's dead-letter topic, then settle those delivered;
+    returns the keys of those that were not (they are retried, never lost)."""
+    if not dead:
+        return set()
+    stuck = produce_dead_letters(src._producer, str(src.dead_letter_topic), dead)
+    faults.point("kafka.dead_lettered")
+    src.ack([d for d, _ in dead if d.key not in stuck])
+    if stuck:
+        log.warning(
+            "source %r: %d dead letters were not delivered to %r; they are retried",
+            src.name,
+            len(stuck),
+            src.dead_letter_topic,
+        )
+    return stuck

@@ -58,8 +58,14 @@ def revoke(src: KafkaSource, tps: list[Partition]) -> None:
 
 
 def lost(src: KafkaSource, tps: list[Partition]) -> None:
-    """The partitions ``tps`` were taken away: nothing of theirs is retried here."""
+    """The partitions ``tps`` were taken away: nothing more of theirs is handed out or
+    retried here."""
     with src._lock:
+        for tp in tps:
+            part = src._parts.get(tp)
+            if part is not None:
+                part.revoking = True
+                part.inbox.clear()
         src._retry = [r for r in src._retry if r[1] not in tps]
         heapq.heapify(src._retry)
     let_go(src, tps, "lost")
