@@ -65,7 +65,7 @@ def test_a_failed_commit_fails_the_batch(spark, tmp_path):
 def test_a_sink_raising_mid_write_fails_the_poison_message_not_its_partition(spark):
     """The write of the partition holding row 13 raises; the other partition is written:
     the failed partition's messages run again in halves until row 13's fails alone
-    (before 0.6.14 every message of that partition failed with it)."""
+    (before 0.6.15 every message of that partition failed with it)."""
     src = ListSource(bodies([{"n": i} for i in range(20)]))
     sink = FailingSink(raise_if=lambda r: r["n"] == 13)
     report = ackflow.run(
