@@ -188,6 +188,38 @@ def test_a_blocks_rows_are_the_rows_of_its_messages_alone():
     assert len(set(t.column(ROW_KEY).to_pylist())) == len(ids)
 
 
+def test_blocks_whose_bodies_pass_2_gib_together_make_their_input_rows():
+    """Found by review: the blocks' bodies were copied into one binary array, which
+    holds 2 GiB at most; past it the batch's input could not be made and the run
+    stopped. (The bodies here are allocated, never written: no memory is touched.)"""
+    import numpy as np
+    import pyarrow as pa
+
+    from ackflow.spark.columns import BODY, HDR, ID, KEY, SRC
+    from ackflow.spark.plan import INPUT_SCHEMA, Plan
+
+    def bodies(n, each):
+        offsets = pa.py_buffer(np.arange(0, (n + 1) * each, each, dtype=np.int32).tobytes())
+        return pa.Array.from_buffers(pa.binary(), n, [None, offsets, pa.allocate_buffer(n * each)])
+
+    blocks = [
+        Delivery(i, f"#b{i}", b"", messages=4, parts=([f"m{i}-{j}" for j in range(4)], bodies(4, 300 << 20)))
+        for i in range(2)
+    ]
+    blocks[1].parts = (blocks[1].parts[0], pa.chunked_array([bodies(2, 300 << 20), bodies(2, 300 << 20)]))
+    plan = Plan.__new__(Plan)  # (only what input_table reads)
+    plan.flow = ackflow.Flow(EmbeddedSource("unused.db"))
+    plan.parallelism = 2
+    t = plan.input_table(blocks)
+    assert t.schema == INPUT_SCHEMA and t.num_rows == 8
+    assert t.column(ID).to_pylist() == [0] * 4 + [1] * 4
+    assert t.column(KEY).to_pylist()[4].startswith("m1-0")
+    assert sum(len(b) for b in t.column(BODY).chunks) == 8 and sum(
+        c.nbytes for c in t.column(BODY).chunks
+    ) > (2 << 30)
+    assert t.column(SRC).null_count == 0 and t.column(HDR).null_count == 8
+
+
 def test_a_block_whose_lease_was_lost_counts_only_that_message_again(tmp_path):
     """A lease lost mid-block (a stalled engine): the queue acks the block's other
     messages; the engine counts them acked and the lost one redelivered, not the block."""

@@ -79,9 +79,16 @@ def parts_rows(blocks: Sequence[Delivery], schema: pa.Schema, names: Sequence[st
         {
             lineage: pa.array(np.repeat(np.asarray([d.lineage_id for d in blocks], np.int64), counts)),
             key_col: pa.array([row_key(i) for d in blocks for i in d.parts[0]], pa.string()),
-            body_col: pa.concat_arrays([d.parts[1] for d in blocks]),
+            # chunked, never copied into one array: the blocks' bodies may pass the 2 GiB a
+            # binary array holds (the table is cut into batches by rows below)
+            body_col: pa.chunked_array([c for d in blocks for c in _chunks(d.parts[1])], pa.binary()),
             origin_col: pa.array(np.repeat(np.asarray([d.origin for d in blocks], np.int32), counts)),
             headers_col: pa.nulls(n, pa.string()),
         },
         schema=schema,
     )
+
+
+def _chunks(bodies: pa.Array | pa.ChunkedArray) -> list[pa.Array]:
+    """A block's bodies as arrays (``pa.array`` makes a chunked one past 2 GiB)."""
+    return bodies.chunks if isinstance(bodies, pa.ChunkedArray) else [bodies]
