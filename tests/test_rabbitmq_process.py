@@ -214,3 +214,32 @@ def test_a_call_interrupted_before_its_answer_gives_the_connection_up(rabbitmq, 
     finally:
         src.close()
     assert count(rabbitmq.url, queue) == 0
+
+
+def test_a_delivery_callback_that_raises_leaves_the_rest_of_its_batch_for_the_next_dispatch():
+    """The child forwards deliveries in batches: a callback raising in the middle of
+    one (a signal, a bug) no longer drops the batch's later deliveries, which stayed
+    unsettled on the channel and came to no pull until the connection closed."""
+    from collections import deque
+
+    from ackflow.sources.rabbitmq_remote import RemoteConnection
+
+    conn = RemoteConnection.__new__(RemoteConnection)  # (no child: only the dispatch)
+    conn._pending, conn._lost, conn._open = deque(), None, False
+    conn._check = lambda: None
+    conn._recv = lambda wait: None
+    seen = []
+
+    def callback(consumer, tag, *rest):
+        if tag == 2 and not seen.count(2):
+            seen.append(2)
+            raise KeyboardInterrupt
+        seen.append(tag)
+
+    conn._consumers = {"c": callback}
+    batch = [("c", tag, False, f"k{tag}", {}, b"{}") for tag in range(1, 6)]
+    with pytest.raises(KeyboardInterrupt):
+        conn._dispatch(("d", batch))
+    assert seen == [1, 2]
+    conn.process_data_events(0)
+    assert seen == [1, 2, 3, 4, 5]  # the rest, in order; the one that raised is not repeated

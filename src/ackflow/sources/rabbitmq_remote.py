@@ -395,8 +395,13 @@ class RemoteConnection:
         kind, what = msg
         if kind == "d":
             consumers = self._consumers
-            for t in what:
-                consumers[t[0]](*t)
+            for i, t in enumerate(what):
+                try:
+                    consumers[t[0]](*t)
+                except BaseException:  # the rest of the batch is dispatched next time,
+                    if i + 1 < len(what):  # not dropped (it is unsettled on the channel)
+                        self._pending.appendleft(("d", what[i + 1 :]))
+                    raise
         elif kind == "c":
             for callback in list(self._on_cancel.values()):
                 callback(_Frame(what))
