@@ -220,6 +220,21 @@ def test_blocks_whose_bodies_pass_2_gib_together_make_their_input_rows():
     assert t.column(SRC).null_count == 0 and t.column(HDR).null_count == 8
 
 
+def test_many_blocks_make_as_many_input_batches_as_the_parallelism():
+    """Each input batch becomes a Spark partition (a Python task): 400 blocks of 64
+    messages made 400 tasks a batch once (the bodies kept as one chunk each), and the
+    flow ran 20 times slower. (A structural check: how many batches, not how fast.)"""
+    from ackflow.spark.plan import Plan
+
+    rows = [(i + 1, f"m{i}", b"{}", None, 1, 0.0) for i in range(400 * 64)]
+    blocks = [embedded_block(rows[i : i + 64]) for i in range(0, len(rows), 64)]
+    plan = Plan.__new__(Plan)  # (only what input_table reads)
+    plan.flow = ackflow.Flow(EmbeddedSource("unused.db"))
+    plan.parallelism = 2
+    t = plan.input_table(blocks)
+    assert t.num_rows == 400 * 64 and len(t.to_batches()) == 2
+
+
 def test_a_block_whose_lease_was_lost_counts_only_that_message_again(tmp_path):
     """A lease lost mid-block (a stalled engine): the queue acks the block's other
     messages; the engine counts them acked and the lost one redelivered, not the block."""

@@ -19,6 +19,8 @@ import pyarrow.compute as pc
 from ackflow.core.settlement import Delivery
 from ackflow.spark.columns import row_key
 
+#: bodies of blocks made into one array at most (a binary array holds 2 GiB)
+BODIES_IN_ONE = 1 << 30
 #: a line with only these bytes is no message (``bytes.isspace``; empty too)
 BLANK = r"^[ \t\n\r\x0b\x0c]*$"
 
@@ -79,14 +81,21 @@ def parts_rows(blocks: Sequence[Delivery], schema: pa.Schema, names: Sequence[st
         {
             lineage: pa.array(np.repeat(np.asarray([d.lineage_id for d in blocks], np.int64), counts)),
             key_col: pa.array([row_key(i) for d in blocks for i in d.parts[0]], pa.string()),
-            # chunked, never copied into one array: the blocks' bodies may pass the 2 GiB a
-            # binary array holds (the table is cut into batches by rows below)
-            body_col: pa.chunked_array([c for d in blocks for c in _chunks(d.parts[1])], pa.binary()),
+            body_col: _bodies([c for d in blocks for c in _chunks(d.parts[1])]),
             origin_col: pa.array(np.repeat(np.asarray([d.origin for d in blocks], np.int32), counts)),
             headers_col: pa.nulls(n, pa.string()),
         },
         schema=schema,
     )
+
+
+def _bodies(chunks: list[pa.Array]) -> pa.Array | pa.ChunkedArray:
+    """The blocks' bodies as one array; chunked, not copied into one, where together
+    they pass what one binary array holds (2 GiB). (Each chunk becomes a batch of its
+    own, and a Spark partition: one array for the usual case.)"""
+    if sum(c.nbytes for c in chunks) < BODIES_IN_ONE:
+        return pa.concat_arrays(chunks)
+    return pa.chunked_array(chunks, pa.binary())
 
 
 def _chunks(bodies: pa.Array | pa.ChunkedArray) -> list[pa.Array]:
