@@ -123,3 +123,30 @@ def test_a_partition_whose_write_met_its_infrastructure_is_not_run_again(tmp_pat
     assert report.bisections == 0
     assert report.dead_lettered > 1  # the partition's messages failed together, as before
     assert all("ConnectionResetError" in r["error"] for r in dead.rows)
+
+
+def test_no_partition_runs_again_where_a_message_s_rows_depend_on_its_batch(spark, tmp_path):
+    """Found by review: a group's row is keyed by its members; run again in halves, a
+    message alone makes a group row of another key beside the one written (counted
+    twice). A flow with group_by (or a window, dedupe, grouped_within, transform) keeps
+    the partition's failure as before."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -7 if i == 7 else i, "g": i % 3}).encode() for i in range(40)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=1))
+    dead = Memory("dead")
+    flow = (
+        ackflow.Flow(src).group_by("g").agg("min(n) AS n").to(KeyedSink(raise_if=poison_row)).on_error(dead)
+    )
+    from ackflow.engine.loop import Engine
+
+    spark.conf.set("spark.sql.adaptive.enabled", "false")  # the groups in 4 partitions
+    try:
+        report = Engine(
+            flow, spark=spark, handle_signals=False, until_idle=0.5, batch_size=40, systemic_after=0
+        ).run()
+    finally:
+        spark.conf.set("spark.sql.adaptive.enabled", "true")
+    assert report.bisections == 0
+    assert report.dead_lettered >= 1

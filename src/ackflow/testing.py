@@ -133,7 +133,7 @@ class FailingSink(Sink):
 
         records = rows.to_pylist()
         if self.raise_if is not None and any(self.raise_if(r) for r in records):
-            raise RuntimeError("sink exploded mid-write")
+            raise ValueError("sink exploded mid-write")  # (a row's data: its partition fails)
         failed = {}
         if self.fail_if is not None:
             failed = {i: "row refused by the sink" for i, r in enumerate(records) if self.fail_if(r)}
@@ -212,7 +212,7 @@ class KeyedSink(Sink):
 
         records = rows.to_pylist()
         if self.raise_if is not None and any(self.raise_if(r) for r in records):
-            raise RuntimeError(f"sink {self.name} exploded mid-write")
+            raise ValueError(f"sink {self.name} exploded mid-write")
         failed = {}
         if self.fail_if is not None:
             failed = {i: "row refused by the sink" for i, r in enumerate(records) if self.fail_if(r)}

@@ -23,7 +23,7 @@ from ackflow.core.groups import Group
 from ackflow.core.ledger import WHOLE_WRITE, Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
-from ackflow.engine.blocks import messages
+from ackflow.engine.blocks import messages, stateless
 from ackflow.flow import Transform
 from ackflow.sinks.collect import CollectSink
 from ackflow.spark.job import JobFailed, run_job
@@ -82,6 +82,9 @@ def execute(
     probe that passes, or fails otherwise, resumes the bisection."""
     result = BatchResult(batch_id, messages(deliveries))
     sink = compiled.sink
+    # a partition's write that raised for one row runs again in halves (``rerun``) only
+    # where a message's rows are the same whichever messages it runs with
+    isolate = stateless(compiled.flow)
 
     def fail_all(ds: list[Delivery], failure: Failure) -> None:
         for d in ds:
@@ -173,7 +176,9 @@ def execute(
         result.outcomes.failed.update(part.failed)
         for name, n in job.rows_written.items():
             result.outcomes.rows_written[name] = result.outcomes.rows_written.get(name, 0) + n
-        again = _partition_suspects(ds, part.failed, job.rows_written)
+        # (the batch's rows as the proof that the sink works: a half's own job may hold
+        # no other row to write)
+        again = _partition_suspects(ds, part.failed, result.outcomes.rows_written) if isolate else []
         if again and result.jobs - result.evolutions < max_jobs:
             rerun(again, bid, {d.lineage_id: result.outcomes.failed.pop(d.lineage_id) for d in again})
         if misses:
@@ -603,12 +608,13 @@ def abort_all(compiled: Plan, batch_id: str, tokens: dict[str, list[bytes]]) -> 
 
 #: the end of the writer's text for a partition whose write raised (``errors.where``)
 _RAISED_AT = re.compile(r" \(at [^()]*:\d+ in [^()]*\)$")
-#: a write that raised one of these met its sink's infrastructure (a database or broker
-#: going away mid-job, a disk, a timeout), not one row's data: never run again at once
-_INFRASTRUCTURE = re.compile(
-    r"^write failed: (OperationalError|InterfaceError|\w*Connection\w*|\w*Timeout\w*|OSError|"
-    r"IOError|BrokenPipeError|PermissionError|FileNotFoundError|StoreAway|StreamLost\w*|"
-    r"ChannelClosed\w*|KafkaException|Py4J\w*|InjectedFault)\b"
+#: the errors a write raises for one row's data (a value it cannot take): only a
+#: partition whose write raised one of these is run again. Others may be the sink's
+#: infrastructure (a database or broker going away mid-job, a disk, a timeout: running
+#: again at once would wait on it job after job), and are judged as before
+_ROW_DATA = re.compile(
+    r"^write failed: (ValueError|TypeError|KeyError|IndexError|OverflowError|\w*DecodeError|"
+    r"\w*EncodeError|UnicodeError|ArrowInvalid|ArrowTypeError|DataError|IntegrityError): "
 )
 
 
@@ -627,7 +633,8 @@ def _partition_suspects(
             f is not None
             and f.error.startswith(WHOLE_WRITE)
             and _RAISED_AT.search(f.error)
-            and not _INFRASTRUCTURE.match(f.error)
+            and _ROW_DATA.match(f.error)
+            and not f.written  # (rows of it written elsewhere would be written again)
             and rows_written.get(f.step, 0) > 0
         ):
             by_sink.setdefault(f.step, []).append(d)

@@ -27,6 +27,13 @@ from ackflow.flow import Flow, GroupBy, GroupedWithin, Transform
 
 def blocks_allowed(flow: Flow) -> bool:
     """True when ``flow`` may take blocks: no step or sink keeps state per delivery."""
+    # a block that fails writes its good lines' rows again: only where that is no second row
+    return stateless(flow) and all(s.replays_in_place for s in flow.sinks)
+
+
+def stateless(flow: Flow) -> bool:
+    """True when no step or sink of ``flow`` keeps state by delivery or makes a row of
+    several messages: a message's rows are the same whichever messages it runs with."""
     steps = flow.all_steps
     if any(isinstance(s, (GroupBy, GroupedWithin)) for s in steps):
         return False
@@ -38,8 +45,7 @@ def blocks_allowed(flow: Flow) -> bool:
     sinks += [b for s in flow.sinks for b in getattr(s, "branches", ())]
     if any(hasattr(s, "begin_job") or hasattr(s, "let_go") for s in sinks):
         return False  # a window or dedupe: state by delivery
-    # a block that fails writes its good lines' rows again: only where that is no second row
-    return bool(sinks) and all(s.replays_in_place for s in sinks)
+    return bool(sinks)
 
 
 def messages(deliveries: Sequence[Delivery]) -> int:
