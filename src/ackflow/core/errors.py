@@ -1,5 +1,7 @@
 """Named errors. Each says what failed and, where it can, what to do about it."""
 
+import re
+
 
 def describe(exc: BaseException) -> str:
     """``Type: first line of the message`` (an exception's text can run to many lines).
@@ -21,6 +23,26 @@ def where(exc: BaseException) -> str:
         return ""
     f = frames[-1]
     return f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
+
+
+#: the errors a sink's write raises for one row's data (a value it cannot take), as
+#: ``write failed: <Type>: ...`` names them. Any other (a connection, a timeout, an OS
+#: error, a database's ``OperationalError`` or ``AdminShutdown``) may be the sink's
+#: infrastructure: a partition whose write raised one is not run again in halves, and
+#: a write that failed so while the sink wrote other rows is given back, not failed
+_ROW_DATA = re.compile(
+    r"^write failed: (ValueError|TypeError|KeyError|IndexError|OverflowError|\w*DecodeError|"
+    r"\w*EncodeError|UnicodeError|ArrowInvalid|ArrowTypeError|DataError|IntegrityError): "
+)
+
+
+def of_row_data(error: str) -> bool:
+    """Whether a failed write's text names an error of a row's data.
+
+    >>> of_row_data("write failed: ValueError: qty < 0"), of_row_data("write failed: AdminShutdown: x")
+    (True, False)
+    """
+    return _ROW_DATA.match(error) is not None
 
 
 class AckflowError(Exception):

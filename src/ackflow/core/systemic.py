@@ -13,7 +13,10 @@ into dead letters. The rule (docs/concepts/failures.md, "Systemic failures are n
   in a batch if the batch gives proof of it: rows written by that sink, or, for any
   other step, rows written by any sink.
 * A candidate that is not (yet) systemic, in a batch without proof that its step works,
-  is *suspect*: it is given back, without spending a delivery, up to ``suspect_backs``
+  or a sink's write that failed with an error that is not a row's data
+  (:func:`~ackflow.core.errors.of_row_data`: a connection, a timeout) though the sink
+  wrote other rows (its database went away mid-job), is *suspect*: it is given back,
+  without spending a delivery, up to ``suspect_backs``
   (2) times per message, then failed as usual (so a lone poison message is still
   dead-lettered, two give-backs later).
 * When ``after`` distinct messages (3 by default) have failed with one signature, and
@@ -56,7 +59,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
-from ackflow.core.errors import ConfigError
+from ackflow.core.errors import ConfigError, of_row_data
+from ackflow.core.ledger import WHOLE_WRITE
 from ackflow.core.secrets import redact
 
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -176,7 +180,10 @@ class SystemicDetector:
         self.suspects = set()
         for sig, keys in by_sig.items():
             if self._works(sig[0], working):
-                continue  # the step worked in this very batch: these messages are the cause
+                if not self._went_away(*raw[sig]):
+                    continue  # the step worked in this very batch: these messages are the cause
+                self._suspect(keys)  # a sink that wrote, then failed as a sink does
+                continue
             streak = self._streaks.setdefault(sig, _Streak())
             if len(streak.keys) < self.after:
                 streak.keys.update(keys[: self.after])
@@ -184,11 +191,7 @@ class SystemicDetector:
                 systemic.update(keys)
                 self._enter(raw[sig], len(keys), detail(*raw[sig]) if detail else "")
                 continue
-            for key in keys:  # not yet shown by enough messages: suspect, a few times
-                n = self._backs.get(key, 0)
-                if n < self.suspect_backs:
-                    self._backs[key] = n + 1
-                    self.suspects.add(key)
+            self._suspect(keys)  # not yet shown by enough messages: suspect, a few times
         if len(self._backs) > 100_000:  # bounded: forget the oldest
             for key in list(self._backs)[:50_000]:
                 del self._backs[key]
@@ -197,6 +200,19 @@ class SystemicDetector:
                 del self._streaks[sig]
         self.given_back += len(systemic)
         return systemic
+
+    def _suspect(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            n = self._backs.get(key, 0)
+            if n < self.suspect_backs:
+                self._backs[key] = n + 1
+                self.suspects.add(key)
+
+    def _went_away(self, step: str, error: str) -> bool:
+        """A sink's write that failed, as a whole, with an error that is not a row's data
+        (a connection, a timeout: its database going away mid-job) while the sink wrote
+        other rows: not proof that these messages are the cause."""
+        return step in self.sinks and error.startswith(WHOLE_WRITE) and not of_row_data(error)
 
     def _works(self, step: str, working: set[str]) -> bool:
         """A failing step works if the batch proved it: that sink wrote rows, or (a step

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ackflow import faults
-from ackflow.core.errors import FlowError, StoreAway, describe
+from ackflow.core.errors import FlowError, StoreAway, describe, of_row_data
 from ackflow.core.groups import Group
 from ackflow.core.ledger import WHOLE_WRITE, Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
@@ -608,14 +608,6 @@ def abort_all(compiled: Plan, batch_id: str, tokens: dict[str, list[bytes]]) -> 
 
 #: the end of the writer's text for a partition whose write raised (``errors.where``)
 _RAISED_AT = re.compile(r" \(at [^()]*:\d+ in [^()]*\)$")
-#: the errors a write raises for one row's data (a value it cannot take): only a
-#: partition whose write raised one of these is run again. Others may be the sink's
-#: infrastructure (a database or broker going away mid-job, a disk, a timeout: running
-#: again at once would wait on it job after job), and are judged as before
-_ROW_DATA = re.compile(
-    r"^write failed: (ValueError|TypeError|KeyError|IndexError|OverflowError|\w*DecodeError|"
-    r"\w*EncodeError|UnicodeError|ArrowInvalid|ArrowTypeError|DataError|IntegrityError): "
-)
 
 
 def _partition_suspects(
@@ -633,7 +625,7 @@ def _partition_suspects(
             f is not None
             and f.error.startswith(WHOLE_WRITE)
             and _RAISED_AT.search(f.error)
-            and _ROW_DATA.match(f.error)
+            and of_row_data(f.error)
             and not f.written  # (rows of it written elsewhere would be written again)
             and rows_written.get(f.step, 0) > 0
         ):
