@@ -79,6 +79,26 @@ def test_a_step_that_is_not_a_sink_works_when_a_message_is_acked():
     assert d.episode is None
 
 
+def test_a_sink_that_wrote_then_went_away_makes_suspects_only_of_stable_keys():
+    """A write that failed as a whole with an error that is not a row's data, while its
+    sink wrote other rows: a suspect, twice per message, then its own failure. A key
+    that changes at each delivery (a RabbitMQ message without an id) would be a new
+    suspect each time, given back forever (found by review): it fails as before."""
+    d = SystemicDetector(sinks={"pg"}, after=3)
+    gone = "write failed: ConnectionError: lost the connection to PostgreSQL (at pg.py:1 in w)"
+    row = "write failed: ValueError: qty must be positive (at pg.py:1 in w)"
+    stable = lambda k: not k.startswith("delivery:")  # noqa: E731
+    for _ in range(2):
+        assert not d.judge([("m1", "pg", gone), ("m2", "pg", row)], working={"pg"}, stable=stable)
+        assert d.suspects == {"m1"}  # m2: a row's data, the sink works: its own
+    d.judge([("m1", "pg", gone)], working={"pg"}, stable=stable)
+    assert d.suspects == set()  # given back twice: failed as usual now
+    for n in range(5):
+        d.judge([(f"delivery:{n}", "pg", gone)], working={"pg"}, stable=stable)
+        assert d.suspects == set()
+    assert d.episode is None
+
+
 def test_systemic_after_zero_turns_the_rule_off():
     d = SystemicDetector(after=0)
     assert d.judge([(i, "s", "down") for i in range(10)], working=set()) == set()

@@ -161,11 +161,15 @@ class SystemicDetector:
         *,
         working: set[str],
         detail: Callable[[str, str], str] | None = None,
+        stable: Callable[[Hashable], bool] | None = None,
     ) -> set[Hashable]:
         """``failures``: (key, step, error) of one batch's failed messages (before any is
         settled); ``working``: the steps the batch proved work (sink names that wrote rows,
         and :data:`ANY_STEP` if any sink wrote rows). Returns the keys judged systemic; the
-        keys to give back as suspects are then in :attr:`suspects`."""
+        keys to give back as suspects are then in :attr:`suspects`. ``stable(key)``: the
+        key is the same at every delivery of its message (a message without an id may get
+        a new one each time): only those are given back for a sink that went away while
+        it wrote (nothing else bounds how often; the others are failed as before)."""
         self.suspects = set()
         if not self.after:  # off: every failure is the message's own
             return set()
@@ -182,7 +186,8 @@ class SystemicDetector:
             if self._works(sig[0], working):
                 if not self._went_away(*raw[sig]):
                     continue  # the step worked in this very batch: these messages are the cause
-                self._suspect(keys)  # a sink that wrote, then failed as a sink does
+                # a sink that wrote, then failed as a sink does
+                self._suspect(k for k in keys if stable is None or stable(k))
                 continue
             streak = self._streaks.setdefault(sig, _Streak())
             if len(streak.keys) < self.after:

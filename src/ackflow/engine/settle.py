@@ -433,6 +433,7 @@ class Settling(DeadLetters):
             [(d.identity, f.step, f.error) for d, f in whole],
             working=working,
             detail=lambda step, error: result.details.get((step, error)) or error,
+            stable=lambda identity: UNNAMED not in str(identity),  # (a RabbitMQ message without an id)
         )
         systemic = {d.lineage_id for d, _ in whole if d.identity in judged}
         suspects = {d.lineage_id for d, _ in whole if d.identity in detector.suspects}
