@@ -135,6 +135,33 @@ def test_constraint_violations_fail_only_their_messages(spark, postgres, pg_tabl
     assert got == sorted(m["n"] for i, m in enumerate(msgs) if i not in (17, 101, 150))
 
 
+def test_a_value_past_the_index_row_limit_fails_only_its_message(spark, postgres, pg_table):
+    """SQLSTATE 54000 (program_limit_exceeded: an index row larger than a B-tree page
+    holds) is a row's own error, but psycopg raises it as an OperationalError, which the
+    sink took for a lost connection: the whole partition failed (found by review)."""
+    import random
+
+    execute(
+        postgres.dsn,
+        sql.SQL("CREATE TABLE {} (ackflow_key text PRIMARY KEY, n int, tag text UNIQUE)").format(
+            sql.Identifier(pg_table)
+        ),
+    )
+    rnd = random.Random(7)
+    huge = "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(20_000))
+    msgs = [{"n": i, "tag": huge if i == 9 else f"t{i}"} for i in range(30)]
+    src = ListSource(bodies(msgs))
+    report = ackflow.run(
+        ackflow.Flow(src).to(Postgres(postgres.dsn, pg_table, name="pg")),
+        spark=spark,
+        **{**FAST, "batch_size": 30, "max_inflight": 30},
+    )
+    assert report.acked == 29 and report.dead_lettered == 1
+    assert set(src.dead_letters) == {"m9"}
+    assert "index row" in src.failures["m9"].error
+    assert sorted(r["n"] for r in rows_of(postgres.dsn, pg_table)) == [i for i in range(30) if i != 9]
+
+
 def test_a_missing_column_the_flow_makes_stops_the_run_and_names_it(spark, postgres, pg_table):
     execute(
         postgres.dsn,

@@ -574,11 +574,11 @@ class PostgresSink(Sink):
             faults.point("postgres.before_commit")
             conn.commit()
             faults.point("postgres.after_commit")
-        except psycopg.OperationalError:
-            raise
         except psycopg.Error as e:
-            conn.rollback()
             state = getattr(e, "sqlstate", None) or ""
+            if isinstance(e, psycopg.OperationalError) and state[:2] not in ROW_SQLSTATE_CLASSES:
+                raise  # (the connection; but a row's 54xxx, too large, is an OperationalError)
+            conn.rollback()
             if state[:2] not in ROW_SQLSTATE_CLASSES:
                 # not the data's fault (no privilege, disk full, a lock, a server error):
                 # the whole write fails, and every message alike (a systemic failure)
