@@ -26,13 +26,16 @@ def where(exc: BaseException) -> str:
 
 
 #: the errors a sink's write raises for one row's data (a value it cannot take), as
-#: ``write failed: <Type>: ...`` names them. Any other (a connection, a timeout, an OS
-#: error, a database's ``OperationalError`` or ``AdminShutdown``) may be the sink's
+#: ``write failed: [branch 'b': ]<Type>[: ...]`` names them (a type's name, not its
+#: class: the text is what the executor sends). Any other (a connection, a timeout, an
+#: OS error, a database's ``OperationalError`` or ``AdminShutdown``) may be the sink's
 #: infrastructure: a partition whose write raised one is not run again in halves, and
 #: a write that failed so while the sink wrote other rows is given back, not failed
 _ROW_DATA = re.compile(
-    r"^write failed: (ValueError|TypeError|KeyError|IndexError|OverflowError|\w*DecodeError|"
-    r"\w*EncodeError|UnicodeError|ArrowInvalid|ArrowTypeError|DataError|IntegrityError): "
+    r"^write failed: (branch '[^']*': )?(ValueError|TypeError|KeyError|IndexError|OverflowError|"
+    r"ZeroDivisionError|\w*DecodeError|\w*EncodeError|UnicodeError|ArrowInvalid|ArrowTypeError|"
+    r"DataError|IntegrityError|\w*Violation|\w*OutOfRange|ValidationError|InvalidOperation)"
+    r"(: | \(at |$)"
 )
 
 
@@ -41,6 +44,10 @@ def of_row_data(error: str) -> bool:
 
     >>> of_row_data("write failed: ValueError: qty < 0"), of_row_data("write failed: AdminShutdown: x")
     (True, False)
+    >>> of_row_data("write failed: ValueError (at s.py:3 in w)"), of_row_data("write failed: ValueErrors: x")
+    (True, False)
+    >>> of_row_data("write failed: branch 'pg': UniqueViolation: duplicate key value")
+    True
     """
     return _ROW_DATA.match(error) is not None
 
