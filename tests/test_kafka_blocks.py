@@ -43,6 +43,17 @@ def opened(kafka, name, group, tmp_path, **kw):
     return src
 
 
+def two_members(kafka, tmp_path, revoke_timeout_s):
+    """A topic of two partitions holding 40 messages; member ``a`` open (blocks), ``b``
+    configured, not open (its join revokes one partition from ``a``)."""
+    name, group = topic(kafka, 2), f"g-{uuid.uuid4().hex[:6]}"
+    produce(kafka, name, [b"%d" % i for i in range(40)], partitions=2)
+    a = opened(kafka, name, group, tmp_path / "a", revoke_timeout_s=revoke_timeout_s)
+    b = source(kafka, name, group, tmp_path / "b", revoke_timeout_s=revoke_timeout_s)
+    b.configure(max_inflight=1000, error_sink=True)
+    return name, group, a, b
+
+
 def test_first_deliveries_come_as_blocks_with_each_message_s_identity_and_body(kafka, tmp_path):
     name, group = topic(kafka, 2), f"g-{uuid.uuid4().hex[:6]}"
     produce(kafka, name, [b"%d" % i for i in range(200)], partitions=2)
@@ -118,11 +129,7 @@ def test_a_split_or_released_block_comes_again_one_message_at_a_time(kafka, tmp_
 
 def test_a_block_in_flight_at_a_revoke_is_let_go_and_its_late_ack_commits_nothing(kafka, tmp_path):
     parts = 2
-    name, group = topic(kafka, parts), f"g-{uuid.uuid4().hex[:6]}"
-    produce(kafka, name, [b"%d" % i for i in range(40)], partitions=parts)
-    a = opened(kafka, name, group, tmp_path / "a", revoke_timeout_s=0.5)
-    b = source(kafka, name, group, tmp_path / "b", revoke_timeout_s=0.5)
-    b.configure(max_inflight=1000, error_sink=True)
+    name, group, a, b = two_members(kafka, tmp_path, 0.5)
     try:
         first = pull_messages(a, 40)
         assert all(d.parts is not None for d in first) and messages(first) == 40
@@ -205,12 +212,7 @@ def test_a_block_split_while_its_partition_is_revoked_does_not_hold_the_revoke(k
     its deadline, counting them as given up."""
     import threading
 
-    parts = 2
-    name, group = topic(kafka, parts), f"g-{uuid.uuid4().hex[:6]}"
-    produce(kafka, name, [b"%d" % i for i in range(40)], partitions=parts)
-    a = opened(kafka, name, group, tmp_path / "a", revoke_timeout_s=30)
-    b = source(kafka, name, group, tmp_path / "b", revoke_timeout_s=30)
-    b.configure(max_inflight=1000, error_sink=True)
+    name, _, a, b = two_members(kafka, tmp_path, 30)
     try:
         first = pull_messages(a, 40)
         assert len(first) == 2

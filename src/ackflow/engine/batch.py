@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from ackflow import faults
 from ackflow.core.errors import FlowError, StoreAway, describe, of_row_data
 from ackflow.core.groups import Group
-from ackflow.core.ledger import WHOLE_WRITE, Failure, Outcomes, settle_receipts
+from ackflow.core.ledger import Failure, Outcomes, settle_receipts
 from ackflow.core.schema import parse_miss
 from ackflow.core.settlement import Delivery
 from ackflow.engine.blocks import messages, stateless
@@ -623,9 +623,8 @@ def _partition_suspects(
         f = failed.get(d.lineage_id)
         if (
             f is not None
-            and f.error.startswith(WHOLE_WRITE)
+            and of_row_data(f.error)  # (a ``write failed: `` text)
             and _RAISED_AT.search(f.error)
-            and of_row_data(f.error)
             and not f.written  # (rows of it written elsewhere would be written again)
             and rows_written.get(f.step, 0) > 0
         ):

@@ -48,7 +48,7 @@ from ackflow.sources import kafka_blocks as kb
 from ackflow.sources import kafka_rebalance as rebalance
 from ackflow.sources.base import BlockSize, Source
 from ackflow.sources.kafka_attempts import Attempts, Partition, open_attempts
-from ackflow.sources.kafka_messages import dead_letter, delivery_headers
+from ackflow.sources.kafka_messages import dead_letter, delivery_headers, message_key
 
 log = logging.getLogger("ackflow.sources.kafka")
 
@@ -457,7 +457,9 @@ class KafkaSource(Source):
                     ):
                         part.tracker.pulled(off)
                         out.append(
-                            Delivery(0, _key(tp, off), entry[1], entry[2], count, handle=(tp, off, gen))
+                            Delivery(
+                                0, message_key(tp, off), entry[1], entry[2], count, handle=(tp, off, gen)
+                            )
                         )
                 highs: dict[Partition, int] = {}
                 taken = len(out)  # messages (a block is several)
@@ -513,7 +515,7 @@ class KafkaSource(Source):
         body = m.value() or b""
         headers = delivery_headers(tp, off, m)
         self._bodies[(tp, off)] = (gen, body, headers)
-        return Delivery(0, _key(tp, off), body, headers, count, handle=(tp, off, gen))
+        return Delivery(0, message_key(tp, off), body, headers, count, handle=(tp, off, gen))
 
     def use_blocks(self, on: bool) -> bool:
         self._use_blocks = on and self.headers_field is None  # (headers are made per delivery)
@@ -683,10 +685,6 @@ class KafkaSource(Source):
         if self._attempts is not None:
             self._attempts.close()
             self._attempts = None
-
-
-def _key(tp: Partition, off: int) -> str:
-    return f"{tp[0]}/{tp[1]}@{off}"
 
 
 def _handle(d: Delivery) -> tuple[Partition, int, int]:

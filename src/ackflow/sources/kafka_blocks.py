@@ -9,7 +9,7 @@ commit passes a block only once the block is acked.
 
 Only first deliveries join a block: a message handed out before this assignment (by an
 earlier run, or before a rebalance) comes alone with its recorded count, so a poison
-message does not split block after block. A block that fails is split (:func:`split`):
+message does not split block after block. A block that fails is split (:func:`again`):
 its messages come again one by one from the retry queue, each a first delivery (the
 block's try is spent by none of them), and are retried or dead-lettered as single
 messages. A block whose partition was revoked while it was in flight is let go with
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ackflow.core.settlement import Delivery
 from ackflow.sources.kafka_attempts import Partition
-from ackflow.sources.kafka_messages import delivery_headers
+from ackflow.sources.kafka_messages import delivery_headers, message_key
 
 if TYPE_CHECKING:
     from ackflow.sources.kafka import KafkaSource
@@ -58,7 +58,6 @@ def make(
     import pyarrow as pa
 
     size = src.block_size.now
-    prefix = f"{tp[0]}/{tp[1]}@"
     out = []
     for offs, ms in _cuts(offsets, messages, size):
         if len(offs) == 1:
@@ -67,14 +66,13 @@ def make(
         block = KafkaBlock(tp, gen, offs, ms)
         d = Delivery(
             0,
-            f"#{prefix}{offs[0]}+{len(offs)}",  # a label: the engine keys by its parts
+            f"#{message_key(tp, offs[0])}+{len(offs)}",  # a label: the engine keys by its parts
             b"",
             {},
             1,
             block,
             messages=len(offs),
-            # (a topic's name has no '|': each identity is its key, as alone)
-            parts=([f"{prefix}{o}" for o in offs], pa.array([m.value() or b"" for m in ms], pa.binary())),
+            parts=([message_key(tp, o) for o in offs], pa.array([m.value() or b"" for m in ms], pa.binary())),
         )
         src._blocks[(tp, offs[0])] = block
         src._in_blocks += len(offs)

@@ -23,6 +23,12 @@ Partition = tuple[str, int]
 OWN_HEADERS = frozenset({"topic", "partition", "offset", "timestamp", "key"})
 
 
+def message_key(tp: Partition, off: int) -> str:
+    """A message's identity: ``topic/partition@offset`` (a topic's name has no ``|``, so
+    it is also its :attr:`Delivery.identity`)."""
+    return f"{tp[0]}/{tp[1]}@{off}"
+
+
 def delivery_headers(tp: Partition, off: int, m: Any) -> dict[str, str]:
     """The delivery's headers: its place, timestamp and key, then the message's own
     headers that are UTF-8 text (one named like ackflow's is left out: it never stands
