@@ -99,19 +99,19 @@ def test_two_batch_threads_with_the_same_key_write_it_once(sink, tmp_path, monke
     """Forced interleaving: batch A has checked its keys and waits; batch B, holding the
     same key (a redelivery in a new batch), commits meanwhile. The check and the record
     must be one atomic step, so B sees A's key and drops its row."""
-    from ackflow.sinks import parquet
+    from ackflow.core import key_runs
 
     a_checked, b_done = threading.Event(), threading.Event()
-    real = parquet.insert_if_all_new  # the check (and, for a fresh batch, the record)
+    real = key_runs.insert_if_all_new  # the check (and, for a fresh batch, the record)
 
-    def slow_check(db, table, texts, count, at):
-        fresh = real(db, table, texts, count, at)
+    def slow_check(db, texts, count, at, batch):
+        fresh = real(db, texts, count, at, batch)
         if threading.current_thread().name == "A":
             a_checked.set()
             b_done.wait(2.0)  # with the fix B is blocked until A recorded: this times out
         return fresh
 
-    monkeypatch.setattr(parquet, "insert_if_all_new", slow_check)
+    monkeypatch.setattr(key_runs, "insert_if_all_new", slow_check)
     ta, tb = stage(sink, "bA", ["k"]), stage(sink, "bB", ["k"], start=10)
     errors = []
 
@@ -208,36 +208,6 @@ def test_keys_go_into_the_manifest_exactly_as_they_are(keys):
         assert sorted(got) == sorted({*keys, *extra})
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
-@given(
-    before=st.lists(st.text(max_size=6), max_size=12),
-    batch=st.lists(st.text(max_size=6), max_size=12),
-    nul=st.booleans(),
-)
-def test_insert_if_all_new_inserts_all_or_nothing(before, batch, nul):
-    """The fast path of the record: every key of a batch inserted when none is in the
-    manifest; otherwise nothing inserted (the slow path finds which), whatever the keys
-    hold (repeats, NUL, JSON escapes)."""
-    import sqlite3
-
-    from ackflow.core.durable import WriteTx, insert_if_all_new, insert_keys, keys_text
-
-    if nul:
-        batch = [*batch, "x\x00y"]
-    db = sqlite3.connect(":memory:", isolation_level=None)
-    db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL DEFAULT 0) WITHOUT ROWID")
-    insert_keys(db, "row_keys", before)
-    with WriteTx(db):
-        half = len(batch) // 2  # two parts, as two tasks' tokens
-        texts = [keys_text(batch[:half]), keys_text(batch[half:])]
-        fresh = insert_if_all_new(db, "row_keys", texts, len(batch), 1.0)
-    got = {r[0] for r in db.execute("SELECT key FROM row_keys")}
-    has_nul = any("\x00" in k for k in batch)  # NUL anywhere: the slow way
-    expect_fresh = not has_nul and len(set(batch)) == len(batch) and not set(batch) & set(before)
-    assert fresh == expect_fresh
-    assert got == (set(before) | set(batch) if fresh else set(before))
-
-
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(
     keys=st.lists(
@@ -260,8 +230,7 @@ def test_keys_text_reads_back_as_the_keys_in_python_and_in_sqlite(keys):
     text = keys_text(keys)
     assert json.loads(text) == keys
     db = sqlite3.connect(":memory:")
-    # (sqlite3 cannot bind lone surrogates; json_each cuts a string at NUL: such keys never
-    # take the fast insert, see test_insert_if_all_new_inserts_all_or_nothing)
+    # (sqlite3 cannot bind lone surrogates; json_each cuts a string at NUL)
     if not any("\ud800" <= c <= "\udfff" or c == "\x00" for k in keys for c in k):
         rows = "SELECT value FROM json_each(?) ORDER BY key"
         got = [r[0] for r in db.execute(rows, (text,))]

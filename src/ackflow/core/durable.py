@@ -85,8 +85,8 @@ def insert_keys(db: sqlite3.Connection, table: str, keys: Iterable[str]) -> None
 
 
 def keys_text(keys: list[str | None]) -> str:
-    """``keys`` as the JSON array :func:`insert_if_all_new` takes, in their rows' order (a
-    writer's tasks make it, so the driver does not): by msgspec where it can (an eighth of
+    """``keys`` as a JSON array in their rows' order (a writer's tasks make it, so the
+    driver does not): by msgspec where it can (an eighth of
     the time), else by ``json`` (a key holding a lone surrogate, no msgspec there)."""
     if _KEYS_WRITER is not None:
         try:
@@ -106,28 +106,3 @@ def _keys_writer() -> Any:
 
 
 _KEYS_WRITER = _keys_writer()
-
-
-def insert_if_all_new(db: sqlite3.Connection, table: str, texts: list[str], count: int, at: float) -> bool:
-    """Insert every key of ``texts`` (JSON arrays of ``count`` keys in all, from
-    :func:`keys_text`) into ``table`` (``key``, ``at``) if none is there yet (a batch seen
-    for the first time, the common case): True. Otherwise nothing is inserted and the
-    answer is False (the caller then finds which are there). One statement per array
-    inside a savepoint of the caller's transaction, instead of a temporary table, a join
-    and a second insert, and no Python object per key. Keys holding NUL, and repeated
-    keys, answer False (the slow way handles them)."""
-    if any("\\u0000" in text for text in texts):
-        return False
-    # an exception leaves the savepoint to the caller's transaction, which rolls back
-    db.execute("SAVEPOINT all_new")
-    before = db.total_changes
-    for text in texts:
-        db.execute(  # sorted by SQLite: a B-tree takes keys in order fastest
-            f"INSERT OR IGNORE INTO {table} (key, at) SELECT value, ? FROM json_each(?) ORDER BY value",
-            (at, text),
-        )
-    fresh = db.total_changes - before == count
-    if not fresh:
-        db.execute("ROLLBACK TO all_new")
-    db.execute("RELEASE all_new")
-    return fresh

@@ -14,15 +14,8 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from ackflow import faults
-from ackflow.core.durable import (
-    WriteTx,
-    fsync_dir,
-    insert_if_all_new,
-    insert_keys,
-    keys_text,
-    open_db,
-    try_lock,
-)
+from ackflow.core import key_runs
+from ackflow.core.durable import WriteTx, fsync_dir, keys_text, open_db, try_lock
 from ackflow.core.errors import ColumnsRefused, ConfigError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink
@@ -215,13 +208,9 @@ class ParquetSink(Sink):
         db = open_db(
             self.manifest,
             "CREATE TABLE IF NOT EXISTS batches (batch TEXT PRIMARY KEY, rows INTEGER NOT NULL,"
-            " dropped INTEGER NOT NULL, committed_at REAL NOT NULL);"
-            "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL"
-            " DEFAULT 0) WITHOUT ROWID;",
+            " dropped INTEGER NOT NULL, committed_at REAL NOT NULL);" + key_runs.SCHEMA,
             threads=threads,
         )
-        if "at" not in {r[1] for r in db.execute("PRAGMA table_info(row_keys)")}:
-            db.execute("ALTER TABLE row_keys ADD COLUMN at REAL NOT NULL DEFAULT 0")  # old files
         return db
 
     def open(self) -> None:
@@ -234,6 +223,7 @@ class ParquetSink(Sink):
         if self.dedupe:
             db = self._db()
             try:
+                key_runs.migrate(db, self.name)
                 recorded = {r[0] for r in db.execute("SELECT batch FROM batches")}
             finally:
                 db.close()
@@ -275,15 +265,15 @@ class ParquetSink(Sink):
             return PartitionResult()
         keys = None
         if KEY in rows.column_names:
-            keys = rows.column(KEY).to_pylist()
+            keys = rows.column(KEY)
             rows = rows.drop_columns([KEY])
         failed: dict[int, str] = {}
         if self.target is not None and not rows.schema.equals(self.target):
             rows, failed = self._conform(rows)
             if failed:
-                kept = [i not in failed for i in range(rows.num_rows)]
-                rows = rows.filter(pa.array(kept))
-                keys = None if keys is None else [k for k, m in zip(keys, kept, strict=True) if m]
+                kept = pa.array([i not in failed for i in range(rows.num_rows)])
+                rows = rows.filter(kept)
+                keys = None if keys is None else keys.filter(kept)
                 if rows.num_rows == 0:
                     return PartitionResult(failed=failed)
         folder = os.path.join(self.staging, batch_id)
@@ -291,18 +281,20 @@ class ParquetSink(Sink):
         final = os.path.join(folder, f"part-{partition:05d}.parquet")
         _write_atomically(rows, final, self.compression, pq)  # the file and its folder
         fsync_dir(self.staging)  # the folder's entry in _staging
-        # the keys go to the driver as one JSON array in the rows' order, the text the
-        # manifest's insert takes (the driver parses them only when some were written before),
-        # after the part's own line: never escaped into it (nor unescaped by the driver)
+        # the keys go to the driver as runs (the text the manifest's insert takes), and as
+        # one JSON array in the rows' order (parsed only when some were written before),
+        # each on its own line after the part's: never escaped into it
+        runs = None if keys is None else _runs(keys)
         head = {
             "file": final,
             "rows": rows.num_rows,
             "has_keys": keys is not None,
-            "n_keys": 0 if keys is None else len(keys),
-            "null_key": keys is not None and None in keys,
+            "n_runs": -1 if runs is None else len(runs),
+            "null_key": keys is not None and keys.null_count > 0,
         }
-        text = b"" if keys is None else keys_text(keys).encode()
-        return PartitionResult(failed=failed, token=json.dumps(head).encode() + b"\n" + text)
+        lines = [json.dumps(head).encode(), b"" if runs is None else key_runs.text(runs).encode()]
+        lines.append(b"" if keys is None else keys_text(keys.to_pylist()).encode())
+        return PartitionResult(failed=failed, token=b"\n".join(lines))
 
     def _conform(self, rows: Any) -> tuple[Any, dict[int, str]]:
         """The rows in the dataset's schema (columns it has and the rows lack are null; a
@@ -343,8 +335,7 @@ class ParquetSink(Sink):
             faults.point("parquet.after_record")
             os.rename(staged, target)
         except Exception as e:  # a dying process (KeyboardInterrupt, exit) leaves the record
-            # the parts' keys are those of the rows kept (the record dropped the others)
-            self._undo_record(batch_id, [k for part in parts for k in _keys(part)], e)
+            self._undo_record(batch_id, e)
             raise
         faults.point("parquet.after_rename")
         try:
@@ -372,14 +363,17 @@ class ParquetSink(Sink):
                         "apart from a redelivery's: not committing"
                     )
                 now = time.time()
-                texts = [part["keys_json"] for part in parts if part["keys_json"]]
-                if insert_if_all_new(db, "row_keys", texts, sum(p["n_keys"] for p in parts), now):
+                keyed = [part for part in parts if part["keys_json"]]
+                texts = [part["runs_json"] for part in keyed]
+                count = sum(part["n_runs"] for part in keyed)
+                if all(part["n_runs"] >= 0 for part in keyed) and key_runs.insert_if_all_new(
+                    db, texts, count, now, batch_id
+                ):
                     fresh_total = staged_total  # no row was written before (the common case)
                 else:
                     fresh_total = self._drop_written_rows(db, parts, [k for p in parts for k in _keys(p)])
-                    # the batch's keys are in the temporary table already: the fresh ones
-                    # are those the manifest lacks (one statement, no Python row per key)
-                    db.execute("INSERT OR IGNORE INTO row_keys (key, at) SELECT key, ? FROM incoming", (now,))
+                    # the parts' keys are now those of the rows kept: none is in the manifest
+                    key_runs.insert_new(db, [k for p in parts for k in _keys(p)], now, batch_id)
                 for folder in {os.path.dirname(part["file"]) for part in parts}:
                     if os.path.isdir(folder):
                         fsync_dir(folder)
@@ -403,11 +397,12 @@ class ParquetSink(Sink):
         if now - self._last_sweep < min(self.dedupe_retention_s / 10, 3600.0):
             return
         self._last_sweep = now
-        gone = db.execute("DELETE FROM row_keys WHERE at < ?", (now - self.dedupe_retention_s,)).rowcount
+        gone = db.execute("DELETE FROM key_runs WHERE at < ?", (now - self.dedupe_retention_s,)).rowcount
         if gone:
-            log.info("sink %r: forgot %d row keys older than %g s", self.name, gone, self.dedupe_retention_s)
+            kept_s = self.dedupe_retention_s
+            log.info("sink %r: forgot %d runs of row keys older than %g s", self.name, gone, kept_s)
 
-    def _undo_record(self, batch_id: str, fresh_keys: list[str], cause: BaseException) -> None:
+    def _undo_record(self, batch_id: str, cause: BaseException) -> None:
         """The rename failed after the record: take the record back (then the batch may be
         aborted and its messages retried), or, if that fails too, keep the staged batch
         for the next start to finish."""
@@ -415,9 +410,8 @@ class ParquetSink(Sink):
             db = self._db()
             try:
                 with WriteTx(db):
-                    db.executemany(
-                        "DELETE FROM row_keys WHERE key = ?", ((k,) for k in dict.fromkeys(fresh_keys))
-                    )
+                    # the runs this batch inserted (its fresh keys) carry its id
+                    db.execute("DELETE FROM key_runs WHERE batch = ?", (batch_id,))
                     db.execute("DELETE FROM batches WHERE batch = ?", (batch_id,))
             finally:
                 db.close()
@@ -444,16 +438,7 @@ class ParquetSink(Sink):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        db.execute("CREATE TEMP TABLE IF NOT EXISTS incoming (key TEXT PRIMARY KEY)")
-        db.execute("DELETE FROM incoming")
-        insert_keys(db, "incoming", keys)
-        # CROSS JOIN fixes the loop order: the batch's keys outside, a primary-key search in
-        # the manifest inside. A plain JOIN let SQLite scan the whole manifest per commit
-        # (measured: 30 ms at 0 keys, 640 ms at 10 million).
-        seen = {
-            r[0]
-            for r in db.execute("SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")
-        }
+        seen = key_runs.written(db, keys)
         total = 0
         for part in parts:
             if not part["keys"] or not seen:  # nothing of it was written before
@@ -516,11 +501,23 @@ def _drop_unnamed(staged: str, named: set[str]) -> None:
 
 
 def _part(token: bytes) -> dict[str, Any]:
-    """A task's token: its part's line (JSON: file, rows, ...), then its keys' JSON text."""
-    head, _, text = token.partition(b"\n")
+    """A task's token: its part's line (JSON: file, rows, ...), then its keys' runs' JSON
+    text, then its keys' JSON text."""
+    head, runs, text = token.split(b"\n", 2)
     part = cast(dict[str, Any], json.loads(head))
-    part["keys_json"] = text.decode() if part.pop("has_keys") else None
+    has_keys = part.pop("has_keys")
+    part["runs_json"] = runs.decode() if has_keys else None
+    part["keys_json"] = text.decode() if has_keys else None
     return part
+
+
+def _runs(keys: Any) -> list[list[Any]] | None:
+    """A part's keys as runs, or None (a null or repeated key, or keys Arrow cannot
+    take): the driver then finds the written keys one by one."""
+    try:
+        return key_runs.runs(keys)
+    except Exception:  # noqa: BLE001 - never the part's failure: the slow path takes it
+        return None
 
 
 def _keys(part: dict[str, Any]) -> list[str]:

@@ -1,0 +1,204 @@
+"""Row keys kept as runs: a key manifest holds ``(stem, marks, first, last)`` rows, not one
+row per key, so that a batch of a file's lines (``<file>:1`` ... ``<file>:10000``), a
+queue's row ids (``#1!`` ...), a Kafka partition's offsets or a flat_map's children cost
+the driver one insert, not ten thousand.
+
+A key is ``stem + str(n) + "!" * marks``: ``marks`` the ``!`` it ends with (the mark
+``row_key`` adds), ``n`` the digits before them read as an integer when they are written
+the way ``str`` writes an integer (no leading zero, at most 18 digits), and ``stem`` the
+rest (never ending in a digit). Any other key (``abc``, ``x05``, an empty key) is the run
+``(key, 0, -1, -1)``. The mapping is one to one: a numbered key's stem never ends in a
+digit and its ``n`` is at least 0, so it never meets another key's run.
+
+The runs of a manifest never overlap (each insert checks), so a key ``(s, m, n)`` was
+written iff the run of ``(s, m)`` with the greatest ``first <= n`` has ``last >= n``: one
+search of the primary key ``(stem, marks, first)``.
+
+The runs are computed where the rows are (a writer's task), with Arrow's kernels: about
+0.1 us a key, measured at 10 000 keys of one file."""
+
+import json
+import sqlite3
+from typing import Any
+
+# the manifest's table of runs, made by :func:`ensure_table`
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS key_runs (stem TEXT NOT NULL, marks INTEGER NOT NULL,"
+    " first INTEGER NOT NULL, last INTEGER NOT NULL, at REAL NOT NULL, batch TEXT,"
+    " PRIMARY KEY (stem, marks, first)) WITHOUT ROWID"
+)
+
+_MAX_DIGITS = 18  # below 2**63: any 18 digits are an int64
+
+
+def parts(keys: Any) -> list[tuple[str, int, int]]:
+    """Each key's ``(stem, marks, n)``, in the keys' order (``keys``: a list of str)."""
+    stems, marks, n = _parts(keys)
+    return list(zip(stems.to_pylist(), marks.to_pylist(), n.to_pylist(), strict=True))
+
+
+def _parts(keys: Any) -> tuple[Any, Any, Any]:
+    """Each key's stem, marks and ``n``, as three Arrow arrays in the keys' order (``keys``:
+    a pyarrow string array or a list of str, no nulls)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string())
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    base = pc.utf8_rtrim(arr, characters="!")
+    marks = pc.subtract(pc.utf8_length(arr), pc.utf8_length(base))
+    stems = pc.utf8_rtrim(base, characters="0123456789")
+    width = pc.subtract(pc.utf8_length(base), pc.utf8_length(stems))
+    numbered = pc.and_(pc.greater(width, 0), pc.less_equal(width, _MAX_DIGITS))
+    n = _tail_numbers(base, width, numbered)
+    # canonical: the key is exactly stem + str(n) + marks; else the key is its own stem
+    rebuilt = pc.binary_join_element_wise(stems, pc.cast(n, pa.string()), pc.binary_repeat("!", marks), "")
+    canonical = pc.fill_null(pc.and_(numbered, pc.equal(rebuilt, arr)), False)
+    n = pc.fill_null(pc.if_else(canonical, n, pa.scalar(-1, pa.int64())), -1)
+    marks = pc.if_else(canonical, marks, pa.scalar(0, marks.type))
+    return pc.if_else(canonical, stems, arr), marks, n
+
+
+def _tail_numbers(arr: Any, width: Any, numbered: Any) -> Any:
+    """The integer each numbered key ends with (null where ``numbered`` is false): the
+    keys of one width of digits at a time, taken out, cut and cast together."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    widths = width.to_numpy(zero_copy_only=False)
+    out = np.zeros(len(arr), dtype=np.int64)
+    for w in np.unique(widths[numbered.to_numpy(zero_copy_only=False)]).tolist():
+        at = np.flatnonzero(widths == w)
+        picked = arr.take(pa.array(at)) if len(at) < len(arr) else arr
+        tail = pc.utf8_slice_codeunits(picked, -w) if w else picked
+        out[at] = pc.cast(tail, pa.int64()).to_numpy(zero_copy_only=False)
+    return pa.array(out, mask=~numbered.to_numpy(zero_copy_only=False))
+
+
+def runs(keys: Any) -> list[list[Any]] | None:
+    """The keys as disjoint runs ``[stem, marks, first, last]`` (sorted), or None when a
+    key is null or repeats (the caller's slow path handles those)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string())
+    if len(arr) == 0:
+        return []
+    if arr.null_count:
+        return None
+    stems, marks, ns = _parts(arr)
+    enc = pc.dictionary_encode(stems)
+    names = enc.dictionary.to_pylist()
+    m = marks.to_numpy(zero_copy_only=False).astype(np.int64)
+    group = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64) * (int(m.max()) + 1) + m
+    n = ns.to_numpy(zero_copy_only=False)
+    order = np.lexsort((n, group))
+    group, n = group[order], n[order]
+    same = group[1:] == group[:-1]
+    step = np.diff(n)
+    if bool((same & (step == 0)).any()):
+        return None  # a key repeats
+    breaks = np.flatnonzero(~(same & (step == 1)))
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [len(n) - 1]))
+    spans = zip(starts.tolist(), ends.tolist(), strict=True)
+    width = int(m.max()) + 1
+    return [[names[group[a] // width], int(group[a] % width), int(n[a]), int(n[b])] for a, b in spans]
+
+
+def ensure_table(db: sqlite3.Connection) -> None:
+    db.execute(SCHEMA)
+
+
+def insert_if_all_new(db: sqlite3.Connection, texts: list[str], count: int, at: float, batch: str) -> bool:
+    """Insert every run of ``texts`` (JSON arrays of ``count`` runs in all, each made by
+    :func:`runs`, so disjoint within a text) into ``key_runs`` if none of their keys is
+    there yet: True. Otherwise nothing is inserted: False (the caller then finds which keys
+    are there). One statement per text, inside a savepoint of the caller's transaction; a
+    later text sees an earlier one's runs, so two parts holding one key answer False."""
+    if any("\\u0000" in text for text in texts):
+        return False  # SQLite's JSON functions cut a text at NUL: the slow way
+    db.execute("SAVEPOINT all_new")
+    before = db.total_changes
+    for text in texts:
+        db.execute(
+            "INSERT INTO key_runs (stem, marks, first, last, at, batch) "
+            "SELECT j.value ->> 0, j.value ->> 1, j.value ->> 2, j.value ->> 3, ?, ? FROM json_each(?) AS j "
+            "WHERE coalesce((SELECT r.last FROM key_runs AS r WHERE r.stem = j.value ->> 0 AND "
+            "r.marks = j.value ->> 1 AND r.first <= j.value ->> 3 ORDER BY r.first DESC LIMIT 1), -2)"
+            " < j.value ->> 2",
+            (at, batch, text),
+        )
+    fresh = db.total_changes - before == count
+    if not fresh:
+        db.execute("ROLLBACK TO all_new")
+    db.execute("RELEASE all_new")
+    return fresh
+
+
+def written(db: sqlite3.Connection, keys: list[str]) -> set[str]:
+    """Which of ``keys`` the manifest holds (the slow path: one search per key)."""
+    if not keys:
+        return set()
+    unique = list(dict.fromkeys(keys))
+    db.execute(
+        "CREATE TEMP TABLE IF NOT EXISTS incoming_runs (key TEXT, stem TEXT, marks INTEGER, n INTEGER)"
+    )
+    db.execute("DELETE FROM incoming_runs")
+    rows = ((k, *p) for k, p in zip(unique, parts(unique), strict=True))
+    db.executemany("INSERT INTO incoming_runs VALUES (?, ?, ?, ?)", rows)
+    found = db.execute(
+        "SELECT i.key FROM incoming_runs AS i WHERE (SELECT r.last FROM key_runs AS r WHERE r.stem = i.stem"
+        " AND r.marks = i.marks AND r.first <= i.n ORDER BY r.first DESC LIMIT 1) >= i.n"
+    )
+    seen = {r[0] for r in found}
+    db.execute("DELETE FROM incoming_runs")
+    return seen
+
+
+def insert_new(db: sqlite3.Connection, keys: list[str], at: float, batch: str) -> None:
+    """Insert ``keys``, none of which the manifest holds (:func:`written` said so)."""
+    found = runs(list(dict.fromkeys(keys)))
+    assert found is not None  # unique and not null
+    db.executemany(
+        "INSERT INTO key_runs (stem, marks, first, last, at, batch) VALUES (?, ?, ?, ?, ?, ?)",
+        ((s, m, a, b, at, batch) for s, m, a, b in found),
+    )
+
+
+def text(found: list[list[Any]]) -> str:
+    """Runs as the JSON text :func:`insert_if_all_new` takes."""
+    return json.dumps(found, ensure_ascii=False)
+
+
+def migrate(db: sqlite3.Connection, name: str) -> None:
+    """A manifest of ackflow 0.6.15 or older keeps one row per key (``row_keys``): move
+    its keys into ``key_runs``, one run each with its own time, in one write transaction,
+    and drop the old table. Done once, at the sink's open, under its writer lock."""
+    import logging
+
+    from ackflow.core.durable import WriteTx
+
+    old = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'row_keys'"
+    if db.execute(old).fetchone() is None:
+        return
+    moved = 0
+    with WriteTx(db):
+        timed = "at" in {r[1] for r in db.execute("PRAGMA table_info(row_keys)")}
+        cursor = db.execute("SELECT key, at FROM row_keys" if timed else "SELECT key, 0 FROM row_keys")
+        while chunk := cursor.fetchmany(100_000):
+            db.executemany(
+                "INSERT OR IGNORE INTO key_runs (stem, marks, first, last, at, batch)"
+                " VALUES (?, ?, ?, ?, ?, NULL)",
+                (
+                    (s, m, n, n, at)
+                    for (s, m, n), (_, at) in zip(parts([k for k, _ in chunk]), chunk, strict=True)
+                ),
+            )
+            moved += len(chunk)
+        db.execute("DROP TABLE row_keys")
+    log = logging.getLogger("ackflow.sinks")
+    log.info("sink %r: moved %d row keys of an older manifest into runs", name, moved)
