@@ -3,9 +3,10 @@
     .venv/bin/python -m benchmarks.manifest                          # 0, 1M, 10M keys
     .venv/bin/python -m benchmarks.manifest --keys 0,100000 --batch 5000
 
-For each manifest size it fills ``_manifest.db`` with that many recorded row keys (the
-shape ackflow writes: message id + position), then times ``commit`` of batches of
-``--batch`` fresh rows staged by ``write_partition`` (the driver-side work of one batch:
+For each manifest size it fills ``_manifest.db`` with that many recorded row keys (a
+message id + position, each key a run of its own: the manifest's worst shape), then
+times ``commit`` of batches of ``--batch`` fresh rows (zero-padded ids, again one run
+per key) staged by ``write_partition`` (the driver-side work of one batch:
 the already-written check, the record of the batch and its keys, the rename), and one
 commit of a batch that is all redelivered rows (every key found). It prints a table
 and writes JSON (``--out``, default benchmarks/results/manifest.json).
@@ -23,6 +24,7 @@ import time
 
 import pyarrow as pa
 
+from ackflow.core import key_runs
 from ackflow.sinks import ParquetSink
 
 
@@ -34,10 +36,8 @@ def fill(sink: ParquetSink, n: int) -> float:
         now = time.time()
         for lo in range(0, n, 100_000):
             db.execute("BEGIN IMMEDIATE")
-            db.executemany(
-                "INSERT INTO row_keys (key, at) VALUES (?, ?)",
-                ((f"orders-{i:012d}#{i % 3}", now) for i in range(lo, min(n, lo + 100_000))),
-            )
+            keys = [f"orders-{i:012d}#{i % 3}" for i in range(lo, min(n, lo + 100_000))]
+            key_runs.insert_new(db, keys, now, None)
             db.execute("COMMIT")
     finally:
         db.close()

@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ackflow.core import key_runs
 from ackflow.sinks import Delta, Iceberg
 from ackflow.sinks.lakehouse import KeyManifest, TableSink
 
@@ -75,10 +76,7 @@ def fill(kind: str, sink: TableSink, n: int) -> float:
         db = KeyManifest(sink.manifest_path).connect()
         try:
             db.execute("BEGIN IMMEDIATE")
-            db.executemany(
-                "INSERT INTO row_keys (key) VALUES (?)",
-                ((k,) for k in chunk.column("ackflow_key").to_pylist()),
-            )
+            key_runs.insert_new(db, chunk.column("ackflow_key").to_pylist(), time.time(), None)
             db.execute("COMMIT")
         finally:
             db.close()

@@ -159,3 +159,28 @@ def test_an_older_manifest_s_keys_are_moved_into_runs_and_still_drop_a_redeliver
         ("f:", 0, 1, 1, 5.0),
         ("msg-a", 0, -1, -1, 5.0),
     ]
+
+
+def test_a_lakehouse_manifest_of_one_row_per_key_is_moved_into_runs(tmp_path):
+    """The Delta and Iceberg sinks' manifest (0.6.15 and older: ``row_keys`` without a
+    time) moves into runs at its first connection, and its keys still count as written."""
+    from ackflow.sinks.lakehouse import KeyManifest
+
+    path = str(tmp_path / "keys.db")
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE row_keys (key TEXT PRIMARY KEY) WITHOUT ROWID;"
+        "INSERT INTO row_keys VALUES ('#1!'), ('#2!'), ('[\"a\",1]');"
+    )
+    db.commit()
+    db.close()
+    db = KeyManifest(path).connect()
+    try:
+        assert KeyManifest.written(db, ["#1!", "#2!", "#3!", '["a",1]', '["a",2]']) == {
+            "#1!",
+            "#2!",
+            '["a",1]',
+        }
+        assert db.execute("SELECT name FROM sqlite_master WHERE name = 'row_keys'").fetchone() is None
+    finally:
+        db.close()

@@ -289,6 +289,27 @@ def test_with_key_columns_the_first_write_of_a_key_wins(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_key_in_two_partitions_of_one_batch_is_written_once_and_runs_are_checked_exactly(tmp_path, kind):
+    """The commit's quick way (each file's keys as runs, one search per run) must see a
+    key two tasks both hold (a run ``m1..m3`` and a run ``m3..m4``), and a key inside a
+    recorded run; anything else is written."""
+    sink = make(kind, tmp_path)
+    try:
+        parts = [
+            pa.table({"n": [1, 2, 3], "__af_key": ["m1", "m2", "m3"]}),
+            pa.table({"n": [30, 4], "__af_key": ["m3", "m4"]}),
+        ]
+        sink.commit("b1", [sink.write_partition("b1", p, rows).token for p, rows in enumerate(parts)])
+        assert dict(content(sink)) == {"m1": 1, "m2": 2, "m3": 3, "m4": 4}
+        sink.commit("b2", stage(sink, "b2", ["m4", "m5", "m4!"], start=20))  # m4 ends run m1..m4
+        assert dict(content(sink)) == {"m1": 1, "m2": 2, "m3": 3, "m4": 4, "m4!": 22, "m5": 21}
+        sink.commit("b3", stage(sink, "b3", ["m6", "m7"], start=40))  # fresh: the quick way
+        assert len(content(sink)) == 8
+    finally:
+        sink.close()
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
 def test_a_committed_batch_survives_the_abort_after_a_later_sink_failed(tmp_path, kind):
     """Broadcast(Delta, Postgres): Delta commits, Postgres' commit fails, the engine aborts
     every sink of the batch. Before, the abort deleted the committed batch's files: the

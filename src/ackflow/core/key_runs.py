@@ -17,6 +17,7 @@ search of the primary key ``(stem, marks, first)``.
 The runs are computed where the rows are (a writer's task), with Arrow's kernels: about
 0.1 us a key, measured at 10 000 keys of one file."""
 
+import itertools
 import json
 import sqlite3
 from typing import Any
@@ -159,14 +160,11 @@ def written(db: sqlite3.Connection, keys: list[str]) -> set[str]:
     return seen
 
 
-def insert_new(db: sqlite3.Connection, keys: list[str], at: float, batch: str) -> None:
+def insert_new(db: sqlite3.Connection, keys: list[str], at: float, batch: str | None) -> None:
     """Insert ``keys``, none of which the manifest holds (:func:`written` said so)."""
     found = runs(list(dict.fromkeys(keys)))
     assert found is not None  # unique and not null
-    db.executemany(
-        "INSERT INTO key_runs (stem, marks, first, last, at, batch) VALUES (?, ?, ?, ?, ?, ?)",
-        ((s, m, a, b, at, batch) for s, m, a, b in found),
-    )
+    insert(db, found, at, batch)
 
 
 def text(found: list[list[Any]]) -> str:
@@ -202,3 +200,32 @@ def migrate(db: sqlite3.Connection, name: str) -> None:
         db.execute("DROP TABLE row_keys")
     log = logging.getLogger("ackflow.sinks")
     log.info("sink %r: moved %d row keys of an older manifest into runs", name, moved)
+
+
+def disjoint(found: list[list[Any]]) -> bool:
+    """Whether runs (of several parts) share no key."""
+    spans = sorted(found)
+    return all(a[:2] != b[:2] or a[3] < b[2] for a, b in itertools.pairwise(spans))
+
+
+def any_written(db: sqlite3.Connection, found: list[list[Any]]) -> bool:
+    """Whether the manifest holds a key of ``found`` (runs). A stem holding NUL, which
+    SQLite's JSON functions would cut, answers True: the caller's exact way decides."""
+    body = text(found)
+    if "\\u0000" in body:
+        return True
+    hit = db.execute(
+        "SELECT 1 FROM json_each(?) AS j WHERE coalesce((SELECT r.last FROM key_runs AS r "
+        "WHERE r.stem = j.value ->> 0 AND r.marks = j.value ->> 1 AND r.first <= j.value ->> 3 "
+        "ORDER BY r.first DESC LIMIT 1), -2) >= j.value ->> 2 LIMIT 1",
+        (body,),
+    ).fetchone()
+    return hit is not None
+
+
+def insert(db: sqlite3.Connection, found: list[list[Any]], at: float, batch: str | None) -> None:
+    """Insert runs the manifest does not hold (:func:`any_written` said so)."""
+    db.executemany(
+        "INSERT INTO key_runs (stem, marks, first, last, at, batch) VALUES (?, ?, ?, ?, ?, ?)",
+        ((s, m, a, b, at, batch) for s, m, a, b in found),
+    )

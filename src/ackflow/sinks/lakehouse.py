@@ -49,7 +49,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from ackflow import faults
-from ackflow.core.durable import WriteTx, fsync_dir, insert_keys, open_db
+from ackflow.core import key_runs
+from ackflow.core.durable import WriteTx, fsync_dir, open_db
 from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink, null_key_failures
@@ -62,7 +63,8 @@ log = logging.getLogger("ackflow.sinks.lakehouse")
 class KeyManifest:
     """The row keys committed to one table, the batches and the last sequence number.
 
-    SQLite (WAL, ``synchronous=FULL``) at ``path``; ~60 bytes per key, kept for good.
+    SQLite (WAL, ``synchronous=FULL``) at ``path``; the keys kept for good as runs
+    (core/key_runs.py: a batch of a file's lines or a queue's row ids is one row).
     ``meta`` holds the application id (made once, the id the table's commits carry),
     ``seq``, the sequence number of the last batch whose keys are recorded, and
     ``dropped``, the rows left out so far because their keys were recorded."""
@@ -74,7 +76,7 @@ class KeyManifest:
         db = open_db(
             self.path,
             "CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);"
-            "CREATE TABLE IF NOT EXISTS row_keys (key TEXT PRIMARY KEY) WITHOUT ROWID;"
+            f"{key_runs.SCHEMA};"
             "CREATE TABLE IF NOT EXISTS batches (seq INTEGER PRIMARY KEY, batch TEXT,"
             " version INTEGER, rows INTEGER NOT NULL, dropped INTEGER NOT NULL,"
             " recovered INTEGER NOT NULL DEFAULT 0, committed_at REAL NOT NULL);",
@@ -82,6 +84,7 @@ class KeyManifest:
         db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('app', ?)", (f"ackflow-{uuid.uuid4().hex}",))
         db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('seq', '0')")
         db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('dropped', '0')")
+        key_runs.migrate(db, self.path)
         return db
 
     @staticmethod
@@ -92,13 +95,7 @@ class KeyManifest:
     def written(db: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
         """Which of ``keys`` are recorded (a primary-key search per key: flat in the
         manifest's size)."""
-        db.execute("CREATE TEMP TABLE IF NOT EXISTS incoming (key TEXT PRIMARY KEY)")
-        db.execute("DELETE FROM incoming")
-        insert_keys(db, "incoming", keys)
-        return {
-            r[0]
-            for r in db.execute("SELECT i.key FROM incoming AS i CROSS JOIN row_keys AS r ON r.key = i.key")
-        }
+        return key_runs.written(db, list(keys))
 
     @staticmethod
     def record(
@@ -106,15 +103,18 @@ class KeyManifest:
         seq: int,
         batch: str,
         version: int | None,
-        keys: Sequence[str],
+        runs: list[list[Any]],
+        rows: int,
         dropped: int,
         recovered: bool = False,
     ) -> None:
-        insert_keys(db, "row_keys", keys)
+        """Record a committed batch: its keys' ``runs`` (none recorded yet), its rows."""
+        now = time.time()
+        key_runs.insert(db, runs, now, batch or None)
         db.execute(
             "INSERT OR REPLACE INTO batches (seq, batch, version, rows, dropped, recovered,"
             " committed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (seq, batch, version, len(keys), dropped, int(recovered), time.time()),
+            (seq, batch, version, rows, dropped, int(recovered), now),
         )
         db.execute("UPDATE meta SET v = ? WHERE k = 'seq'", (str(seq),))
 
@@ -419,11 +419,16 @@ class TableSink(Sink):
         fsync_dir(folder)
         if made:  # a new folder (a partition value, Iceberg's data/): its entry too
             fsync_dir(os.path.dirname(folder))
+        try:  # the driver's quick check and record; None: it takes the keys one by one
+            runs = key_runs.runs(keys)
+        except Exception:  # noqa: BLE001 - keys Arrow cannot take: the exact way
+            runs = None
         return {
             "path": rel,
             "size": os.path.getsize(path),
             "rows": data.num_rows,
             "keys": keys,
+            "runs": runs,
             "partition": values,
             "stats": file_stats(data),
             "mtime": int(os.path.getmtime(path) * 1000),
@@ -454,7 +459,7 @@ class TableSink(Sink):
             version = self.commit_files(files, KeyManifest.get(db, "app"), seq, batch_id)
             self._state[batch_id] = "committed"
             faults.point(after)
-            KeyManifest.record(db, seq, batch_id, version, fresh, dropped)
+            KeyManifest.record(db, seq, batch_id, version, fresh, sum(f["rows"] for f in files), dropped)
         faults.point(recorded)
         self._state.pop(batch_id, None)
         self.maintain()
@@ -497,7 +502,10 @@ class TableSink(Sink):
             keys: list[str] = []
             for path in self.files_of(app, s):
                 keys.extend(self._keys_in_file(path))
-            KeyManifest.record(db, s, "", None, keys, 0, recovered=True)
+            # its keys were new at its commit; runs of those the manifest lacks, all the same
+            seen = KeyManifest.written(db, keys)
+            runs = key_runs.runs(list(dict.fromkeys(k for k in keys if k not in seen))) or []
+            KeyManifest.record(db, s, "", None, runs, len(keys), 0, recovered=True)
             log.warning(
                 "sink %r: batch %d was committed to the table before a crash but not "
                 "recorded; recorded its %d keys now (its rows are not written again)",
@@ -533,13 +541,18 @@ class TableSink(Sink):
 
     def _drop_written(
         self, db: sqlite3.Connection, files: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[str], int]:
+    ) -> tuple[list[dict[str, Any]], list[list[Any]], int]:
         """Leave out rows whose keys are recorded (and repeats within the batch): rewrite
         files that hold some, skip files that hold only those. Returns the files to
-        commit, their keys and the number of rows left out."""
+        commit, their keys' runs and the number of rows left out. The common case, no
+        key recorded or repeated, is one search per run, not per key."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        if all(f.get("runs") is not None for f in files):
+            runs = [r for f in files for r in f["runs"]]
+            if key_runs.disjoint(runs) and not key_runs.any_written(db, runs):
+                return files, runs, 0
         seen = KeyManifest.written(db, [k for f in files for k in f["keys"]])
         out, fresh, dropped = [], [], 0
         for f in files:
@@ -562,7 +575,7 @@ class TableSink(Sink):
                 out.append(rewritten)
                 fresh.extend(rewritten["keys"])
             _remove(path)
-        return out, fresh, dropped
+        return out, key_runs.runs(fresh) or [], dropped
 
     def _committed(self, batch_id: str) -> bool:
         with self._manifest() as db:
