@@ -44,9 +44,7 @@ def _parts(keys: Any) -> tuple[Any, Any, Any]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    arr = keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string())
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
+    arr = _array(keys)
     base = pc.utf8_rtrim(arr, characters="!")
     marks = pc.subtract(pc.utf8_length(arr), pc.utf8_length(base))
     stems = pc.utf8_rtrim(base, characters="0123456789")
@@ -59,6 +57,18 @@ def _parts(keys: Any) -> tuple[Any, Any, Any]:
     n = pc.fill_null(pc.if_else(canonical, n, pa.scalar(-1, pa.int64())), -1)
     marks = pc.if_else(canonical, marks, pa.scalar(0, marks.type))
     return pc.if_else(canonical, stems, arr), marks, n
+
+
+def _array(keys: Any) -> Any:
+    """Keys as one Arrow string array (a table's column comes chunked: ``pa.array`` would
+    read it value by value, ten times the cost of the runs themselves)."""
+    import pyarrow as pa
+
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks() if keys.num_chunks != 1 else keys.chunk(0)
+    if isinstance(keys, pa.Array):
+        return keys if keys.type == pa.string() else keys.cast(pa.string())
+    return pa.array(keys, pa.string())
 
 
 def _tail_numbers(arr: Any, width: Any, numbered: Any) -> Any:
@@ -82,10 +92,9 @@ def runs(keys: Any) -> list[list[Any]] | None:
     """The keys as disjoint runs ``[stem, marks, first, last]`` (sorted), or None when a
     key is null or repeats (the caller's slow path handles those)."""
     import numpy as np
-    import pyarrow as pa
     import pyarrow.compute as pc
 
-    arr = keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string())
+    arr = _array(keys)
     if len(arr) == 0:
         return []
     if arr.null_count:
