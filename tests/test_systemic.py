@@ -86,7 +86,7 @@ def test_a_sink_that_wrote_then_went_away_makes_suspects_only_of_stable_keys():
     suspect each time, given back forever (found by review): it fails as before."""
     d = SystemicDetector(sinks={"pg"}, after=3)
     gone = "write failed: ConnectionError: lost the connection to PostgreSQL (at pg.py:1 in w)"
-    row = "write failed: ValueError: qty must be positive (at pg.py:1 in w)"
+    row = "write failed: [a row's data] ValueError: qty must be positive (at pg.py:1 in w)"
     stable = lambda k: not k.startswith("delivery:")  # noqa: E731
     for _ in range(2):
         assert not d.judge([("m1", "pg", gone), ("m2", "pg", row)], working={"pg"}, stable=stable)

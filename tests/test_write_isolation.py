@@ -42,6 +42,34 @@ def test_a_partition_write_that_raises_for_one_row_dead_letters_only_that_messag
     assert not sink.conflicts
 
 
+class BadRecord(ValueError):
+    """A user's own error for a record it cannot take: a row's data by its base class,
+    though its name is on no list."""
+
+
+class RecordSink(KeyedSink):
+    def write_partition(self, batch_id, partition, rows):
+        if any(poison_row(r) for r in rows.to_pylist()):
+            raise BadRecord("record 7 has a negative n")
+        return super().write_partition(batch_id, partition, rows)
+
+
+def test_an_error_class_of_the_user_s_own_is_a_row_s_data_by_what_it_derives_from(tmp_path):
+    """The executor classifies a write's error by its class and bases, not by its name
+    (before: by the name in the text, so ``BadRecord(ValueError)`` dead-lettered its
+    partition's good messages with the poison one)."""
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": -7 if i == 7 else i}).encode() for i in range(40)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=2, backoff_s=0.01))
+    sink, dead = RecordSink(), Memory("dead")
+    report = run_local(ackflow.Flow(src).to(sink).on_error(dead), until_idle=1.0)
+    assert report.acked == 39 and report.dead_lettered == 1
+    assert [json.loads(r["body"])["n"] for r in dead.rows] == [-7]
+    assert "[a row's data] BadRecord: record 7 has a negative n" in dead.rows[0]["error"]
+
+
 def test_a_sink_whose_every_partition_fails_is_not_bisected(tmp_path):
     """Every partition raising (a sink down, not a row): nothing to isolate, no extra jobs;
     the systemic judge sees the failures as before."""

@@ -25,31 +25,58 @@ def where(exc: BaseException) -> str:
     return f" (at {os.path.basename(f.filename)}:{f.lineno} in {f.name})"
 
 
-#: the errors a sink's write raises for one row's data (a value it cannot take), as
-#: ``write failed: [branch 'b': ]<Type>[: ...]`` names them (a type's name, not its
-#: class: the text is what the executor sends). Any other (a connection, a timeout, an
-#: OS error, a database's ``OperationalError`` or ``AdminShutdown``) may be the sink's
-#: infrastructure: a partition whose write raised one is not run again in halves, and
-#: a write that failed so while the sink wrote other rows is given back, not failed
-_ROW_DATA = re.compile(
-    r"^write failed: (branch '[^']*': )?(ValueError|TypeError|KeyError|IndexError|OverflowError|"
-    r"ZeroDivisionError|\w*DecodeError|\w*EncodeError|UnicodeError|ArrowInvalid|ArrowTypeError|"
-    r"DataError|IntegrityError|\w*Violation|\w*OutOfRange|ValidationError|InvalidOperation)"
-    r"(: | \(at |$)"
+#: the errors a sink's write raises for one row's data (a value it cannot take), by the
+#: name of the error's class or of any class it derives from (so a ``class
+#: BadRecord(ValueError)`` and psycopg's ``StringDataRightTruncation(DataError)`` are,
+#: without importing the libraries that define them). Any other (a connection, a
+#: timeout, an OS error, a database's ``OperationalError`` or ``AdminShutdown``) may be
+#: the sink's infrastructure: a partition whose write raised one is not run again in
+#: halves, and a write that failed so while the sink wrote other rows is given back,
+#: not failed
+_ROW_DATA_CLASS = re.compile(
+    r"ValueError|TypeError|KeyError|IndexError|OverflowError|ArithmeticError|ZeroDivisionError|"
+    r"\w*DecodeError|\w*EncodeError|UnicodeError|ArrowInvalid|ArrowTypeError|DataError|"
+    r"IntegrityError|\w*Violation|\w*OutOfRange|ValidationError|InvalidOperation"
 )
+
+#: what a write's text says after ``write failed: `` when it raised for a row's data
+ROW_DATA_MARK = "[a row's data] "
+
+# ``write failed: [branch 'b': ][a row's data] ...``: the executor classified the error
+_ROW_DATA_TEXT = re.compile(r"^write failed: (branch '[^']*': )?" + re.escape(ROW_DATA_MARK))
+
+
+def row_data(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error of a row's data (by its class and the classes it
+    derives from, see ``_ROW_DATA_CLASS``).
+
+    >>> class BadRecord(ValueError): ...
+    >>> row_data(BadRecord("qty < 0")), row_data(ConnectionError("gone")), row_data(OSError(36, "x"))
+    (True, False, False)
+    """
+    return any(_ROW_DATA_CLASS.fullmatch(c.__name__) for c in type(exc).__mro__)
+
+
+def whole_write(exc: BaseException, branch: str | None = None, at: bool = True) -> str:
+    """The text of a partition's write that raised ``exc``: ``write failed: ``, the
+    branch of a broadcast, the row's-data mark (:func:`row_data`), what raised and, with
+    ``at``, where (:func:`where`).
+
+    >>> whole_write(KeyError("sku"), at=False), whole_write(TimeoutError(), branch="pg", at=False)
+    ("write failed: [a row's data] KeyError: 'sku'", "write failed: branch 'pg': TimeoutError")
+    """
+    own = f"branch {branch!r}: " if branch is not None else ""
+    mark = ROW_DATA_MARK if row_data(exc) else ""
+    return f"write failed: {own}{mark}{describe(exc)}{where(exc) if at else ''}"
 
 
 def of_row_data(error: str) -> bool:
-    """Whether a failed write's text names an error of a row's data.
+    """Whether a failed write's text (:func:`whole_write`) names an error of a row's data.
 
-    >>> of_row_data("write failed: ValueError: qty < 0"), of_row_data("write failed: AdminShutdown: x")
+    >>> of_row_data(whole_write(ValueError("qty < 0"))), of_row_data("write failed: ValueError: x")
     (True, False)
-    >>> of_row_data("write failed: ValueError (at s.py:3 in w)"), of_row_data("write failed: ValueErrors: x")
-    (True, False)
-    >>> of_row_data("write failed: branch 'pg': UniqueViolation: duplicate key value")
-    True
     """
-    return _ROW_DATA.match(error) is not None
+    return _ROW_DATA_TEXT.match(error) is not None
 
 
 class AckflowError(Exception):

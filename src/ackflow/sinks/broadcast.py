@@ -8,7 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ackflow.core.errors import ConfigError, describe
+from ackflow.core.errors import ConfigError, whole_write
 from ackflow.core.ledger import WHOLE_WRITE
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink, key_columns
@@ -93,7 +93,7 @@ class Broadcast(Sink):
                 try:
                     res = b.write_partition(batch_id, partition, self._rows_for(b, rows))
                 except Exception as e:  # noqa: BLE001 - a branch failure fails its rows
-                    whole = f"{WHOLE_WRITE}branch {b.name!r}: {describe(e)}"
+                    whole = whole_write(e, branch=b.name, at=False)
                     res = PartitionResult(failed={i: (b.name, whole) for i in range(n)})
                 for i, err in res.failed.items():
                     text = err[1] if isinstance(err, tuple) else err
@@ -114,7 +114,7 @@ class Broadcast(Sink):
                 bad: dict[int, Any] = dict(res.failed)
             except Exception as e:  # noqa: BLE001
                 res = PartitionResult()
-                bad = {i: f"{WHOLE_WRITE}{describe(e)}" for i in range(len(remaining))}
+                bad = {i: whole_write(e, at=False) for i in range(len(remaining))}
             tokens[b.name] = res.token
             counts[b.name] = len(remaining) - len(bad)
             for i, err in bad.items():

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ackflow.core.errors import describe, where
-from ackflow.core.ledger import RECEIPT_SCHEMA, WHOLE_WRITE, compact_receipts
+from ackflow.core.errors import whole_write
+from ackflow.core.ledger import RECEIPT_SCHEMA, compact_receipts
 from ackflow.sinks.base import Sink, key_columns
 from ackflow.spark.columns import (
     ERR,
@@ -106,7 +106,7 @@ def make_writer(
                 err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
         except Exception as e:  # noqa: BLE001 - a failed write fails its rows, never acks them
             steps_l, errs_l = err_step.to_pylist(), err.to_pylist()
-            text = f"{WHOLE_WRITE}{describe(e)}{where(e)}"
+            text = whole_write(e)
             for k in live_idx:
                 steps_l[k], errs_l[k] = sink.name, text
             err_step, err = pa.array(steps_l, pa.string()), pa.array(errs_l, pa.string())
