@@ -462,3 +462,25 @@ def test_a_lost_key_manifest_stops_the_run_instead_of_writing_rows_twice(tmp_pat
     with pytest.raises(FlowError, match="another key manifest"):  # at start, or first commit
         again = make(kind, tmp_path)
         again.commit("b2", stage(again, "b2", ["a"]))
+
+
+def test_a_partition_value_too_long_for_a_folder_name_fails_only_its_rows(tmp_path):
+    """A value whose folder name (``day=<escaped>``) passes the file system's 255 bytes
+    made the whole partition's write raise ENAMETOOLONG (an OS error, not a row's data:
+    the partition's good messages failed with it). Now its rows fail alone, saying why."""
+    sink = Delta(tmp_path / "t", partition_by="day")
+    sink.open()
+    sink.prepare(pa.schema([("n", pa.int64()), ("day", pa.string())]))
+    try:
+        days = ["2024-01-01", "é" * 50, "x" * 300, None]  # 50 x é: 300 bytes escaped
+        rows = pa.table({"n": [0, 1, 2, 3], "day": days, "__af_key": ["m0", "m1", "m2", "m3"]})
+        result = sink.write_partition("b1", 0, rows)
+        assert sorted(result.failed) == [1, 2]
+        assert "folder name of 304 bytes" in result.failed[1] and "'day'" in result.failed[2]
+        sink.commit("b1", [result.token])
+        from deltalake import DeltaTable
+
+        got = DeltaTable(sink.path).to_pyarrow_table(columns=["n", "day"]).to_pylist()
+        assert sorted((r["n"], r["day"]) for r in got) == [(0, "2024-01-01"), (3, None)]
+    finally:
+        sink.close()

@@ -47,6 +47,34 @@ def split_partitions(data: Any, columns: list[str]) -> list[tuple[dict[str, str 
     ]
 
 
+#: the longest name of one folder most file systems take (ext4, xfs, btrfs: NAME_MAX)
+NAME_MAX = 255
+
+
+def too_long(data: Any, columns: list[str]) -> dict[int, str]:
+    """The rows whose partition value would make a folder name (``column=escaped``)
+    longer than :data:`NAME_MAX` bytes, with why: writing them would raise
+    ENAMETOOLONG for the whole partition, so they fail alone instead."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out: dict[int, str] = {}
+    for c in columns:
+        col = data.column(c)
+        if pa.types.is_boolean(col.type):
+            continue
+        text = pc.cast(col, pa.string()).to_pylist()
+        long = {v: n for v in set(text) if v is not None and (n := len(f"{c}={hive_escape(v)}")) > NAME_MAX}
+        for i, v in enumerate(text):
+            if v in long:
+                out.setdefault(
+                    i,
+                    f"partition column {c!r}: its value makes a folder name of {long[v]} bytes "
+                    f"(escaped), more than the {NAME_MAX} a file system takes; shorten it in the flow",
+                )
+    return out
+
+
 def file_stats(data: Any) -> str:
     """Delta-style statistics: row count, null counts, and min/max of numeric columns."""
     import math

@@ -55,7 +55,7 @@ from ackflow.core.errors import ColumnsRefused, ConfigError, FlowError
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink, null_key_failures
 from ackflow.sinks.conform import can_take, conform
-from ackflow.sinks.datafiles import file_stats, hive_escape, partition_value, split_partitions
+from ackflow.sinks.datafiles import file_stats, hive_escape, partition_value, split_partitions, too_long
 
 log = logging.getLogger("ackflow.sinks.lakehouse")
 
@@ -378,6 +378,9 @@ class TableSink(Sink):
                             f"{self.name!r} would store as null; map it to a "
                             "value or to null in the flow",
                         )
+        if self.partition_by:
+            for i, why in too_long(data, self.partition_by).items():
+                failed.setdefault(i, why)
         if failed:
             kept = pa.array([i not in failed for i in range(rows.num_rows)])
             data = data.filter(kept)
