@@ -81,22 +81,48 @@ def test_a_step_that_is_not_a_sink_works_when_a_message_is_acked():
 
 def test_a_sink_that_wrote_then_went_away_makes_suspects_only_of_stable_keys():
     """A write that failed as a whole with an error that is not a row's data, while its
-    sink wrote other rows: a suspect, twice per message, then its own failure. A key
-    that changes at each delivery (a RabbitMQ message without an id) would be a new
-    suspect each time, given back forever (found by review): it fails as before."""
-    d = SystemicDetector(sinks={"pg"}, after=3)
+    sink wrote other rows: given back (no delivery spent), however often, while the
+    partial outage lasts; a row's data is the message's own. A key that changes at each
+    delivery (a RabbitMQ message without an id) would be a new suspect each time (found
+    by review): it fails as before."""
+    t = [0.0]
+    d = SystemicDetector(sinks={"pg"}, after=3, stop_after_s=60, max_backoff_s=10, clock=lambda: t[0])
     gone = "write failed: ConnectionError: lost the connection to PostgreSQL (at pg.py:1 in w)"
     row = "write failed: [a row's data] ValueError: qty must be positive (at pg.py:1 in w)"
     stable = lambda k: not k.startswith("delivery:")  # noqa: E731
-    for _ in range(2):
+    for _ in range(5):  # more than the two give-backs of a suspect
+        t[0] += 1
         assert not d.judge([("m1", "pg", gone), ("m2", "pg", row)], working={"pg"}, stable=stable)
         assert d.suspects == {"m1"}  # m2: a row's data, the sink works: its own
-    d.judge([("m1", "pg", gone)], working={"pg"}, stable=stable)
-    assert d.suspects == set()  # given back twice: failed as usual now
     for n in range(5):
         d.judge([(f"delivery:{n}", "pg", gone)], working={"pg"}, stable=stable)
         assert d.suspects == set()
     assert d.episode is None
+
+
+def test_a_partial_outage_that_lasts_stops_the_run_and_a_quiet_gap_ends_it():
+    """One executor cannot reach the database: each batch, some partitions fail with a
+    connection error while the sink writes the others. Its messages are given back while
+    it lasts; when it has lasted ``stop_after_s`` (each time within ``max_backoff_s`` of
+    the last) over ``after`` messages, it is systemic and the episode is overdue (the
+    run stops, SystemicFailure) instead of giving back forever. A blip that stays quiet
+    longer than ``max_backoff_s`` starts the count again."""
+    t = [0.0]
+    d = SystemicDetector(sinks={"pg"}, after=3, stop_after_s=60, max_backoff_s=10, clock=lambda: t[0])
+    gone = "write failed: OperationalError: could not connect to server (at pg.py:1 in w)"
+    for i in range(6):  # every 9 s: one partial outage, 45 s long
+        assert not d.judge([(f"m{i}", "pg", gone)], working={"pg"})
+        assert d.suspects == {f"m{i}"}
+        t[0] += 9
+    t[0] += 20  # quiet for longer than max_backoff_s: over
+    began = t[0]
+    for i in range(8):  # a new one: 0, 9, ... 63 s
+        judged = d.judge([(f"n{i}", "pg", gone)], working={"pg"})
+        if t[0] - began < 60:
+            assert not judged and d.episode is None and d.suspects == {f"n{i}"}
+        t[0] += 9
+    assert judged == {"n7"} and d.episode is not None and d.overdue()
+    assert d.episode.step == "pg" and "could not connect" in d.episode.error
 
 
 def test_systemic_after_zero_turns_the_rule_off():

@@ -224,3 +224,50 @@ def test_a_write_that_met_an_outage_while_the_sink_wrote_other_rows_is_given_bac
     assert report.acked == 40 and report.dead_lettered == 0 and not dead.rows
     assert report.released > 0 and report.bisections == 0
     assert sorted(r["n"] for r in sink.rows.values()) == sorted(-7 if i == 7 else i for i in range(40))
+
+
+class Unreachable(KeyedSink):
+    """The executor of partition 1 cannot reach the database: its write always meets a
+    connection error; the sink writes the other partitions."""
+
+    def write_partition(self, batch_id, partition, rows):
+        if partition == 1:
+            raise ConnectionResetError("server closed the connection unexpectedly")
+        return super().write_partition(batch_id, partition, rows)
+
+
+@pytest.mark.parametrize("lasts", [False, True])
+def test_a_partial_outage_dead_letters_nothing_and_stops_the_run_if_it_lasts(tmp_path, lasts):
+    """Before, the messages of the failing partitions were given back twice, then failed
+    as their own: a delivery spent each, dead letters at the last one (good data). Now
+    they are given back, no delivery spent, while the outage lasts: they land when they
+    meet a partition that works. Once it has lasted systemic_stop_after_s, the run stops
+    with SystemicFailure, naming the sink and the error, and what was not written is
+    still queued."""
+    from ackflow.core.errors import SystemicFailure
+
+    db = str(tmp_path / "q.db")
+    q = EmbeddedQueue(db)
+    q.publish("q", [json.dumps({"n": i}).encode() for i in range(400)])
+    q.close()
+    src = EmbeddedSource(db, "q", policy=RetryPolicy(max_deliveries=1))
+    src.use_blocks = lambda on: False
+    sink, dead = Unreachable(), Memory("dead")
+    opts = {"until_idle": 1.0, "batch_size": 20, "systemic_backoff_s": 0.01, "systemic_max_backoff_s": 2.0}
+    flow = ackflow.Flow(src).to(sink).on_error(dead)
+    if lasts:
+        with pytest.raises(SystemicFailure, match="server closed the connection") as stopped:
+            run_local(flow, systemic_stop_after_s=0.5, **opts)
+        assert stopped.value.step == sink.name
+    else:
+        report = run_local(flow, systemic_stop_after_s=600, **opts)
+        assert report.acked == 400 and report.released > 0
+    assert not dead.rows
+    q = EmbeddedQueue(db)
+    try:  # what was not written is still queued (given back, no delivery spent)
+        left = {json.loads(m.body)["n"] for m in q.lease("q", 1000, visibility_timeout=60)}
+    finally:
+        q.close()
+    written = {r["n"] for r in sink.rows.values()}
+    assert left | written == set(range(400)) and not left & written
+    assert bool(left) is lasts

@@ -13,12 +13,18 @@ into dead letters. The rule (docs/concepts/failures.md, "Systemic failures are n
   in a batch if the batch gives proof of it: rows written by that sink, or, for any
   other step, rows written by any sink.
 * A candidate that is not (yet) systemic, in a batch without proof that its step works,
-  or a sink's write that failed with an error that is not a row's data
-  (:func:`~ackflow.core.errors.of_row_data`: a connection, a timeout) though the sink
-  wrote other rows (its database went away mid-job), is *suspect*: it is given back,
-  without spending a delivery, up to ``suspect_backs``
+  is *suspect*: it is given back, without spending a delivery, up to ``suspect_backs``
   (2) times per message, then failed as usual (so a lone poison message is still
   dead-lettered, two give-backs later).
+* A sink's write that failed with an error that is not a row's data
+  (:func:`~ackflow.core.errors.of_row_data`: a connection, a timeout) though the sink
+  wrote other rows (its database went away mid-job, or one executor cannot reach it) is
+  a *partial outage*: its messages (those whose identity is the same at each delivery)
+  are given back, no delivery spent, as often as it lasts. It lasts while that failure
+  comes again within ``max_backoff_s`` of its last time; once it has lasted
+  ``stop_after_s`` and met ``after`` distinct messages, it is systemic: the run stops
+  with :class:`~ackflow.core.errors.SystemicFailure` rather than give back forever
+  (a message that breaks the connection itself would otherwise come back for good).
 * When ``after`` distinct messages (3 by default) have failed with one signature, and
   its step has not worked since the first of them, the failure is **systemic**: those
   messages, and every later one failing the same way, are given back to their source
@@ -115,6 +121,15 @@ class _Streak:
     keys: set[Hashable] = field(default_factory=set)
 
 
+@dataclass
+class _Away:
+    """A partial outage: a sink's write failing as a sink does while it writes others."""
+
+    since: float
+    last: float
+    keys: set[Hashable] = field(default_factory=set)
+
+
 class SystemicDetector:
     """Decides which failures are systemic (see the module docstring). Not thread-safe:
     the engine's thread owns it."""
@@ -146,6 +161,7 @@ class SystemicDetector:
         self._max_backoff = float(max_backoff_s)
         self._clock = clock
         self._streaks: dict[tuple[str, str], _Streak] = {}
+        self._away: dict[tuple[str, str], _Away] = {}
         self.episode: Episode | None = None
         self.episodes = 0  # episodes begun in this run
         self.given_back = 0  # deliveries given back as systemic in this run
@@ -186,8 +202,13 @@ class SystemicDetector:
             if self._works(sig[0], working):
                 if not self._went_away(*raw[sig]):
                     continue  # the step worked in this very batch: these messages are the cause
-                # a sink that wrote, then failed as a sink does
-                self._suspect(k for k in keys if stable is None or stable(k))
+                # a sink that wrote, then failed as a sink does: a partial outage
+                if self._partial(sig, keys):
+                    systemic.update(keys)
+                    text = detail(*raw[sig]) if detail else ""
+                    self._enter(raw[sig], len(keys), text, since=self._away[sig].since)
+                else:
+                    self.suspects.update(k for k in keys if stable is None or stable(k))
                 continue
             streak = self._streaks.setdefault(sig, _Streak())
             if len(streak.keys) < self.after:
@@ -203,6 +224,9 @@ class SystemicDetector:
         if len(self._streaks) > 10_000:  # bounded: forget the oldest signatures
             for sig in list(self._streaks)[:5_000]:
                 del self._streaks[sig]
+        if len(self._away) > 10_000:
+            for sig in list(self._away)[:5_000]:
+                del self._away[sig]
         self.given_back += len(systemic)
         return systemic
 
@@ -212,6 +236,19 @@ class SystemicDetector:
             if n < self.suspect_backs:
                 self._backs[key] = n + 1
                 self.suspects.add(key)
+
+    def _partial(self, sig: tuple[str, str], keys: list[Hashable]) -> bool:
+        """Count a partial outage's batch; whether it has lasted ``stop_after_s`` and met
+        ``after`` messages (then it is systemic). It began anew if it was quiet for
+        ``max_backoff_s``."""
+        now = self._clock()
+        away = self._away.get(sig)
+        if away is None or now - away.last > self._max_backoff:
+            away = self._away[sig] = _Away(now, now)
+        away.last = now
+        if len(away.keys) < self.after:
+            away.keys.update(keys[: self.after])
+        return len(away.keys) >= self.after and now - away.since >= self.stop_after_s
 
     def _went_away(self, step: str, error: str) -> bool:
         """A sink's write that failed, as a whole, with an error that is not a row's data
@@ -234,9 +271,10 @@ class SystemicDetector:
             self.episode = None
             self._strikes = 0
 
-    def _enter(self, sig: tuple[str, str], n: int, detail: str) -> None:
+    def _enter(self, sig: tuple[str, str], n: int, detail: str, since: float | None = None) -> None:
         if self.episode is None:
-            self.episode = Episode(sig[0], redact(sig[1]), self._clock(), time.time())
+            began = self._clock() if since is None else since
+            self.episode = Episode(sig[0], redact(sig[1]), began, time.time() - (self._clock() - began))
             self.episodes += 1
         self.episode.messages += n
         self.episode.batches += 1
