@@ -184,3 +184,23 @@ def test_a_lakehouse_manifest_of_one_row_per_key_is_moved_into_runs(tmp_path):
         assert db.execute("SELECT name FROM sqlite_master WHERE name = 'row_keys'").fetchone() is None
     finally:
         db.close()
+
+
+def test_a_move_keeps_the_runs_a_newer_version_recorded_and_runs_once(tmp_path):
+    """Found by review: an older writer beside a newer one (a downgrade, a rolling
+    upgrade of two table writers) leaves ``row_keys`` beside runs. Moving a key a run
+    holds already made a second, overlapping run, which hid the first: ``f:70`` looked
+    unwritten and was written twice."""
+    db = manifest()
+    db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY, at REAL NOT NULL DEFAULT 0) WITHOUT ROWID")
+    with WriteTx(db):
+        key_runs.insert(db, [["f:", 0, 1, 100]], 2.0, "new1")
+        db.executemany("INSERT INTO row_keys VALUES (?, 1)", [("f:50",), ("f:200",), ("abc",)])
+    key_runs.migrate(db, "t")
+    key_runs.migrate(db, "t")  # nothing left to move: nothing happens
+    assert sorted(db.execute("SELECT stem, marks, first, last FROM key_runs")) == [
+        ("abc", 0, -1, -1),
+        ("f:", 0, 1, 100),
+        ("f:", 0, 200, 200),
+    ]
+    assert key_runs.written(db, ["f:70", "f:50", "f:150", "f:200"]) == {"f:70", "f:50", "f:200"}

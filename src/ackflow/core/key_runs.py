@@ -31,6 +31,15 @@ SCHEMA = (
 
 _MAX_DIGITS = 18  # below 2**63: any 18 digits are an int64
 
+# the runs of a JSON text (``[[stem, marks, first, last], ...]``) as a table ``runs``
+# (json_extract, not ``->>``: that needs SQLite 3.38, and Debian 11 or Ubuntu 22.04 have
+# older ones)
+_RUNS_OF_TEXT = (
+    "WITH runs (stem, marks, first, last) AS (SELECT json_extract(value, '$[0]'), "
+    "json_extract(value, '$[1]'), json_extract(value, '$[2]'), json_extract(value, '$[3]') "
+    "FROM json_each(?))"
+)
+
 
 def parts(keys: Any) -> list[tuple[str, int, int]]:
     """Each key's ``(stem, marks, n)``, in the keys' order (``keys``: a list of str)."""
@@ -135,12 +144,11 @@ def insert_if_all_new(db: sqlite3.Connection, texts: list[str], count: int, at: 
     before = db.total_changes
     for text in texts:
         db.execute(
-            "INSERT INTO key_runs (stem, marks, first, last, at, batch) "
-            "SELECT j.value ->> 0, j.value ->> 1, j.value ->> 2, j.value ->> 3, ?, ? FROM json_each(?) AS j "
-            "WHERE coalesce((SELECT r.last FROM key_runs AS r WHERE r.stem = j.value ->> 0 AND "
-            "r.marks = j.value ->> 1 AND r.first <= j.value ->> 3 ORDER BY r.first DESC LIMIT 1), -2)"
-            " < j.value ->> 2",
-            (at, batch, text),
+            f"{_RUNS_OF_TEXT} INSERT INTO key_runs (stem, marks, first, last, at, batch) "
+            "SELECT stem, marks, first, last, ?, ? FROM runs AS i WHERE coalesce((SELECT r.last "
+            "FROM key_runs AS r WHERE r.stem = i.stem AND r.marks = i.marks AND r.first <= i.last "
+            "ORDER BY r.first DESC LIMIT 1), -2) < i.first",
+            (text, at, batch),
         )
     fresh = db.total_changes - before == count
     if not fresh:
@@ -183,8 +191,9 @@ def text(found: list[list[Any]]) -> str:
 
 def migrate(db: sqlite3.Connection, name: str) -> None:
     """A manifest of ackflow 0.6.15 or older keeps one row per key (``row_keys``): move
-    its keys into ``key_runs``, one run each with its own time, in one write transaction,
-    and drop the old table. Done once, at the sink's open, under its writer lock."""
+    its keys into ``key_runs`` (those no run holds yet: an older version may have written
+    beside this one), one run each with its own time, in one write transaction, and drop
+    the old table. At the sink's open (Parquet) or connection (Delta, Iceberg)."""
     import logging
 
     from ackflow.core.durable import WriteTx
@@ -194,20 +203,25 @@ def migrate(db: sqlite3.Connection, name: str) -> None:
         return
     moved = 0
     with WriteTx(db):
+        if db.execute(old).fetchone() is None:
+            return  # another connection moved them meanwhile
+        log = logging.getLogger("ackflow.sinks")
+        log.info("sink %r: moving the row keys of an older manifest into runs (once)", name)
         timed = "at" in {r[1] for r in db.execute("PRAGMA table_info(row_keys)")}
         cursor = db.execute("SELECT key, at FROM row_keys" if timed else "SELECT key, 0 FROM row_keys")
         while chunk := cursor.fetchmany(100_000):
+            # only keys no run holds yet (an older version wrote beside a newer one)
+            seen = written(db, [k for k, _ in chunk])
+            fresh = [(k, at) for k, at in chunk if k not in seen]
             db.executemany(
-                "INSERT OR IGNORE INTO key_runs (stem, marks, first, last, at, batch)"
-                " VALUES (?, ?, ?, ?, ?, NULL)",
+                "INSERT INTO key_runs (stem, marks, first, last, at, batch) VALUES (?, ?, ?, ?, ?, NULL)",
                 (
                     (s, m, n, n, at)
-                    for (s, m, n), (_, at) in zip(parts([k for k, _ in chunk]), chunk, strict=True)
+                    for (s, m, n), (_, at) in zip(parts([k for k, _ in fresh]), fresh, strict=True)
                 ),
             )
             moved += len(chunk)
         db.execute("DROP TABLE row_keys")
-    log = logging.getLogger("ackflow.sinks")
     log.info("sink %r: moved %d row keys of an older manifest into runs", name, moved)
 
 
@@ -224,9 +238,9 @@ def any_written(db: sqlite3.Connection, found: list[list[Any]]) -> bool:
     if "\\u0000" in body:
         return True
     hit = db.execute(
-        "SELECT 1 FROM json_each(?) AS j WHERE coalesce((SELECT r.last FROM key_runs AS r "
-        "WHERE r.stem = j.value ->> 0 AND r.marks = j.value ->> 1 AND r.first <= j.value ->> 3 "
-        "ORDER BY r.first DESC LIMIT 1), -2) >= j.value ->> 2 LIMIT 1",
+        f"{_RUNS_OF_TEXT} SELECT 1 FROM runs AS i WHERE coalesce((SELECT r.last FROM key_runs AS r "
+        "WHERE r.stem = i.stem AND r.marks = i.marks AND r.first <= i.last "
+        "ORDER BY r.first DESC LIMIT 1), -2) >= i.first LIMIT 1",
         (body,),
     ).fetchone()
     return hit is not None
