@@ -237,7 +237,7 @@ class Unreachable(KeyedSink):
 
 
 @pytest.mark.parametrize("lasts", [False, True])
-def test_a_partial_outage_dead_letters_nothing_and_stops_the_run_if_it_lasts(tmp_path, lasts):
+def test_a_partial_outage_dead_letters_nothing_and_stops_the_run_if_it_lasts(tmp_path, lasts, caplog):
     """Before, the messages of the failing partitions were given back twice, then failed
     as their own: a delivery spent each, dead letters at the last one (good data). Now
     they are given back, no delivery spent, while the outage lasts: they land when they
@@ -263,6 +263,7 @@ def test_a_partial_outage_dead_letters_nothing_and_stops_the_run_if_it_lasts(tmp
         report = run_local(flow, systemic_stop_after_s=600, **opts)
         assert report.acked == 400 and report.released > 0
     assert not dead.rows
+    assert f"a partial outage of {sink.name!r} (it wrote other rows): given back while" in caplog.text
     q = EmbeddedQueue(db)
     try:  # what was not written is still queued (given back, no delivery spent)
         left = {json.loads(m.body)["n"] for m in q.lease("q", 1000, visibility_timeout=60)}

@@ -52,7 +52,7 @@ def session(master: str | None = None, conf: dict[str, object] | None = None) ->
     return _session(master, conf)
 
 
-__version__ = "0.6.15"
+__version__ = "0.6.16"
 
 __all__ = [
     "AckflowError",

@@ -170,6 +170,8 @@ class SystemicDetector:
         self._backs: dict[Hashable, int] = {}  # message -> suspect give-backs so far
         #: the keys of the last :meth:`judge` to give back as suspects
         self.suspects: set[Hashable] = set()
+        #: the sinks of the last :meth:`judge` in a partial outage (a part of them)
+        self.partial: set[str] = set()
 
     def judge(
         self,
@@ -187,6 +189,7 @@ class SystemicDetector:
         a new one each time): only those are given back for a sink that went away while
         it wrote (nothing else bounds how often; the others are failed as before)."""
         self.suspects = set()
+        self.partial = set()
         if not self.after:  # off: every failure is the message's own
             return set()
         self._evidence(working)
@@ -209,6 +212,7 @@ class SystemicDetector:
                     self._enter(raw[sig], len(keys), text, since=self._away[sig].since)
                 else:
                     self.suspects.update(k for k in keys if stable is None or stable(k))
+                    self.partial.add(sig[0])
                 continue
             streak = self._streaks.setdefault(sig, _Streak())
             if len(streak.keys) < self.after:

@@ -458,12 +458,18 @@ class Settling(DeadLetters):
             rest = [(d, f) for d, f in rest if d.lineage_id not in untested]
         if suspects:  # a whole failure not yet shown by enough messages: give back, pause
             back = [d for d, _ in rest if d.lineage_id in suspects]
+            why = (
+                f"a partial outage of {', '.join(map(repr, sorted(detector.partial)))} (it wrote other "
+                f"rows): given back while it lasts; the run stops if it lasts {detector.stop_after_s:g} s"
+                if detector.partial
+                else "given back while it is unknown whether every message fails so"
+            )
             log.warning(
-                "batch %s: %d messages failed a write or job as a whole (%s); given "
-                "back while it is unknown whether every message fails so",
+                "batch %s: %d messages failed a write or job as a whole (%s); %s",
                 result.batch_id,
                 self._count(back),
                 redact(whole[0][1].error),
+                why,
             )
             self._give_back([(d, f) for d, f in rest if d.lineage_id in suspects])
             self._pause_until = max(self._pause_until, time.monotonic() + detector.backoff_s(1))
