@@ -204,3 +204,77 @@ def test_a_move_keeps_the_runs_a_newer_version_recorded_and_runs_once(tmp_path):
         ("f:", 0, 200, 200),
     ]
     assert key_runs.written(db, ["f:70", "f:50", "f:150", "f:200"]) == {"f:70", "f:50", "f:200"}
+
+
+# a model of the Parquet sink's effectively-once commit, against the real sink: batches
+# of parts drawn from a pool of keys (runs of numbers, marks, keys that make no run),
+# some commits failing between the record and the rename (the record is undone, the
+# batch aborted), some followed by a restart (a new sink on the same path)
+MARKS = st.sampled_from(["", "!"])
+POOL = st.lists(
+    st.one_of(
+        st.builds(lambda s, n, m: f"{s}{n}{m}", STEMS, st.integers(0, 12), st.sampled_from(["", "!"])), KEY
+    ),
+    min_size=1,
+    max_size=14,
+    unique=True,
+)
+STEP = st.tuples(
+    st.lists(st.integers(0, 13), min_size=1, max_size=3).map(tuple),  # a part: picks from the pool
+    st.integers(1, 3),  # parts in the batch
+    st.sampled_from(["commit", "commit", "commit", "rename fails", "restart"]),
+)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(pool=POOL, steps=st.lists(STEP, min_size=1, max_size=6))
+def test_the_parquet_sink_writes_each_key_once_against_a_model(tmp_path_factory, pool, steps):
+    """After every step the dataset holds exactly one row per key committed so far (the
+    first write's), and the manifest's runs expand to exactly those keys."""
+    from ackflow import faults
+
+    out = str(tmp_path_factory.mktemp("model") / "out")
+    sink = ParquetSink(out)
+    sink.open()
+    model: dict[str, int] = {}  # key -> the n of its row in the dataset
+    again: list[int] = []  # rows of a key repeated inside one batch (both are written, as before)
+    counter = 0
+    try:
+        for b, (picks, nparts, what) in enumerate(steps):
+            tokens, staged = [], {}
+            for p in range(nparts):
+                keys = list(dict.fromkeys(pool[(i + p) % len(pool)] for i in picks))
+                ns = list(range(counter, counter + len(keys)))
+                counter += len(keys)
+                tokens.append(sink.write_partition(f"b{b}", p, pa.table({"n": ns, "__af_key": keys})).token)
+                for k, n in zip(keys, ns, strict=True):
+                    staged.setdefault(k, []).append(n)
+            if what == "rename fails":
+                faults.arm("parquet.after_record", "raise")
+                try:
+                    sink.commit(f"b{b}", tokens)
+                except faults.InjectedFault:
+                    sink.abort(f"b{b}", tokens)
+                finally:
+                    faults.disarm()
+                continue  # undone: as if never committed
+            sink.commit(f"b{b}", tokens)
+            for k, ns in staged.items():
+                if k not in model:
+                    model[k] = ns[0]
+                    again.extend(ns[1:])
+            if what == "restart":
+                sink.close()
+                sink = ParquetSink(out)
+                sink.open()
+            has = [n for n in os.listdir(out) if n.startswith("batch=")]
+            got = sorted(pq.read_table(out).column("n").to_pylist()) if has else []
+            assert got == sorted([*model.values(), *again])
+            db = sqlite3.connect(os.path.join(out, "_manifest.db"))
+            try:
+                runs = db.execute("SELECT stem, marks, first, last FROM key_runs").fetchall()
+            finally:
+                db.close()
+            assert sorted(keys_of(runs)) == sorted(model)
+    finally:
+        sink.close()
