@@ -39,6 +39,15 @@ _ROW_DATA_CLASS = re.compile(
     r"IntegrityError|\w*Violation|\w*OutOfRange|ValidationError|InvalidOperation"
 )
 
+#: bases that make an error the infrastructure's whatever else it derives from (found by
+#: review: ``ssl.SSLCertVerificationError`` and ``io.UnsupportedOperation`` derive from
+#: ValueError too, psycopg's ``ProtocolViolation`` is an ``OperationalError``, urllib3's
+#: ``DecodeError`` an ``HTTPError``)
+_INFRASTRUCTURE_CLASS = re.compile(
+    r"OSError|OperationalError|InterfaceError|InternalError|HTTPError|AMQPError|KafkaException|"
+    r"ConnectionError|TimeoutError|SSLError"
+)
+
 #: what a write's text says after ``write failed: `` when it raised for a row's data
 ROW_DATA_MARK = "[a row's data] "
 
@@ -47,14 +56,21 @@ _ROW_DATA_TEXT = re.compile(r"^write failed: (branch '[^']*': )?" + re.escape(RO
 
 
 def row_data(exc: BaseException) -> bool:
-    """Whether ``exc`` is an error of a row's data (by its class and the classes it
-    derives from, see ``_ROW_DATA_CLASS``).
+    """Whether ``exc`` is an error of a row's data: by its class and the classes it
+    derives from (``_ROW_DATA_CLASS``), unless one of them is the infrastructure's
+    (``_INFRASTRUCTURE_CLASS``), which wins.
 
     >>> class BadRecord(ValueError): ...
     >>> row_data(BadRecord("qty < 0")), row_data(ConnectionError("gone")), row_data(OSError(36, "x"))
     (True, False, False)
+    >>> import io, ssl
+    >>> row_data(io.UnsupportedOperation("x")), row_data(ssl.SSLCertVerificationError("x"))
+    (False, False)
     """
-    return any(_ROW_DATA_CLASS.fullmatch(c.__name__) for c in type(exc).__mro__)
+    names = [c.__name__ for c in type(exc).__mro__]
+    if any(_INFRASTRUCTURE_CLASS.fullmatch(n) for n in names):
+        return False
+    return any(_ROW_DATA_CLASS.fullmatch(n) for n in names)
 
 
 def whole_write(exc: BaseException, branch: str | None = None, at: bool = True) -> str:
@@ -127,12 +143,15 @@ class SystemicFailure(FlowError):
     refuses, a permission, a bug). The messages were given back, none dead-lettered.
     ``detail`` holds the longest error text seen (a traceback where one came back)."""
 
-    def __init__(self, step: str, cause: str, *, messages: int, seconds: float, detail: str = "") -> None:
-        super().__init__(
-            step,
-            f"every message fails here the same way, for {seconds:.0f} s "
-            f"({messages} deliveries given back): {cause}",
+    def __init__(
+        self, step: str, cause: str, *, messages: int, seconds: float, detail: str = "", partial: bool = False
+    ) -> None:
+        what = (
+            "part of the writes fail here the same way while the others land (a partial outage)"
+            if partial
+            else "every message fails here the same way"
         )
+        super().__init__(step, f"{what}, for {seconds:.0f} s ({messages} deliveries given back): {cause}")
         self.messages = messages
         self.seconds = seconds
         self.detail = detail

@@ -73,6 +73,9 @@ _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}
 _PATH = re.compile(r"(?:[\w.~-]*/)+[\w.~-]*")
 _HEX = re.compile(r"\b[0-9a-fA-F]{8,}\b")
 _NUM = re.compile(r"\d+")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+\b")
+# a write's text: ``write failed: [branch 'b': ]Type: ...``
+_KIND = re.compile(r"write failed: (?:branch '[^']*': )?([\w.]+)")
 
 
 def signature(error: str) -> str:
@@ -83,7 +86,7 @@ def signature(error: str) -> str:
     >>> signature("write failed: PermissionError: [Errno 13] '/t/_staging/b-0007/part-1a2b3c4d.parquet'")
     "write failed: PermissionError: [Errno #] '<path>'"
     """
-    text = _UUID.sub("<id>", error)
+    text = _ADDRESS.sub("<address>", _UUID.sub("<id>", error))
     text = _PATH.sub("<path>", text)
     text = _HEX.sub("<id>", text)
     return _NUM.sub("#", text)
@@ -105,6 +108,7 @@ class Episode:
     messages: int = 0  # deliveries given back during the episode
     batches: int = 0
     detail: str = ""  # the longest error text seen (a traceback, when one came back)
+    partial: bool = False  # a partial outage: the sink wrote other rows meanwhile
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -113,6 +117,7 @@ class Episode:
             "since": self.started_at,
             "messages": self.messages,
             "batches": self.batches,
+            "partial": self.partial,
         }
 
 
@@ -127,7 +132,8 @@ class _Away:
 
     since: float
     last: float
-    keys: set[Hashable] = field(default_factory=set)
+    keys: set[Hashable] = field(default_factory=set)  # distinct messages met (up to ``after``)
+    given: int = 0  # deliveries given back since it began
 
 
 class SystemicDetector:
@@ -202,18 +208,27 @@ class SystemicDetector:
         systemic: set[Hashable] = set()
         self.suspects = set()
         for sig, keys in by_sig.items():
-            if self._works(sig[0], working):
-                if not self._went_away(*raw[sig]):
-                    continue  # the step worked in this very batch: these messages are the cause
-                # a sink that wrote, then failed as a sink does: a partial outage
-                if self._partial(sig, keys):
+            away = self._went_away(*raw[sig])
+            if away is not None and (self._works(sig[0], working) or self._live(away)):
+                # a sink that wrote (in this batch, or while this outage lasts), then failed
+                # as a sink does: a partial outage
+                if self._partial(away, keys):
                     systemic.update(keys)
                     text = detail(*raw[sig]) if detail else ""
-                    self._enter(raw[sig], len(keys), text, since=self._away[sig].since)
+                    lasted = self._away[away]
+                    n = lasted.given + len(keys)
+                    self._enter(raw[sig], n, text, since=lasted.since, partial=True)
+                    continue
+                back = [k for k in keys if stable is None or stable(k)]
+                if len(self._away[away].keys) < self.after:  # one message alone: a few times
+                    self._suspect(back)
                 else:
-                    self.suspects.update(k for k in keys if stable is None or stable(k))
-                    self.partial.add(sig[0])
+                    self.suspects.update(back)
+                self._away[away].given += len(keys)
+                self.partial.add(sig[0])
                 continue
+            if self._works(sig[0], working):
+                continue  # the step worked in this very batch: these messages are the cause
             streak = self._streaks.setdefault(sig, _Streak())
             if len(streak.keys) < self.after:
                 streak.keys.update(keys[: self.after])
@@ -241,24 +256,34 @@ class SystemicDetector:
                 self._backs[key] = n + 1
                 self.suspects.add(key)
 
-    def _partial(self, sig: tuple[str, str], keys: list[Hashable]) -> bool:
-        """Count a partial outage's batch; whether it has lasted ``stop_after_s`` and met
-        ``after`` messages (then it is systemic). It began anew if it was quiet for
-        ``max_backoff_s``."""
+    def _partial(self, away: tuple[str, str], keys: list[Hashable]) -> bool:
+        """Count a partial outage's batch; whether it has lasted ``stop_after_s`` over
+        ``after`` messages (then it is systemic). It lasts while it comes again within
+        half of ``stop_after_s`` (30 s at least): a slow batch (a connect timeout) or a
+        batch without it between two with it does not end it."""
         now = self._clock()
-        away = self._away.get(sig)
-        if away is None or now - away.last > self._max_backoff:
-            away = self._away[sig] = _Away(now, now)
-        away.last = now
-        if len(away.keys) < self.after:
-            away.keys.update(keys[: self.after])
-        return len(away.keys) >= self.after and now - away.since >= self.stop_after_s
+        lasted = self._away.get(away)
+        if lasted is None or not self._live(away):
+            lasted = self._away[away] = _Away(now, now)
+        lasted.last = now
+        if len(lasted.keys) < self.after:
+            lasted.keys.update(keys[: self.after])
+        return len(lasted.keys) >= self.after and now - lasted.since >= self.stop_after_s
 
-    def _went_away(self, step: str, error: str) -> bool:
+    def _live(self, away: tuple[str, str]) -> bool:
+        lasted = self._away.get(away)
+        gap = max(self._max_backoff, self.stop_after_s / 2)
+        return lasted is not None and self._clock() - lasted.last <= gap
+
+    def _went_away(self, step: str, error: str) -> tuple[str, str] | None:
         """A sink's write that failed, as a whole, with an error that is not a row's data
-        (a connection, a timeout: its database going away mid-job) while the sink wrote
-        other rows: not proof that these messages are the cause."""
-        return step in self.sinks and error.startswith(WHOLE_WRITE) and not of_row_data(error)
+        (a connection, a timeout: its database going away mid-job): the sink and the
+        error's kind (its type's name: the text after it may change each time, an
+        object's address), else None."""
+        if step not in self.sinks or not error.startswith(WHOLE_WRITE) or of_row_data(error):
+            return None
+        kind = _KIND.match(error)
+        return step, kind.group(1) if kind else signature(error)
 
     def _works(self, step: str, working: set[str]) -> bool:
         """A failing step works if the batch proved it: that sink wrote rows, or (a step
@@ -275,10 +300,13 @@ class SystemicDetector:
             self.episode = None
             self._strikes = 0
 
-    def _enter(self, sig: tuple[str, str], n: int, detail: str, since: float | None = None) -> None:
-        if self.episode is None:
+    def _enter(
+        self, sig: tuple[str, str], n: int, detail: str, since: float | None = None, partial: bool = False
+    ) -> None:
+        if self.episode is None or (partial and self.episode.step != sig[0]):
             began = self._clock() if since is None else since
-            self.episode = Episode(sig[0], redact(sig[1]), began, time.time() - (self._clock() - began))
+            wall = time.time() - (self._clock() - began)
+            self.episode = Episode(sig[0], redact(sig[1]), began, wall, partial=partial)
             self.episodes += 1
         self.episode.messages += n
         self.episode.batches += 1

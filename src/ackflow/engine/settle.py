@@ -515,6 +515,7 @@ class Settling(DeadLetters):
             messages=episode.messages,
             seconds=detector.stop_after_s,
             detail=episode.detail,
+            partial=episode.partial,
         )
 
     def _count_job(self, bisection: bool) -> None:

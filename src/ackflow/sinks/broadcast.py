@@ -8,7 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ackflow.core.errors import ConfigError, whole_write
+from ackflow.core.errors import ROW_DATA_MARK, ConfigError, whole_write
 from ackflow.core.ledger import WHOLE_WRITE
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink, key_columns
@@ -124,6 +124,8 @@ class Broadcast(Sink):
         primary = self.branches[0].name
 
         def joined(texts: list[str]) -> str:  # a write as a whole only if every branch's was
+            if not all(ROW_DATA_MARK in t for t in texts):  # a row's data only if every branch says so
+                texts = [t.replace(ROW_DATA_MARK, "") for t in texts]
             text = "; ".join(t.replace(WHOLE_WRITE, "", 1) for t in texts)
             whole = all(WHOLE_WRITE in t for t in texts)
             return f"{WHOLE_WRITE}{text}" if whole else text
