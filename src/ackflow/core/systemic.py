@@ -17,14 +17,16 @@ into dead letters. The rule (docs/concepts/failures.md, "Systemic failures are n
   (2) times per message, then failed as usual (so a lone poison message is still
   dead-lettered, two give-backs later).
 * A sink's write that failed with an error that is not a row's data
-  (:func:`~ackflow.core.errors.of_row_data`: a connection, a timeout) though the sink
-  wrote other rows (its database went away mid-job, or one executor cannot reach it) is
-  a *partial outage*: its messages (those whose identity is the same at each delivery)
-  are given back, no delivery spent, as often as it lasts. It lasts while that failure
-  comes again within ``max_backoff_s`` of its last time; once it has lasted
-  ``stop_after_s`` and met ``after`` distinct messages, it is systemic: the run stops
-  with :class:`~ackflow.core.errors.SystemicFailure` rather than give back forever
-  (a message that breaks the connection itself would otherwise come back for good).
+  (:func:`~ackflow.core.errors.of_row_data`: a connection, a timeout) in a batch where
+  the sink wrote other rows (its database went away mid-job, or one executor cannot
+  reach it) is a *partial outage* of that signature: its messages (those whose identity
+  is the same at each delivery) are given back, no delivery spent, until it has lasted
+  ``stop_after_s``; so are they in a batch where the sink wrote nothing while it is on
+  (until ``after`` messages fail so without the sink writing: a full outage, below). It
+  ends with a batch in which the sink wrote rows and none failed so (sporadic failures
+  never add up), or after ``stop_after_s`` without it. Once it has lasted
+  ``stop_after_s`` over ``after`` messages it is systemic (the run stops); over fewer,
+  they fail as their own (a row that breaks the connection itself).
 * When ``after`` distinct messages (3 by default) have failed with one signature, and
   its step has not worked since the first of them, the failure is **systemic**: those
   messages, and every later one failing the same way, are given back to their source
@@ -74,8 +76,6 @@ _PATH = re.compile(r"(?:[\w.~-]*/)+[\w.~-]*")
 _HEX = re.compile(r"\b[0-9a-fA-F]{8,}\b")
 _NUM = re.compile(r"\d+")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+\b")
-# a write's text: ``write failed: [branch 'b': ]Type: ...``
-_KIND = re.compile(r"write failed: (?:branch '[^']*': )?([\w.]+)")
 
 
 def signature(error: str) -> str:
@@ -133,7 +133,7 @@ class _Away:
     since: float
     last: float
     keys: set[Hashable] = field(default_factory=set)  # distinct messages met (up to ``after``)
-    given: int = 0  # deliveries given back since it began
+    given: int = 0  # deliveries given back in it
 
 
 class SystemicDetector:
@@ -167,7 +167,7 @@ class SystemicDetector:
         self._max_backoff = float(max_backoff_s)
         self._clock = clock
         self._streaks: dict[tuple[str, str], _Streak] = {}
-        self._away: dict[tuple[str, str], _Away] = {}
+        self._outages: dict[tuple[str, str], _Away] = {}  # partial outages by signature
         self.episode: Episode | None = None
         self.episodes = 0  # episodes begun in this run
         self.given_back = 0  # deliveries given back as systemic in this run
@@ -207,28 +207,36 @@ class SystemicDetector:
             raw.setdefault(sig, (step, error))
         systemic: set[Hashable] = set()
         self.suspects = set()
+        self._outages_end(by_sig, working)
         for sig, keys in by_sig.items():
-            away = self._went_away(*raw[sig])
-            if away is not None and (self._works(sig[0], working) or self._live(away)):
-                # a sink that wrote (in this batch, or while this outage lasts), then failed
-                # as a sink does: a partial outage
-                if self._partial(away, keys):
+            gone = self._went_away(*raw[sig])
+            back = [k for k in keys if stable is None or stable(k)]
+            if gone and self._works(sig[0], working):
+                # the sink wrote rows in this batch, then failed as a sink does: a partial outage
+                outage = self._outage(sig, keys)
+                if self._clock() - outage.since < self.stop_after_s:
+                    self.suspects.update(back)  # given back while it lasts
+                    outage.given += len(back)
+                    self.partial.add(sig[0])
+                elif len(outage.keys) >= self.after:  # it lasted: systemic, the run stops
                     systemic.update(keys)
                     text = detail(*raw[sig]) if detail else ""
-                    lasted = self._away[away]
-                    n = lasted.given + len(keys)
-                    self._enter(raw[sig], n, text, since=lasted.since, partial=True)
-                    continue
-                back = [k for k in keys if stable is None or stable(k)]
-                if len(self._away[away].keys) < self.after:  # one message alone: a few times
-                    self._suspect(back)
-                else:
-                    self.suspects.update(back)
-                self._away[away].given += len(keys)
-                self.partial.add(sig[0])
+                    self._enter(raw[sig], outage.given + len(keys), text, since=outage.since, partial=True)
+                # else: one or two messages failing so for that long: their own (a row
+                # that breaks the connection itself)
                 continue
             if self._works(sig[0], working):
                 continue  # the step worked in this very batch: these messages are the cause
+            if gone and sig in self._outages:  # a partial outage on, and no row written
+                # now (a batch of one partition): given back as in the outage, while the
+                # streak below tells a full outage (an episode with its backoff)
+                streak = self._streaks.setdefault(sig, _Streak())
+                streak.keys.update(keys[: self.after - len(streak.keys)])
+                if len(streak.keys) < self.after:
+                    self._outage(sig, keys).given += len(back)
+                    self.suspects.update(back)
+                    self.partial.add(sig[0])
+                    continue
             streak = self._streaks.setdefault(sig, _Streak())
             if len(streak.keys) < self.after:
                 streak.keys.update(keys[: self.after])
@@ -243,9 +251,9 @@ class SystemicDetector:
         if len(self._streaks) > 10_000:  # bounded: forget the oldest signatures
             for sig in list(self._streaks)[:5_000]:
                 del self._streaks[sig]
-        if len(self._away) > 10_000:
-            for sig in list(self._away)[:5_000]:
-                del self._away[sig]
+        if len(self._outages) > 10_000:
+            for sig in list(self._outages)[:5_000]:
+                del self._outages[sig]
         self.given_back += len(systemic)
         return systemic
 
@@ -256,34 +264,27 @@ class SystemicDetector:
                 self._backs[key] = n + 1
                 self.suspects.add(key)
 
-    def _partial(self, away: tuple[str, str], keys: list[Hashable]) -> bool:
-        """Count a partial outage's batch; whether it has lasted ``stop_after_s`` over
-        ``after`` messages (then it is systemic). It lasts while it comes again within
-        half of ``stop_after_s`` (30 s at least): a slow batch (a connect timeout) or a
-        batch without it between two with it does not end it."""
+    def _outage(self, sig: tuple[str, str], keys: list[Hashable]) -> _Away:
+        """The partial outage of ``sig``, begun now if there is none (or it was quiet for
+        ``stop_after_s``), with ``keys`` counted (up to ``after``)."""
         now = self._clock()
-        lasted = self._away.get(away)
-        if lasted is None or not self._live(away):
-            lasted = self._away[away] = _Away(now, now)
-        lasted.last = now
-        if len(lasted.keys) < self.after:
-            lasted.keys.update(keys[: self.after])
-        return len(lasted.keys) >= self.after and now - lasted.since >= self.stop_after_s
+        outage = self._outages.get(sig)
+        if outage is None or now - outage.last > self.stop_after_s:
+            outage = self._outages[sig] = _Away(now, now)
+        outage.last = now
+        outage.keys.update(keys[: max(0, self.after - len(outage.keys))])
+        return outage
 
-    def _live(self, away: tuple[str, str]) -> bool:
-        lasted = self._away.get(away)
-        gap = max(self._max_backoff, self.stop_after_s / 2)
-        return lasted is not None and self._clock() - lasted.last <= gap
+    def _outages_end(self, by_sig: dict[tuple[str, str], list[Hashable]], working: set[str]) -> None:
+        """A partial outage ends with a batch in which its sink wrote rows and none failed
+        so: sporadic failures between good batches never add up to a stop."""
+        for sig in [s for s in self._outages if s[0] in working and s not in by_sig]:
+            del self._outages[sig]
 
-    def _went_away(self, step: str, error: str) -> tuple[str, str] | None:
+    def _went_away(self, step: str, error: str) -> bool:
         """A sink's write that failed, as a whole, with an error that is not a row's data
-        (a connection, a timeout: its database going away mid-job): the sink and the
-        error's kind (its type's name: the text after it may change each time, an
-        object's address), else None."""
-        if step not in self.sinks or not error.startswith(WHOLE_WRITE) or of_row_data(error):
-            return None
-        kind = _KIND.match(error)
-        return step, kind.group(1) if kind else signature(error)
+        (a connection, a timeout: its database going away mid-job)."""
+        return step in self.sinks and error.startswith(WHOLE_WRITE) and not of_row_data(error)
 
     def _works(self, step: str, working: set[str]) -> bool:
         """A failing step works if the batch proved it: that sink wrote rows, or (a step
