@@ -40,7 +40,7 @@ def keys_of(runs):
 
 def manifest():
     db = sqlite3.connect(":memory:", isolation_level=None)
-    key_runs.ensure_table(db)
+    db.execute(key_runs.SCHEMA)
     return db
 
 

@@ -192,19 +192,19 @@ def test_a_row_without_a_key_is_not_committed(sink, tmp_path):
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(keys=st.lists(st.text(), max_size=40))
 def test_keys_go_into_the_manifest_exactly_as_they_are(keys):
-    """The keys' one-statement insert (a JSON array) keeps every key as it is: quotes,
-    backslashes, control characters, characters beyond the BMP, repeats once; a key
-    holding NUL (which SQLite's JSON would cut) goes the slow way. A key cut or changed
-    would merge two rows' keys and drop one."""
+    """The manifest keeps every key as it is (as runs): quotes, backslashes, control
+    characters, characters beyond the BMP, repeats once, a key holding NUL. A key cut or
+    changed would merge two rows' keys and drop one."""
     import sqlite3
 
-    from ackflow.core.durable import insert_keys
+    from ackflow.core import key_runs
 
     for extra in ([], ['q"\\\n\t\U0001f600', "\x7f\u2028"], ["a\x00b", "a\x00c"]):
         db = sqlite3.connect(":memory:")
-        db.execute("CREATE TABLE row_keys (key TEXT PRIMARY KEY)")
-        insert_keys(db, "row_keys", [*keys, *extra])
-        got = [r[0] for r in db.execute("SELECT key FROM row_keys")]
+        db.execute(key_runs.SCHEMA)
+        key_runs.insert_new(db, [*keys, *extra], 1.0, "b1")
+        runs = db.execute("SELECT stem, marks, first, last FROM key_runs").fetchall()
+        got = [s if n < 0 else f"{s}{n}{'!' * m}" for s, m, a, b in runs for n in range(a, b + 1)]
         assert sorted(got) == sorted({*keys, *extra})
 
 

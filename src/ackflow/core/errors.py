@@ -48,11 +48,15 @@ _INFRASTRUCTURE_CLASS = re.compile(
     r"ConnectionError|TimeoutError|SSLError"
 )
 
+#: how a task's receipt starts the error of a sink write that raised for its whole
+#: partition (not a row's own failure): ``write failed: <error>``
+WHOLE_WRITE = "write failed: "
+
 #: what a write's text says after ``write failed: `` when it raised for a row's data
 ROW_DATA_MARK = "[a row's data] "
 
 # ``write failed: [branch 'b': ][a row's data] ...``: the executor classified the error
-_ROW_DATA_TEXT = re.compile(r"^write failed: (branch '[^']*': )?" + re.escape(ROW_DATA_MARK))
+_ROW_DATA_TEXT = re.compile("^" + re.escape(WHOLE_WRITE) + r"(branch '[^']*': )?" + re.escape(ROW_DATA_MARK))
 
 
 def row_data(exc: BaseException) -> bool:
@@ -83,7 +87,7 @@ def whole_write(exc: BaseException, branch: str | None = None, at: bool = True) 
     """
     own = f"branch {branch!r}: " if branch is not None else ""
     mark = ROW_DATA_MARK if row_data(exc) else ""
-    return f"write failed: {own}{mark}{describe(exc)}{where(exc) if at else ''}"
+    return f"{WHOLE_WRITE}{own}{mark}{describe(exc)}{where(exc) if at else ''}"
 
 
 def of_row_data(error: str) -> bool:

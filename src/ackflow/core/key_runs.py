@@ -6,9 +6,10 @@ the driver one insert, not ten thousand.
 A key is ``stem + str(n) + "!" * marks``: ``marks`` the ``!`` it ends with (the mark
 ``row_key`` adds), ``n`` the digits before them read as an integer when they are written
 the way ``str`` writes an integer (no leading zero, at most 18 digits), and ``stem`` the
-rest (never ending in a digit). Any other key (``abc``, ``x05``, an empty key) is the run
-``(key, 0, -1, -1)``. The mapping is one to one: a numbered key's stem never ends in a
-digit and its ``n`` is at least 0, so it never meets another key's run.
+rest (never ending in a digit; the split of :mod:`ackflow.state.runs`). Any other key
+(``abc``, ``x05``, an empty key, a stem holding NUL) is the run ``(key, 0, -1, -1)``.
+The mapping is one to one: a numbered key's stem never ends in a digit and its ``n`` is
+at least 0, so it never meets another key's run.
 
 The runs of a manifest never overlap (each insert checks), so a key ``(s, m, n)`` was
 written iff the run of ``(s, m)`` with the greatest ``first <= n`` has ``last >= n``: one
@@ -22,14 +23,12 @@ import json
 import sqlite3
 from typing import Any
 
-# the manifest's table of runs, made by :func:`ensure_table`
+# the manifest's table of runs
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS key_runs (stem TEXT NOT NULL, marks INTEGER NOT NULL,"
     " first INTEGER NOT NULL, last INTEGER NOT NULL, at REAL NOT NULL, batch TEXT,"
     " PRIMARY KEY (stem, marks, first)) WITHOUT ROWID"
 )
-
-_MAX_DIGITS = 18  # below 2**63: any 18 digits are an int64
 
 # the runs of a JSON text (``[[stem, marks, first, last], ...]``) as a table ``runs``
 # (json_extract, not ``->>``: that needs SQLite 3.38, and Debian 11 or Ubuntu 22.04 have
@@ -41,6 +40,19 @@ _RUNS_OF_TEXT = (
 )
 
 
+def _last_run(row: str, upto: str) -> str:
+    """SQL: the ``last`` of the run of ``row``'s stem and marks with the greatest
+    ``first <= row.upto`` (runs never overlap: the only one that can hold ``row.upto``),
+    or -2 when there is none."""
+    return (
+        f"coalesce((SELECT r.last FROM key_runs AS r WHERE r.stem = {row}.stem AND r.marks = {row}.marks "
+        f"AND r.first <= {row}.{upto} ORDER BY r.first DESC LIMIT 1), -2)"
+    )
+
+
+_INSERT = "INSERT INTO key_runs (stem, marks, first, last, at, batch) VALUES (?, ?, ?, ?, ?, ?)"
+
+
 def parts(keys: Any) -> list[tuple[str, int, int]]:
     """Each key's ``(stem, marks, n)``, in the keys' order (``keys``: a list of str)."""
     stems, marks, n = _parts(keys)
@@ -49,23 +61,24 @@ def parts(keys: Any) -> list[tuple[str, int, int]]:
 
 def _parts(keys: Any) -> tuple[Any, Any, Any]:
     """Each key's stem, marks and ``n``, as three Arrow arrays in the keys' order (``keys``:
-    a pyarrow string array or a list of str, no nulls)."""
+    a pyarrow string array or a list of str, no nulls). The key without its marks is
+    split as the window state's applied keys are (:func:`ackflow.state.runs.split_many`:
+    trailing digits without a leading zero, at most 18); a key that does not split is
+    its own stem, with no marks and ``n`` -1."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
+
+    from ackflow.state.runs import split_many
 
     arr = _array(keys)
     base = pc.utf8_rtrim(arr, characters="!")
     marks = pc.subtract(pc.utf8_length(arr), pc.utf8_length(base))
-    stems = pc.utf8_rtrim(base, characters="0123456789")
-    width = pc.subtract(pc.utf8_length(base), pc.utf8_length(stems))
-    numbered = pc.and_(pc.greater(width, 0), pc.less_equal(width, _MAX_DIGITS))
-    n = _tail_numbers(base, width, numbered)
-    # canonical: the key is exactly stem + str(n) + marks; else the key is its own stem
-    rebuilt = pc.binary_join_element_wise(stems, pc.cast(n, pa.string()), pc.binary_repeat("!", marks), "")
-    canonical = pc.fill_null(pc.and_(numbered, pc.equal(rebuilt, arr)), False)
-    n = pc.fill_null(pc.if_else(canonical, n, pa.scalar(-1, pa.int64())), -1)
-    marks = pc.if_else(canonical, marks, pa.scalar(0, marks.type))
-    return pc.if_else(canonical, stems, arr), marks, n
+    stems, n = split_many(base)  # (a null stem: the key does not split)
+    numbered = pc.is_valid(stems)
+    mask = numbered.to_numpy(zero_copy_only=False)
+    marks = pc.if_else(numbered, marks, pa.scalar(0, marks.type))
+    return pc.if_else(numbered, stems, arr), marks, pa.array(np.where(mask, n, -1))
 
 
 def _array(keys: Any) -> Any:
@@ -78,23 +91,6 @@ def _array(keys: Any) -> Any:
     if isinstance(keys, pa.Array):
         return keys if keys.type == pa.string() else keys.cast(pa.string())
     return pa.array(keys, pa.string())
-
-
-def _tail_numbers(arr: Any, width: Any, numbered: Any) -> Any:
-    """The integer each numbered key ends with (null where ``numbered`` is false): the
-    keys of one width of digits at a time, taken out, cut and cast together."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    widths = width.to_numpy(zero_copy_only=False)
-    out = np.zeros(len(arr), dtype=np.int64)
-    for w in np.unique(widths[numbered.to_numpy(zero_copy_only=False)]).tolist():
-        at = np.flatnonzero(widths == w)
-        picked = arr.take(pa.array(at)) if len(at) < len(arr) else arr
-        tail = pc.utf8_slice_codeunits(picked, -w) if w else picked
-        out[at] = pc.cast(tail, pa.int64()).to_numpy(zero_copy_only=False)
-    return pa.array(out, mask=~numbered.to_numpy(zero_copy_only=False))
 
 
 def runs(keys: Any) -> list[list[Any]] | None:
@@ -112,7 +108,8 @@ def runs(keys: Any) -> list[list[Any]] | None:
     enc = pc.dictionary_encode(stems)
     names = enc.dictionary.to_pylist()
     m = marks.to_numpy(zero_copy_only=False).astype(np.int64)
-    group = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64) * (int(m.max()) + 1) + m
+    width = int(m.max()) + 1  # a group is a stem and its marks: stem * width + marks
+    group = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64) * width + m
     n = ns.to_numpy(zero_copy_only=False)
     order = np.lexsort((n, group))
     group, n = group[order], n[order]
@@ -124,12 +121,23 @@ def runs(keys: Any) -> list[list[Any]] | None:
     starts = np.concatenate(([0], breaks + 1))
     ends = np.concatenate((breaks, [len(n) - 1]))
     spans = zip(starts.tolist(), ends.tolist(), strict=True)
-    width = int(m.max()) + 1
     return [[names[group[a] // width], int(group[a] % width), int(n[a]), int(n[b])] for a, b in spans]
 
 
-def ensure_table(db: sqlite3.Connection) -> None:
-    db.execute(SCHEMA)
+def runs_or_none(keys: Any) -> list[list[Any]] | None:
+    """:func:`runs`, or None also when Arrow cannot take the keys: a writer's task then
+    leaves the driver to find the written keys one by one, never failing its part."""
+    try:
+        return runs(keys)
+    except Exception:  # noqa: BLE001 - never the part's failure: the slow path takes it
+        return None
+
+
+def unique_runs(keys: list[str]) -> list[list[Any]]:
+    """The runs of ``keys`` (str, repeats allowed: each is taken once)."""
+    found = runs(list(dict.fromkeys(keys)))
+    assert found is not None  # unique and not null
+    return found
 
 
 def insert_if_all_new(db: sqlite3.Connection, texts: list[str], count: int, at: float, batch: str) -> bool:
@@ -145,9 +153,7 @@ def insert_if_all_new(db: sqlite3.Connection, texts: list[str], count: int, at: 
     for text in texts:
         db.execute(
             f"{_RUNS_OF_TEXT} INSERT INTO key_runs (stem, marks, first, last, at, batch) "
-            "SELECT stem, marks, first, last, ?, ? FROM runs AS i WHERE coalesce((SELECT r.last "
-            "FROM key_runs AS r WHERE r.stem = i.stem AND r.marks = i.marks AND r.first <= i.last "
-            "ORDER BY r.first DESC LIMIT 1), -2) < i.first",
+            f"SELECT stem, marks, first, last, ?, ? FROM runs AS i WHERE {_last_run('i', 'last')} < i.first",
             (text, at, batch),
         )
     fresh = db.total_changes - before == count
@@ -168,10 +174,7 @@ def written(db: sqlite3.Connection, keys: list[str]) -> set[str]:
     db.execute("DELETE FROM incoming_runs")
     rows = ((k, *p) for k, p in zip(unique, parts(unique), strict=True))
     db.executemany("INSERT INTO incoming_runs VALUES (?, ?, ?, ?)", rows)
-    found = db.execute(
-        "SELECT i.key FROM incoming_runs AS i WHERE (SELECT r.last FROM key_runs AS r WHERE r.stem = i.stem"
-        " AND r.marks = i.marks AND r.first <= i.n ORDER BY r.first DESC LIMIT 1) >= i.n"
-    )
+    found = db.execute(f"SELECT i.key FROM incoming_runs AS i WHERE {_last_run('i', 'n')} >= i.n")
     seen = {r[0] for r in found}
     db.execute("DELETE FROM incoming_runs")
     return seen
@@ -179,9 +182,7 @@ def written(db: sqlite3.Connection, keys: list[str]) -> set[str]:
 
 def insert_new(db: sqlite3.Connection, keys: list[str], at: float, batch: str | None) -> None:
     """Insert ``keys``, none of which the manifest holds (:func:`written` said so)."""
-    found = runs(list(dict.fromkeys(keys)))
-    assert found is not None  # unique and not null
-    insert(db, found, at, batch)
+    insert(db, unique_runs(keys), at, batch)
 
 
 def text(found: list[list[Any]]) -> str:
@@ -214,9 +215,9 @@ def migrate(db: sqlite3.Connection, name: str) -> None:
             seen = written(db, [k for k, _ in chunk])
             fresh = [(k, at) for k, at in chunk if k not in seen]
             db.executemany(
-                "INSERT INTO key_runs (stem, marks, first, last, at, batch) VALUES (?, ?, ?, ?, ?, NULL)",
+                _INSERT,
                 (
-                    (s, m, n, n, at)
+                    (s, m, n, n, at, None)
                     for (s, m, n), (_, at) in zip(parts([k for k, _ in fresh]), fresh, strict=True)
                 ),
             )
@@ -238,17 +239,11 @@ def any_written(db: sqlite3.Connection, found: list[list[Any]]) -> bool:
     if "\\u0000" in body:
         return True
     hit = db.execute(
-        f"{_RUNS_OF_TEXT} SELECT 1 FROM runs AS i WHERE coalesce((SELECT r.last FROM key_runs AS r "
-        "WHERE r.stem = i.stem AND r.marks = i.marks AND r.first <= i.last "
-        "ORDER BY r.first DESC LIMIT 1), -2) >= i.first LIMIT 1",
-        (body,),
+        f"{_RUNS_OF_TEXT} SELECT 1 FROM runs AS i WHERE {_last_run('i', 'last')} >= i.first LIMIT 1", (body,)
     ).fetchone()
     return hit is not None
 
 
 def insert(db: sqlite3.Connection, found: list[list[Any]], at: float, batch: str | None) -> None:
     """Insert runs the manifest does not hold (:func:`any_written` said so)."""
-    db.executemany(
-        "INSERT INTO key_runs (stem, marks, first, last, at, batch) VALUES (?, ?, ?, ?, ?, ?)",
-        ((s, m, a, b, at, batch) for s, m, a, b in found),
-    )
+    db.executemany(_INSERT, ((s, m, a, b, at, batch) for s, m, a, b in found))

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ackflow.core.errors import WHOLE_WRITE
+
 RECEIPT_SCHEMA = pa.schema(
     [
         ("id", pa.int64()),
@@ -53,9 +55,6 @@ def _ranked_errors(receipts: pa.Table, order: Sequence[str] | None) -> pa.Array:
     )
 
 
-#: how a task's receipt starts the error of a sink write that raised for its whole
-#: partition (not a row's own failure): ``write failed: <error>``
-WHOLE_WRITE = "write failed: "
 #: a row's error that is not its message's: it waits for another message's row to settle
 #: (a dedupe's first); the engine keeps the message in flight and runs it again, no
 #: delivery spent

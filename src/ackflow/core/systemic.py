@@ -67,8 +67,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
-from ackflow.core.errors import ConfigError, of_row_data
-from ackflow.core.ledger import WHOLE_WRITE
+from ackflow.core.errors import WHOLE_WRITE, ConfigError, of_row_data
 from ackflow.core.secrets import redact
 
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -127,7 +126,7 @@ class _Streak:
 
 
 @dataclass
-class _Away:
+class _Outage:
     """A partial outage: a sink's write failing as a sink does while it writes others."""
 
     since: float
@@ -167,7 +166,7 @@ class SystemicDetector:
         self._max_backoff = float(max_backoff_s)
         self._clock = clock
         self._streaks: dict[tuple[str, str], _Streak] = {}
-        self._outages: dict[tuple[str, str], _Away] = {}  # partial outages by signature
+        self._outages: dict[tuple[str, str], _Outage] = {}  # partial outages by signature
         self.episode: Episode | None = None
         self.episodes = 0  # episodes begun in this run
         self.given_back = 0  # deliveries given back as systemic in this run
@@ -264,13 +263,13 @@ class SystemicDetector:
                 self._backs[key] = n + 1
                 self.suspects.add(key)
 
-    def _outage(self, sig: tuple[str, str], keys: list[Hashable]) -> _Away:
+    def _outage(self, sig: tuple[str, str], keys: list[Hashable]) -> _Outage:
         """The partial outage of ``sig``, begun now if there is none (or it was quiet for
         ``stop_after_s``), with ``keys`` counted (up to ``after``)."""
         now = self._clock()
         outage = self._outages.get(sig)
         if outage is None or now - outage.last > self.stop_after_s:
-            outage = self._outages[sig] = _Away(now, now)
+            outage = self._outages[sig] = _Outage(now, now)
         outage.last = now
         outage.keys.update(keys[: max(0, self.after - len(outage.keys))])
         return outage

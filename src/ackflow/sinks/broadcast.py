@@ -8,8 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ackflow.core.errors import ROW_DATA_MARK, ConfigError, whole_write
-from ackflow.core.ledger import WHOLE_WRITE
+from ackflow.core.errors import ROW_DATA_MARK, WHOLE_WRITE, ConfigError, whole_write
 from ackflow.sinks.base import ROW_KEY as KEY
 from ackflow.sinks.base import PartitionResult, Sink, key_columns
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ackflow.core.errors import ConfigError
-from ackflow.core.ledger import WHOLE_WRITE
+from ackflow.core.errors import WHOLE_WRITE, ConfigError
 from ackflow.core.secrets import redact
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, require_columns
 from ackflow.sinks.jsonrows import json_records

@@ -422,10 +422,7 @@ class TableSink(Sink):
         fsync_dir(folder)
         if made:  # a new folder (a partition value, Iceberg's data/): its entry too
             fsync_dir(os.path.dirname(folder))
-        try:  # the driver's quick check and record; None: it takes the keys one by one
-            runs = key_runs.runs(keys)
-        except Exception:  # noqa: BLE001 - keys Arrow cannot take: the exact way
-            runs = None
+        runs = key_runs.runs_or_none(keys)  # the driver's quick check; None: key by key
         return {
             "path": rel,
             "size": os.path.getsize(path),
@@ -507,7 +504,7 @@ class TableSink(Sink):
                 keys.extend(self._keys_in_file(path))
             # its keys were new at its commit; runs of those the manifest lacks, all the same
             seen = KeyManifest.written(db, keys)
-            runs = key_runs.runs(list(dict.fromkeys(k for k in keys if k not in seen))) or []
+            runs = key_runs.unique_runs([k for k in keys if k not in seen])
             KeyManifest.record(db, s, "", None, runs, len(keys), 0, recovered=True)
             log.warning(
                 "sink %r: batch %d was committed to the table before a crash but not "
@@ -578,7 +575,7 @@ class TableSink(Sink):
                 out.append(rewritten)
                 fresh.extend(rewritten["keys"])
             _remove(path)
-        return out, key_runs.runs(fresh) or [], dropped
+        return out, key_runs.unique_runs(fresh), dropped
 
     def _committed(self, batch_id: str) -> bool:
         with self._manifest() as db:

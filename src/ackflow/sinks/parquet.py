@@ -284,7 +284,7 @@ class ParquetSink(Sink):
         # the keys go to the driver as runs (the text the manifest's insert takes), and as
         # one JSON array in the rows' order (parsed only when some were written before),
         # each on its own line after the part's: never escaped into it
-        runs = None if keys is None else _runs(keys)
+        runs = None if keys is None else key_runs.runs_or_none(keys)
         head = {
             "file": final,
             "rows": rows.num_rows,
@@ -509,15 +509,6 @@ def _part(token: bytes) -> dict[str, Any]:
     part["runs_json"] = runs.decode() if has_keys else None
     part["keys_json"] = text.decode() if has_keys else None
     return part
-
-
-def _runs(keys: Any) -> list[list[Any]] | None:
-    """A part's keys as runs, or None (a null or repeated key, or keys Arrow cannot
-    take): the driver then finds the written keys one by one."""
-    try:
-        return key_runs.runs(keys)
-    except Exception:  # noqa: BLE001 - never the part's failure: the slow path takes it
-        return None
 
 
 def _keys(part: dict[str, Any]) -> list[str]:

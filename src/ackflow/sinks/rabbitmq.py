@@ -6,8 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-from ackflow.core.errors import ConfigError, describe
-from ackflow.core.ledger import WHOLE_WRITE
+from ackflow.core.errors import WHOLE_WRITE, ConfigError, describe
 from ackflow.core.secrets import redact
 from ackflow.sinks.base import ROW_KEY, PartitionResult, Sink, missing_id, require_columns
 from ackflow.sinks.jsonrows import json_records

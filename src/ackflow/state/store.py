@@ -283,8 +283,8 @@ class WindowStore(HeldWindows):
     def _applied(self, op: str, keys: list[str], now: float, lite: bool) -> None:
         """Record ``keys`` applied; one already is: StateError (the batch is not applied).
         Most as runs (:mod:`.runs`); the keys kept whole, in SQLite, in one statement over
-        a sorted JSON array (as :func:`insert_keys`; a key holding NUL, which SQLite's JSON
-        would cut, goes row by row)."""
+        a sorted JSON array (a key holding NUL, which SQLite's JSON would cut, goes row by
+        row)."""
         spans, keys, twice = runs.make_runs(keys)
         if twice is not None:
             raise StateError(f"row key {twice!r} is in the batch twice; the batch is not applied")
