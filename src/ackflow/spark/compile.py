@@ -33,8 +33,10 @@ from ackflow.flow import (
     WithColumns,
 )
 from ackflow.sinks.base import Sink, key_columns
+from ackflow.spark import jvm_decode
 from ackflow.spark.feed import Feeds, Fn, fed, feed_enabled
 from ackflow.spark.plan import (
+    INPUT_SCHEMA,
     Plan,
     Segment,
     check_names,
@@ -61,6 +63,7 @@ from ackflow.spark.session import switched_on
 from ackflow.spark.writer import make_writer
 
 Feed = Callable[[Fn], Fn] | None
+_INPUT = from_arrow_schema(INPUT_SCHEMA)
 log = logging.getLogger("ackflow.engine")
 
 
@@ -98,6 +101,8 @@ class CompiledFlow(Plan):
         self._fuse = switched_on(spark, "fuse")
         # spark.ackflow.fastjson=false: JSON by the exact reader only (spark/decode.py)
         self.fast_json = switched_on(spark, "fastjson")
+        # spark.ackflow.jvmjson=false: every message decoded in Python (spark/jvm_decode.py)
+        self._jvm_json = switched_on(spark, "jvmjson") and not rows_input
         large = spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")
         self._large = str(large).lower() == "true"  # (Spark hands Python large_string then)
 
@@ -118,11 +123,12 @@ class CompiledFlow(Plan):
 
     def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
-        df, data_cols, lineage, feed = self._start(inputs, batch_id)
+        jvm = self._jvm_decodes()
+        df, data_cols, lineage, feed = self._start(inputs, batch_id, jvm)
         one_pass = not self.branches and self._fuse
         last: list[tuple[Fn, pa.Schema]] | None = [] if one_pass else None
         df, data_cols, lineage, alive = self._chain(
-            self.segments, (), df, data_cols, lineage, decode=not self.rows_input, feed=feed, last=last
+            self.segments, (), df, data_cols, lineage, decode=not self.rows_input, feed=feed, last=last, jvm=jvm
         )
         if not self.branches:
             return self._write(self.sink, df, data_cols, lineage, batch_id, last[0] if last else None)
@@ -139,11 +145,30 @@ class CompiledFlow(Plan):
             outs.append(self._write(sink, bdf, bcols, blin, batch_id))
         return functools.reduce(DataFrame.unionByName, outs)
 
-    def _start(self, inputs: pa.Table, batch_id: str) -> tuple[DataFrame, list[str], str, Feed]:
+    def _jvm_decodes(self) -> bool:
+        """Whether this batch's messages are decoded in the JVM where it certainly reads
+        them as Python does (spark/jvm_decode.py): the first segment only decodes (no
+        Python step in it) and its columns are known."""
+        if not self._jvm_json or self.segments[0].steps:
+            return False
+        schema = self._schemas.get((0,))
+        return schema is not None and jvm_decode.applies(schema, self.flow.source.formats)
+
+    def _start(
+        self, inputs: pa.Table, batch_id: str, jvm: bool = False
+    ) -> tuple[DataFrame, list[str], str, Feed]:
         """The batch's first DataFrame, its data columns, its lineage column, and what
         the first Python function is wrapped in to read the messages (None: they are in
-        the DataFrame)."""
-        if self._feeds is not None and inputs.num_rows:
+        the DataFrame). ``jvm``: the messages go to the JVM (as Parquet files Spark reads,
+        on a local master), for its JSON reader."""
+        if jvm and self._feeds is not None and inputs.num_rows:
+            try:
+                paths = self._feeds.write_parquet(inputs, batch_id)
+            except OSError as e:  # a full or unwritable temporary folder: the other way
+                log.warning("cannot write the batch's input files (%s); they go through the JVM", e)
+            else:
+                return self.spark.read.schema(_INPUT).parquet(*paths), [], ID, None
+        elif self._feeds is not None and inputs.num_rows:
             try:
                 path, parts = self._feeds.write(inputs, batch_id)
             except OSError as e:  # a full or unwritable temporary folder: the other way
@@ -203,12 +228,14 @@ class CompiledFlow(Plan):
         decode: bool,
         feed: Feed = None,
         last: list[tuple[Fn, pa.Schema]] | None = None,
+        jvm: bool = False,
     ) -> tuple[DataFrame, list[str], str, bool]:
         """Apply segments; returns the DataFrame, its data columns, its lineage column,
         and False if a segment let no live row through (later steps were skipped).
         ``feed``: wraps the first segment's functions (they read the messages).
         ``last``: if the segments end in Python, that segment's function and output
-        schema are put there instead of applied (the writer runs it in its own pass)."""
+        schema are put there instead of applied (the writer runs it in its own pass).
+        ``jvm``: the first segment (decoding only) decodes in the JVM what it can."""
         for index, seg in enumerate(segs):
             if seg.python:
                 data_in = None if decode and index == 0 else data_cols
@@ -237,6 +264,10 @@ class CompiledFlow(Plan):
                 )
                 fn = first(fn) if first else fn
                 data_cols = list(schema.names)
+                if jvm and index == 0 and not dead_end:
+                    decoded, rest = jvm_decode.split(df, schema, self.flow.source.formats)
+                    df = decoded.unionByName(rest.mapInArrow(fn, from_arrow_schema(out_schema)))
+                    continue
                 if last is not None and index == len(segs) - 1:
                     last.append((fn, out_schema))
                     return df, data_cols, lineage, not dead_end

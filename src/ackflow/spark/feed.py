@@ -91,6 +91,28 @@ class Feeds:
             self._files.setdefault(batch_id, []).append(path)
         return path, len(batches)
 
+    def write_parquet(self, table: pa.Table, batch_id: str) -> list[str]:
+        """Write ``table`` as Parquet files, one per record batch (a partition each), for
+        Spark's own reader (the JVM decodes them: see spark/jvm_decode.py); their paths.
+        Errors as in :meth:`write`."""
+        import pyarrow.parquet as pq
+
+        os.makedirs(self.dir, exist_ok=True)
+        stem = os.path.join(self.dir, uuid.uuid4().hex)
+        paths: list[str] = []
+        try:
+            for i, b in enumerate(b for b in table.to_batches() if b.num_rows):
+                paths.append(f"{stem}-{i}.parquet")
+                pq.write_table(pa.Table.from_batches([b]), paths[-1], compression="none")
+        except BaseException:
+            for p in paths:
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+            raise
+        with self._lock:
+            self._files.setdefault(batch_id, []).extend(paths)
+        return paths
+
     def release(self, batch_id: str) -> None:
         with self._lock:
             paths = self._files.pop(batch_id, [])
