@@ -171,3 +171,28 @@ def test_a_column_only_flow_gives_each_message_the_same_outcome_with_the_jvm_rea
     decoded what it could or Python decoded everything."""
     tmp = tmp_path_factory.mktemp("jvm")
     assert outcome(spark, tmp, bodies, True, monkeypatch) == outcome(spark, tmp, bodies, False, monkeypatch)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_decode_counts_every_message_in_once_whoever_decodes_it(spark, on):
+    """The status page's rows per step: in, out and failed at decoding are the same
+    whether the JVM decoded most messages (the driver counts them in) or Python all."""
+    from ackflow.core.settlement import Delivery
+    from ackflow.spark.compile import CompiledFlow
+    from ackflow.testing import ListSource
+
+    bodies = [*SEED, b'{"qty": 1, "qty": 2}', b"[1]", b'{"sku": 5}', b"{bad", b'{"price": 1e999}']
+    flow = ackflow.Flow(ListSource([])).with_columns(twice="qty * 2").to(MemorySink())
+    spark.conf.set("spark.ackflow.jvmjson", "true" if on else "false")
+    try:
+        plan = CompiledFlow(flow, spark, count_rows=True)
+        plan._schemas[(0,)] = SCHEMA  # the columns are known (a run before stored them)
+        inputs = plan.input_table([Delivery(i, f"m{i}", b) for i, b in enumerate(bodies)])
+        assert plan._jvm_decodes() == on
+        receipts = plan.job(inputs, "b1").toArrow()
+    finally:
+        spark.conf.unset("spark.ackflow.jvmjson")
+    assert sorted(set(receipts.column("id").drop_null().to_pylist())) == list(range(len(bodies)))
+    # five fail at decoding: a key twice, [1], {bad, 1e999, and {"sku": 5} (a number in
+    # a string column: a schema miss, the columns evolve and it runs again)
+    assert plan.row_counts()["decode"] == (len(bodies), len(bodies) - 5, 5)

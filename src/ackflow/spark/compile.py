@@ -125,6 +125,8 @@ class CompiledFlow(Plan):
         """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
         jvm = self._jvm_decodes()
         df, data_cols, lineage, feed = self._start(inputs, batch_id, jvm)
+        if jvm and self.tally is not None:  # the Python decoder adds only its failures
+            self.tally.add({"decode": (inputs.num_rows, inputs.num_rows, 0)})
         one_pass = not self.branches and self._fuse
         last: list[tuple[Fn, pa.Schema]] | None = [] if one_pass else None
         df, data_cols, lineage, alive = self._chain(
@@ -261,6 +263,7 @@ class CompiledFlow(Plan):
                     mode=self._inferred.get((*key, index)),
                     segment=self.segment_name((*key, index), seg),
                     fast_json=self.fast_json,
+                    counted_in=jvm and index == 0,
                 )
                 fn = first(fn) if first else fn
                 data_cols = list(schema.names)

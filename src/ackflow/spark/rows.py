@@ -566,9 +566,12 @@ def make_segment(
     mode: str | None = None,
     segment: str = "",
     fast_json: bool = True,
+    counted_in: bool = False,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function running ``steps`` (decoding first if ``data_in`` is None);
-    with a ``tally``, it adds each step's rows in, out and failed once per batch.
+    with a ``tally``, it adds each step's rows in, out and failed once per batch
+    (``counted_in``: the driver counted every message into decoding and out of it, as
+    when the JVM decodes most of them; this function then adds only its failures).
     ``mode``: the columns were inferred; how a row that does not fit them is handled
     (see :func:`conform`); ``segment`` names the columns' history in the schema store."""
     last = steps[-1].name if steps else "decode"
@@ -593,7 +596,7 @@ def make_segment(
                 counts = {}
                 if data_in is None:
                     bad = status.count(FAILED)
-                    counts["decode"] = [n, n - bad, bad]
+                    counts["decode"] = [0, -bad, bad] if counted_in else [n, n - bad, bad]
             o_id, o_key, o_st, o_step, o_err, o_rows = segment_rows(
                 ids, keys, status, sname, errs, rows, steps, counts
             )
