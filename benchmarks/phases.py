@@ -386,6 +386,7 @@ def phase_ackflow(
     broker: int | None = None,
     shape: bool = False,
     kafka: str | None = None,
+    columns: bool = False,
 ) -> dict[str, Any]:
     import ackflow
     from ackflow.engine import Engine
@@ -429,6 +430,8 @@ def phase_ackflow(
             source = EmbeddedQueue(db, queue)
         if shape:  # the columns are inferred, stored and evolved (issue 30)
             return ackflow.Flow(source).map(lambda r: r, name="record").to(sink)
+        if columns:  # Column steps only: parse's check as a filter (no Python step)
+            return ackflow.Flow(source).filter("qty > 0").with_columns(total="qty * price").to(sink)
         return (
             ackflow.Flow(source)
             .map(parse, name="parse", schema=FIELDS)

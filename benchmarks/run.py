@@ -11,6 +11,9 @@ over 100-byte JSON messages in the embedded queue:
 * peer    -- the same Spark transforms and Parquet output, batch by batch from a plain
              driver loop that leases and never settles (what a user would hand-write);
 * ackflow -- end to end: pull, Spark job with receipts, Parquet commit, settlement;
+* ackflow_columns -- the same flow in Column steps only (``filter("qty > 0")`` for the
+             map's check; its columns inferred, ``pad`` written too): JSON decoded in
+             the JVM (``spark/jvm_decode.py``), one Python pass (the writer);
 * pg_limit   -- what PostgreSQL takes: the same rows parsed on the driver and written
                 with COPY + INSERT ... ON CONFLICT, in batch-size transactions, no Spark;
 * ackflow_pg -- ackflow end to end into the Postgres sink (upserts on the row key);
@@ -93,6 +96,7 @@ PHASES = (
     "limit",
     "peer",
     "ackflow",
+    "ackflow_columns",
     "pg_limit",
     "ackflow_pg",
     "rmq_limit",
@@ -115,6 +119,7 @@ RATIOS = (
     ("ackflow_kafka", "kafka_limit"),
     ("ackflow", "limit"),
     ("ackflow", "peer"),
+    ("ackflow_columns", "peer"),
     ("ackflow_pg", "pg_limit"),
     ("ackflow_rmq", "rmq_limit"),
     ("ackflow_rmq_quorum", "rmq_limit_quorum"),
@@ -188,6 +193,9 @@ def one_phase(a: argparse.Namespace) -> dict[str, Any]:
     if name.startswith("shape_"):
         publish(a.db, a.batch_size, "warmup")
         return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, shape=True)
+    if name == "ackflow_columns":
+        publish(a.db, a.batch_size, "warmup")
+        return phase_ackflow(a.db, a.messages, a.batch_size, a.max_inflight, out, columns=True)
     if a.url:
         publish_rmq(a.url, "warmup", a.batch_size)
     else:

@@ -24,7 +24,13 @@ from test_hostile import KNOWN, nested
 pytestmark = pytest.mark.spark
 
 SCHEMA = pa.schema(
-    [("qty", pa.int64()), ("price", pa.float64()), ("sku", pa.string()), ("ok", pa.bool_()), ("m", pa.struct([("x", pa.int64())]))]
+    [
+        ("qty", pa.int64()),
+        ("price", pa.float64()),
+        ("sku", pa.string()),
+        ("ok", pa.bool_()),
+        ("m", pa.struct([("x", pa.int64())])),
+    ]
 )
 #: body -> taken by the JVM
 ROUTES = {
@@ -173,25 +179,36 @@ def test_a_column_only_flow_gives_each_message_the_same_outcome_with_the_jvm_rea
     assert outcome(spark, tmp, bodies, True, monkeypatch) == outcome(spark, tmp, bodies, False, monkeypatch)
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_decode_counts_every_message_in_once_whoever_decodes_it(spark, on):
+@pytest.mark.parametrize("on", ["jvm", "python", "jvm, its input files unwritable"])
+def test_decode_counts_every_message_in_once_whoever_decodes_it(spark, on, monkeypatch):
     """The status page's rows per step: in, out and failed at decoding are the same
-    whether the JVM decoded most messages (the driver counts them in) or Python all."""
+    whether the JVM decoded most messages (the driver counts them in) or Python all;
+    the batch's input files go with its job, and where they cannot be written the
+    messages reach the JVM through ``createDataFrame``."""
     from ackflow.core.settlement import Delivery
     from ackflow.spark.compile import CompiledFlow
+    from ackflow.spark.feed import LOCK, Feeds
     from ackflow.testing import ListSource
 
+    if on.endswith("unwritable"):
+
+        def full(self, table, batch_id):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(Feeds, "write_parquet", full)
     bodies = [*SEED, b'{"qty": 1, "qty": 2}', b"[1]", b'{"sku": 5}', b"{bad", b'{"price": 1e999}']
     flow = ackflow.Flow(ListSource([])).with_columns(twice="qty * 2").to(MemorySink())
-    spark.conf.set("spark.ackflow.jvmjson", "true" if on else "false")
+    spark.conf.set("spark.ackflow.jvmjson", "false" if on == "python" else "true")
     try:
         plan = CompiledFlow(flow, spark, count_rows=True)
         plan._schemas[(0,)] = SCHEMA  # the columns are known (a run before stored them)
         inputs = plan.input_table([Delivery(i, f"m{i}", b) for i, b in enumerate(bodies)])
-        assert plan._jvm_decodes() == on
+        assert plan._jvm_decodes() == (on != "python")
         receipts = plan.job(inputs, "b1").toArrow()
+        plan.release("b1")
     finally:
         spark.conf.unset("spark.ackflow.jvmjson")
+    assert os.listdir(plan._feeds.dir) == [LOCK]
     assert sorted(set(receipts.column("id").drop_null().to_pylist())) == list(range(len(bodies)))
     # five fail at decoding: a key twice, [1], {bad, 1e999, and {"sku": 5} (a number in
     # a string column: a schema miss, the columns evolve and it runs again)

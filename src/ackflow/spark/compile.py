@@ -101,8 +101,11 @@ class CompiledFlow(Plan):
         self._fuse = switched_on(spark, "fuse")
         # spark.ackflow.fastjson=false: JSON by the exact reader only (spark/decode.py)
         self.fast_json = switched_on(spark, "fastjson")
-        # spark.ackflow.jvmjson=false: every message decoded in Python (spark/jvm_decode.py)
-        self._jvm_json = switched_on(spark, "jvmjson") and not rows_input
+        # spark.ackflow.jvmjson=true: JSON decoded in the JVM where it certainly reads as
+        # Python does, for flows that begin with Column steps (spark/jvm_decode.py; off by
+        # default: measured, it costs more than the Python workers' reader on 2 cores)
+        jvm_json = str(spark.conf.get("spark.ackflow.jvmjson", "false")).lower() == "true"
+        self._jvm_json = jvm_json and not rows_input
         large = spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")
         self._large = str(large).lower() == "true"  # (Spark hands Python large_string then)
 
@@ -130,7 +133,15 @@ class CompiledFlow(Plan):
         one_pass = not self.branches and self._fuse
         last: list[tuple[Fn, pa.Schema]] | None = [] if one_pass else None
         df, data_cols, lineage, alive = self._chain(
-            self.segments, (), df, data_cols, lineage, decode=not self.rows_input, feed=feed, last=last, jvm=jvm
+            self.segments,
+            (),
+            df,
+            data_cols,
+            lineage,
+            decode=not self.rows_input,
+            feed=feed,
+            last=last,
+            jvm=jvm,
         )
         if not self.branches:
             return self._write(self.sink, df, data_cols, lineage, batch_id, last[0] if last else None)
