@@ -144,7 +144,7 @@ def test_one_version_everywhere():
     import ackflow
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["version"] == ackflow.__version__ == "0.6.16"
+    assert project["version"] == ackflow.__version__ == "0.6.17"
     newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert newest and newest.group(1) == ackflow.__version__
     r = subprocess.run(

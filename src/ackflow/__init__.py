@@ -52,7 +52,7 @@ def session(master: str | None = None, conf: dict[str, object] | None = None) ->
     return _session(master, conf)
 
 
-__version__ = "0.6.16"
+__version__ = "0.6.17"
 
 __all__ = [
     "AckflowError",
