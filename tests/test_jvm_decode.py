@@ -58,6 +58,10 @@ ROUTES = {
     b'{"qty": 1}}': False,  # text after the object
     b'{"qty": 1} x': False,
     b'{"qty": 1}{"qty": 2}': False,
+    b'{"qty": 1}\xe2\x80\xa8': False,  # a line separator after it (Java's $ matched there)
+    b'{"qty": 1}\xe2\x80\xa9': False,
+    b'{"qty": 1}\xc2\x85': False,
+    b'{"qty": 1}\n\xe2\x80\xa8': False,
     b'{"sku": "\xff"}': False,  # invalid UTF-8
     b'{"sku": "\xed\xa0\x80"}': False,  # a surrogate in UTF-8
     b'{"sku": "\\ud800"}': False,  # an escape
@@ -213,3 +217,27 @@ def test_decode_counts_every_message_in_once_whoever_decodes_it(spark, on, monke
     # five fail at decoding: a key twice, [1], {bad, 1e999, and {"sku": 5} (a number in
     # a string column: a schema miss, the columns evolve and it runs again)
     assert plan.row_counts()["decode"] == (len(bodies), len(bodies) - 5, 5)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_failed_job_counts_no_message_into_decoding_whoever_decodes(spark, on):
+    """A job that fails as a whole (a Column step overflows) adds no decode counts: the
+    driver counts the JVM's messages only once the job has succeeded, as a failed task
+    of Python adds nothing (review: they were added before the job ran)."""
+    from ackflow.core.settlement import Delivery
+    from ackflow.spark.compile import CompiledFlow
+    from ackflow.testing import ListSource
+
+    bodies = [b'{"qty": 1}', b"{bad", b'{"qty": 5000000000000000000}']
+    flow = ackflow.Flow(ListSource([])).with_columns(twice="qty * 2").to(MemorySink())
+    spark.conf.set("spark.ackflow.jvmjson", "true" if on else "false")
+    try:
+        plan = CompiledFlow(flow, spark, count_rows=True)
+        plan._schemas[(0,)] = SCHEMA
+        inputs = plan.input_table([Delivery(i, f"m{i}", b) for i, b in enumerate(bodies)])
+        with pytest.raises(Exception, match="ARITHMETIC_OVERFLOW"):
+            plan.job(inputs, "b1").toArrow()
+        plan.release("b1")
+    finally:
+        spark.conf.unset("spark.ackflow.jvmjson")
+    assert "decode" not in plan.row_counts()

@@ -38,6 +38,7 @@ from ackflow.spark.feed import Feeds, Fn, fed, feed_enabled
 from ackflow.spark.plan import (
     INPUT_SCHEMA,
     Plan,
+    Receipts,
     Segment,
     check_names,
 )
@@ -124,12 +125,16 @@ class CompiledFlow(Plan):
 
     # -- the job ------------------------------------------------------------------------
 
-    def job(self, inputs: pa.Table, batch_id: str) -> DataFrame:
-        """The receipts DataFrame of one batch (lazy: fetch it with ``toArrow()``)."""
+    def job(self, inputs: pa.Table, batch_id: str) -> Receipts:
+        """The receipts of one batch (lazy: the job runs at ``toArrow()``)."""
         jvm = self._jvm_decodes()
-        df, data_cols, lineage, feed = self._start(inputs, batch_id, jvm)
+        receipts = self._job(inputs, batch_id, jvm)
         if jvm and self.tally is not None:  # the Python decoder adds only its failures
-            self.tally.add({"decode": (inputs.num_rows, inputs.num_rows, 0)})
+            return _Counted(receipts, self.tally, inputs.num_rows)
+        return receipts
+
+    def _job(self, inputs: pa.Table, batch_id: str, jvm: bool) -> DataFrame:
+        df, data_cols, lineage, feed = self._start(inputs, batch_id, jvm)
         one_pass = not self.branches and self._fuse
         last: list[tuple[Fn, pa.Schema]] | None = [] if one_pass else None
         df, data_cols, lineage, alive = self._chain(
@@ -519,6 +524,20 @@ class CompiledFlow(Plan):
             )
             .drop("__af_rep")
         )
+
+
+class _Counted:
+    """A job's receipts whose messages the driver counts into and out of decoding once
+    the job has succeeded (the JVM decoded them: no task of Python counted them; a task
+    of a failed job counts nothing either)."""
+
+    def __init__(self, receipts: DataFrame, tally: Any, n: int) -> None:
+        self.receipts, self.tally, self.n = receipts, tally, n
+
+    def toArrow(self) -> pa.Table:  # the Receipts protocol (Spark's name)
+        table = self.receipts.toArrow()
+        self.tally.add({"decode": (self.n, self.n, 0)})
+        return table
 
 
 def _fused(

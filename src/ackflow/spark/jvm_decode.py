@@ -63,8 +63,10 @@ _KINDS = {
     "bool": "boolean",
 }
 _WS = "[ \\t\\r\\n]"
-#: one flat object: no bracket, no backslash inside, JSON white space around
-_SHAPE = f"^{_WS}*\\{{[^{{}}\\[\\]\\\\]*\\}}{_WS}*$"
+#: one flat object: no bracket, no backslash inside, JSON white space around (``\z``:
+#: Java's ``$`` also matches before a last U+2028, U+2029 or U+0085, which Spark's reader
+#: then ignores and Python's refuses)
+_SHAPE = f"^{_WS}*\\{{[^{{}}\\[\\]\\\\]*\\}}{_WS}*\\z"
 #: white space before a colon (then a key would not be the text before a '":')
 _SPACED_COLON = f'"{_WS}+:'
 #: the keys of a flat object without escapes: the text before each '":'
