@@ -4,6 +4,7 @@ letters message by message with the JVM's reader on and off, hostile inputs incl
 
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -120,6 +121,7 @@ def _out(schema):
     return pa.schema([*schema, *internal_schema()])
 
 
+COLUMNS = re.compile(r"the columns \[[^\]]*\]")
 SEED = [json.dumps({"qty": i, "price": i / 4, "sku": f"s{i}", "ok": i % 2 == 0}).encode() for i in range(50)]
 
 
@@ -144,7 +146,9 @@ def outcome(spark, tmp_path, bodies, on, monkeypatch):
         spark.conf.unset("spark.ackflow.jvmjson")
     assert bool(splits) == on  # the path under test was taken
     rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in sink.rows)
-    letters = sorted((r["body"], r["step"], r["error"]) for r in dead.rows)
+    # a row that fits no type names the columns of that moment: which new fields evolved
+    # first depends on which rows reached the Python decoder together (CI saw both)
+    letters = sorted((r["body"], r["step"], COLUMNS.sub("the columns [...]", r["error"])) for r in dead.rows)
     assert len(sink.rows) + len(dead.rows) >= len(SEED)
     return rows, letters
 
