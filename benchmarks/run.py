@@ -12,8 +12,9 @@ over 100-byte JSON messages in the embedded queue:
              driver loop that leases and never settles (what a user would hand-write);
 * ackflow -- end to end: pull, Spark job with receipts, Parquet commit, settlement;
 * ackflow_columns -- the same flow in Column steps only (``filter("qty > 0")`` for the
-             map's check; its columns inferred, ``pad`` written too): JSON decoded in
-             the JVM (``spark/jvm_decode.py``), one Python pass (the writer);
+             map's check; its columns inferred, ``pad`` written too). With
+             ``--conf spark.ackflow.jvmjson=true`` in ``PYSPARK_SUBMIT_ARGS``, JSON is
+             decoded in the JVM (``spark/jvm_decode.py``, off by default);
 * pg_limit   -- what PostgreSQL takes: the same rows parsed on the driver and written
                 with COPY + INSERT ... ON CONFLICT, in batch-size transactions, no Spark;
 * ackflow_pg -- ackflow end to end into the Postgres sink (upserts on the row key);

@@ -101,18 +101,20 @@ def test_the_jvm_takes_only_what_it_reads_as_python_does(spark):
     df = spark.createDataFrame(table)
     schema = pa.schema([*SCHEMA, ("_rescued", pa.string())])
     decoded, rest = jvm_decode.split(df, schema, ["json"])
-    taken = {bodies[i] for i in decoded.toArrow().column("__af_id").to_pylist()}
+    mine = decoded.toArrow().sort_by("__af_id")
+    taken = {bodies[i] for i in mine.column("__af_id").to_pylist()}
     left = {bodies[i] for i in rest.toArrow().column("__af_id").to_pylist()}
     assert taken | left == set(bodies) and not taken & left
     assert {b for b, jvm in ROUTES.items() if jvm} == taken
     # what the JVM made is what the Python decoder makes of the same messages
-    mine = decoded.toArrow().sort_by("__af_id")
     fn = make_segment((), ["json"], None, schema, _out(schema), fast_json=False)
     same = table.filter(pc.is_in(table["__af_id"], mine["__af_id"]))
     theirs = pa.Table.from_batches(list(fn(iter(same.to_batches()))))
     assert str(mine.to_pylist()) == str(theirs.sort_by("__af_id").to_pylist())  # -0.0 too
     # and a source of another format, or headers, leave every message to Python
     assert jvm_decode.split(df, schema, ["text"])[0].count() == 0
+    headed = table.set_column(4, "__af_hdr", pa.array(['{"meta": {}}'] * n, pa.string()))
+    assert jvm_decode.split(spark.createDataFrame(headed), schema, ["json"])[0].count() == 0
 
 
 def _out(schema):

@@ -105,8 +105,7 @@ class CompiledFlow(Plan):
         # spark.ackflow.jvmjson=true: JSON decoded in the JVM where it certainly reads as
         # Python does, for flows that begin with Column steps (spark/jvm_decode.py; off by
         # default: measured, it costs more than the Python workers' reader on 2 cores)
-        jvm_json = str(spark.conf.get("spark.ackflow.jvmjson", "false")).lower() == "true"
-        self._jvm_json = jvm_json and not rows_input
+        self._jvm_json = switched_on(spark, "jvmjson", default=False) and not rows_input
         large = spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false")
         self._large = str(large).lower() == "true"  # (Spark hands Python large_string then)
 

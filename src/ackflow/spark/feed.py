@@ -76,20 +76,15 @@ class Feeds:
         record batches it holds. The directory is made again if it went (a cleaner of
         the temporary folder); a file half written is removed (OSError goes to the
         caller, who sends the batch the other way)."""
-        os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, f"{uuid.uuid4().hex}.arrow")
         batches = [b for b in table.to_batches() if b.num_rows]
-        try:
-            with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+
+        def arrow(paths: list[str]) -> None:
+            paths.append(os.path.join(self.dir, f"{uuid.uuid4().hex}.arrow"))
+            with pa.OSFile(paths[-1], "wb") as f, pa.ipc.new_file(f, table.schema) as w:
                 for b in batches:
                     w.write_batch(b)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            raise
-        with self._lock:
-            self._files.setdefault(batch_id, []).append(path)
-        return path, len(batches)
+
+        return self._kept(batch_id, arrow)[0], len(batches)
 
     def write_parquet(self, table: pa.Table, batch_id: str) -> list[str]:
         """Write ``table`` as Parquet files, one per record batch (a partition each), for
@@ -97,13 +92,23 @@ class Feeds:
         Errors as in :meth:`write`."""
         import pyarrow.parquet as pq
 
-        os.makedirs(self.dir, exist_ok=True)
         stem = os.path.join(self.dir, uuid.uuid4().hex)
-        paths: list[str] = []
-        try:
+
+        def parquet(paths: list[str]) -> None:
             for i, b in enumerate(b for b in table.to_batches() if b.num_rows):
                 paths.append(f"{stem}-{i}.parquet")
                 pq.write_table(pa.Table.from_batches([b]), paths[-1], compression="none")
+
+        return self._kept(batch_id, parquet)
+
+    def _kept(self, batch_id: str, write: Callable[[list[str]], None]) -> list[str]:
+        """The files ``write`` makes (it adds each path to the list before writing it),
+        kept until :meth:`release` of ``batch_id``. The directory is made again if it
+        went; if ``write`` fails, what it began is removed and the error goes on."""
+        os.makedirs(self.dir, exist_ok=True)
+        paths: list[str] = []
+        try:
+            write(paths)
         except BaseException:
             for p in paths:
                 with contextlib.suppress(OSError):

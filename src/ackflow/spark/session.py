@@ -34,10 +34,12 @@ def _daemon(master: str, python: str) -> dict[str, str]:
     return {"spark.python.daemon.module": "ackflow_daemon"}
 
 
-def switched_on(spark: Any, name: str) -> bool:
-    """ackflow's session switch ``spark.ackflow.<name>``: on unless set to ``false`` (the
-    tests turn a fast path off to compare it with the plain one, message by message)."""
-    return str(spark.conf.get(f"spark.ackflow.{name}", "true")).lower() != "false"
+def switched_on(spark: Any, name: str, default: bool = True) -> bool:
+    """ackflow's session switch ``spark.ackflow.<name>``: ``default`` unless set to ``true``
+    or ``false`` (the tests turn a fast path off to compare it with the plain one,
+    message by message)."""
+    value = str(spark.conf.get(f"spark.ackflow.{name}", "")).lower()
+    return value != "false" if default else value == "true"
 
 
 def session(
